@@ -1,0 +1,1 @@
+"""ssmserve client: the command-line interface (and, with the service, the client library)."""

@@ -1,0 +1,65 @@
+"""Typed errors raised inside ssmserve.
+
+Every error carries an :class:`ErrorKind`; the gRPC edge maps kinds to status codes
+in one place, and the CLI turns any of them into one line on stderr with exit code 2.
+Messages say what was wrong and why, so they can be shown to users as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """What kind of failure this is, independent of the transport that reports it."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    ALREADY_EXISTS = "already_exists"
+    FAILED_PRECONDITION = "failed_precondition"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+
+
+class SsmserveError(Exception):
+    """Base of every error ssmserve raises on purpose."""
+
+    kind: ErrorKind = ErrorKind.INVALID_ARGUMENT
+
+
+class ModelFormatError(SsmserveError):
+    """A model directory is missing files, or its config or tensors are invalid."""
+
+
+class ModelInputError(SsmserveError):
+    """Inputs given to a model have the wrong dtype, shape, or values (NaN, bad token id)."""
+
+
+class CheckpointError(SsmserveError):
+    """A checkpoint blob cannot be decoded; subclasses say why."""
+
+
+class CheckpointMagicError(CheckpointError):
+    """The blob does not start with the checkpoint magic: it is not a checkpoint."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """The blob is a checkpoint of a format version this build cannot read."""
+
+
+class CheckpointTruncatedError(CheckpointError):
+    """The blob is shorter (or longer) than its header says."""
+
+
+class CheckpointChecksumError(CheckpointError):
+    """The checksum over the blob does not match: it was corrupted."""
+
+
+class CheckpointLayoutError(CheckpointError):
+    """The header is well-formed msgpack but its fields disagree (dtype, shape, offsets)."""
+
+
+class CheckpointModelMismatchError(CheckpointError):
+    """The checkpoint belongs to another model (fingerprint or state shapes differ)."""
+
+    kind = ErrorKind.FAILED_PRECONDITION

@@ -1,0 +1,106 @@
+"""Numerics that make steps exact: pinned BLAS threads and a batch-invariant product.
+
+Why this module exists. ssmserve promises that a session's outputs are bit-identical
+whether it steps alone or inside any batch (so replay after a restore reproduces history
+exactly). Elementwise numpy ufuncs and last-axis reductions already are (measured: each
+row of ``exp``, ``log1p``, ``tanh``, ``sum``, ``mean`` equals its solo result for batch
+sizes 1..300). BLAS products are not, and on this machine (AMD EPYC, OpenBLAS 0.3.31
+with Haswell kernels) the obvious fixes fail too:
+
+* ``x @ w`` for one row (matrix-vector) differs from the same row in a matrix product;
+* padding the batch to a multiple of 8 rows does not help: rows differ for batches > 16;
+* inside one fixed-shape product, a row's result can depend on its position; for
+  ``x_tile @ w`` this happens already at 16 rows.
+
+What holds (checked for every weight shape the engine uses, for 1 and 2 threads): the
+product ``w (o, i) @ x_tile.T (i, 16)`` on a tile of exactly ``TILE_ROWS`` = 16 rows gives
+each row the same bits whatever its position and neighbours. :class:`RowStableLinear`
+therefore pads a batch to a multiple of 16 rows and issues one such product per tile.
+Cost (this machine, 2 threads): ~115-140 GFLOP/s at 64+ rows against ~165-230 for one
+plain product, and 16x the work of a matrix-vector product for a lone session; see
+``BENCHMARKS.md``. ``tests/test_batch_invariance.py`` guards all of it.
+
+The BLAS thread count changes which kernels run (1 thread and 2 threads give different
+bits), so :func:`pin_blas_threads` fixes it for the whole process; the same machine kind,
+numpy/OpenBLAS build and thread count give the same bits in every process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+
+#: Rows per BLAS call; see the module docstring for why exactly 16.
+TILE_ROWS = 16
+
+#: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
+DEFAULT_BLAS_THREADS = 2
+
+_pin_lock = threading.Lock()
+_pinned: int | None = None
+_limiter: threadpool_limits | None = None
+
+
+def pin_blas_threads(threads: int | None = None) -> int:
+    """Fix the BLAS thread count for this process (idempotent); returns the count in force.
+
+    ``threads`` defaults to ``$SSMSERVE_BLAS_THREADS`` or :data:`DEFAULT_BLAS_THREADS`.
+    """
+    global _pinned, _limiter
+    if threads is None:
+        threads = int(os.environ.get("SSMSERVE_BLAS_THREADS", DEFAULT_BLAS_THREADS))
+    if threads < 1:
+        raise ValueError(f"BLAS threads must be >= 1, got {threads}")
+    with _pin_lock:
+        if _pinned != threads:
+            _limiter = threadpool_limits(limits=threads, user_api="blas")
+            _pinned = threads
+    return threads
+
+
+def blas_signature() -> str:
+    """One line naming the BLAS build, kernel family and threads: what exactness depends on."""
+    parts = []
+    for pool in threadpool_info():
+        if pool.get("user_api") == "blas":
+            parts.append(
+                f"{pool.get('internal_api')} {pool.get('version')} "
+                f"{pool.get('architecture')} threads={pool.get('num_threads')}"
+            )
+    return "; ".join(parts) or "no BLAS found"
+
+
+class RowStableLinear:
+    """``y = x @ weight.T + bias`` whose every row is independent of the other rows.
+
+    ``weight`` is ``(o, i)``, the layout PyTorch/HF store for ``nn.Linear``.
+    """
+
+    __slots__ = ("bias", "in_features", "out_features", "weight")
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
+        self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # (o, i)
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """``x``: (b, i) float32 -> (b, o) float32 (a view into a fresh padded buffer)."""
+        b = x.shape[0]
+        padded_rows = -(-b // TILE_ROWS) * TILE_ROWS
+        if padded_rows == b and x.flags.c_contiguous:
+            xp = x  # (b, i)
+        else:
+            xp = np.zeros((padded_rows, self.in_features), dtype=np.float32)  # (bp, i)
+            xp[:b] = x
+        out = np.empty((padded_rows, self.out_features), dtype=np.float32)  # (bp, o)
+        for start in range(0, padded_rows, TILE_ROWS):
+            stop = start + TILE_ROWS
+            # (o, i) @ (i, 16) -> (o, 16), written through the transposed view of out rows
+            np.matmul(self.weight, xp[start:stop].T, out=out[start:stop].T)
+        y = out[:b]  # (b, o)
+        if self.bias is not None:
+            y += self.bias
+        return y

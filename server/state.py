@@ -1,0 +1,106 @@
+"""Recurrent state of sessions: per layer a conv window (e, k) and an SSM state (e, n).
+
+``SessionState`` is one session's state; ``BatchState`` stacks many along a leading batch
+axis so one engine call steps them all. Both are plain float32 numpy arrays: states are
+values (the engine returns new arrays instead of writing into old ones), so a failed or
+rejected step can never leave a session half-updated.
+
+Shape letters: b batch, e inner size (d_inner), k conv kernel, n SSM state size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerState:
+    conv: np.ndarray  # (e, k) the last k conv inputs, newest at [:, -1]
+    ssm: np.ndarray  # (e, n) the selective-scan hidden state h_t
+
+
+@dataclass(frozen=True)
+class SessionState:
+    layers: tuple[LayerState, ...]
+
+    @classmethod
+    def zeros(cls, num_layers: int, inner: int, kernel: int, state_size: int) -> SessionState:
+        return cls(
+            tuple(
+                LayerState(
+                    np.zeros((inner, kernel), np.float32),  # (e, k)
+                    np.zeros((inner, state_size), np.float32),  # (e, n)
+                )
+                for _ in range(num_layers)
+            )
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.conv.nbytes + layer.ssm.nbytes for layer in self.layers)
+
+    def named_arrays(self) -> list[tuple[str, np.ndarray]]:
+        """Arrays in a fixed order with stable names (the checkpoint's per-layer entries)."""
+        out: list[tuple[str, np.ndarray]] = []
+        for i, layer in enumerate(self.layers):
+            out.append((f"layers.{i}.conv_state", layer.conv))
+            out.append((f"layers.{i}.ssm_state", layer.ssm))
+        return out
+
+    @classmethod
+    def from_named_arrays(cls, arrays: Sequence[tuple[str, np.ndarray]]) -> SessionState:
+        """Inverse of :meth:`named_arrays`; raises ``ValueError`` if names are out of order."""
+        if len(arrays) % 2:
+            raise ValueError(f"expected conv/ssm pairs per layer, got {len(arrays)} arrays")
+        layers = []
+        for i in range(len(arrays) // 2):
+            (conv_name, conv), (ssm_name, ssm) = arrays[2 * i], arrays[2 * i + 1]
+            if (conv_name, ssm_name) != (f"layers.{i}.conv_state", f"layers.{i}.ssm_state"):
+                raise ValueError(f"unexpected state arrays {conv_name!r}, {ssm_name!r} at layer {i}")
+            layers.append(LayerState(conv, ssm))
+        return cls(tuple(layers))
+
+    def bit_equal(self, other: SessionState) -> bool:
+        """True when every array has the same dtype, shape and bytes."""
+        if len(self.layers) != len(other.layers):
+            return False
+        return all(
+            _same_bits(a.conv, b.conv) and _same_bits(a.ssm, b.ssm)
+            for a, b in zip(self.layers, other.layers, strict=True)
+        )
+
+
+@dataclass(frozen=True)
+class BatchState:
+    conv: tuple[np.ndarray, ...]  # per layer (b, e, k)
+    ssm: tuple[np.ndarray, ...]  # per layer (b, e, n)
+
+    @classmethod
+    def stack(cls, states: Sequence[SessionState]) -> BatchState:
+        if not states:
+            raise ValueError("cannot stack an empty list of session states")
+        num_layers = len(states[0].layers)
+        return cls(
+            tuple(np.stack([s.layers[i].conv for s in states]) for i in range(num_layers)),
+            tuple(np.stack([s.layers[i].ssm for s in states]) for i in range(num_layers)),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.conv[0].shape[0]
+
+    def session(self, row: int) -> SessionState:
+        """Row ``row`` as a session state (views into this batch, no copy)."""
+        return SessionState(
+            tuple(LayerState(c[row], s[row]) for c, s in zip(self.conv, self.ssm, strict=True))
+        )
+
+    def sessions(self) -> list[SessionState]:
+        return [self.session(i) for i in range(self.batch_size)]
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
