@@ -98,8 +98,10 @@ class RowStableLinear:
         out = np.empty((padded_rows, self.out_features), dtype=np.float32)  # (bp, o)
         for start in range(0, padded_rows, TILE_ROWS):
             stop = start + TILE_ROWS
-            # (o, i) @ (i, 16) -> (o, 16), written through the transposed view of out rows
-            np.matmul(self.weight, xp[start:stop].T, out=out[start:stop].T)
+            # (o, i) @ (i, 16) -> (o, 16). Not ``out=out[start:stop].T``: given an
+            # F-ordered destination numpy swaps the operands, which is the
+            # position-dependent x_tile @ w.T form again.
+            out[start:stop] = (self.weight @ xp[start:stop].T).T
         y = out[:b]  # (b, o)
         if self.bias is not None:
             y += self.bias

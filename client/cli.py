@@ -1,0 +1,215 @@
+"""``ssmserve``: the user and operator command line.
+
+Commands (``--server HOST:PORT`` goes before the command once the service exists)::
+
+    ssmserve model init-demo DIR [--input-dim N] [--output-dim N] [--hidden N]
+                                 [--layers N] [--state N] [--seed N] [--force]
+    ssmserve model inspect DIR [--json]
+    ssmserve model run DIR --input IN.npy --output OUT.npy
+
+Any failure prints one line ``ssmserve: error: ...`` on stderr and exits with code 2;
+nothing is written unless the command succeeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from server.errors import ModelInputError, SsmserveError
+from server.model.demo import DemoSpec, demo_config, random_tensors
+from server.model.loader import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    expected_shapes,
+    load_model,
+    save_model,
+)
+from server.model.numerics import blas_signature
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing failure of the CLI itself (bad file, refused overwrite)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ssmserve", description="Streaming inference-state server for SSM models."
+    )
+    parser.add_argument("--server", metavar="HOST:PORT", help="worker to talk to (service commands)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = commands.add_parser("model", help="work with model directories offline")
+    model_cmds = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+
+    init = model_cmds.add_parser("init-demo", help="write a deterministic random signal Mamba")
+    init.add_argument("dir", type=Path)
+    defaults = DemoSpec()
+    for flag, attr, help_text in (
+        ("--input-dim", "input_dim", "width of each input vector"),
+        ("--output-dim", "output_dim", "width of each output vector"),
+        ("--hidden", "hidden", "hidden size d"),
+        ("--layers", "layers", "number of Mamba blocks"),
+        ("--state", "state", "SSM state size n"),
+    ):
+        init.add_argument(
+            flag,
+            type=_positive_int,
+            default=getattr(defaults, attr),
+            help=f"{help_text} (default {getattr(defaults, attr)})",
+        )
+    init.add_argument("--seed", type=int, default=defaults.seed, help="weights seed (default 0)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing model in DIR")
+
+    inspect = model_cmds.add_parser("inspect", help="show a model's architecture and fingerprint")
+    inspect.add_argument("dir", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+
+    run = model_cmds.add_parser("run", help="step a whole sequence from a fresh state")
+    run.add_argument("dir", type=Path)
+    run.add_argument("--input", required=True, type=Path, help="(T,) int ids or (T, i) float32")
+    run.add_argument("--output", required=True, type=Path, help="where to write (T, o) float32")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "model":
+            handler = {"init-demo": _init_demo, "inspect": _inspect, "run": _run}
+            handler[args.model_command](args)
+        return 0
+    except (SsmserveError, CliError) as exc:
+        print(f"ssmserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _init_demo(args: argparse.Namespace) -> None:
+    directory: Path = args.dir
+    existing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if (directory / f).exists()]
+    if existing and not args.force:
+        raise CliError(f"{directory} already holds {', '.join(existing)}; pass --force to replace")
+    spec = DemoSpec(
+        input_dim=args.input_dim,
+        output_dim=args.output_dim,
+        hidden=args.hidden,
+        layers=args.layers,
+        state=args.state,
+        seed=args.seed,
+    )
+    config = demo_config(spec)
+    try:
+        save_model(directory, config, random_tensors(config, spec.seed))
+    except OSError as exc:
+        raise CliError(f"cannot write {directory}: {exc.strerror or exc}") from None
+    model = load_model(directory)
+    print(f"wrote signal Mamba to {directory} (fingerprint {model.fingerprint[:16]})")
+
+
+def describe(directory: Path) -> dict[str, object]:
+    model = load_model(directory)
+    c = model.config
+    params = sum(int(np.prod(shape)) for shape in expected_shapes(c).values())
+    info: dict[str, object] = {
+        "name": model.name,
+        "architecture": str(c.architecture),
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "intermediate_size": c.intermediate_size,
+        "state_size": c.state_size,
+        "conv_kernel": c.conv_kernel,
+        "time_step_rank": c.time_step_rank,
+        "input": "token id" if c.is_token_model else f"float32[{c.input_dim}]",
+        "output": f"logits[{c.vocab_size}]" if c.is_token_model else f"float32[{c.output_dim}]",
+        "parameters": params,
+        "state_bytes_per_session": c.state_bytes,
+        "fingerprint": model.fingerprint,
+        "blas": blas_signature(),
+    }
+    return info
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    info = describe(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        shown = f"{value:,}" if isinstance(value, int) else value
+        print(f"{key.replace('_', ' '):<{width}}  {shown}")
+
+
+def _run(args: argparse.Namespace) -> None:
+    model = load_model(args.dir)
+    inputs = _load_npy(args.input)
+    c = model.config
+    if c.is_token_model:
+        if inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
+            raise ModelInputError(
+                f"{args.input}: token model needs integer ids of shape (T,), "
+                f"got {inputs.dtype}{list(inputs.shape)}"
+            )
+    elif inputs.dtype != np.float32 or inputs.ndim != 2 or inputs.shape[1] != c.input_dim:
+        raise ModelInputError(
+            f"{args.input}: signal model needs float32 of shape (T, {c.input_dim}), "
+            f"got {inputs.dtype}{list(inputs.shape)}"
+        )
+    try:
+        outputs, _ = model.run(inputs)
+    except ModelInputError as exc:
+        raise ModelInputError(f"{args.input}: {exc}") from None
+    _save_npy_atomic(args.output, outputs)
+    print(f"wrote {outputs.shape[0]} steps of {outputs.shape[1]} outputs to {args.output}")
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CliError(f"{path}: no such file") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise CliError(f"{path}: not a readable .npy array: {exc}") from None
+    if not isinstance(arr, np.ndarray):
+        raise CliError(f"{path}: holds several arrays (.npz); give one .npy array")
+    return arr
+
+
+def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise CliError(f"{path}: directory {parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".npy")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

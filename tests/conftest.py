@@ -1,0 +1,68 @@
+"""Shared fixtures: small models written to temp dirs, and the HF reference cases."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.model.config import Architecture, MambaConfig
+from server.model.demo import DemoSpec, demo_config, random_tensors
+from server.model.loader import load_model, save_model
+from server.model.mamba import MambaModel
+
+HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+HF_CASES = sorted(p.name for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
+
+
+def token_config(**overrides: object) -> MambaConfig:
+    fields: dict[str, object] = {
+        "architecture": Architecture.LM,
+        "hidden_size": 24,
+        "state_size": 6,
+        "num_hidden_layers": 2,
+        "intermediate_size": 40,
+        "conv_kernel": 3,
+        "time_step_rank": math.ceil(24 / 16),
+        "use_bias": True,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "vocab_size": 37,
+        "tie_word_embeddings": False,
+    }
+    fields.update(overrides)
+    return MambaConfig(**fields)  # type: ignore[arg-type]
+
+
+def write_model(directory: Path, config: MambaConfig, seed: int = 0) -> MambaModel:
+    save_model(directory, config, random_tensors(config, seed))
+    return load_model(directory)
+
+
+@pytest.fixture(scope="session")
+def signal_model(tmp_path_factory: pytest.TempPathFactory) -> MambaModel:
+    """Odd dims on purpose (e = 3 * 22, n = 7, k = 3) to hit SIMD tails."""
+    spec = DemoSpec(input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3,
+                    conv_kernel=3, seed=11)
+    return write_model(tmp_path_factory.mktemp("signal"), demo_config(spec), seed=11)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> MambaModel:
+    return write_model(tmp_path_factory.mktemp("demo"), demo_config(DemoSpec()))
+
+
+@pytest.fixture(scope="session")
+def token_model(tmp_path_factory: pytest.TempPathFactory) -> MambaModel:
+    return write_model(tmp_path_factory.mktemp("token"), token_config(), seed=3)
+
+
+def random_inputs(model: MambaModel, steps: int, seed: int) -> np.ndarray:
+    """A sequence of valid inputs: ids (T,) or float32 (T, i)."""
+    rng = np.random.default_rng(seed)
+    c = model.config
+    if c.is_token_model:
+        return rng.integers(0, c.vocab_size, steps)
+    return rng.standard_normal((steps, c.input_dim)).astype(np.float32)

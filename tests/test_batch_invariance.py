@@ -1,0 +1,97 @@
+"""A session's outputs and state are bit-identical alone or inside any batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.model.mamba import MambaModel
+from server.model.numerics import TILE_ROWS, RowStableLinear
+from server.state import BatchState, SessionState
+from tests.conftest import random_inputs
+
+
+def _warm_states(model: MambaModel, count: int, seed: int) -> list[SessionState]:
+    """Distinct non-trivial states: each session has seen its own random history."""
+    rng = np.random.default_rng(seed)
+    states = []
+    for i in range(count):
+        _, state = model.run(random_inputs(model, int(rng.integers(1, 9)), seed * 1000 + i))
+        states.append(state)
+    return states
+
+
+def _step_one(model: MambaModel, state: SessionState, x: np.ndarray) -> tuple[SessionState, np.ndarray]:
+    new, out = model.step(BatchState.stack([state]), x[None] if x.ndim else x.reshape(1))
+    return new.session(0), out[0]
+
+
+@pytest.mark.parametrize("model_name", ["signal_model", "token_model", "demo_model"])
+def test_random_batch_compositions(model_name: str, request: pytest.FixtureRequest) -> None:
+    model: MambaModel = request.getfixturevalue(model_name)
+    rng = np.random.default_rng(7)
+    pool = _warm_states(model, 40, seed=1)
+    inputs = random_inputs(model, 40, seed=2)
+    solo = [_step_one(model, pool[i], inputs[i]) for i in range(40)]
+    sizes = [1, 2, 3, 15, 16, 17, 31, 33, 40, *rng.integers(1, 41, 6).tolist()]
+    for size in sizes:
+        members = rng.choice(40, size=size, replace=rng.random() < 0.3)  # duplicates too
+        batch = BatchState.stack([pool[i] for i in members])
+        new, out = model.step(batch, inputs[members])
+        for row, i in enumerate(members):
+            state_solo, out_solo = solo[i]
+            assert np.array_equal(out[row], out_solo), f"output differs: batch {size}, row {row}"
+            assert new.session(row).bit_equal(state_solo), f"state differs: batch {size}, row {row}"
+
+
+def test_large_batches(demo_model: MambaModel) -> None:
+    model = demo_model
+    pool = _warm_states(model, 8, seed=3)
+    inputs = random_inputs(model, 8, seed=4)
+    solo = [_step_one(model, pool[i], inputs[i])[1] for i in range(8)]
+    for size in (100, 257):
+        members = np.arange(size) % 8
+        _, out = model.step(BatchState.stack([pool[i] for i in members]), inputs[members])
+        for row, i in enumerate(members):
+            assert np.array_equal(out[row], solo[i]), f"batch {size} row {row}"
+
+
+def test_multi_step_sequences_batched_equal_solo(token_model: MambaModel) -> None:
+    model = token_model
+    seqs = [random_inputs(model, 12, seed=s) for s in range(5)]
+    solo = [model.run(seq)[0] for seq in seqs]
+    batch = BatchState.stack([model.new_state() for _ in seqs])
+    for t in range(12):
+        batch, out = model.step(batch, np.array([seq[t] for seq in seqs]))
+        for i in range(5):
+            assert np.array_equal(out[i], solo[i][t])
+
+
+@pytest.mark.parametrize(
+    "shape", [(64, 4), (256, 64), (36, 128), (4, 64), (1024, 256), (48, 512), (512, 16), (8, 256)]
+)
+def test_row_stable_linear_is_row_independent(shape: tuple[int, int]) -> None:
+    out_f, in_f = shape
+    rng = np.random.default_rng(out_f * in_f)
+    lin = RowStableLinear(rng.standard_normal(shape).astype(np.float32), rng.standard_normal(out_f))
+    x = rng.standard_normal((3 * TILE_ROWS + 5, in_f)).astype(np.float32)
+    solo = np.concatenate([lin(x[i : i + 1]) for i in range(len(x))])
+    for size in (1, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, 2 * TILE_ROWS, len(x)):
+        assert np.array_equal(lin(x[:size]), solo[:size]), f"batch {size}"
+    perm = rng.permutation(len(x))
+    assert np.array_equal(lin(x[perm]), solo[perm])
+    # non-contiguous input rows (a column slice) give the same bits
+    wide = np.concatenate([x, x], axis=1)
+    assert np.array_equal(lin(wide[:, :in_f]), solo)
+    # and it is the linear map it claims to be
+    exact = x.astype(np.float64) @ lin.weight.T.astype(np.float64) + lin.bias
+    np.testing.assert_allclose(solo, exact, rtol=1e-5, atol=1e-4 * np.sqrt(in_f))
+
+
+def test_step_does_not_modify_its_input_state(signal_model: MambaModel) -> None:
+    model = signal_model
+    states = _warm_states(model, 3, seed=5)
+    batch = BatchState.stack(states)
+    before = [s.layers[0].ssm.copy() for s in batch.sessions()]
+    model.step(batch, random_inputs(model, 3, seed=6))
+    assert all(np.array_equal(b, s.layers[0].ssm) for b, s in zip(before, batch.sessions()))

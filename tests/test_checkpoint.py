@@ -1,0 +1,192 @@
+"""Checkpoint codec: exact round trips, zero-copy decode, typed errors for bad blobs."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from server.checkpoint import MAGIC, Checkpoint, CheckpointMeta, InputHistory
+from server.errors import (
+    CheckpointChecksumError,
+    CheckpointError,
+    CheckpointLayoutError,
+    CheckpointMagicError,
+    CheckpointModelMismatchError,
+    CheckpointTruncatedError,
+    CheckpointVersionError,
+    ErrorKind,
+)
+from server.model.demo import DemoSpec, demo_config
+from server.model.mamba import MambaModel
+from tests.conftest import random_inputs, write_model
+
+
+def make_checkpoint(model: MambaModel, steps: int = 20, window: int = 8, seed: int = 0) -> tuple[Checkpoint, np.ndarray]:
+    inputs = random_inputs(model, steps + 30, seed)
+    _, state = model.run(inputs[:steps])
+    first = max(1, steps - window + 1)
+    ckpt = Checkpoint(
+        session_id=f"sess-{seed}",
+        step=steps,
+        model_id=model.name,
+        fingerprint=model.fingerprint,
+        state=state,
+        history=InputHistory(first, inputs[first - 1 : steps]),
+        meta=CheckpointMeta(created_at=1700000000.5, reason="periodic", label="before-spike",
+                            tags={"who": "test"}),
+    )
+    return ckpt, inputs
+
+
+def reseal(blob: bytes, header: dict) -> bytes:
+    """Rebuild a blob with a replaced header and a valid checksum (exercises validation)."""
+    _, version, flags, hlen, plen = struct.unpack_from("<8sHHIQ", blob)
+    payload = blob[24 + hlen : 24 + hlen + plen]
+    new_header = msgpack.packb(header, use_bin_type=True)
+    body = struct.pack("<8sHHIQ", MAGIC, version, flags, len(new_header), plen) + new_header + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def header_of(blob: bytes) -> dict:
+    hlen = struct.unpack_from("<I", blob, 12)[0]
+    return msgpack.unpackb(blob[24 : 24 + hlen], raw=False)
+
+
+@pytest.mark.parametrize("model_name", ["signal_model", "token_model"])
+def test_round_trip_and_exact_continuation(model_name: str, request: pytest.FixtureRequest) -> None:
+    model: MambaModel = request.getfixturevalue(model_name)
+    ckpt, inputs = make_checkpoint(model)
+    decoded = Checkpoint.decode(ckpt.encode())
+    decoded.check_model(model)
+    assert decoded.session_id == ckpt.session_id and decoded.step == 20
+    assert decoded.model_id == model.name and decoded.fingerprint == model.fingerprint
+    assert decoded.meta == ckpt.meta
+    assert decoded.state.bit_equal(ckpt.state)
+    assert decoded.history.first_step == 13 and decoded.history.last_step == 20
+    assert np.array_equal(decoded.history.inputs, ckpt.history.inputs)
+    assert decoded.history.inputs.dtype == (np.int64 if model.config.is_token_model else np.float32)
+    # restore then continue == never stopping
+    uninterrupted, _ = model.run(inputs)
+    continued, _ = model.run(inputs[20:], decoded.state)
+    assert np.array_equal(continued, uninterrupted[20:])
+
+
+def test_encode_is_deterministic(signal_model: MambaModel) -> None:
+    ckpt, _ = make_checkpoint(signal_model)
+    assert ckpt.encode() == ckpt.encode() == Checkpoint.decode(ckpt.encode()).encode()
+
+
+def test_decode_does_not_copy_arrays(signal_model: MambaModel) -> None:
+    blob = make_checkpoint(signal_model)[0].encode()
+    decoded = Checkpoint.decode(blob)
+    arrays = [a for layer in decoded.state.layers for a in (layer.conv, layer.ssm)]
+    arrays.append(decoded.history.inputs)
+    backing = np.frombuffer(blob, np.uint8)
+    assert all(np.shares_memory(a, backing) for a in arrays)
+    assert not any(a.flags.writeable for a in arrays)  # views of immutable bytes
+
+
+def test_empty_history_and_step_zero(signal_model: MambaModel) -> None:
+    empty = np.zeros((0, signal_model.config.input_dim), np.float32)
+    ckpt = Checkpoint("s", 0, "m", signal_model.fingerprint, signal_model.new_state(),
+                      InputHistory(1, empty))
+    decoded = Checkpoint.decode(ckpt.encode())
+    assert decoded.step == 0 and decoded.history.inputs.shape == (0, signal_model.config.input_dim)
+    decoded.check_model(signal_model)
+
+
+def test_bad_magic(signal_model: MambaModel) -> None:
+    blob = make_checkpoint(signal_model)[0].encode()
+    for bad in (b"", b"hello", b"PK\x03\x04" + blob[4:], b"{}", blob[1:]):
+        with pytest.raises(CheckpointMagicError if bad[:1] not in (b"", MAGIC[:1]) else CheckpointError):
+            Checkpoint.decode(bad)
+
+
+def test_unsupported_version_and_flags(signal_model: MambaModel) -> None:
+    blob = bytearray(make_checkpoint(signal_model)[0].encode())
+    v2 = bytes(blob[:8]) + struct.pack("<H", 2) + bytes(blob[10:])
+    with pytest.raises(CheckpointVersionError, match="version 2"):
+        Checkpoint.decode(v2)
+    flagged = bytes(blob[:10]) + struct.pack("<H", 1) + bytes(blob[12:])
+    with pytest.raises(CheckpointVersionError, match="flags"):
+        Checkpoint.decode(flagged)
+
+
+def test_truncation_and_trailing_bytes(signal_model: MambaModel) -> None:
+    blob = make_checkpoint(signal_model)[0].encode()
+    for cut in (9, 24, 40, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(CheckpointTruncatedError):
+            Checkpoint.decode(blob[:cut])
+    with pytest.raises(CheckpointTruncatedError, match="extra bytes"):
+        Checkpoint.decode(blob + b"\0")
+
+
+def test_checksum_mismatch(signal_model: MambaModel) -> None:
+    blob = bytearray(make_checkpoint(signal_model)[0].encode())
+    for pos in (30, len(blob) // 2, len(blob) - 40, len(blob) - 1):
+        corrupted = bytearray(blob)
+        corrupted[pos] ^= 0x01
+        with pytest.raises(CheckpointChecksumError):
+            Checkpoint.decode(bytes(corrupted))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda h: h.update(step=-1), "negative"),
+        (lambda h: h.update(step="20"), "wrong type"),
+        (lambda h: h.pop("model"), "lacks 'model'"),
+        (lambda h: h.update(session_id=""), "empty"),
+        (lambda h: h["arrays"][0].__setitem__(1, "<f8"), "dtype"),
+        (lambda h: h["arrays"][0].__setitem__(1, "|O"), "dtype"),
+        (lambda h: h["arrays"][0].__setitem__(2, [999, 999]), "needs"),
+        (lambda h: h["arrays"][0].__setitem__(3, 1 << 40), "outside the payload"),
+        (lambda h: h["arrays"][1].__setitem__(3, h["arrays"][0][3]), "overlap"),
+        (lambda h: h["arrays"][0].__setitem__(0, "layers.7.conv_state"), "unexpected state"),
+        (lambda h: h.update(arrays=h["arrays"][:-1]), "pairs"),
+        (lambda h: h.update(arrays=[]), "no layers"),
+        (lambda h: h["history"].__setitem__(0, 3), "history covers"),
+        (lambda h: h["history"].__setitem__(1, "<i4"), "dtype"),
+        (lambda h: h["meta"].update(tags={"k": 1}), "tags"),
+        (lambda h: h["meta"].update(created_at=float("nan")), "finite"),
+    ],
+)
+def test_inconsistent_header_is_a_layout_error(signal_model: MambaModel, mutate, message: str) -> None:
+    blob = make_checkpoint(signal_model)[0].encode()
+    header = header_of(blob)
+    mutate(header)
+    with pytest.raises(CheckpointLayoutError, match=message):
+        Checkpoint.decode(reseal(blob, header))
+
+
+def test_foreign_model_is_refused(signal_model: MambaModel, token_model: MambaModel, tmp_path) -> None:
+    ckpt, _ = make_checkpoint(signal_model)
+    decoded = Checkpoint.decode(ckpt.encode())
+    with pytest.raises(CheckpointModelMismatchError, match="fingerprint") as info:
+        decoded.check_model(token_model)
+    assert info.value.kind is ErrorKind.FAILED_PRECONDITION
+    # same dims, other weights: still refused by fingerprint
+    spec = DemoSpec(input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3,
+                    conv_kernel=3, seed=12)
+    sibling = write_model(tmp_path / "sibling", demo_config(spec), seed=12)
+    with pytest.raises(CheckpointModelMismatchError):
+        decoded.check_model(sibling)
+
+
+def test_matching_fingerprint_but_wrong_state_shape_is_refused(signal_model: MambaModel, token_model: MambaModel) -> None:
+    forged = Checkpoint("s", 0, "m", signal_model.fingerprint, token_model.new_state(),
+                        InputHistory(1, np.zeros((0, 5), np.float32)))
+    with pytest.raises(CheckpointModelMismatchError, match="state does not fit"):
+        Checkpoint.decode(forged.encode()).check_model(signal_model)
+
+
+def test_encode_refuses_inconsistent_history(signal_model: MambaModel) -> None:
+    ckpt, _ = make_checkpoint(signal_model)
+    bad = Checkpoint(ckpt.session_id, ckpt.step + 1, ckpt.model_id, ckpt.fingerprint,
+                     ckpt.state, ckpt.history)
+    with pytest.raises(CheckpointLayoutError, match="history covers"):
+        bad.encode()

@@ -1,0 +1,86 @@
+"""Fuzz the checkpoint decoder: random and mutated blobs raise only CheckpointError."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.checkpoint import MAGIC, Checkpoint
+from server.errors import CheckpointError
+from server.model.mamba import MambaModel
+from tests.test_checkpoint import header_of, make_checkpoint, reseal
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _decode_or_typed_error(blob: bytes) -> None:
+    try:
+        Checkpoint.decode(blob)
+    except CheckpointError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def valid_blob(request: pytest.FixtureRequest) -> bytes:
+    model: MambaModel = request.getfixturevalue("signal_model")
+    return make_checkpoint(model, steps=6, window=4)[0].encode()
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_random_bytes(data: bytes) -> None:
+    _decode_or_typed_error(data)
+    _decode_or_typed_error(MAGIC + data)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_valid_blobs(valid_blob: bytes, data: st.DataObject) -> None:
+    blob = bytearray(valid_blob)
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert", "delete"]))
+        pos = data.draw(st.integers(0, max(0, len(blob) - 1)))
+        if op == "flip" and blob:
+            blob[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif op == "cut":
+            del blob[pos:]
+        elif op == "insert":
+            blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+        elif blob:
+            del blob[pos]
+    _decode_or_typed_error(bytes(blob))
+
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(data=st.data())
+def test_resealed_headers_with_random_fields(valid_blob: bytes, data: st.DataObject) -> None:
+    """Valid checksum, hostile header: exercises every schema check, not just the digest."""
+    header = header_of(valid_blob)
+    paths = [("step",), ("session_id",), ("model", "id"), ("model", "fingerprint"), ("arrays",),
+             ("history",), ("meta",), ("meta", "tags"), ("meta", "created_at"), ("meta", "label"),
+             ("arrays", 0), ("arrays", 0, 1), ("arrays", 0, 2), ("arrays", 0, 3), ("arrays", 0, 4),
+             ("history", 0), ("history", 2), ("history", 3)]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        target = header
+        try:
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = data.draw(_msgpack_values)
+        except (TypeError, KeyError, IndexError):
+            continue  # an earlier mutation removed this path
+    try:
+        blob = reseal(valid_blob, header)
+    except (ValueError, OverflowError, TypeError, msgpack.PackException):
+        return  # hypothesis made a value msgpack cannot pack; nothing to decode
+    _decode_or_typed_error(blob)
