@@ -93,9 +93,7 @@ def measure_kizzasi(steps: int, warmup: int) -> dict[str, float]:
 
     predictor = kizzasi.Predictor(kizzasi.Config(**PEER_CONFIG))
     rng = np.random.default_rng(_INPUT_SEED)
-    inputs = rng.standard_normal(
-        (warmup + steps, PEER_CONFIG["input_dim"]), dtype=np.float32
-    )
+    inputs = rng.standard_normal((warmup + steps, PEER_CONFIG["input_dim"]), dtype=np.float32)
     rows = list(inputs)  # contiguous float32 (8,) views, indexed outside timing
 
     step = predictor.step

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ssmserve", description="Streaming inference-state server for SSM models."
     )
-    parser.add_argument("--server", metavar="HOST:PORT", help="worker to talk to (service commands)")
+    parser.add_argument(
+        "--server", metavar="HOST:PORT", help="worker to talk to (service commands)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     model = commands.add_parser("model", help="work with model directories offline")

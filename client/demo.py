@@ -63,7 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch, out = model.step(batch, signal[step - 1 : step])
         outputs[step - 1] = out[0]
         if step % max(1, args.steps // 8) == 0:
-            print(f"  step {step:4d}  input {_fmt(signal[step - 1])}  ->  prediction {_fmt(out[0])}")
+            print(
+                f"  step {step:4d}  input {_fmt(signal[step - 1])}  ->  prediction {_fmt(out[0])}"
+            )
         if step == half:
             blob = _checkpoint(model, batch, signal, half).encode()
     per_step_us = (time.perf_counter() - t0) / args.steps * 1e6
@@ -89,8 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.sessions} sessions stepped in one batch: each "
         f"{'bit-identical' if exact_batch else 'DIFFERENT'} to its solo run"
     )
-    print(f"\nsummary: {per_step_us:.0f} us/step at batch 1; exact restore {exact_restore}; "
-          f"batch invariance {exact_batch}")
+    print(
+        f"\nsummary: {per_step_us:.0f} us/step at batch 1; exact restore {exact_restore}; "
+        f"batch invariance {exact_batch}"
+    )
     return 0 if exact_restore and exact_batch else 1
 
 

@@ -25,6 +25,7 @@ that produced steps ``first_step .. step`` (empty: ``first_step = step + 1``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import struct
 import time
@@ -254,7 +255,10 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
     if not state.layers:
         raise CheckpointLayoutError("checkpoint holds no layers")
     for i, layer in enumerate(state.layers):
-        if layer.conv.shape[0] != layer.ssm.shape[0] or layer.conv.shape != state.layers[0].conv.shape:
+        if (
+            layer.conv.shape[0] != layer.ssm.shape[0]
+            or layer.conv.shape != state.layers[0].conv.shape
+        ):
             raise CheckpointLayoutError(f"layer {i} state shapes disagree with each other")
         if layer.ssm.shape != state.layers[0].ssm.shape:
             raise CheckpointLayoutError(f"layer {i} ssm state shape differs from layer 0")
@@ -277,7 +281,7 @@ def _check_fields(ckpt: Checkpoint, error: type[CheckpointError] = CheckpointLay
     if not 0 <= ckpt.step < 1 << 62:
         raise error(f"step {ckpt.step} is out of range")
     hist = ckpt.history
-    if len(hist.inputs) and not (1 <= hist.first_step and hist.last_step == ckpt.step):
+    if len(hist.inputs) and not (hist.first_step >= 1 and hist.last_step == ckpt.step):
         raise error(
             f"input history covers steps {hist.first_step}..{hist.last_step} "
             f"but the checkpoint is at step {ckpt.step}"
@@ -355,6 +359,6 @@ class _Payload:
 
     def check_disjoint(self) -> None:
         spans = sorted(s for s in self.spans if s[1] > s[0])
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if start < end:
                 raise CheckpointLayoutError(f"{a} and {b} overlap in the payload")

@@ -59,7 +59,9 @@ class SessionState:
         for i in range(len(arrays) // 2):
             (conv_name, conv), (ssm_name, ssm) = arrays[2 * i], arrays[2 * i + 1]
             if (conv_name, ssm_name) != (f"layers.{i}.conv_state", f"layers.{i}.ssm_state"):
-                raise ValueError(f"unexpected state arrays {conv_name!r}, {ssm_name!r} at layer {i}")
+                raise ValueError(
+                    f"unexpected state arrays {conv_name!r}, {ssm_name!r} at layer {i}"
+                )
             layers.append(LayerState(conv, ssm))
         return cls(tuple(layers))
 

@@ -44,8 +44,9 @@ def write_model(directory: Path, config: MambaConfig, seed: int = 0) -> MambaMod
 @pytest.fixture(scope="session")
 def signal_model(tmp_path_factory: pytest.TempPathFactory) -> MambaModel:
     """Odd dims on purpose (e = 3 * 22, n = 7, k = 3) to hit SIMD tails."""
-    spec = DemoSpec(input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3,
-                    conv_kernel=3, seed=11)
+    spec = DemoSpec(
+        input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3, conv_kernel=3, seed=11
+    )
     return write_model(tmp_path_factory.mktemp("signal"), demo_config(spec), seed=11)
 
 

@@ -21,7 +21,9 @@ def _warm_states(model: MambaModel, count: int, seed: int) -> list[SessionState]
     return states
 
 
-def _step_one(model: MambaModel, state: SessionState, x: np.ndarray) -> tuple[SessionState, np.ndarray]:
+def _step_one(
+    model: MambaModel, state: SessionState, x: np.ndarray
+) -> tuple[SessionState, np.ndarray]:
     new, out = model.step(BatchState.stack([state]), x[None] if x.ndim else x.reshape(1))
     return new.session(0), out[0]
 
@@ -94,4 +96,6 @@ def test_step_does_not_modify_its_input_state(signal_model: MambaModel) -> None:
     batch = BatchState.stack(states)
     before = [s.layers[0].ssm.copy() for s in batch.sessions()]
     model.step(batch, random_inputs(model, 3, seed=6))
-    assert all(np.array_equal(b, s.layers[0].ssm) for b, s in zip(before, batch.sessions()))
+    assert all(
+        np.array_equal(b, s.layers[0].ssm) for b, s in zip(before, batch.sessions(), strict=True)
+    )

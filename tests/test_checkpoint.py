@@ -25,7 +25,9 @@ from server.model.mamba import MambaModel
 from tests.conftest import random_inputs, write_model
 
 
-def make_checkpoint(model: MambaModel, steps: int = 20, window: int = 8, seed: int = 0) -> tuple[Checkpoint, np.ndarray]:
+def make_checkpoint(
+    model: MambaModel, steps: int = 20, window: int = 8, seed: int = 0
+) -> tuple[Checkpoint, np.ndarray]:
     inputs = random_inputs(model, steps + 30, seed)
     _, state = model.run(inputs[:steps])
     first = max(1, steps - window + 1)
@@ -36,8 +38,9 @@ def make_checkpoint(model: MambaModel, steps: int = 20, window: int = 8, seed: i
         fingerprint=model.fingerprint,
         state=state,
         history=InputHistory(first, inputs[first - 1 : steps]),
-        meta=CheckpointMeta(created_at=1700000000.5, reason="periodic", label="before-spike",
-                            tags={"who": "test"}),
+        meta=CheckpointMeta(
+            created_at=1700000000.5, reason="periodic", label="before-spike", tags={"who": "test"}
+        ),
     )
     return ckpt, inputs
 
@@ -47,7 +50,9 @@ def reseal(blob: bytes, header: dict) -> bytes:
     _, version, flags, hlen, plen = struct.unpack_from("<8sHHIQ", blob)
     payload = blob[24 + hlen : 24 + hlen + plen]
     new_header = msgpack.packb(header, use_bin_type=True)
-    body = struct.pack("<8sHHIQ", MAGIC, version, flags, len(new_header), plen) + new_header + payload
+    body = (
+        struct.pack("<8sHHIQ", MAGIC, version, flags, len(new_header), plen) + new_header + payload
+    )
     return body + hashlib.sha256(body).digest()
 
 
@@ -92,8 +97,9 @@ def test_decode_does_not_copy_arrays(signal_model: MambaModel) -> None:
 
 def test_empty_history_and_step_zero(signal_model: MambaModel) -> None:
     empty = np.zeros((0, signal_model.config.input_dim), np.float32)
-    ckpt = Checkpoint("s", 0, "m", signal_model.fingerprint, signal_model.new_state(),
-                      InputHistory(1, empty))
+    ckpt = Checkpoint(
+        "s", 0, "m", signal_model.fingerprint, signal_model.new_state(), InputHistory(1, empty)
+    )
     decoded = Checkpoint.decode(ckpt.encode())
     assert decoded.step == 0 and decoded.history.inputs.shape == (0, signal_model.config.input_dim)
     decoded.check_model(signal_model)
@@ -102,7 +108,9 @@ def test_empty_history_and_step_zero(signal_model: MambaModel) -> None:
 def test_bad_magic(signal_model: MambaModel) -> None:
     blob = make_checkpoint(signal_model)[0].encode()
     for bad in (b"", b"hello", b"PK\x03\x04" + blob[4:], b"{}", blob[1:]):
-        with pytest.raises(CheckpointMagicError if bad[:1] not in (b"", MAGIC[:1]) else CheckpointError):
+        with pytest.raises(
+            CheckpointMagicError if bad[:1] not in (b"", MAGIC[:1]) else CheckpointError
+        ):
             Checkpoint.decode(bad)
 
 
@@ -155,7 +163,9 @@ def test_checksum_mismatch(signal_model: MambaModel) -> None:
         (lambda h: h["meta"].update(created_at=float("nan")), "finite"),
     ],
 )
-def test_inconsistent_header_is_a_layout_error(signal_model: MambaModel, mutate, message: str) -> None:
+def test_inconsistent_header_is_a_layout_error(
+    signal_model: MambaModel, mutate, message: str
+) -> None:
     blob = make_checkpoint(signal_model)[0].encode()
     header = header_of(blob)
     mutate(header)
@@ -163,30 +173,42 @@ def test_inconsistent_header_is_a_layout_error(signal_model: MambaModel, mutate,
         Checkpoint.decode(reseal(blob, header))
 
 
-def test_foreign_model_is_refused(signal_model: MambaModel, token_model: MambaModel, tmp_path) -> None:
+def test_foreign_model_is_refused(
+    signal_model: MambaModel, token_model: MambaModel, tmp_path
+) -> None:
     ckpt, _ = make_checkpoint(signal_model)
     decoded = Checkpoint.decode(ckpt.encode())
     with pytest.raises(CheckpointModelMismatchError, match="fingerprint") as info:
         decoded.check_model(token_model)
     assert info.value.kind is ErrorKind.FAILED_PRECONDITION
     # same dims, other weights: still refused by fingerprint
-    spec = DemoSpec(input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3,
-                    conv_kernel=3, seed=12)
+    spec = DemoSpec(
+        input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3, conv_kernel=3, seed=12
+    )
     sibling = write_model(tmp_path / "sibling", demo_config(spec), seed=12)
     with pytest.raises(CheckpointModelMismatchError):
         decoded.check_model(sibling)
 
 
-def test_matching_fingerprint_but_wrong_state_shape_is_refused(signal_model: MambaModel, token_model: MambaModel) -> None:
-    forged = Checkpoint("s", 0, "m", signal_model.fingerprint, token_model.new_state(),
-                        InputHistory(1, np.zeros((0, 5), np.float32)))
+def test_matching_fingerprint_but_wrong_state_shape_is_refused(
+    signal_model: MambaModel, token_model: MambaModel
+) -> None:
+    forged = Checkpoint(
+        "s",
+        0,
+        "m",
+        signal_model.fingerprint,
+        token_model.new_state(),
+        InputHistory(1, np.zeros((0, 5), np.float32)),
+    )
     with pytest.raises(CheckpointModelMismatchError, match="state does not fit"):
         Checkpoint.decode(forged.encode()).check_model(signal_model)
 
 
 def test_encode_refuses_inconsistent_history(signal_model: MambaModel) -> None:
     ckpt, _ = make_checkpoint(signal_model)
-    bad = Checkpoint(ckpt.session_id, ckpt.step + 1, ckpt.model_id, ckpt.fingerprint,
-                     ckpt.state, ckpt.history)
+    bad = Checkpoint(
+        ckpt.session_id, ckpt.step + 1, ckpt.model_id, ckpt.fingerprint, ckpt.state, ckpt.history
+    )
     with pytest.raises(CheckpointLayoutError, match="history covers"):
         bad.encode()

@@ -1,25 +1,33 @@
-"""Fuzz the checkpoint decoder: random and mutated blobs raise only CheckpointError."""
+"""Fuzz the checkpoint decoder: random and mutated blobs raise only CheckpointError.
+
+``Checkpoint.decode`` wraps any unexpected exception into a CheckpointLayoutError as a
+safety net, which would make these tests unable to fail; so they drive the strict
+decoder underneath it, where a validation gap shows up as a foreign exception.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.checkpoint import MAGIC, Checkpoint
+from server.checkpoint import MAGIC
+from server.checkpoint import _decode as decode_strict
 from server.errors import CheckpointError
 from server.model.mamba import MambaModel
 from tests.test_checkpoint import header_of, make_checkpoint, reseal
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 def _decode_or_typed_error(blob: bytes) -> None:
-    try:
-        Checkpoint.decode(blob)
-    except CheckpointError:
-        pass
+    with contextlib.suppress(CheckpointError):
+        decode_strict(blob)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +62,15 @@ def test_mutated_valid_blobs(valid_blob: bytes, data: st.DataObject) -> None:
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=12,
 )
 
@@ -66,10 +80,26 @@ _msgpack_values = st.recursive(
 def test_resealed_headers_with_random_fields(valid_blob: bytes, data: st.DataObject) -> None:
     """Valid checksum, hostile header: exercises every schema check, not just the digest."""
     header = header_of(valid_blob)
-    paths = [("step",), ("session_id",), ("model", "id"), ("model", "fingerprint"), ("arrays",),
-             ("history",), ("meta",), ("meta", "tags"), ("meta", "created_at"), ("meta", "label"),
-             ("arrays", 0), ("arrays", 0, 1), ("arrays", 0, 2), ("arrays", 0, 3), ("arrays", 0, 4),
-             ("history", 0), ("history", 2), ("history", 3)]
+    paths = [
+        ("step",),
+        ("session_id",),
+        ("model", "id"),
+        ("model", "fingerprint"),
+        ("arrays",),
+        ("history",),
+        ("meta",),
+        ("meta", "tags"),
+        ("meta", "created_at"),
+        ("meta", "label"),
+        ("arrays", 0),
+        ("arrays", 0, 1),
+        ("arrays", 0, 2),
+        ("arrays", 0, 3),
+        ("arrays", 0, 4),
+        ("history", 0),
+        ("history", 2),
+        ("history", 3),
+    ]
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(paths))
         target = header
@@ -84,3 +114,12 @@ def test_resealed_headers_with_random_fields(valid_blob: bytes, data: st.DataObj
     except (ValueError, OverflowError, TypeError, msgpack.PackException):
         return  # hypothesis made a value msgpack cannot pack; nothing to decode
     _decode_or_typed_error(blob)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_soak_mutated_and_resealed(valid_blob: bytes, data: st.DataObject) -> None:
+    """The two mutation fuzzers above, 5000 examples each way (slow marker)."""
+    test_mutated_valid_blobs.hypothesis.inner_test(valid_blob, data)
+    test_resealed_headers_with_random_fields.hypothesis.inner_test(valid_blob, data)

@@ -217,11 +217,15 @@ def save_model(
     """Write ``config.json`` + ``model.safetensors`` (each atomically) into ``directory``."""
     want = expected_shapes(config)
     if set(want) != set(tensors):
-        raise ModelFormatError(f"tensors do not match the config: {sorted(set(want) ^ set(tensors))}")
+        raise ModelFormatError(
+            f"tensors do not match the config: {sorted(set(want) ^ set(tensors))}"
+        )
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
-    _atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"}))
+    _atomic_write(
+        path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"})
+    )
     text = json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n"
     _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 

@@ -1,0 +1,201 @@
+"""``ssmserve model ...``: the documented forms work; bad input is one line, exit 2, no files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.model.loader import load_model
+from tests.conftest import HF_FIXTURES
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ssmserve(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "client.cli", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], message: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ssmserve: error: "), result.stderr
+    assert message in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("cli") / "demo"
+    result = ssmserve(
+        "model",
+        "init-demo",
+        directory,
+        "--input-dim",
+        "3",
+        "--output-dim",
+        "2",
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--state",
+        "8",
+        "--seed",
+        "5",
+    )
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+def test_init_demo_is_deterministic(demo_dir: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    assert (
+        ssmserve(
+            "model",
+            "init-demo",
+            again,
+            "--input-dim",
+            "3",
+            "--output-dim",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--state",
+            "8",
+            "--seed",
+            "5",
+        ).returncode
+        == 0
+    )
+    assert (again / "model.safetensors").read_bytes() == (
+        demo_dir / "model.safetensors"
+    ).read_bytes()
+    other = tmp_path / "other"
+    assert ssmserve("model", "init-demo", other, "--seed", "6").returncode == 0
+    assert load_model(other).fingerprint != load_model(demo_dir).fingerprint
+
+
+def test_init_demo_refuses_to_overwrite(demo_dir: Path) -> None:
+    before = (demo_dir / "model.safetensors").read_bytes()
+    assert_one_line_error(ssmserve("model", "init-demo", demo_dir, "--seed", "9"), "--force")
+    assert (demo_dir / "model.safetensors").read_bytes() == before
+
+
+def test_inspect(demo_dir: Path) -> None:
+    result = ssmserve("model", "inspect", demo_dir, "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    model = load_model(demo_dir)
+    assert info["architecture"] == "mamba-signal"
+    assert info["fingerprint"] == model.fingerprint
+    assert info["state_bytes_per_session"] == 2 * 64 * (4 + 8) * 4
+    assert info["parameters"] > 0
+    text = ssmserve("model", "inspect", HF_FIXTURES / "base")
+    assert text.returncode == 0 and "mamba-lm" in text.stdout and "logits[64]" in text.stdout
+
+
+def test_run_signal_matches_engine(demo_dir: Path, tmp_path: Path) -> None:
+    inputs = np.random.default_rng(0).standard_normal((30, 3)).astype(np.float32)
+    np.save(tmp_path / "in.npy", inputs)
+    result = ssmserve(
+        "model", "run", demo_dir, "--input", tmp_path / "in.npy", "--output", tmp_path / "out.npy"
+    )
+    assert result.returncode == 0, result.stderr
+    expected, _ = load_model(demo_dir).run(inputs)
+    out = np.load(tmp_path / "out.npy")
+    assert out.dtype == np.float32 and np.array_equal(out, expected)
+
+
+def test_run_token_model_matches_reference(tmp_path: Path) -> None:
+    case = HF_FIXTURES / "conv3_bias_rank5_untied"
+    result = ssmserve(
+        "model", "run", case, "--input", case / "ids.npy", "--output", tmp_path / "logits.npy"
+    )
+    assert result.returncode == 0, result.stderr
+    logits = np.load(tmp_path / "logits.npy")
+    assert np.abs(logits - np.load(case / "logits.npy")).max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("make_input", "message"),
+    [
+        (
+            lambda p: np.save(p, np.zeros((4, 2), np.float32)),
+            "needs float32 of shape (T, 3), got float32[4, 2]",
+        ),
+        (lambda p: np.save(p, np.zeros((4, 3), np.float64)), "got float64[4, 3]"),
+        (lambda p: np.save(p, np.zeros(4, np.int64)), "got int64[4]"),
+        (lambda p: np.save(p, np.array([[np.nan, 0, 0]], np.float32)), "NaN or Inf"),
+        (
+            lambda p: np.save(p, np.array([{"a": 1}], dtype=object), allow_pickle=True),
+            "not a readable .npy",
+        ),
+        (lambda p: p.write_bytes(b"garbage"), "not a readable .npy"),
+        (lambda p: None, "no such file"),
+    ],
+)
+def test_run_bad_input_writes_nothing(
+    demo_dir: Path, tmp_path: Path, make_input, message: str
+) -> None:
+    src = tmp_path / "in.npy"
+    make_input(src)
+    out = tmp_path / "out.npy"
+    assert_one_line_error(
+        ssmserve("model", "run", demo_dir, "--input", src, "--output", out), message
+    )
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["in.npy"])
+
+
+def test_run_bad_token_ids(tmp_path: Path) -> None:
+    np.save(tmp_path / "ids.npy", np.array([1, 2, 64]))
+    result = ssmserve(
+        "model",
+        "run",
+        HF_FIXTURES / "base",
+        "--input",
+        tmp_path / "ids.npy",
+        "--output",
+        tmp_path / "o.npy",
+    )
+    assert_one_line_error(result, "token id 64 is outside [0, 64)")
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_run_bad_model_dir(tmp_path: Path) -> None:
+    np.save(tmp_path / "in.npy", np.zeros((2, 3), np.float32))
+    assert_one_line_error(
+        ssmserve(
+            "model",
+            "run",
+            tmp_path / "missing",
+            "--input",
+            tmp_path / "in.npy",
+            "--output",
+            tmp_path / "o.npy",
+        ),
+        "does not exist",
+    )
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("[]")
+    assert_one_line_error(
+        ssmserve("model", "inspect", tmp_path / "broken"), "must hold a JSON object"
+    )
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    assert ssmserve("model", "init-demo", tmp_path / "x", "--hidden", "0").returncode == 2
+    assert ssmserve("model").returncode == 2
+    assert not (tmp_path / "x").exists()
