@@ -117,7 +117,9 @@ def test_resealed_headers_with_random_fields(valid_blob: bytes, data: st.DataObj
 
 
 @pytest.mark.slow
-@settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_soak_mutated_and_resealed(valid_blob: bytes, data: st.DataObject) -> None:
     """The two mutation fuzzers above, 5000 examples each way (slow marker)."""

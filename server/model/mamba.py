@@ -201,13 +201,17 @@ class MambaModel:
         B = x_dbl[:, r : r + n]  # (b, n)
         C = x_dbl[:, r + n :]  # (b, n)
 
+        # The (b, e, n) tensors dominate the step at large batches: one scratch buffer,
+        # in-place ops, and the new state is the only other (b, e, n) allocation.
         # Zero-order-hold discretization ([1] Eq. 4): Ā = exp(ΔA), B̄x ≈ ΔBx.
-        dA = np.exp(dt[:, :, None] * w.A)  # (b, e, 1) * (e, n) -> (b, e, n)
-        dBx = (dt[:, :, None] * B[:, None, :]) * xs[:, :, None]  # (b, e, n)
+        scratch = np.multiply(dt[:, :, None], w.A)  # (b, e, 1) * (e, n) -> (b, e, n)
+        dA = np.exp(scratch, out=scratch)  # (b, e, n)
         # Recurrence ([1] Eq. 2a): h_t = Ā h_{t-1} + B̄ x_t
-        ssm_next = dA * ssm + dBx  # (b, e, n)
+        ssm_next = np.multiply(dA, ssm)  # (b, e, n)
+        dBx = np.multiply((dt * xs)[:, :, None], B[:, None, :], out=scratch)  # (b, e, n)
+        ssm_next += dBx
         # Readout ([1] Eq. 2b) plus the D skip: y_t = C h_t + D x_t
-        y = (ssm_next * C[:, None, :]).sum(axis=-1)  # (b, e, n) -> (b, e)
+        y = np.matmul(ssm_next, C[:, :, None])[:, :, 0]  # (b, e, n) @ (b, n, 1) -> (b, e)
         y += xs * w.D  # (b, e)
         y *= silu(z)  # gate (b, e)
         return y, conv_next, ssm_next

@@ -1,0 +1,228 @@
+"""Engine benchmark: batched step throughput, batch-invariance cost, peers side by side.
+
+Usage (from the repo root; ``./dev bench`` runs this with kizzasi installed)::
+
+    .venv-bench/bin/python bench/bench_engine.py [--skip-130m] [--json OUT.json]
+
+Models (random weights, deterministic):
+  signal  signal Mamba, hidden 256, 4 layers, state 16, in/out 8 (the kizzasi peer's dims)
+  130m    mamba-130m-shaped MambaForCausalLM: hidden 768, 24 layers, state 16, vocab 50280
+
+For each: median step time at batch 1..256 (steps/s = batch / step time); the same step
+with plain ``x @ W.T`` products (fast but not batch-invariant) to show what exactness
+costs; and the sgemm ceiling: plain sgemm GFLOP/s measured now on the model's own weight
+shapes at 64 rows, divided by the model's matmul FLOPs per session-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import median_seconds, table
+
+from server.model.config import Architecture, MambaConfig
+from server.model.demo import DemoSpec, demo_config, random_tensors
+from server.model.loader import build_model
+from server.model.mamba import MambaModel
+from server.model.numerics import RowStableLinear, blas_signature
+from server.state import BatchState
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def signal_model() -> MambaModel:
+    spec = DemoSpec(input_dim=8, output_dim=8, hidden=256, layers=4, state=16)
+    config = demo_config(spec)
+    return build_model(config, random_tensors(config, 0), name="signal-256x4")
+
+
+def mamba_130m_model() -> MambaModel:
+    config = MambaConfig(
+        architecture=Architecture.LM,
+        hidden_size=768,
+        state_size=16,
+        num_hidden_layers=24,
+        intermediate_size=1536,
+        conv_kernel=4,
+        time_step_rank=math.ceil(768 / 16),
+        use_bias=False,
+        use_conv_bias=True,
+        layer_norm_epsilon=1e-5,
+        vocab_size=50280,
+        tie_word_embeddings=True,
+    )
+    return build_model(config, random_tensors(config, 0), name="mamba-130m-shaped")
+
+
+def linears(model: MambaModel) -> list[RowStableLinear]:
+    out = [lin for b in model.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
+    out.append(model.head)
+    if model.input_proj is not None:
+        out.append(model.input_proj)
+    return out
+
+
+def matmul_flops_per_step(model: MambaModel) -> int:
+    return sum(2 * lin.in_features * lin.out_features for lin in linears(model))
+
+
+def inputs_for(model: MambaModel, batch: int, rng: np.random.Generator) -> np.ndarray:
+    c = model.config
+    if c.is_token_model:
+        return rng.integers(0, c.vocab_size, batch)
+    return rng.standard_normal((batch, c.input_dim)).astype(np.float32)
+
+
+def step_time(model: MambaModel, batch: int, repeats: int) -> float:
+    rng = np.random.default_rng(batch)
+    state = BatchState.stack([model.new_state() for _ in range(batch)])
+    for _ in range(3):  # leave the all-zero state
+        state, _ = model.step(state, inputs_for(model, batch, rng))
+    x = inputs_for(model, batch, rng)
+    return median_seconds(lambda: model.step(state, x), repeats)
+
+
+class PlainProducts:
+    """Context manager: swap RowStableLinear for plain ``x @ W.T`` (not batch-invariant)."""
+
+    def __enter__(self) -> None:
+        self.saved = RowStableLinear.__call__
+
+        def plain(lin: RowStableLinear, x: np.ndarray) -> np.ndarray:
+            y = x @ lin.weight.T
+            if lin.bias is not None:
+                y += lin.bias
+            return y
+
+        RowStableLinear.__call__ = plain  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        RowStableLinear.__call__ = self.saved  # type: ignore[method-assign]
+
+
+def sgemm_gflops(model: MambaModel, rows: int = 64, repeats: int = 5) -> float:
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((rows, lin.in_features)).astype(np.float32) for lin in linears(model)]
+    ws = [lin.weight.T for lin in linears(model)]
+    seconds = median_seconds(lambda: [x @ w for x, w in zip(xs, ws, strict=True)], repeats)
+    return rows * matmul_flops_per_step(model) / seconds / 1e9
+
+
+def measure_peer() -> dict[str, float] | None:
+    try:
+        from kizzasi_peer import measure_kizzasi
+    except ImportError:
+        return None
+    try:
+        return measure_kizzasi(steps=3000, warmup=300)
+    except RuntimeError as exc:
+        print(f"(peer skipped: {exc})")
+        return None
+
+
+def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
+    c = model.config
+    print(
+        f"\n## {model.name}: {c.architecture}, hidden {c.hidden_size}, {c.num_hidden_layers} "
+        f"layers, state {c.state_size}, inner {c.intermediate_size}, out {c.output_dim}"
+    )
+    rows = []
+    results: dict[str, object] = {"model": model.name, "batches": {}}
+    for batch in BATCHES:
+        repeats = max(3, (12 if big else 400) // batch)
+        t = step_time(model, batch, repeats)
+        results["batches"][batch] = {"step_ms": t * 1e3, "steps_per_s": batch / t}  # type: ignore[index]
+        rows.append([batch, t * 1e3, t * 1e6 / batch, batch / t])
+    print(table(["batch", "step ms", "us/session-step", "steps/s"], rows))
+
+    with PlainProducts():
+        plain = {b: step_time(model, b, max(3, (12 if big else 400) // b)) for b in (1, 64)}
+    exact = {b: results["batches"][b]["step_ms"] / 1e3 for b in (1, 64)}  # type: ignore[index]
+    gflops = sgemm_gflops(model, repeats=3 if big else 20)
+    ceiling = gflops * 1e9 / matmul_flops_per_step(model)
+    reached = results["batches"][64]["steps_per_s"] / ceiling  # type: ignore[index]
+    print(
+        table(
+            ["what", "batch 1", "batch 64"],
+            [
+                ["exact (RowStableLinear) step ms", exact[1] * 1e3, exact[64] * 1e3],
+                ["plain x @ W.T step ms", plain[1] * 1e3, plain[64] * 1e3],
+                ["cost of batch invariance (x)", exact[1] / plain[1], exact[64] / plain[64]],
+            ],
+        )
+    )
+    print(
+        f"sgemm at 64 rows on these weights: {gflops:.0f} GFLOP/s -> ceiling "
+        f"{ceiling:,.0f} steps/s ({matmul_flops_per_step(model) / 1e6:.2f} MFLOP/step); "
+        f"reached at batch 64: {reached:.0%}"
+    )
+    results.update(
+        plain_ms={b: v * 1e3 for b, v in plain.items()},
+        sgemm_gflops=gflops,
+        ceiling_steps_per_s=ceiling,
+        ceiling_fraction_64=reached,
+    )
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-130m", action="store_true", help="only the small signal model")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
+    print(f"# engine benchmark\nBLAS: {blas_signature()}")
+
+    peer_before = measure_peer()
+    small = bench_model(signal_model(), big=False)
+    peer_after = measure_peer()
+    report: dict[str, object] = {"blas": blas_signature(), "signal": small}
+    if peer_before and peer_after:
+        peer_us = min(peer_before["step_us_p50"], peer_after["step_us_p50"])
+        peer_sps = max(peer_before["steps_per_s"], peer_after["steps_per_s"])
+        ours_1 = small["batches"][1]["step_ms"] * 1e3  # type: ignore[index]
+        ours_64 = small["batches"][64]["steps_per_s"]  # type: ignore[index]
+        print("\n## side by side: kizzasi 0.2.3 Predictor (mamba2, hidden 256, 4 layers, state 16)")
+        print(
+            "(kizzasi's 'mamba2' has no per-layer projections, so it does far fewer FLOPs per "
+            "step than a real Mamba block; see BENCHMARKS.md)"
+        )
+        print(
+            table(
+                ["figure", "ssmserve", "kizzasi", "ratio", "target"],
+                [
+                    ["batch-1 step us (p50)", ours_1, peer_us, ours_1 / peer_us, "<= 1.0x"],
+                    [
+                        "steps/s: ours at 64 vs peer single",
+                        ours_64,
+                        peer_sps,
+                        ours_64 / peer_sps,
+                        ">= 5x",
+                    ],
+                ],
+            )
+        )
+        print(
+            f"peer runs before/after ours: {peer_before['step_us_p50']:.0f} / "
+            f"{peer_after['step_us_p50']:.0f} us p50"
+        )
+        report["kizzasi"] = {"before": peer_before, "after": peer_after}
+    else:
+        print("\n(kizzasi not installed: run ./dev bench for the side-by-side figures)")
+    if not args.skip_130m:
+        report["mamba_130m"] = bench_model(mamba_130m_model(), big=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
