@@ -44,17 +44,21 @@ def main() -> int:
     dec = median_seconds(lambda: Checkpoint.decode(blob), 30)
     sha = median_seconds(lambda: hashlib.sha256(raw).digest(), 30)
     copy = median_seconds(lambda: bytearray(raw), 30)
-    print(f"# checkpoint codec: state {state.nbytes:,} bytes ({state.nbytes / 2**20:.2f} MiB), "
-          f"blob {len(blob):,} bytes")
-    print(table(
-        ["operation", "ms", "MB/s"],
-        [
-            ["encode (copy + sha256)", enc * 1e3, mb / enc],
-            ["decode (sha256 verify + zero-copy views)", dec * 1e3, mb / dec],
-            ["limit: sha256 alone", sha * 1e3, mb / sha],
-            ["limit: one memory copy", copy * 1e3, mb / copy],
-        ],
-    ))
+    print(
+        f"# checkpoint codec: state {state.nbytes:,} bytes ({state.nbytes / 2**20:.2f} MiB), "
+        f"blob {len(blob):,} bytes"
+    )
+    print(
+        table(
+            ["operation", "ms", "MB/s"],
+            [
+                ["encode (copy + sha256)", enc * 1e3, mb / enc],
+                ["decode (sha256 verify + zero-copy views)", dec * 1e3, mb / dec],
+                ["limit: sha256 alone", sha * 1e3, mb / sha],
+                ["limit: one memory copy", copy * 1e3, mb / copy],
+            ],
+        )
+    )
     return 0
 
 
