@@ -14,6 +14,10 @@ from server.model.loader import load_model
 from tests.conftest import HF_FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
+DEMO_ARGS = (
+    *("--input-dim", "3", "--output-dim", "2", "--hidden", "32"),
+    *("--layers", "2", "--state", "8", "--seed", "5"),
+)
 
 
 def ssmserve(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -36,49 +40,14 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], message: str
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("cli") / "demo"
-    result = ssmserve(
-        "model",
-        "init-demo",
-        directory,
-        "--input-dim",
-        "3",
-        "--output-dim",
-        "2",
-        "--hidden",
-        "32",
-        "--layers",
-        "2",
-        "--state",
-        "8",
-        "--seed",
-        "5",
-    )
+    result = ssmserve("model", "init-demo", directory, *DEMO_ARGS)
     assert result.returncode == 0, result.stderr
     return directory
 
 
 def test_init_demo_is_deterministic(demo_dir: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
-    assert (
-        ssmserve(
-            "model",
-            "init-demo",
-            again,
-            "--input-dim",
-            "3",
-            "--output-dim",
-            "2",
-            "--hidden",
-            "32",
-            "--layers",
-            "2",
-            "--state",
-            "8",
-            "--seed",
-            "5",
-        ).returncode
-        == 0
-    )
+    assert ssmserve("model", "init-demo", again, *DEMO_ARGS).returncode == 0
     assert (again / "model.safetensors").read_bytes() == (
         demo_dir / "model.safetensors"
     ).read_bytes()

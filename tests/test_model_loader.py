@@ -18,7 +18,7 @@ from tests.conftest import HF_FIXTURES, token_config, write_model
 
 # Pinned so that a change to the fingerprint scheme (which would orphan every stored
 # checkpoint) cannot slip in unnoticed. The file's bytes are committed.
-BASE_FIXTURE_FINGERPRINT = "45685c224d5460ed"
+BASE_FIXTURE_FINGERPRINT = "ea05052bc9142afc"
 
 
 @pytest.fixture

@@ -53,12 +53,12 @@ class MambaConfig:
     vocab_size: int = 0  # LM only
     tie_word_embeddings: bool = True  # LM only
     input_dim: int = 0  # signal only
-    output_dim_: int = 0  # signal only; use ``output_dim``
+    signal_output_dim: int = 0  # signal only; use ``output_dim``
 
     @property
     def output_dim(self) -> int:
         """Width of one step's output: vocab size (logits) or the signal head's width."""
-        return self.vocab_size if self.architecture is Architecture.LM else self.output_dim_
+        return self.vocab_size if self.architecture is Architecture.LM else self.signal_output_dim
 
     @property
     def is_token_model(self) -> bool:
@@ -72,14 +72,15 @@ class MambaConfig:
 
     def canonical(self) -> dict[str, Any]:
         """The fields that define the model's math, for fingerprints and checkpoints."""
-        out = asdict(self)
+        per_arch = ("vocab_size", "tie_word_embeddings", "input_dim", "signal_output_dim")
+        out = {k: v for k, v in asdict(self).items() if k not in per_arch}
         out["architecture"] = str(self.architecture)
-        out["output_dim"] = out.pop("output_dim_") if not self.is_token_model else self.vocab_size
+        out["output_dim"] = self.output_dim
         if self.is_token_model:
-            out.pop("input_dim")
+            out["vocab_size"] = self.vocab_size
+            out["tie_word_embeddings"] = self.tie_word_embeddings
         else:
-            out.pop("vocab_size")
-            out.pop("tie_word_embeddings")
+            out["input_dim"] = self.input_dim
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -108,7 +109,7 @@ class MambaConfig:
             "architectures": [SIGNAL_ARCHITECTURE_NAME],
             "model_type": "ssmserve-signal-mamba",
             "input_dim": self.input_dim,
-            "output_dim": self.output_dim_,
+            "output_dim": self.signal_output_dim,
             **common,
         }
 
@@ -150,7 +151,7 @@ class MambaConfig:
             vocab_size=_int(raw, "vocab_size") if architecture is Architecture.LM else 0,
             tie_word_embeddings=_bool(raw, "tie_word_embeddings", default=True),
             input_dim=_int(raw, "input_dim") if architecture is Architecture.SIGNAL else 0,
-            output_dim_=_int(raw, "output_dim") if architecture is Architecture.SIGNAL else 0,
+            signal_output_dim=_int(raw, "output_dim") if architecture is Architecture.SIGNAL else 0,
         )
         return cfg
 

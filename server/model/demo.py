@@ -43,7 +43,7 @@ def demo_config(spec: DemoSpec) -> MambaConfig:
         use_conv_bias=True,
         layer_norm_epsilon=1e-5,
         input_dim=spec.input_dim,
-        output_dim_=spec.output_dim,
+        signal_output_dim=spec.output_dim,
     )
 
 

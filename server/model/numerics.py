@@ -41,7 +41,6 @@ DEFAULT_BLAS_THREADS = 2
 
 _pin_lock = threading.Lock()
 _pinned: int | None = None
-_limiter: threadpool_limits | None = None
 
 
 def pin_blas_threads(threads: int | None = None) -> int:
@@ -49,14 +48,14 @@ def pin_blas_threads(threads: int | None = None) -> int:
 
     ``threads`` defaults to ``$SSMSERVE_BLAS_THREADS`` or :data:`DEFAULT_BLAS_THREADS`.
     """
-    global _pinned, _limiter
+    global _pinned
     if threads is None:
         threads = int(os.environ.get("SSMSERVE_BLAS_THREADS", DEFAULT_BLAS_THREADS))
     if threads < 1:
         raise ValueError(f"BLAS threads must be >= 1, got {threads}")
     with _pin_lock:
         if _pinned != threads:
-            _limiter = threadpool_limits(limits=threads, user_api="blas")
+            threadpool_limits(limits=threads, user_api="blas")  # stays in force
             _pinned = threads
     return threads
 
