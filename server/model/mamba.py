@@ -227,11 +227,7 @@ class MambaModel:
         ``(T, output_dim)`` float32 and the final state. Starts from a fresh state unless
         ``state`` is given.
         """
-        arr = np.asarray(inputs)
-        if self.config.is_token_model:
-            seq = self.check_inputs(arr.reshape(-1) if arr.ndim == 1 else arr)
-        else:
-            seq = self.check_inputs(arr)
+        seq = self.check_inputs(inputs)  # (T,) ids or (T, i): the sequence is a "batch" of T
         batch = BatchState.stack([state if state is not None else self.new_state()])
         outputs = np.empty((seq.shape[0], self.config.output_dim), np.float32)  # (T, o)
         for t in range(seq.shape[0]):
