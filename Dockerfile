@@ -5,6 +5,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 COPY pyproject.toml README.md ./
 COPY server ./server
 COPY client ./client
+COPY protos ./protos
 RUN pip install --no-cache-dir .
 
 RUN useradd --create-home ssmserve

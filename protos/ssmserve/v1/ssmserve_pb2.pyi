@@ -1,0 +1,348 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Durability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DURABILITY_UNSPECIFIED: _ClassVar[Durability]
+    DURABILITY_LOG: _ClassVar[Durability]
+    DURABILITY_SNAPSHOT: _ClassVar[Durability]
+    DURABILITY_NONE: _ClassVar[Durability]
+DURABILITY_UNSPECIFIED: Durability
+DURABILITY_LOG: Durability
+DURABILITY_SNAPSHOT: Durability
+DURABILITY_NONE: Durability
+
+class GuardRule(_message.Message):
+    __slots__ = ("name", "check", "min", "max", "dims", "action")
+    class Check(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CHECK_UNSPECIFIED: _ClassVar[GuardRule.Check]
+        CHECK_FINITE: _ClassVar[GuardRule.Check]
+        CHECK_RANGE: _ClassVar[GuardRule.Check]
+    CHECK_UNSPECIFIED: GuardRule.Check
+    CHECK_FINITE: GuardRule.Check
+    CHECK_RANGE: GuardRule.Check
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[GuardRule.Action]
+        ACTION_REPORT: _ClassVar[GuardRule.Action]
+        ACTION_CLAMP: _ClassVar[GuardRule.Action]
+        ACTION_REJECT: _ClassVar[GuardRule.Action]
+        ACTION_ROLLBACK: _ClassVar[GuardRule.Action]
+    ACTION_UNSPECIFIED: GuardRule.Action
+    ACTION_REPORT: GuardRule.Action
+    ACTION_CLAMP: GuardRule.Action
+    ACTION_REJECT: GuardRule.Action
+    ACTION_ROLLBACK: GuardRule.Action
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    check: GuardRule.Check
+    min: float
+    max: float
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    action: GuardRule.Action
+    def __init__(self, name: _Optional[str] = ..., check: _Optional[_Union[GuardRule.Check, str]] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., dims: _Optional[_Iterable[int]] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ...) -> None: ...
+
+class SessionConfig(_message.Message):
+    __slots__ = ("snapshot_every", "max_snapshots", "history_window", "guards", "durability", "idle_ttl_s", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GUARDS_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_every: int
+    max_snapshots: int
+    history_window: int
+    guards: _containers.RepeatedCompositeFieldContainer[GuardRule]
+    durability: Durability
+    idle_ttl_s: float
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, snapshot_every: _Optional[int] = ..., max_snapshots: _Optional[int] = ..., history_window: _Optional[int] = ..., guards: _Optional[_Iterable[_Union[GuardRule, _Mapping]]] = ..., durability: _Optional[_Union[Durability, str]] = ..., idle_ttl_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("model", "session_id", "config")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    session_id: str
+    config: SessionConfig
+    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "model", "model_fingerprint", "step", "config", "created_at", "updated_at", "snapshot_count", "oldest_rollback_step", "owner", "resident", "input_dim", "output_dim", "token_input")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_ROLLBACK_STEP_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIM_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INPUT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    model_fingerprint: str
+    step: int
+    config: SessionConfig
+    created_at: float
+    updated_at: float
+    snapshot_count: int
+    oldest_rollback_step: int
+    owner: str
+    resident: bool
+    input_dim: int
+    output_dim: int
+    token_input: bool
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., snapshot_count: _Optional[int] = ..., oldest_rollback_step: _Optional[int] = ..., owner: _Optional[str] = ..., resident: _Optional[bool] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "model")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    model: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "next_page_token")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    next_page_token: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "final_snapshot")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINAL_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    final_snapshot: bool
+    def __init__(self, session_id: _Optional[str] = ..., final_snapshot: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("step", "snapshot_id")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    snapshot_id: str
+    def __init__(self, step: _Optional[int] = ..., snapshot_id: _Optional[str] = ...) -> None: ...
+
+class Vector(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepInput(_message.Message):
+    __slots__ = ("session_id", "step", "token", "vector")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    token: int
+    vector: Vector
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token: _Optional[int] = ..., vector: _Optional[_Union[Vector, _Mapping]] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepInput]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepInput, _Mapping]]] = ...) -> None: ...
+
+class GuardEvent(_message.Message):
+    __slots__ = ("guard", "action", "step", "dims", "detail", "rolled_back_to")
+    GUARD_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_TO_FIELD_NUMBER: _ClassVar[int]
+    guard: str
+    action: GuardRule.Action
+    step: int
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    detail: str
+    rolled_back_to: int
+    def __init__(self, guard: _Optional[str] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ..., step: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ..., rolled_back_to: _Optional[int] = ...) -> None: ...
+
+class SnapshotEvent(_message.Message):
+    __slots__ = ("snapshot_id", "step", "reason")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    step: int
+    reason: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("session_id", "step", "output", "replayed", "guard_events", "snapshot_events", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    GUARD_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    output: Vector
+    replayed: bool
+    guard_events: _containers.RepeatedCompositeFieldContainer[GuardEvent]
+    snapshot_events: _containers.RepeatedCompositeFieldContainer[SnapshotEvent]
+    error: StepError
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., output: _Optional[_Union[Vector, _Mapping]] = ..., replayed: _Optional[bool] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ..., snapshot_events: _Optional[_Iterable[_Union[SnapshotEvent, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("session_id", "label")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    label: str
+    def __init__(self, session_id: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("snapshot_id", "session_id", "step", "label", "reason", "created_at", "size_bytes")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    session_id: str
+    step: int
+    label: str
+    reason: str
+    created_at: float
+    size_bytes: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., label: _Optional[str] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("session_id", "snapshot_id", "label", "step", "steps_back")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BACK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    snapshot_id: str
+    label: str
+    step: int
+    steps_back: int
+    def __init__(self, session_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., label: _Optional[str] = ..., step: _Optional[int] = ..., steps_back: _Optional[int] = ...) -> None: ...
+
+class RollbackResponse(_message.Message):
+    __slots__ = ("step", "from_snapshot_id", "replayed_steps")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FROM_SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    from_snapshot_id: str
+    replayed_steps: int
+    def __init__(self, step: _Optional[int] = ..., from_snapshot_id: _Optional[str] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
+
+class ExportCheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "snapshot_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    snapshot_id: str
+    def __init__(self, session_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointChunk(_message.Message):
+    __slots__ = ("index", "data", "total_size", "last")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    total_size: int
+    last: bool
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class ImportHeader(_message.Message):
+    __slots__ = ("session_id", "model", "config", "replace")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    config: SessionConfig
+    replace: bool
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class ImportCheckpointRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ImportHeader
+    chunk: CheckpointChunk
+    def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
