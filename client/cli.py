@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from server.atomic_file import atomic_write
 from server.errors import ModelInputError, SsmserveError
 from server.model.demo import DemoSpec, demo_config, random_tensors
 from server.model.loader import (
@@ -203,14 +202,12 @@ def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise CliError(f"{path}: directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".npy")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a name
             np.save(f, arr, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, write)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from server.atomic_file import atomic_write
 from server.errors import ModelFormatError
 from server.model.config import MambaConfig
 from server.model.mamba import MambaBlockWeights, MambaModel
@@ -223,19 +222,6 @@ def save_model(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
-    _atomic_write(
-        path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"})
-    )
+    atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"}))
     text = json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n"
-    _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def _atomic_write(target: Path, write: Callable[[str], object]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
