@@ -207,7 +207,8 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
             f"checkpoint is {what}: header says {expected} bytes, got {size}"
         )
     body_end = size - _DIGEST_SIZE
-    if hashlib.sha256(blob[:body_end]).digest() != bytes(blob[body_end:]):
+    # memoryview: slicing bytes would copy the whole blob just to hash it
+    if hashlib.sha256(memoryview(blob)[:body_end]).digest() != bytes(blob[body_end:]):
         raise CheckpointChecksumError("checkpoint checksum mismatch: the data is corrupted")
 
     header_end = _PREFIX.size + header_len
