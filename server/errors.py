@@ -22,9 +22,19 @@ class ErrorKind(enum.Enum):
 
 
 class SsmserveError(Exception):
-    """Base of every error ssmserve raises on purpose."""
+    """Base of every error ssmserve raises on purpose.
+
+    ``reason`` is a stable machine-readable code (``google.rpc.ErrorInfo.reason`` at the
+    gRPC edge, ``StepError.reason`` in a stream); by default it is derived from the class
+    name (``StepGapError`` -> ``STEP_GAP``).
+    """
 
     kind: ErrorKind = ErrorKind.INVALID_ARGUMENT
+
+    @property
+    def reason(self) -> str:
+        name = type(self).__name__.removesuffix("Error") or "SSMSERVE"
+        return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name)).upper()
 
 
 class ModelFormatError(SsmserveError):

@@ -1,23 +1,131 @@
-"""``ssmserve-server``: runs one worker.
+"""``ssmserve-server``: run one worker until SIGTERM or SIGINT.
 
-The gRPC worker (sessions, Redis checkpoints, rollback) is built by the service issue;
-until then this entry point says so and exits with code 2 rather than pretending to serve.
+    ssmserve-server --model NAME=DIR [--model ...] [--listen HOST:PORT] [--redis-url URL]
+                    [--data-dir DIR] [--advertise HOST:PORT] [--demo]
+
+Every flag has an environment variable, used when the flag is absent:
+``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
+``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``. Without a Redis URL the worker starts a
+private redis-server (AOF on) in ``DATA_DIR/redis`` and stops it on exit.
+
+``--demo`` also serves the demo signal model as ``demo`` (written once to
+``DATA_DIR/models/demo``). When the server is ready it prints one line,
+``ssmserve-server listening on HOST:PORT``, on stdout.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from server.errors import SsmserveError
+from server.model.demo import DemoSpec, demo_config, random_tensors
+from server.model.loader import CONFIG_FILE, save_model
+from server.worker import Worker, WorkerSettings
+
+log = logging.getLogger("ssmserve.server")
+
+
+def _model_arg(text: str) -> tuple[str, Path]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, Path(directory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="ssmserve-server", description="Serve stateful SSM sessions over gRPC."
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        type=_model_arg,
+        default=[],
+        metavar="NAME=DIR",
+        help="a model to serve (repeatable); env SSMSERVE_MODELS=name=dir,name=dir",
+    )
+    parser.add_argument("--listen", default=env("SSMSERVE_LISTEN", "127.0.0.1:50051"))
+    parser.add_argument(
+        "--redis-url",
+        default=env("SSMSERVE_REDIS_URL"),
+        help="external Redis; default: start a private redis-server",
+    )
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path(env("SSMSERVE_DATA_DIR", "ssmserve-data"))
+    )
+    parser.add_argument("--advertise", default=env("SSMSERVE_ADVERTISE", ""))
+    parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
+    parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    models: list[tuple[str, Path]] = list(args.model)
+    if not models and os.environ.get("SSMSERVE_MODELS"):
+        models = [_model_arg(item.strip()) for item in os.environ["SSMSERVE_MODELS"].split(",")]
+    if args.demo:
+        models.append(("demo", ensure_demo_model(args.data_dir / "models" / "demo")))
+    names = [name for name, _ in models]
+    if not models:
+        raise SystemExit(
+            "ssmserve-server: error: no model to serve (use --model NAME=DIR or --demo)"
+        )
+    if len(set(names)) != len(names):
+        raise SystemExit(f"ssmserve-server: error: model names repeat: {', '.join(names)}")
+    return WorkerSettings(
+        models=tuple(models),
+        listen=args.listen,
+        redis_url=args.redis_url or None,
+        data_dir=args.data_dir,
+        advertise=args.advertise,
+    )
+
+
+def ensure_demo_model(directory: Path) -> Path:
+    if not (directory / CONFIG_FILE).exists():
+        config = demo_config(DemoSpec())
+        save_model(directory, config, random_tensors(config, DemoSpec().seed))
+    return directory
+
+
+async def serve(settings: WorkerSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker = Worker(settings)
+    try:
+        address = await worker.start()
+        print(f"ssmserve-server listening on {address}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    del argv
-    print(
-        "ssmserve-server: the gRPC worker is not built yet (it lands with the service issue); "
-        "use 'ssmserve model run' to step a model offline",
-        file=sys.stderr,
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
-    return 2
+    try:
+        asyncio.run(serve(settings_from_args(args)))
+    except (SsmserveError, OSError) as exc:
+        print(f"ssmserve-server: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,420 @@
+"""The gRPC edge: requests in, validated and converted; typed errors out as statuses.
+
+The servicer holds no session logic: it turns protobuf messages into calls on the
+:class:`~server.sessions.SessionManager` and results back into messages. Errors raised
+below map to status codes in ``server/status.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+from server import status
+from server.errors import ErrorKind, SsmserveError
+from server.guards import GuardAction, GuardCheck, GuardEvent, GuardRule, GuardRuleError
+from server.session import SnapshotEvent, StepOutcome
+from server.session_config import Durability, SessionConfig
+from server.sessions import RollbackTarget, SessionManager, SessionView
+from server.store import SnapshotRecord
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # checkpoint chunks are at most 1 MiB (the contract)
+
+
+class RequestError(SsmserveError):
+    """A request that is malformed as a message (INVALID_ARGUMENT)."""
+
+
+class StreamLimitError(SsmserveError):
+    """A stream message carries more steps than a message may."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class ImportTooLargeError(SsmserveError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    max_steps_per_message: int = 4096
+    max_inflight_messages: int = 64  # per stream: messages read ahead of their answers
+    max_import_bytes: int = 1 << 30  # largest checkpoint ImportCheckpoint accepts
+
+
+class SessionService(pb_grpc.SessionServiceServicer):
+    def __init__(self, manager: SessionManager, settings: ServiceSettings) -> None:
+        self.manager = manager
+        self.settings = settings
+
+    @contextlib.asynccontextmanager
+    async def _edge(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        try:
+            yield
+        except SsmserveError as exc:
+            await status.abort(context, exc)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await status.abort_internal(context, exc)
+
+    # ------------------------------------------------------------------ sessions
+
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionInfo:
+        async with self._edge(context):
+            config = config_from_pb(request.config)
+            view = await self.manager.create(request.model, request.session_id, config)
+            return info_to_pb(view)
+
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionInfo:
+        async with self._edge(context):
+            return info_to_pb(await self.manager.view(request.session_id))
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        async with self._edge(context):
+            views, token = await self.manager.list(
+                request.page_size, request.page_token, request.model
+            )
+            return pb.ListSessionsResponse(
+                sessions=[info_to_pb(v) for v in views], next_page_token=token
+            )
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        async with self._edge(context):
+            step, snapshot_id = await self.manager.close(request.session_id, request.final_snapshot)
+            return pb.CloseSessionResponse(step=step, snapshot_id=snapshot_id)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[pb.StreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.StreamResponse]:
+        # Requests are read ahead (up to max_inflight_messages) while earlier ones are
+        # being stepped; answers go out in request order, one response per request.
+        answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None] = asyncio.Queue(
+            self.settings.max_inflight_messages
+        )
+        reader = asyncio.create_task(self._read_stream(request_iterator, answers))
+        try:
+            while (futures := await answers.get()) is not None:
+                outcomes = [await f for f in futures]
+                yield pb.StreamResponse(results=[result_to_pb(o) for o in outcomes])
+            await reader
+        finally:
+            reader.cancel()
+
+    async def _read_stream(
+        self,
+        request_iterator: AsyncIterator[pb.StreamRequest],
+        answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                futures: list[asyncio.Future[StepOutcome]] = []
+                too_many = len(request.steps) > self.settings.max_steps_per_message
+                for step in request.steps:
+                    try:
+                        if too_many:
+                            raise StreamLimitError(
+                                f"a message may carry at most "
+                                f"{self.settings.max_steps_per_message} steps, this one has "
+                                f"{len(request.steps)}; none of them was applied"
+                            )
+                        future = await self.manager.submit(
+                            step.session_id, step.step, step_value(step)
+                        )
+                    except SsmserveError as exc:
+                        future = loop.create_future()
+                        future.set_result(StepOutcome(step.session_id, step.step, error=exc))
+                    futures.append(future)
+                await answers.put(futures)
+        finally:
+            await answers.put(None)
+
+    # ------------------------------------------------------------------ snapshots, rollback
+
+    async def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SnapshotInfo:
+        async with self._edge(context):
+            record = await self.manager.snapshot(request.session_id, request.label)
+            return snapshot_to_pb(request.session_id, record)
+
+    async def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSnapshotsResponse:
+        async with self._edge(context):
+            records = await self.manager.list_snapshots(request.session_id)
+            return pb.ListSnapshotsResponse(
+                snapshots=[snapshot_to_pb(request.session_id, r) for r in records]
+            )
+
+    async def Rollback(
+        self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RollbackResponse:
+        async with self._edge(context):
+            which = request.WhichOneof("target")
+            if which is None:
+                raise RequestError(
+                    "rollback needs a target: snapshot_id, label, step or steps_back"
+                )
+            target = RollbackTarget(**{which: getattr(request, which)})
+            result = await self.manager.rollback(request.session_id, target)
+            return pb.RollbackResponse(
+                step=result.step,
+                from_snapshot_id=result.from_snapshot_id,
+                replayed_steps=result.replayed_steps,
+            )
+
+    # ------------------------------------------------------------------ export, import
+
+    async def ExportCheckpoint(
+        self, request: pb.ExportCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CheckpointChunk]:
+        async with self._edge(context):
+            blob = await self.manager.export(request.session_id, request.snapshot_id)
+        view = memoryview(blob)
+        count = max(1, -(-len(blob) // CHUNK_BYTES))
+        for i in range(count):
+            yield pb.CheckpointChunk(
+                index=i,
+                data=bytes(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]),
+                total_size=len(blob),
+                last=i == count - 1,
+            )
+
+    async def ImportCheckpoint(
+        self,
+        request_iterator: AsyncIterator[pb.ImportCheckpointRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.SessionInfo:
+        async with self._edge(context):
+            header, blob = await self._receive_checkpoint(request_iterator)
+            view = await self.manager.import_checkpoint(
+                blob,
+                header.session_id,
+                header.model,
+                config_from_pb(header.config),
+                header.replace,
+            )
+            return info_to_pb(view)
+
+    async def _receive_checkpoint(
+        self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest]
+    ) -> tuple[pb.ImportHeader, bytes]:
+        header: pb.ImportHeader | None = None
+        parts: list[bytes] = []
+        received = 0
+        total = -1
+        done = False
+        async for request in request_iterator:
+            which = request.WhichOneof("part")
+            if which == "header":
+                if header is not None:
+                    raise RequestError("import: the header was sent twice")
+                header = request.header
+                continue
+            if which != "chunk":
+                raise RequestError("import: a message carries neither a header nor a chunk")
+            if header is None:
+                raise RequestError("import: the first message must be the header")
+            chunk = request.chunk
+            if done:
+                raise RequestError(f"import: chunk {chunk.index} arrived after the last chunk")
+            if chunk.index != len(parts):
+                raise RequestError(
+                    f"import: chunk {chunk.index} arrived where chunk {len(parts)} was expected"
+                )
+            if total < 0:
+                total = chunk.total_size
+                if total > self.settings.max_import_bytes:
+                    raise ImportTooLargeError(
+                        f"import: a checkpoint of {total} bytes is over the limit of "
+                        f"{self.settings.max_import_bytes}"
+                    )
+            elif chunk.total_size != total:
+                raise RequestError(
+                    f"import: chunk {chunk.index} says the total is {chunk.total_size} bytes, "
+                    f"chunk 0 said {total}"
+                )
+            if len(chunk.data) > CHUNK_BYTES:
+                raise RequestError(
+                    f"import: chunk {chunk.index} holds {len(chunk.data)} bytes, over 1 MiB"
+                )
+            received += len(chunk.data)
+            if received > total:
+                raise RequestError(f"import: the chunks hold more than the {total} bytes declared")
+            parts.append(chunk.data)
+            done = chunk.last
+        if header is None:
+            raise RequestError("import: the stream ended before the header")
+        if not done:
+            raise RequestError(
+                f"import: the stream ended after chunk {len(parts) - 1} without the last chunk"
+            )
+        if received != total:
+            raise RequestError(f"import: got {received} bytes, the chunks declared {total}")
+        return header, b"".join(parts)
+
+
+# ---------------------------------------------------------------------------- conversions
+
+
+def step_value(step: pb.StepInput) -> int | np.ndarray:
+    which = step.WhichOneof("value")
+    if which == "token":
+        return int(step.token)
+    if which == "vector":
+        return np.asarray(step.vector.values, np.float32)
+    raise RequestError(f"step {step.step} of session {step.session_id!r} carries no input")
+
+
+_ACTIONS = {
+    pb.GuardRule.ACTION_UNSPECIFIED: GuardAction.REPORT,
+    pb.GuardRule.ACTION_REPORT: GuardAction.REPORT,
+    pb.GuardRule.ACTION_CLAMP: GuardAction.CLAMP,
+    pb.GuardRule.ACTION_REJECT: GuardAction.REJECT,
+    pb.GuardRule.ACTION_ROLLBACK: GuardAction.ROLLBACK,
+}
+_CHECKS = {pb.GuardRule.CHECK_FINITE: GuardCheck.FINITE, pb.GuardRule.CHECK_RANGE: GuardCheck.RANGE}
+_DURABILITY = {
+    pb.DURABILITY_UNSPECIFIED: Durability.LOG,
+    pb.DURABILITY_LOG: Durability.LOG,
+    pb.DURABILITY_SNAPSHOT: Durability.SNAPSHOT,
+    pb.DURABILITY_NONE: Durability.NONE,
+}
+
+
+def config_from_pb(config: pb.SessionConfig) -> SessionConfig:
+    guards = []
+    for rule in config.guards:
+        if rule.check not in _CHECKS:
+            raise GuardRuleError(f"guard {rule.name!r}: check must be CHECK_FINITE or CHECK_RANGE")
+        if rule.action not in _ACTIONS:
+            raise GuardRuleError(f"guard {rule.name!r}: unknown action {rule.action}")
+        guards.append(
+            GuardRule(
+                name=rule.name,
+                check=_CHECKS[rule.check],
+                action=_ACTIONS[rule.action],
+                min=rule.min if rule.HasField("min") else None,
+                max=rule.max if rule.HasField("max") else None,
+                dims=tuple(rule.dims),
+            )
+        )
+    if config.durability not in _DURABILITY:
+        raise RequestError(f"unknown durability mode {config.durability}")
+    return SessionConfig(
+        snapshot_every=config.snapshot_every,
+        max_snapshots=config.max_snapshots,
+        history_window=config.history_window,
+        guards=tuple(guards),
+        durability=_DURABILITY[config.durability],
+        idle_ttl_s=config.idle_ttl_s,
+        labels=dict(config.labels),
+    )
+
+
+def config_to_pb(config: SessionConfig) -> pb.SessionConfig:
+    return pb.SessionConfig(
+        snapshot_every=config.snapshot_every,
+        max_snapshots=config.max_snapshots,
+        history_window=config.history_window,
+        guards=[
+            pb.GuardRule(
+                name=g.name,
+                check=int(g.check),
+                action=int(g.action),
+                min=g.min,
+                max=g.max,
+                dims=list(g.dims),
+            )
+            for g in config.guards
+        ],
+        durability=int(config.durability),
+        idle_ttl_s=config.idle_ttl_s,
+        labels=dict(config.labels),
+    )
+
+
+def info_to_pb(view: SessionView) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=view.session_id,
+        model=view.model,
+        model_fingerprint=view.fingerprint,
+        step=view.step,
+        config=config_to_pb(view.config),
+        created_at=view.created_at,
+        updated_at=view.updated_at,
+        snapshot_count=view.snapshot_count,
+        oldest_rollback_step=view.oldest_rollback_step,
+        owner=view.owner,
+        resident=view.resident,
+        input_dim=view.input_dim,
+        output_dim=view.output_dim,
+        token_input=view.token_input,
+        closed=view.closed,
+    )
+
+
+def snapshot_to_pb(session_id: str, record: SnapshotRecord) -> pb.SnapshotInfo:
+    return pb.SnapshotInfo(
+        snapshot_id=record.snapshot_id,
+        session_id=session_id,
+        step=record.step,
+        label=record.label,
+        reason=record.reason,
+        created_at=record.created_at,
+        size_bytes=record.size,
+    )
+
+
+def _guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:
+    return pb.GuardEvent(
+        guard=event.guard,
+        action=int(event.action),
+        step=event.step,
+        dims=list(event.dims),
+        detail=event.detail,
+        rolled_back_to=event.rolled_back_to or 0,
+    )
+
+
+def _snapshot_event_to_pb(event: SnapshotEvent) -> pb.SnapshotEvent:
+    return pb.SnapshotEvent(snapshot_id=event.snapshot_id, step=event.step, reason=event.reason)
+
+
+def result_to_pb(outcome: StepOutcome) -> pb.StepResult:
+    result = pb.StepResult(
+        session_id=outcome.session_id,
+        step=outcome.step,
+        replayed=outcome.replayed,
+        guard_events=[_guard_event_to_pb(e) for e in outcome.guard_events],
+        snapshot_events=[_snapshot_event_to_pb(e) for e in outcome.snapshot_events],
+    )
+    if outcome.output is not None:
+        result.output.values.extend(outcome.output.tolist())
+    if outcome.error is not None:
+        result.error.CopyFrom(status.step_error(outcome.error))
+    return result

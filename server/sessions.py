@@ -1,0 +1,695 @@
+"""The session manager: the hot sessions of one worker, their snapshots, rollback and replay.
+
+Everything that changes a session goes through here, and every change is all-or-nothing:
+a request that fails leaves the session exactly as it was. The pieces:
+
+- **create / import** write the session's metadata and a first snapshot (step 0, or the
+  imported step), so every step from there on can be rebuilt.
+- **snapshots** are checkpoints (``server/checkpoint.py``) committed through the store.
+- **rollback to t**: restore the newest snapshot at or before t, replay the logged inputs
+  up to t (batch invariance makes this bit-exact), then cut history after t in Redis.
+- **load**: a session that is not in memory (evicted, or its worker restarted) is restored
+  the same way, up to its durable step.
+- **idle eviction**: an idle session is snapshotted and dropped from memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.checkpoint import Checkpoint, CheckpointMeta, InputHistory
+from server.errors import CheckpointError, ErrorKind, SsmserveError
+from server.guards import check_output
+from server.input_log import RecentSteps
+from server.model.mamba import MambaModel
+from server.session import Session, SessionGoneError, SnapshotEvent, StepJob, StepOutcome
+from server.session_config import SessionConfig, SessionDefaults
+from server.state import SessionState
+from server.stepper import Stepper, StepperSettings
+from server.store import (
+    SESSION_ID_PATTERN,
+    LabelTakenError,
+    SessionClosedError,
+    SessionMeta,
+    SessionMissingError,
+    SnapshotRecord,
+    Store,
+)
+
+log = logging.getLogger(__name__)
+
+
+class UnknownModelError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class BadSessionIdError(SsmserveError):
+    pass
+
+
+class BadStepInputError(SsmserveError):
+    pass
+
+
+class SnapshotMissingError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class RollbackRangeError(SsmserveError):
+    """A rollback target outside the steps the session can still reach."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class ModelMismatchError(SsmserveError):
+    """A stored session or checkpoint belongs to another model than the one loaded."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class CapacityError(SsmserveError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """Limits of one worker's session manager (documented defaults)."""
+
+    defaults: SessionDefaults = field(default_factory=SessionDefaults)
+    stepper: StepperSettings = field(default_factory=StepperSettings)
+    max_sessions: int = 10_000  # resident sessions; creating or loading more is refused
+    max_queued_steps: int = 4096  # per session, waiting for the stepper
+    output_window: int = 64  # outputs kept per session to answer resent steps from memory
+    idle_check_s: float = 1.0  # how often idle sessions are looked for
+    list_page_size: int = 100
+    max_list_page_size: int = 1000
+    owner: str = ""  # the address this worker advertises (SessionInfo.owner)
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """What GetSession answers: a session resident here or only in the store."""
+
+    session_id: str
+    model: str
+    fingerprint: str
+    step: int
+    config: SessionConfig
+    created_at: float
+    updated_at: float
+    snapshot_count: int
+    oldest_rollback_step: int
+    owner: str
+    resident: bool
+    input_dim: int
+    output_dim: int
+    token_input: bool
+    closed: bool
+
+
+@dataclass(frozen=True)
+class RollbackTarget:
+    """Exactly one of these is set."""
+
+    snapshot_id: str | None = None
+    label: str | None = None
+    step: int | None = None
+    steps_back: int | None = None
+
+
+@dataclass(frozen=True)
+class RollbackResult:
+    step: int
+    from_snapshot_id: str
+    replayed_steps: int
+
+
+class SessionManager:
+    def __init__(
+        self, models: Mapping[str, MambaModel], store: Store, settings: ManagerSettings
+    ) -> None:
+        self.models = dict(models)
+        self.store = store
+        self.settings = settings
+        self._sessions: dict[str, Session] = {}
+        self._loading: dict[str, asyncio.Future[Session]] = {}
+        self.steppers = {
+            name: Stepper(model, store, self, settings.stepper) for name, model in models.items()
+        }
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for stepper in self.steppers.values():
+            stepper.start()
+        self._reaper = asyncio.create_task(self._evict_idle(), name="idle-eviction")
+
+    async def stop(self) -> None:
+        """Snapshot every resident session that moved since its last snapshot, then stop."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        await asyncio.gather(
+            *(self._unload(s, "shutdown") for s in list(self._sessions.values())),
+            return_exceptions=True,
+        )
+        for stepper in self.steppers.values():
+            await stepper.stop()
+
+    @property
+    def resident_count(self) -> int:
+        return len(self._sessions)
+
+    # ------------------------------------------------------------------ create / get / list
+
+    async def create(self, model_name: str, session_id: str, config: SessionConfig) -> SessionView:
+        model = self._model(model_name)
+        session_id = self._new_id(session_id)
+        config = config.resolve(self.settings.defaults, model.config.output_dim)
+        self._check_capacity()
+        now = time.time()
+        meta = SessionMeta(
+            session_id, model_name, model.fingerprint, 0, 1, config.to_bytes(), now, now, False
+        )
+        await self.store.create_session(meta)
+        s = self._resident(session_id, model, model_name, config, model.new_state(), 0, now)
+        await self._first_snapshot(s, "create")
+        return await self.view(session_id)
+
+    async def _first_snapshot(self, s: Session, reason: str) -> None:
+        """Make a just-created session resident and give it its base snapshot.
+
+        The session is held (busy) meanwhile, so steps sent at once wait for the snapshot;
+        if it cannot be written, the session is deleted again.
+        """
+        s.busy = True
+        self._sessions[s.id] = s
+        try:
+            await self.write_snapshot(s, s.step, s.state, reason)
+        except BaseException:
+            self._sessions.pop(s.id, None)
+            s.fail_queued(SessionGoneError(f"session {s.id!r} could not be created"))
+            with contextlib.suppress(SsmserveError):
+                await self.store.close_session(s.id)
+            raise
+        finally:
+            s.busy = False
+            s.open_gate()
+            self.steppers[s.model_name].notify(s)
+
+    async def view(self, session_id: str) -> SessionView:
+        s = self._sessions.get(session_id)
+        meta = await self.store.get_meta(session_id)
+        if meta is None:
+            raise SessionMissingError(f"session {session_id!r} does not exist")
+        count, oldest = await self.store.snapshot_count_and_oldest(session_id)
+        model = self.models.get(meta.model)
+        config = s.config if s else SessionConfig.from_bytes(meta.config)
+        step = s.step if s else meta.step
+        return SessionView(
+            session_id=session_id,
+            model=meta.model,
+            fingerprint=meta.fingerprint,
+            step=step,
+            config=config,
+            created_at=meta.created_at,
+            updated_at=s.updated_at if s else meta.updated_at,
+            snapshot_count=count,
+            oldest_rollback_step=step if oldest is None else oldest,
+            owner=self.settings.owner if s else "",
+            resident=s is not None,
+            input_dim=0 if model is None or model.config.is_token_model else model.config.input_dim,
+            output_dim=0 if model is None else model.config.output_dim,
+            token_input=model is not None and model.config.is_token_model,
+            closed=meta.closed,
+        )
+
+    async def list(
+        self, page_size: int, page_token: str, model: str
+    ) -> tuple[list[SessionView], str]:
+        size = min(page_size or self.settings.list_page_size, self.settings.max_list_page_size)
+        ids = await self.store.list_session_ids(page_token, size)
+        views = []
+        for session_id in ids:
+            with contextlib.suppress(SessionMissingError):  # closed meanwhile
+                v = await self.view(session_id)
+                if not model or v.model == model:
+                    views.append(v)
+        return views, (ids[-1] if len(ids) == size else "")
+
+    # ------------------------------------------------------------------ steps
+
+    async def submit(
+        self, session_id: str, step: int, value: object
+    ) -> asyncio.Future[StepOutcome]:
+        """Queue one step; the future resolves when it is answered (errors in the outcome).
+
+        Raises for problems found before queueing (unknown session, bad input); the session
+        is untouched then.
+        """
+        s = await self.session(session_id)
+        arr = self._check_input(s, value)
+        if len(s.queue) >= self.settings.max_queued_steps:
+            raise CapacityError(
+                f"session {session_id!r} already has {len(s.queue)} steps queued "
+                f"(limit {self.settings.max_queued_steps}); wait for answers before sending more"
+            )
+        future: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        self.steppers[s.model_name].submit(s, StepJob(step, arr, s.codec.encode(arr), future))
+        return future
+
+    def _check_input(self, s: Session, value: object) -> np.ndarray:
+        c = s.model.config
+        if c.is_token_model:
+            if not isinstance(value, int):
+                raise BadStepInputError(
+                    f"model {s.model_name!r} takes token ids, not a vector of floats"
+                )
+            if not 0 <= value < c.vocab_size:
+                raise BadStepInputError(f"token id {value} is outside [0, {c.vocab_size})")
+            return np.asarray(value, np.int64)
+        if isinstance(value, int):
+            raise BadStepInputError(f"model {s.model_name!r} takes float vectors, not token ids")
+        arr = np.asarray(value, np.float32)
+        if arr.shape != (c.input_dim,):
+            raise BadStepInputError(
+                f"model {s.model_name!r} takes vectors of {c.input_dim} values, got {arr.size}"
+            )
+        if not np.isfinite(arr).all():
+            raise BadStepInputError("input vector contains NaN or Inf")
+        return arr
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def snapshot(self, session_id: str, label: str) -> SnapshotRecord:
+        if len(label) > 128:
+            raise BadSessionIdError("snapshot labels are at most 128 characters")
+        s = await self.session(session_id)
+        async with s.exclusive():
+            if label and await self.store.snapshot_by_label(s.id, label) is not None:
+                raise LabelTakenError(f"label {label!r} already names a snapshot of {s.id!r}")
+            event = await self.write_snapshot(s, s.step, s.state, "manual", label)
+        record = await self.store.snapshot_by_id(s.id, event.snapshot_id)
+        if record is None:  # retention dropped it at once (max_snapshots reached by others)
+            raise SnapshotMissingError(f"snapshot {event.snapshot_id} was trimmed by retention")
+        return record
+
+    async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
+        await self._meta(session_id)
+        return await self.store.list_snapshots(session_id)
+
+    async def write_snapshot(
+        self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
+    ) -> SnapshotEvent:
+        """Flush the inputs up to ``step``, then commit a checkpoint of ``state`` at ``step``.
+
+        The caller holds the session (a stepper batch or :meth:`Session.exclusive`).
+        """
+        await self.flush_unflushed(s, step)
+        blob = self._checkpoint(s, step, state, reason, label).encode()
+        piece = self.store.settings.piece_bytes
+        record = SnapshotRecord(
+            snapshot_id=f"{step:012d}-{secrets.token_hex(4)}",  # the writer picks the id
+            step=step,
+            label=label,
+            reason=reason,
+            created_at=time.time(),
+            size=len(blob),
+            pieces=max(1, -(-len(blob) // piece)),
+        )
+        await self.store.commit_snapshot(s.id, record, blob, s.config.max_snapshots)
+        s.last_snapshot_step = step
+        return SnapshotEvent(record.snapshot_id, step, reason)
+
+    def _checkpoint(
+        self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
+    ) -> Checkpoint:
+        first, raw = s.recent.history(step, s.config.history_window)
+        inputs = s.codec.decode_many(raw) if raw else s.codec.empty()
+        return Checkpoint(
+            session_id=s.id,
+            step=step,
+            model_id=s.model_name,
+            fingerprint=s.model.fingerprint,
+            state=state,
+            history=InputHistory(first, inputs),
+            meta=CheckpointMeta(reason=reason, label=label or None),
+        )
+
+    async def flush_unflushed(self, s: Session, upto: int) -> None:
+        """Write the session's unflushed inputs with step <= ``upto`` to the log."""
+        entries = [(step, raw) for step, raw in s.recent.unflushed if step <= upto]
+        if not entries:
+            return
+        (error,) = await self.store.append_logs(
+            [(s.id, entries[0][0], [raw for _, raw in entries])], time.time()
+        )
+        if error is not None:
+            raise error
+        s.recent.unflushed = s.recent.unflushed[len(entries) :]
+
+    # ------------------------------------------------------------------ rollback and replay
+
+    async def rollback(self, session_id: str, target: RollbackTarget) -> RollbackResult:
+        s = await self.session(session_id)
+        async with s.exclusive():
+            record: SnapshotRecord | None = None
+            if target.snapshot_id is not None:
+                record = await self.store.snapshot_by_id(s.id, target.snapshot_id)
+                if record is None:
+                    raise SnapshotMissingError(
+                        f"session {s.id!r} has no snapshot {target.snapshot_id!r}"
+                    )
+                t = record.step
+            elif target.label is not None:
+                record = await self.store.snapshot_by_label(s.id, target.label)
+                if record is None:
+                    raise SnapshotMissingError(
+                        f"session {s.id!r} has no snapshot labelled {target.label!r}"
+                    )
+                t = record.step
+            elif target.steps_back is not None:
+                if target.steps_back > s.step:
+                    raise RollbackRangeError(
+                        f"cannot go {target.steps_back} steps back: session {s.id!r} is at "
+                        f"step {s.step}"
+                    )
+                t = s.step - target.steps_back
+            elif target.step is not None:
+                t = target.step
+            else:
+                raise BadStepInputError(
+                    "rollback needs a snapshot id, a label, a step or steps back"
+                )
+            if t > s.step:
+                raise RollbackRangeError(
+                    f"cannot roll session {s.id!r} forward to step {t}: it is at step {s.step}"
+                )
+            step, snapshot_id, replayed = await self.restore_to(s, t, record)
+            return RollbackResult(step, snapshot_id, replayed)
+
+    async def newest_snapshot_step(self, session: Session, at_most: int) -> int | None:
+        record = await self.store.snapshot_at_or_before(session.id, at_most)
+        return None if record is None else record.step
+
+    async def restore_to(
+        self, s: Session, target: int, record: SnapshotRecord | None = None
+    ) -> tuple[int, str, int]:
+        """Put ``s`` exactly at step ``target``; returns (step, snapshot used, replayed).
+
+        Computes everything first and changes Redis (the history cut) last, so a failure
+        anywhere leaves the session as it was. The caller holds the session.
+        """
+        if record is None:
+            record = await self.store.snapshot_at_or_before(s.id, target)
+            if record is None:
+                _count, oldest = await self.store.snapshot_count_and_oldest(s.id)
+                raise RollbackRangeError(
+                    f"session {s.id!r} cannot reach step {target}: its oldest kept snapshot "
+                    f"is at step {oldest} (retention keeps {s.config.max_snapshots})"
+                )
+        _ckpt, state, outputs, inputs = await self._rebuild(s, record, target)
+        await self.store.cut_history(s.id, target, s.step, time.time())
+        s.state, s.step = state, target
+        s.recent.cut_after(target)
+        first = record.step + 1
+        if s.recent.input_at(target) is None:  # refill what replay computed
+            for i, out in enumerate(outputs):
+                s.recent.inputs.append((first + i, inputs[i]))
+                s.recent.outputs.append((first + i, out))
+        s.last_snapshot_step = record.step
+        return target, record.snapshot_id, target - record.step
+
+    async def _rebuild(
+        self, s: Session, record: SnapshotRecord, target: int
+    ) -> tuple[Checkpoint, SessionState, list[np.ndarray], list[bytes]]:
+        """The state at ``target``: snapshot ``record`` plus replay; with the outputs."""
+        ckpt = await self._read_checkpoint(s.id, record, s.model)
+        raw = await self._inputs(s, record.step + 1, target)
+        if not raw:
+            return ckpt, ckpt.state, [], []
+        outputs, state = s.model.run(s.codec.decode_many(raw), ckpt.state)
+        guarded = [
+            check_output(s.config.guards, record.step + 1 + i, out).output
+            for i, out in enumerate(outputs)
+        ]
+        return ckpt, state, guarded, raw
+
+    async def _read_checkpoint(
+        self, session_id: str, record: SnapshotRecord, model: MambaModel
+    ) -> Checkpoint:
+        blob = await self.store.read_blob(session_id, record)
+        try:
+            ckpt = Checkpoint.decode(blob)
+            ckpt.check_model(model)
+        except CheckpointError as exc:
+            raise ModelMismatchError(
+                f"snapshot {record.snapshot_id} of session {session_id!r} is unusable: {exc}"
+            ) from None
+        return ckpt
+
+    async def _inputs(self, s: Session, first: int, last: int) -> list[bytes]:
+        """Inputs of steps first..last: from memory when it has them, else the log."""
+        if last < first:
+            return []
+        ring = [s.recent.input_at(step) for step in range(first, last + 1)]
+        if all(raw is not None for raw in ring):
+            return ring  # type: ignore[return-value]
+        split = s.recent.unflushed[0][0] if s.recent.unflushed else last + 1
+        stored = await self.store.read_log(s.id, first, min(last, split - 1))
+        memory = [raw for step, raw in s.recent.unflushed if first <= step <= last]
+        return stored + memory
+
+    async def output_at(self, session: Session, step: int) -> np.ndarray:
+        """The (guarded) output of an applied step that is no longer in memory: replay it."""
+        record = await self.store.snapshot_at_or_before(session.id, step - 1)
+        if record is None:
+            raise RollbackRangeError(
+                f"step {step} of session {session.id!r} is older than its kept history, so "
+                f"its output cannot be sent again"
+            )
+        *_, outputs, _raw = await self._rebuild(session, record, step)
+        return outputs[-1]
+
+    # ------------------------------------------------------------------ close, export, import
+
+    async def close(self, session_id: str, final_snapshot: bool) -> tuple[int, str]:
+        s = await self.session(session_id)
+        async with s.exclusive():
+            snapshot_id = ""
+            if final_snapshot:
+                event = await self.write_snapshot(s, s.step, s.state, "close")
+                snapshot_id = event.snapshot_id
+            await self.store.close_session(s.id, snapshot_id)
+            s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
+            self._sessions.pop(s.id, None)
+            return s.step, snapshot_id
+
+    async def export(self, session_id: str, snapshot_id: str) -> bytes:
+        meta = await self._meta(session_id, allow_closed=True)
+        if snapshot_id or meta.closed:
+            record = (
+                await self.store.snapshot_by_id(session_id, snapshot_id)
+                if snapshot_id
+                else await self.store.snapshot_at_or_before(session_id, meta.step)
+            )
+            if record is None:
+                raise SnapshotMissingError(
+                    f"session {session_id!r} has no snapshot {snapshot_id!r}"
+                )
+            return await self.store.read_blob(session_id, record)
+        s = await self.session(session_id)
+        async with s.exclusive():
+            return self._checkpoint(s, s.step, s.state, "export").encode()
+
+    async def import_checkpoint(
+        self,
+        blob: bytes,
+        session_id: str,
+        model_name: str,
+        config: SessionConfig,
+        replace: bool,
+    ) -> SessionView:
+        ckpt = Checkpoint.decode(blob)
+        if model_name:
+            model = self._model(model_name)
+        else:
+            found = [n for n, m in self.models.items() if m.fingerprint == ckpt.fingerprint]
+            if not found:
+                raise ModelMismatchError(
+                    f"no model on this worker has the checkpoint's fingerprint "
+                    f"{ckpt.fingerprint[:16]} (model {ckpt.model_id!r}); loaded: "
+                    f"{', '.join(sorted(self.models))}"
+                )
+            model_name, model = found[0], self.models[found[0]]
+        ckpt.check_model(model)
+        session_id = self._new_id(session_id or ckpt.session_id)
+        config = config.resolve(self.settings.defaults, model.config.output_dim)
+        self._check_capacity()
+        if replace:
+            await self._drop_for_replace(session_id)
+        now = time.time()
+        meta = SessionMeta(
+            session_id, model_name, model.fingerprint, ckpt.step, ckpt.step + 1,
+            config.to_bytes(), now, now, False,
+        )  # fmt: skip
+        await self.store.create_session(meta)
+        s = self._resident(session_id, model, model_name, config, ckpt.state, ckpt.step, now)
+        self._remember_history(s, ckpt.history)
+        await self._first_snapshot(s, "import")
+        return await self.view(session_id)
+
+    async def _drop_for_replace(self, session_id: str) -> None:
+        s = self._sessions.get(session_id)
+        if s is not None:
+            async with s.exclusive():
+                s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
+                self._sessions.pop(session_id, None)
+        await self.store.close_session(session_id)
+
+    # ------------------------------------------------------------------ residency
+
+    async def session(self, session_id: str) -> Session:
+        """The resident session, loading it from the store if it is not in memory."""
+        s = self._sessions.get(session_id)
+        if s is not None and s.gone is None:
+            return s
+        pending = self._loading.get(session_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
+        self._loading[session_id] = future
+        try:
+            s = await self._load(session_id)
+            future.set_result(s)
+            return s
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters get it via shield
+            raise
+        finally:
+            del self._loading[session_id]
+
+    async def _load(self, session_id: str) -> Session:
+        meta = await self._meta(session_id)
+        model = self.models.get(meta.model)
+        if model is None:
+            raise UnknownModelError(
+                f"session {session_id!r} runs model {meta.model!r}, which this worker does not "
+                f"serve (it serves {', '.join(sorted(self.models))})"
+            )
+        if model.fingerprint != meta.fingerprint:
+            raise ModelMismatchError(
+                f"session {session_id!r} was made with other weights of model {meta.model!r} "
+                f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]})"
+            )
+        self._check_capacity()
+        config = SessionConfig.from_bytes(meta.config)
+        record = await self.store.snapshot_at_or_before(session_id, meta.step)
+        if record is None:
+            raise SessionClosedError(f"session {session_id!r} has no snapshot to restore from")
+        s = self._resident(
+            session_id, model, meta.model, config, model.new_state(), record.step, meta.created_at
+        )
+        ckpt, state, outputs, raw = await self._rebuild(s, record, meta.step)
+        self._remember_history(s, ckpt.history)
+        for i, out in enumerate(outputs):
+            s.recent.inputs.append((record.step + 1 + i, raw[i]))
+            s.recent.outputs.append((record.step + 1 + i, out))
+        s.state, s.step, s.last_snapshot_step = state, meta.step, record.step
+        self._sessions[session_id] = s
+        log.info(
+            "session %s restored at step %d (snapshot %d + %d replayed)",
+            session_id,
+            meta.step,
+            record.step,
+            len(outputs),
+        )
+        return s
+
+    def _resident(
+        self,
+        session_id: str,
+        model: MambaModel,
+        model_name: str,
+        config: SessionConfig,
+        state: SessionState,
+        step: int,
+        created_at: float,
+    ) -> Session:
+        stepper = self.steppers[model_name]
+        recent = RecentSteps(max(config.history_window, 1), self.settings.output_window)
+        return Session(
+            session_id, model, model_name, config, state, step, created_at, recent, stepper.notify
+        )
+
+    @staticmethod
+    def _remember_history(s: Session, history: InputHistory) -> None:
+        for i in range(len(history.inputs)):
+            s.recent.inputs.append((history.first_step + i, s.codec.encode(history.inputs[i])))
+
+    async def _unload(self, s: Session, reason: str) -> None:
+        """Snapshot ``s`` if it moved since its last snapshot, then drop it from memory."""
+        async with s.exclusive():
+            if s.step != s.last_snapshot_step or s.recent.unflushed:
+                await self.write_snapshot(s, s.step, s.state, reason)
+            s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
+            self._sessions.pop(s.id, None)
+
+    async def _evict_idle(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.idle_check_s)
+            now = time.monotonic()
+            for s in list(self._sessions.values()):
+                ttl = s.config.idle_ttl_s
+                if ttl and not s.queue and not s.busy and now - s.last_active > ttl:
+                    try:
+                        await self._unload(s, "idle")
+                    except SsmserveError as exc:
+                        log.warning("session %s: idle eviction failed: %s", s.id, exc)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _model(self, name: str) -> MambaModel:
+        model = self.models.get(name)
+        if model is None:
+            raise UnknownModelError(
+                f"model {name!r} is not served here (models: {', '.join(sorted(self.models))})"
+            )
+        return model
+
+    def _new_id(self, session_id: str) -> str:
+        if not session_id:
+            return secrets.token_hex(8)
+        if not SESSION_ID_PATTERN.fullmatch(session_id):
+            raise BadSessionIdError(
+                f"session id {session_id[:64]!r} is invalid: use 1-128 letters, digits, '.', "
+                f"'_' or '-', starting with a letter or digit"
+            )
+        return session_id
+
+    def _check_capacity(self) -> None:
+        if len(self._sessions) >= self.settings.max_sessions:
+            raise CapacityError(
+                f"this worker already holds {len(self._sessions)} sessions "
+                f"(max_sessions {self.settings.max_sessions})"
+            )
+
+    async def _meta(self, session_id: str, allow_closed: bool = False) -> SessionMeta:
+        meta = await self.store.get_meta(session_id)
+        if meta is None:
+            raise SessionMissingError(f"session {session_id!r} does not exist")
+        if meta.closed and not allow_closed:
+            raise SessionClosedError(
+                f"session {session_id!r} is closed; its final snapshot can still be exported"
+            )
+        return meta

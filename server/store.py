@@ -1,0 +1,582 @@
+"""Redis I/O for sessions: every key name and every Lua script lives in this module.
+
+Key layout (``P`` is the key prefix, ``ssm`` by default; ``{sid}`` is a Redis Cluster hash
+tag, so all keys of one session sit in one slot and one script may touch them together)::
+
+    P:sessions                   ZSET   every session id, score 0 (paged with ZRANGEBYLEX)
+    P:{sid}:meta                 HASH   model, fingerprint, step, log_start, config, times
+    P:{sid}:log                  HASH   step -> raw input bytes (float32 or int64, LE)
+    P:{sid}:snaps                ZSET   snapshot id, scored by its step
+    P:{sid}:snap:<id>            HASH   step, label, reason, created_at, size, pieces
+    P:{sid}:blob:<id>:<i>        STRING piece i of a committed snapshot's checkpoint bytes
+    P:{sid}:stage:<id>:<i>       STRING a piece written but not committed yet (expires)
+    P:{sid}:labels               HASH   label -> snapshot id
+
+Writing a snapshot is two phases (DESIGN.md, "Redis over loopback"): plain ``SET``s put the
+blob into staging keys in pieces of at most ``piece_bytes``; a small script then renames
+the pieces into place and updates the index. Big payloads never pass through Lua, where
+they would block Redis for the whole copy. The writer picks the snapshot id before the
+first attempt, so a retried commit finds its id already committed and does nothing; every
+other write here is also safe to repeat, because redis-py retries failed commands.
+
+``meta.step`` is the durable step: the step a session comes back at after its worker is
+gone. Logged inputs cover ``log_start .. step``; ``log_start - 1`` is the step of the
+oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from server.errors import ErrorKind, SsmserveError
+
+T = TypeVar("T")
+
+#: session ids: safe in key names (no braces, which would break the hash tag) and URLs.
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class StoreError(SsmserveError):
+    """Redis said no in a way that is not the caller's fault."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class StoreUnavailableError(StoreError):
+    """Redis cannot be reached (or timed out); the request may be retried."""
+
+
+class SessionMissingError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class SessionExistsError(SsmserveError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+class SessionClosedError(SsmserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class LabelTakenError(SsmserveError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    session_id: str
+    model: str
+    fingerprint: str
+    step: int  # durable step
+    log_start: int  # first step with a logged input
+    config: bytes  # SessionConfig.to_bytes()
+    created_at: float
+    updated_at: float
+    closed: bool
+
+    @classmethod
+    def from_hash(cls, session_id: str, raw: dict[bytes, bytes]) -> SessionMeta:
+        return cls(
+            session_id=session_id,
+            model=raw[b"model"].decode(),
+            fingerprint=raw[b"fingerprint"].decode(),
+            step=int(raw[b"step"]),
+            log_start=int(raw[b"log_start"]),
+            config=raw[b"config"],
+            created_at=float(raw[b"created_at"]),
+            updated_at=float(raw[b"updated_at"]),
+            closed=raw.get(b"closed", b"0") == b"1",
+        )
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    snapshot_id: str
+    step: int
+    label: str
+    reason: str
+    created_at: float
+    size: int
+    pieces: int
+
+    @classmethod
+    def from_hash(cls, snapshot_id: str, raw: dict[bytes, bytes]) -> SnapshotRecord:
+        return cls(
+            snapshot_id=snapshot_id,
+            step=int(raw[b"step"]),
+            label=raw[b"label"].decode(),
+            reason=raw[b"reason"].decode(),
+            created_at=float(raw[b"created_at"]),
+            size=int(raw[b"size"]),
+            pieces=int(raw[b"pieces"]),
+        )
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one session."""
+
+    prefix: str
+    session_id: str
+
+    def _k(self, suffix: str) -> str:
+        return f"{self.prefix}:{{{self.session_id}}}:{suffix}"
+
+    @property
+    def meta(self) -> str:
+        return self._k("meta")
+
+    @property
+    def log(self) -> str:
+        return self._k("log")
+
+    @property
+    def snaps(self) -> str:
+        return self._k("snaps")
+
+    @property
+    def labels(self) -> str:
+        return self._k("labels")
+
+    @property
+    def base(self) -> str:
+        """The common head of the keys scripts build themselves (snap, blob, stage)."""
+        return self._k("")
+
+    def snap(self, snapshot_id: str) -> str:
+        return self._k(f"snap:{snapshot_id}")
+
+    def blob(self, snapshot_id: str, piece: int) -> str:
+        return self._k(f"blob:{snapshot_id}:{piece}")
+
+    def stage(self, snapshot_id: str, piece: int) -> str:
+        return self._k(f"stage:{snapshot_id}:{piece}")
+
+
+# ---------------------------------------------------------------------------- scripts
+# Each script touches only keys of one session (one hash tag). Keys derived inside a
+# script (snap:<id>, blob:<id>:<i>) share that tag, so they live in the same slot.
+# Errors are returned as "ERR_<KIND> message" strings so Python can type them.
+
+# A helper shared by the scripts that drop snapshots: delete one snapshot and its label.
+_DROP_SNAPSHOT = """
+local function drop_snapshot(base, snaps, labels, id)
+    local snap = base .. 'snap:' .. id
+    local pieces = tonumber(redis.call('HGET', snap, 'pieces') or '0')
+    local label = redis.call('HGET', snap, 'label')
+    for i = 0, pieces - 1 do
+        redis.call('DEL', base .. 'blob:' .. id .. ':' .. i)
+    end
+    if label and label ~= '' and redis.call('HGET', labels, label) == id then
+        redis.call('HDEL', labels, label)
+    end
+    redis.call('DEL', snap)
+    redis.call('ZREM', snaps, id)
+end
+"""
+
+# KEYS: meta, index. ARGV: session id, then field/value pairs of the meta hash.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+    return 'ERR_EXISTS'
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+return 'OK'
+"""
+
+# KEYS: meta, log. ARGV: first step, updated_at, then one input per step.
+# Safe to repeat: the same step gets the same bytes again.
+_LOG_APPEND = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return 'ERR_MISSING session is gone from the store'
+end
+if redis.call('HGET', KEYS[1], 'closed') == '1' then
+    return 'ERR_CLOSED session is closed'
+end
+local first = tonumber(ARGV[1])
+local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
+if first > durable + 1 then
+    return 'ERR_GAP log append at step ' .. first .. ' but the log ends at ' .. durable
+end
+local last = first + #ARGV - 3
+for i = 3, #ARGV do
+    redis.call('HSET', KEYS[2], tostring(first + i - 3), ARGV[i])
+end
+redis.call('HSET', KEYS[1], 'step', last, 'updated_at', ARGV[2])
+return 'OK'
+"""
+
+# KEYS: meta, snaps, labels, log. ARGV: base, id, step, pieces, label, reason,
+# created_at, size, max_snapshots, stage_ttl_unused.
+# Renames the staged pieces into place, indexes the snapshot, then applies retention:
+# at most max_snapshots are kept, and log entries at or before the oldest kept one go.
+_COMMIT_SNAPSHOT = (
+    _DROP_SNAPSHOT
+    + """
+local base, id = ARGV[1], ARGV[2]
+local step, pieces, label = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return 'ERR_MISSING session is gone from the store'
+end
+if redis.call('ZSCORE', KEYS[2], id) then
+    return 'OK'  -- a retried commit: already done
+end
+if label ~= '' and redis.call('HEXISTS', KEYS[3], label) == 1 then
+    return 'ERR_LABEL label ' .. label .. ' already names a snapshot'
+end
+for i = 0, pieces - 1 do
+    if redis.call('EXISTS', base .. 'stage:' .. id .. ':' .. i) == 0 then
+        return 'ERR_STAGE staged piece ' .. i .. ' of snapshot ' .. id .. ' is missing'
+    end
+end
+for i = 0, pieces - 1 do
+    local blob = base .. 'blob:' .. id .. ':' .. i
+    redis.call('RENAME', base .. 'stage:' .. id .. ':' .. i, blob)
+    redis.call('PERSIST', blob)
+end
+redis.call('HSET', base .. 'snap:' .. id, 'step', step, 'label', label, 'reason', ARGV[6],
+    'created_at', ARGV[7], 'size', ARGV[8], 'pieces', pieces)
+redis.call('ZADD', KEYS[2], step, id)
+if label ~= '' then
+    redis.call('HSET', KEYS[3], label, id)
+end
+local keep = tonumber(ARGV[9])
+while redis.call('ZCARD', KEYS[2]) > keep do
+    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    drop_snapshot(base, KEYS[2], KEYS[3], oldest)
+end
+local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+local new_start = tonumber(head[2]) + 1
+local log_start = tonumber(redis.call('HGET', KEYS[1], 'log_start'))
+if new_start > log_start then
+    for s = log_start, new_start - 1 do
+        redis.call('HDEL', KEYS[4], tostring(s))
+    end
+    redis.call('HSET', KEYS[1], 'log_start', new_start)
+end
+return 'OK'
+"""
+)
+
+# KEYS: meta, snaps, labels, log. ARGV: base, step t, current in-memory step, updated_at.
+# History after t is cut: snapshots past t and logged inputs past t are deleted.
+_ROLLBACK_CUT = (
+    _DROP_SNAPSHOT
+    + """
+local base, t, upto = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return 'ERR_MISSING session is gone from the store'
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. t, '+inf')) do
+    drop_snapshot(base, KEYS[2], KEYS[3], id)
+end
+local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
+for s = t + 1, math.max(durable, upto) do
+    redis.call('HDEL', KEYS[4], tostring(s))
+end
+if durable > t then
+    redis.call('HSET', KEYS[1], 'step', t)
+end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[4])
+return 'OK'
+"""
+)
+
+# KEYS: meta, snaps, labels, log, index. ARGV: base, session id, keep (a snapshot id or '').
+# Without keep: every key of the session goes. With keep: the session is marked closed
+# and only that snapshot stays (so it can still be exported).
+_CLOSE = (
+    _DROP_SNAPSHOT
+    + """
+local base, keep = ARGV[1], ARGV[3]
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    if id ~= keep then
+        drop_snapshot(base, KEYS[2], KEYS[3], id)
+    end
+end
+redis.call('DEL', KEYS[4])
+if keep == '' then
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+    redis.call('ZREM', KEYS[5], ARGV[2])
+else
+    redis.call('HSET', KEYS[1], 'closed', '1')
+end
+return 'OK'
+"""
+)
+
+
+def _raise_script_error(reply: Any) -> None:
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    if text == "OK":
+        return
+    code, _, message = text.partition(" ")
+    error: type[SsmserveError] = {
+        "ERR_EXISTS": SessionExistsError,
+        "ERR_MISSING": SessionMissingError,
+        "ERR_CLOSED": SessionClosedError,
+        "ERR_LABEL": LabelTakenError,
+    }.get(code, StoreError)
+    raise error(message or text)
+
+
+async def _guarded(call: Callable[[], Awaitable[T]]) -> T:
+    """Run one Redis call; connection trouble becomes StoreUnavailableError."""
+    try:
+        return await call()
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise StoreUnavailableError(f"the session store (Redis) is unavailable: {exc}") from None
+    except redis_errors.RedisError as exc:
+        raise StoreError(f"the session store (Redis) failed: {exc}") from None
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    url: str
+    key_prefix: str = "ssm"
+    piece_bytes: int = 4 << 20  # snapshot blobs are SET in pieces of at most this size
+    stage_ttl_s: int = 600  # staged pieces of a commit that never came expire after this
+    socket_timeout_s: float = 5.0
+
+
+class Store:
+    """Async access to the session store. One per worker; safe to share between tasks."""
+
+    def __init__(self, settings: StoreSettings) -> None:
+        if not 1 << 20 <= settings.piece_bytes <= 4 << 20:
+            raise ValueError("piece_bytes must be between 1 MiB and 4 MiB")
+        self.settings = settings
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(
+            settings.url,
+            decode_responses=False,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.socket_timeout_s,
+        )
+        self._index = f"{settings.key_prefix}:sessions"
+        self._create = self.redis.register_script(_CREATE)
+        self._log_append = self.redis.register_script(_LOG_APPEND)
+        self._commit = self.redis.register_script(_COMMIT_SNAPSHOT)
+        self._cut = self.redis.register_script(_ROLLBACK_CUT)
+        self._close = self.redis.register_script(_CLOSE)
+
+    def keys(self, session_id: str) -> Keys:
+        return Keys(self.settings.key_prefix, session_id)
+
+    async def ping(self) -> None:
+        await _guarded(self.redis.ping)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ sessions
+
+    async def create_session(self, meta: SessionMeta) -> None:
+        k = self.keys(meta.session_id)
+        fields: list[Any] = [
+            "model", meta.model, "fingerprint", meta.fingerprint, "step", meta.step,
+            "log_start", meta.log_start, "config", meta.config, "created_at", meta.created_at,
+            "updated_at", meta.updated_at, "closed", "1" if meta.closed else "0",
+        ]  # fmt: skip
+        reply = await _guarded(
+            lambda: self._create(keys=[k.meta, self._index], args=[meta.session_id, *fields])
+        )
+        if reply == b"ERR_EXISTS":
+            raise SessionExistsError(f"session {meta.session_id!r} already exists")
+        _raise_script_error(reply)
+
+    async def get_meta(self, session_id: str) -> SessionMeta | None:
+        raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
+        return SessionMeta.from_hash(session_id, raw) if raw else None
+
+    async def set_config(self, session_id: str, config: bytes) -> None:
+        await _guarded(lambda: self.redis.hset(self.keys(session_id).meta, "config", config))
+
+    async def list_session_ids(self, after: str, count: int) -> list[str]:
+        start = f"({after}" if after else "-"
+        ids = await _guarded(
+            lambda: self.redis.zrangebylex(self._index, start, "+", start=0, num=count)
+        )
+        return [i.decode() for i in ids]
+
+    async def close_session(self, session_id: str, keep_snapshot: str = "") -> None:
+        k = self.keys(session_id)
+        reply = await _guarded(
+            lambda: self._close(
+                keys=[k.meta, k.snaps, k.labels, k.log, self._index],
+                args=[k.base, session_id, keep_snapshot],
+            )
+        )
+        _raise_script_error(reply)
+
+    # ------------------------------------------------------------------ input log
+
+    async def append_logs(
+        self, appends: Sequence[tuple[str, int, Sequence[bytes]]], updated_at: float
+    ) -> list[SsmserveError | None]:
+        """Group commit: ``(session id, first step, inputs)`` for many sessions, one round trip.
+
+        Returns one entry per append: None when it was recorded, else the error.
+        """
+        if not appends:
+            return []
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for session_id, first, inputs in appends:
+                    k = self.keys(session_id)
+                    await self._log_append(
+                        keys=[k.meta, k.log], args=[first, updated_at, *inputs], client=pipe
+                    )
+                return await pipe.execute(raise_on_error=False)
+
+        replies = await _guarded(run)
+        out: list[SsmserveError | None] = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                out.append(StoreError(f"log append failed: {reply}"))
+                continue
+            try:
+                _raise_script_error(reply)
+                out.append(None)
+            except SsmserveError as exc:
+                out.append(exc)
+        return out
+
+    async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
+        """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
+        if last < first:
+            return []
+        fields = [str(s) for s in range(first, last + 1)]
+        values = await _guarded(lambda: self.redis.hmget(self.keys(session_id).log, fields))
+        missing = [f for f, v in zip(fields, values, strict=True) if v is None]
+        if missing:
+            raise StoreError(
+                f"input log of session {session_id!r} lacks steps {missing[0]}..{missing[-1]}"
+            )
+        return list(values)
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def commit_snapshot(
+        self,
+        session_id: str,
+        record: SnapshotRecord,
+        blob: bytes,
+        max_snapshots: int,
+    ) -> None:
+        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script."""
+        k = self.keys(session_id)
+        piece = self.settings.piece_bytes
+        view = memoryview(blob)
+        pieces = max(1, -(-len(blob) // piece))
+        if record.pieces != pieces:
+            raise ValueError(f"record says {record.pieces} pieces, blob needs {pieces}")
+
+        async def stage() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in range(pieces):
+                    pipe.set(
+                        k.stage(record.snapshot_id, i),
+                        view[i * piece : (i + 1) * piece],
+                        ex=self.settings.stage_ttl_s,
+                    )
+                await pipe.execute()
+
+        await _guarded(stage)
+        args = [
+            k.base, record.snapshot_id, record.step, pieces, record.label, record.reason,
+            record.created_at, record.size, max_snapshots,
+        ]  # fmt: skip
+        reply = await _guarded(
+            lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args)
+        )
+        _raise_script_error(reply)
+
+    async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
+        k = self.keys(session_id)
+        ids = [i.decode() for i in await _guarded(lambda: self.redis.zrange(k.snaps, 0, -1))]
+        return await self._records(session_id, ids)
+
+    async def _records(self, session_id: str, ids: list[str]) -> list[SnapshotRecord]:
+        if not ids:
+            return []
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for snapshot_id in ids:
+                    pipe.hgetall(k.snap(snapshot_id))
+                return await pipe.execute()
+
+        raws = await _guarded(run)
+        return [SnapshotRecord.from_hash(i, raw) for i, raw in zip(ids, raws, strict=True) if raw]
+
+    async def snapshot_at_or_before(self, session_id: str, step: int) -> SnapshotRecord | None:
+        """The newest snapshot whose step is <= ``step``."""
+        k = self.keys(session_id)
+        ids = await _guarded(
+            lambda: self.redis.zrevrangebyscore(k.snaps, step, "-inf", start=0, num=1)
+        )
+        records = await self._records(session_id, [i.decode() for i in ids])
+        return records[0] if records else None
+
+    async def snapshot_by_id(self, session_id: str, snapshot_id: str) -> SnapshotRecord | None:
+        records = await self._records(session_id, [snapshot_id])
+        return records[0] if records else None
+
+    async def snapshot_by_label(self, session_id: str, label: str) -> SnapshotRecord | None:
+        snapshot_id = await _guarded(lambda: self.redis.hget(self.keys(session_id).labels, label))
+        if snapshot_id is None:
+            return None
+        return await self.snapshot_by_id(session_id, snapshot_id.decode())
+
+    async def read_blob(self, session_id: str, record: SnapshotRecord) -> bytes:
+        k = self.keys(session_id)
+        names = [k.blob(record.snapshot_id, i) for i in range(record.pieces)]
+        pieces = await _guarded(lambda: self.redis.mget(names))
+        if any(p is None for p in pieces):
+            raise StoreError(f"snapshot {record.snapshot_id} of {session_id!r} has lost pieces")
+        blob = b"".join(pieces)
+        if len(blob) != record.size:
+            raise StoreError(
+                f"snapshot {record.snapshot_id} is {len(blob)} bytes, index says {record.size}"
+            )
+        return blob
+
+    async def snapshot_count_and_oldest(self, session_id: str) -> tuple[int, int | None]:
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zcard(k.snaps)
+                pipe.zrange(k.snaps, 0, 0, withscores=True)
+                return await pipe.execute()
+
+        count, head = await _guarded(run)
+        return int(count), (int(head[0][1]) if head else None)
+
+    # ------------------------------------------------------------------ rollback
+
+    async def cut_history(self, session_id: str, step: int, upto: int, updated_at: float) -> None:
+        """Delete snapshots and logged inputs after ``step``; the durable step drops to it."""
+        k = self.keys(session_id)
+        reply = await _guarded(
+            lambda: self._cut(
+                keys=[k.meta, k.snaps, k.labels, k.log], args=[k.base, step, upto, updated_at]
+            )
+        )
+        _raise_script_error(reply)
+
+    async def session_keys(self, session_id: str) -> list[str]:
+        """Every key of a session (tests and operators; SCAN, so not for hot paths)."""
+        pattern = f"{self.settings.key_prefix}:{{{session_id}}}:*"
+        return sorted(
+            [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
+        )

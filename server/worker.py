@@ -1,0 +1,117 @@
+"""One worker process: models, the store, the session manager and the gRPC server.
+
+:class:`Worker` starts them in order and stops them in reverse. Stopping is graceful:
+health turns NOT_SERVING, the gRPC server stops taking calls and gives running ones
+``shutdown_grace_s`` to finish, then every resident session that moved since its last
+snapshot is snapshotted (so a restart continues where this one stopped), and the
+embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from server.model.loader import load_model
+from server.model.mamba import MambaModel
+from server.model.numerics import pin_blas_threads
+from server.service import ServiceSettings, SessionService
+from server.sessions import ManagerSettings, SessionManager
+from server.store import Store, StoreSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a worker needs; ``server/main.py`` fills it from flags and environment."""
+
+    models: tuple[tuple[str, Path], ...]  # (name, model directory) pairs
+    listen: str = "127.0.0.1:50051"  # host:port; port 0 picks a free one
+    redis_url: str | None = None  # None: start a private redis-server (embedded)
+    data_dir: Path = Path("ssmserve-data")  # the embedded Redis keeps its AOF here
+    advertise: str = ""  # address shown as a session's owner; default: the bound address
+    key_prefix: str = "ssm"
+    max_message_bytes: int = 4 << 20  # gRPC receive/send limit per message
+    shutdown_grace_s: float = 5.0
+    blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
+    manager: ManagerSettings = field(default_factory=ManagerSettings)
+    service: ServiceSettings = field(default_factory=ServiceSettings)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.embedded: EmbeddedRedis | None = None
+        self.store: Store | None = None
+        self.manager: SessionManager | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.address = ""
+
+    async def start(self) -> str:
+        """Start everything; returns the address the server listens on (host:port)."""
+        s = self.settings
+        pin_blas_threads(s.blas_threads)
+        models: dict[str, MambaModel] = {}
+        for name, directory in s.models:
+            models[name] = await asyncio.to_thread(load_model, directory, name)
+            log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
+        url = s.redis_url
+        if url is None:
+            self.embedded = EmbeddedRedis(EmbeddedRedisSettings(data_dir=s.data_dir / "redis"))
+            await asyncio.to_thread(self.embedded.start)
+            url = self.embedded.url
+            log.info("embedded redis-server on %s (data in %s)", url, s.data_dir / "redis")
+        self.store = Store(StoreSettings(url=url, key_prefix=s.key_prefix))
+        await self.store.ping()
+
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+        ]
+        self.server = grpc.aio.server(options=options)
+        port = self.server.add_insecure_port(s.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {s.listen}")
+        host = s.listen.rsplit(":", 1)[0]
+        self.address = f"{host}:{port}"
+        manager_settings = s.manager
+        if not manager_settings.owner:
+            manager_settings = replace(manager_settings, owner=s.advertise or self.address)
+        self.manager = SessionManager(models, self.store, manager_settings)
+        self.manager.start()
+        pb_grpc.add_SessionServiceServicer_to_server(
+            SessionService(self.manager, s.service), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.address
+
+    async def stop(self) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(self.settings.shutdown_grace_s)
+        if self.manager is not None:
+            await self.manager.stop()
+        if self.store is not None:
+            await self.store.aclose()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
