@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from server.atomic_file import atomic_write
+from client import session_commands
+from client.errors import CliError, SsmserveClientError
+from client.npy_files import load_npy, save_npy
 from server.errors import ModelInputError, SsmserveError
 from server.model.demo import DemoSpec, demo_config, random_tensors
 from server.model.loader import (
@@ -36,10 +38,6 @@ from server.model.numerics import blas_signature
 EXIT_USAGE = 2
 
 
-class CliError(Exception):
-    """A user-facing failure of the CLI itself (bad file, refused overwrite)."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ssmserve", description="Streaming inference-state server for SSM models."
@@ -48,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--server", metavar="HOST:PORT", help="worker to talk to (service commands)"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    session_commands.add_parsers(commands)
 
     model = commands.add_parser("model", help="work with model directories offline")
     model_cmds = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
@@ -89,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "model":
             handler = {"init-demo": _init_demo, "inspect": _inspect, "run": _run}
             handler[args.model_command](args)
+        else:
+            session_commands.run(args)
         return 0
-    except (SsmserveError, CliError) as exc:
+    except (SsmserveError, SsmserveClientError, CliError) as exc:
         print(f"ssmserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -165,7 +166,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     model = load_model(args.dir)
-    inputs = _load_npy(args.input)
+    inputs = load_npy(args.input)
     c = model.config
     if c.is_token_model:
         if inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
@@ -182,32 +183,8 @@ def _run(args: argparse.Namespace) -> None:
         outputs, _ = model.run(inputs)
     except ModelInputError as exc:
         raise ModelInputError(f"{args.input}: {exc}") from None
-    _save_npy_atomic(args.output, outputs)
+    save_npy(args.output, outputs)
     print(f"wrote {outputs.shape[0]} steps of {outputs.shape[1]} outputs to {args.output}")
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise CliError(f"{path}: no such file") from None
-    except (OSError, ValueError, EOFError) as exc:
-        raise CliError(f"{path}: not a readable .npy array: {exc}") from None
-    if not isinstance(arr, np.ndarray):
-        raise CliError(f"{path}: holds several arrays (.npz); give one .npy array")
-    return arr
-
-
-def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise CliError(f"{path}: directory {parent} does not exist")
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a name
-            np.save(f, arr, allow_pickle=False)
-
-    atomic_write(path, write)
 
 
 if __name__ == "__main__":

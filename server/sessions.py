@@ -165,6 +165,17 @@ class SessionManager:
         for stepper in self.steppers.values():
             await stepper.stop()
 
+    async def abandon(self) -> None:
+        """Stop at once and write nothing: what a crash leaves behind in Redis."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        for stepper in self.steppers.values():
+            await stepper.stop()
+        for s in list(self._sessions.values()):
+            s.fail_queued(SessionGoneError(f"session {s.id!r}: the worker stopped"))
+        self._sessions.clear()
+
     @property
     def resident_count(self) -> int:
         return len(self._sessions)

@@ -115,3 +115,14 @@ class Worker:
             await self.store.aclose()
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
+
+    async def abort(self) -> None:
+        """Stop serving at once, without the shutdown snapshots (as a crash would)."""
+        if self.server is not None:
+            await self.server.stop(0)
+        if self.manager is not None:
+            await self.manager.abandon()
+        if self.store is not None:
+            await self.store.aclose()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.kill)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
+from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from server.model.config import Architecture, MambaConfig
 from server.model.demo import DemoSpec, demo_config, random_tensors
 from server.model.loader import load_model, save_model
 from server.model.mamba import MambaModel
+from tests.harness import WorkerHarness
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 HF_CASES = sorted(p.name for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
@@ -67,3 +72,67 @@ def random_inputs(model: MambaModel, steps: int, seed: int) -> np.ndarray:
     if c.is_token_model:
         return rng.integers(0, c.vocab_size, steps)
     return rng.standard_normal((steps, c.input_dim)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- service
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Models a test worker serves: the demo signal model, an odd-dims one, a token one."""
+    root = tmp_path_factory.mktemp("served-models")
+    odd = DemoSpec(
+        input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3, conv_kernel=3, seed=11
+    )
+    dirs = {"demo": root / "demo", "odd": root / "odd", "lm": root / "lm"}
+    write_model(dirs["demo"], demo_config(DemoSpec()))
+    write_model(dirs["odd"], demo_config(odd), seed=11)
+    write_model(dirs["lm"], token_config(), seed=3)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def served_models(model_dirs: dict[str, Path]) -> dict[str, MambaModel]:
+    """The same models loaded offline: the reference the served outputs must equal."""
+    return {name: load_model(d, name=name) for name, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """A private redis-server on a free loopback port (never 6379) in a temp dir."""
+    data = tmp_path_factory.mktemp("redis")
+    with EmbeddedRedis(EmbeddedRedisSettings(data_dir=data)) as server:
+        assert server.port != 6379
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """The test Redis, emptied for this test."""
+    with redis.Redis.from_url(redis_server.url) as conn:
+        conn.flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def worker(model_dirs: dict[str, Path], redis_url: str) -> Iterator[WorkerHarness]:
+    harness = WorkerHarness(model_dirs, redis_url)
+    yield harness
+    harness.stop()
+
+
+@pytest.fixture
+def start_worker(
+    model_dirs: dict[str, Path], redis_url: str
+) -> Iterator[Callable[..., WorkerHarness]]:
+    """Start workers with custom settings; all are stopped after the test."""
+    started: list[WorkerHarness] = []
+
+    def start(**overrides: Any) -> WorkerHarness:
+        harness = WorkerHarness(model_dirs, redis_url, **overrides)
+        started.append(harness)
+        return harness
+
+    yield start
+    for harness in started:
+        harness.stop()

@@ -1,0 +1,606 @@
+"""The service end to end: a real worker (grpc.aio on loopback) on a real redis-server.
+
+Every served output is compared bit for bit with the offline engine (``MambaModel.run``)
+on the same inputs: the uninterrupted reference.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from client.aio import step_input
+from client.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StepFailed,
+)
+from server.checkpoint import Checkpoint
+from server.sessions import ManagerSettings
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+from tests.conftest import random_inputs
+
+
+def reference(model, inputs):
+    return model.run(inputs)[0]
+
+
+def stream(worker, sid, inputs, first_step=None, per_message=7):
+    outs = list(
+        worker.client.stream_steps(
+            sid, list(inputs), first_step=first_step, steps_per_message=per_message
+        )
+    )
+    return np.stack([o.output for o in outs]), outs
+
+
+def as_inputs(model, arr):
+    return [int(t) for t in arr] if model.config.is_token_model else list(arr)
+
+
+def bits(a):
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def assert_bit_equal(a, b):
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def stub(worker):
+    return pb_grpc.SessionServiceStub(grpc.insecure_channel(worker.address))
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize("name", ["demo", "odd", "lm"])
+def test_served_outputs_equal_the_offline_engine(worker, served_models, name):
+    model = served_models[name]
+    x = random_inputs(model, 30, seed=1)
+    sid = worker.client.create_session(name).session_id
+    got, outs = stream(worker, sid, as_inputs(model, x))
+    assert_bit_equal(got, reference(model, x))
+    assert [o.step for o in outs] == list(range(1, 31))
+    assert worker.client.get_session(sid).step == 30
+
+
+def test_one_stream_carries_many_sessions_and_steps(worker, served_models):
+    model = served_models["demo"]
+    sids = [worker.client.create_session("demo").session_id for _ in range(5)]
+    xs = {sid: random_inputs(model, 12, seed=i) for i, sid in enumerate(sids)}
+
+    def requests():
+        for t in range(0, 12, 4):  # 4 steps of each of 5 sessions per message
+            steps = [step_input(sid, t + k + 1, xs[sid][t + k]) for k in range(4) for sid in sids]
+            yield pb.StreamRequest(steps=steps)
+
+    outs = {sid: [] for sid in sids}
+    responses = list(stub(worker).Stream(requests()))
+    assert len(responses) == 3
+    for response in responses:
+        assert len(response.results) == 20
+        for r in response.results:
+            assert not r.HasField("error"), r.error
+            outs[r.session_id].append(np.asarray(r.output.values, np.float32))
+    for sid in sids:
+        assert_bit_equal(np.stack(outs[sid]), reference(model, xs[sid]))
+
+
+def test_resent_steps_return_the_recorded_output(worker, served_models):
+    model = served_models["demo"]
+    x = random_inputs(model, 10, seed=2)
+    sid = worker.client.create_session("demo").session_id
+    got, _ = stream(worker, sid, x)
+    other = np.full(4, 9.0, np.float32)
+    again = worker.client.step(sid, other, step=7)  # different input: still the record
+    assert again.replayed
+    assert_bit_equal(again.output, got[6])
+    assert worker.client.get_session(sid).step == 10
+    nxt, _ = stream(worker, sid, random_inputs(model, 1, seed=3))
+    full = np.concatenate([x, random_inputs(model, 1, seed=3)])
+    assert_bit_equal(nxt[0], reference(model, full)[10])
+
+
+def test_resend_older_than_memory_is_recomputed_exactly(start_worker, served_models):
+    worker = start_worker(manager=ManagerSettings(output_window=2))
+    model = served_models["odd"]
+    x = random_inputs(model, 20, seed=4)
+    sid = worker.client.create_session("odd", snapshot_every=6).session_id
+    got, _ = stream(worker, sid, x)
+    for step in (1, 5, 13, 19):
+        out = worker.client.step(sid, x[step - 1], step=step)
+        assert out.replayed
+        assert_bit_equal(out.output, got[step - 1])
+
+
+def test_a_gap_is_an_error_and_changes_nothing(worker, served_models):
+    model = served_models["demo"]
+    sid = worker.client.create_session("demo").session_id
+    stream(worker, sid, random_inputs(model, 3, seed=5))
+    with pytest.raises(StepFailed) as err:
+        worker.client.step(sid, np.zeros(4), step=5)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.reason == "STEP_GAP"
+    assert "next input is step 4" in str(err.value)
+    assert worker.client.get_session(sid).step == 3
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("value", "reason", "words"),
+    [
+        (np.zeros(3, np.float32), "BAD_STEP_INPUT", "takes vectors of 4 values, got 3"),
+        (np.array([0, np.nan, 0, 0], np.float32), "BAD_STEP_INPUT", "NaN or Inf"),
+        (np.array([0, np.inf, 0, 0], np.float32), "BAD_STEP_INPUT", "NaN or Inf"),
+        (3, "BAD_STEP_INPUT", "takes float vectors, not token ids"),
+    ],
+)
+def test_bad_inputs_are_refused_and_change_nothing(worker, served_models, value, reason, words):
+    model = served_models["demo"]
+    x = random_inputs(model, 6, seed=6)
+    sid = worker.client.create_session("demo").session_id
+    stream(worker, sid, x[:3])
+    with pytest.raises(StepFailed) as err:
+        worker.client.step(sid, value, step=4)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.reason == reason
+    assert words in str(err.value)
+    assert worker.client.get_session(sid).step == 3
+    rest, _ = stream(worker, sid, x[3:])
+    assert_bit_equal(rest, reference(model, x)[3:])
+
+
+def test_token_model_refuses_vectors_and_bad_ids(worker):
+    sid = worker.client.create_session("lm").session_id
+    for value, words in ((np.zeros(4), "takes token ids"), (37, "outside [0, 37)")):
+        with pytest.raises(StepFailed, match=words.replace("[", r"\[").replace(")", r"\)")):
+            worker.client.step(sid, value, step=1)
+    assert worker.client.get_session(sid).step == 0
+
+
+def test_unknown_session_and_model(worker):
+    with pytest.raises(NotFound, match="session 'nope' does not exist") as err:
+        worker.client.get_session("nope")
+    assert err.value.reason == "SESSION_MISSING"
+    with pytest.raises(StepFailed) as step_err:
+        worker.client.step("nope", np.zeros(4), step=1)
+    assert step_err.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(NotFound, match="model 'gpt' is not served here"):
+        worker.client.create_session("gpt")
+    for call in (
+        lambda: worker.client.rollback("nope", to_step=0),
+        lambda: worker.client.snapshot("nope"),
+        lambda: worker.client.list_snapshots("nope"),
+        lambda: worker.client.export_checkpoint("nope"),
+        lambda: worker.client.close_session("nope"),
+    ):
+        with pytest.raises(NotFound):
+            call()
+
+
+def test_create_validates_ids_and_settings(worker):
+    worker.client.create_session("demo", "s-1")
+    with pytest.raises(AlreadyExists, match="already exists"):
+        worker.client.create_session("demo", "s-1")
+    with pytest.raises(InvalidArgument, match="session id"):
+        worker.client.create_session("demo", "bad{id}")
+    bad_guard = pb.GuardRule(name="g", check=pb.GuardRule.CHECK_RANGE, max=1.0, dims=[9])
+    with pytest.raises(InvalidArgument, match="output dim 9 does not exist"):
+        worker.client.create_session("demo", guards=[bad_guard])
+    no_bounds = pb.GuardRule(name="g", check=pb.GuardRule.CHECK_RANGE)
+    with pytest.raises(InvalidArgument, match="needs min, max or both"):
+        worker.client.create_session("demo", guards=[no_bounds])
+    with pytest.raises(InvalidArgument, match="max_snapshots must be between"):
+        worker.client.create_session("demo", max_snapshots=100_000)
+    ids = [s.session_id for s in worker.client.list_sessions()]
+    assert ids == ["s-1"]
+
+
+def test_oversize_message_is_resource_exhausted(start_worker):
+    worker = start_worker(max_message_bytes=64 << 10)
+    sid = worker.client.create_session("demo").session_id
+    big = pb.StreamRequest(steps=[step_input(sid, i + 1, np.zeros(4)) for i in range(5000)])
+    assert big.ByteSize() > 64 << 10
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub(worker).Stream(iter([big])))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert worker.client.get_session(sid).step == 0
+
+
+def test_too_many_steps_in_one_message(start_worker):
+    from server.service import ServiceSettings
+
+    worker = start_worker(service=ServiceSettings(max_steps_per_message=8))
+    sid = worker.client.create_session("demo").session_id
+    msg = pb.StreamRequest(steps=[step_input(sid, i + 1, np.zeros(4)) for i in range(9)])
+    (response,) = list(stub(worker).Stream(iter([msg])))
+    assert {r.error.code for r in response.results} == {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+    assert "at most 8 steps" in response.results[0].error.message
+    assert worker.client.get_session(sid).step == 0
+
+
+# ---------------------------------------------------------------------------- rollback
+
+
+def _rollback_case(worker, model):
+    x = random_inputs(model, 40, seed=7)
+    ref = reference(model, x)
+    sid = worker.client.create_session("demo", snapshot_every=5).session_id
+    stream(worker, sid, x[:12])
+    labelled = worker.client.snapshot(sid, label="twelve")
+    stream(worker, sid, x[12:23])
+    return sid, x, ref, labelled
+
+
+@pytest.mark.parametrize("kind", ["step", "snapshot", "label", "back"])
+def test_rollback_is_bit_exact(worker, served_models, kind):
+    model = served_models["demo"]
+    sid, x, ref, labelled = _rollback_case(worker, model)
+    snaps = {s.step: s.snapshot_id for s in worker.client.list_snapshots(sid)}
+    args, want_step, want_replayed = {
+        "step": ({"to_step": 17}, 17, 2),
+        "snapshot": ({"to_snapshot": snaps[10]}, 10, 0),
+        "label": ({"to_label": "twelve"}, 12, 0),
+        "back": ({"back": 9}, 14, 2),  # from the labelled snapshot at 12
+    }[kind]
+    reply = worker.client.rollback(sid, **args)
+    assert (reply.step, reply.replayed_steps) == (want_step, want_replayed)
+    assert worker.client.get_session(sid).step == want_step
+    ckpt = Checkpoint.decode(worker.client.export_checkpoint(sid))
+    _, state = model.run(x[:want_step])
+    assert ckpt.state.bit_equal(state)
+    got, outs = stream(worker, sid, x[want_step : want_step + 10])
+    assert outs[0].step == want_step + 1
+    assert_bit_equal(got, ref[want_step : want_step + 10])
+    assert labelled.step == 12
+
+
+def test_rollback_cuts_later_history(worker, served_models):
+    model = served_models["demo"]
+    sid, x, _ref, _ = _rollback_case(worker, model)
+    worker.client.rollback(sid, to_step=7)
+    assert [s.step for s in worker.client.list_snapshots(sid)] == [0, 5]
+    other = random_inputs(model, 3, seed=99)
+    got, outs = stream(worker, sid, other)
+    assert not any(o.replayed for o in outs)  # step 8 is new again, not a resend
+    assert_bit_equal(got, reference(model, np.concatenate([x[:7], other]))[7:])
+    with pytest.raises(NotFound, match="labelled 'twelve'"):
+        worker.client.rollback(sid, to_label="twelve")
+
+
+def test_rollback_errors_change_nothing(worker, served_models):
+    sid, *_ = _rollback_case(worker, served_models["demo"])
+    with pytest.raises(FailedPrecondition, match="forward to step 30"):
+        worker.client.rollback(sid, to_step=30)
+    with pytest.raises(FailedPrecondition, match="cannot go 24 steps back"):
+        worker.client.rollback(sid, back=24)
+    with pytest.raises(NotFound, match="no snapshot 'x'"):
+        worker.client.rollback(sid, to_snapshot="x")
+    with pytest.raises(AlreadyExists, match="label 'twelve' already names"):
+        worker.client.snapshot(sid, label="twelve")
+    assert worker.client.get_session(sid).step == 23
+
+
+def test_rollback_is_ordered_with_queued_steps(worker, served_models):
+    """A rollback never lands between the steps of one message."""
+    model = served_models["demo"]
+    x = random_inputs(model, 300, seed=8)
+    sid = worker.client.create_session("demo").session_id
+    stream(worker, sid, x[:20])
+    channel_stub = stub(worker)
+    msg = pb.StreamRequest(steps=[step_input(sid, 21 + i, x[20 + i]) for i in range(280)])
+    responses = []
+    t = threading.Thread(target=lambda: responses.extend(channel_stub.Stream(iter([msg]))))
+    t.start()
+    time.sleep(0.01)
+    reply = worker.client.rollback(sid, to_step=5)
+    t.join(30)
+    errors = [r.HasField("error") for r in responses[0].results]
+    assert errors in ([False] * 280, [True] * 280)  # all before the rollback, or none
+    assert reply.step == 5
+    assert worker.client.get_session(sid).step == 5
+    got, _ = stream(worker, sid, x[5:10])
+    assert_bit_equal(got, reference(model, x)[5:10])
+
+
+# ---------------------------------------------------------------------------- guards
+
+
+def _guard_case(model, n=16, spike_at=10):
+    """Inputs, a one-dim bound, and a calm variant, found offline for a deterministic test.
+
+    Every output on dim ``d`` stays under ``bound`` except the one at ``spike_at``; with the
+    spike replaced (``calm``), every output stays under it.
+    """
+    for seed in range(50):
+        for level in (40.0, -40.0, 8.0, -8.0, 3.0, -3.0):
+            x = random_inputs(model, n, seed=seed)
+            x[spike_at] = level
+            ref = reference(model, x)
+            calm = x.copy()
+            calm[spike_at] = x[spike_at - 1]
+            calm_ref = reference(model, calm)
+            for d in range(ref.shape[1]):
+                others = np.delete(ref[:, d], spike_at)
+                top = max(others.max(), calm_ref[:, d].max())
+                if ref[spike_at, d] > top + 0.05:
+                    bound = float((top + ref[spike_at, d]) / 2)
+                    return x, calm, ref, calm_ref, d, bound
+    raise AssertionError("no guard case found")
+
+
+@pytest.mark.parametrize("action", ["report", "clamp", "reject", "rollback"])
+def test_guard_actions(worker, served_models, action):
+    model = served_models["demo"]
+    spike = 10  # step 11
+    x, calm, ref, calm_ref, dim, bound = _guard_case(model, spike_at=spike)
+    rule = pb.GuardRule(
+        name="bounds",
+        check=pb.GuardRule.CHECK_RANGE,
+        max=bound,
+        dims=[dim],
+        action=getattr(pb.GuardRule, f"ACTION_{action.upper()}"),
+    )
+    sid = worker.client.create_session("demo", snapshot_every=4, guards=[rule]).session_id
+    got, outs = stream(worker, sid, x[:spike])
+    assert_bit_equal(got, ref[:spike])
+    assert not any(o.guard_events for o in outs)
+    if action in ("report", "clamp"):
+        out = worker.client.step(sid, x[spike], step=spike + 1)
+        (event,) = out.guard_events
+        assert (event.guard, event.step, list(event.dims)) == ("bounds", spike + 1, [dim])
+        want = ref[spike].copy()
+        if action == "clamp":
+            want[dim] = np.float32(bound)
+        assert_bit_equal(out.output, want)
+        # only the answer is clamped: the state is the model's, so what follows is exact
+        got, _ = stream(worker, sid, x[spike + 1 :])
+        assert_bit_equal(got, ref[spike + 1 :])
+        return
+    with pytest.raises(StepFailed) as err:
+        worker.client.step(sid, x[spike], step=spike + 1)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    event = err.value.result.guard_events[0]
+    if action == "reject":
+        assert err.value.reason == "GUARD_REJECTED"
+        assert worker.client.get_session(sid).step == spike
+    else:
+        assert err.value.reason == "GUARD_ROLLED_BACK"
+        assert event.rolled_back_to == 8  # the newest snapshot before the violation
+        assert worker.client.get_session(sid).step == 8
+    at = worker.client.get_session(sid).step
+    got, _ = stream(worker, sid, calm[at:])
+    assert_bit_equal(got, calm_ref[at:])
+
+
+# ---------------------------------------------------------------------------- snapshots
+
+
+def test_retention_keeps_n_snapshots_and_trims_the_log(worker, served_models, redis_url):
+    model = served_models["demo"]
+    sid = worker.client.create_session("demo", snapshot_every=2, max_snapshots=3).session_id
+    stream(worker, sid, random_inputs(model, 21, seed=11))
+    snaps = worker.client.list_snapshots(sid)
+    assert [s.step for s in snaps] == [16, 18, 20]
+    info = worker.client.get_session(sid)
+    assert (info.snapshot_count, info.oldest_rollback_step) == (3, 16)
+    with redis.Redis.from_url(redis_url) as r:
+        logged = sorted(int(k) for k in r.hkeys(f"ssm:{{{sid}}}:log"))
+        assert logged == [17, 18, 19, 20, 21]
+        blobs = [k for k in r.keys(f"ssm:{{{sid}}}:blob:*")]
+        assert len(blobs) == 3
+    with pytest.raises(FailedPrecondition, match="oldest kept snapshot is at step 16"):
+        worker.client.rollback(sid, to_step=15)
+    worker.client.rollback(sid, to_step=16)
+
+
+def test_keys_of_a_session_carry_its_hash_tag(worker, served_models, redis_url):
+    model = served_models["demo"]
+    sid = worker.client.create_session("demo", snapshot_every=3).session_id
+    stream(worker, sid, random_inputs(model, 7, seed=12))
+    worker.client.snapshot(sid, label="l")
+    with redis.Redis.from_url(redis_url) as r:
+        keys = sorted(k.decode() for k in r.keys("*"))
+        session_keys = [k for k in keys if k != "ssm:sessions"]
+        assert session_keys and all(k.startswith(f"ssm:{{{sid}}}:") for k in session_keys)
+        assert {k.split(":")[2] for k in session_keys} == {
+            "meta",
+            "log",
+            "snaps",
+            "labels",
+            "snap",
+            "blob",
+        }
+        assert r.hget(f"ssm:{{{sid}}}:meta", "step") == b"7"
+
+
+def test_list_sessions_pages(worker):
+    for i in range(5):
+        worker.client.create_session("demo" if i % 2 else "odd", f"s{i}")
+    pages = []
+    token = ""
+    s = stub(worker)
+    while True:
+        page = s.ListSessions(pb.ListSessionsRequest(page_size=2, page_token=token))
+        pages.append([x.session_id for x in page.sessions])
+        token = page.next_page_token
+        if not token:
+            break
+    assert [i for p in pages for i in p] == ["s0", "s1", "s2", "s3", "s4"]
+    assert max(len(p) for p in pages) == 2
+    assert [x.session_id for x in worker.client.list_sessions(model="demo")] == ["s1", "s3"]
+
+
+def test_close_with_and_without_final_snapshot(worker, served_models, redis_url):
+    model = served_models["demo"]
+    x = random_inputs(model, 9, seed=13)
+    gone = worker.client.create_session("demo").session_id
+    kept = worker.client.create_session("demo").session_id
+    for sid in (gone, kept):
+        stream(worker, sid, x)
+    assert worker.client.close_session(gone).step == 9
+    reply = worker.client.close_session(kept, final_snapshot=True)
+    assert reply.snapshot_id
+    with pytest.raises(NotFound):
+        worker.client.get_session(gone)
+    with redis.Redis.from_url(redis_url) as r:
+        assert r.keys(f"ssm:{{{gone}}}:*") == []
+    info = worker.client.get_session(kept)
+    assert info.closed and not info.resident and info.snapshot_count == 1
+    with pytest.raises(StepFailed) as err:
+        worker.client.step(kept, x[0], step=10)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    ckpt = Checkpoint.decode(worker.client.export_checkpoint(kept))
+    assert ckpt.step == 9 and ckpt.state.bit_equal(model.run(x)[1])
+
+
+# ---------------------------------------------------------------------------- export / import
+
+
+def test_export_import_round_trip(worker, served_models):
+    model = served_models["odd"]
+    x = random_inputs(model, 30, seed=14)
+    ref = reference(model, x)
+    sid = worker.client.create_session("odd", snapshot_every=4).session_id
+    stream(worker, sid, x[:17])
+    blob = worker.client.export_checkpoint(sid)
+    info = worker.client.import_checkpoint(blob, "copy")
+    assert (info.session_id, info.step, info.model) == ("copy", 17, "odd")
+    for target in (sid, "copy"):
+        got, _ = stream(worker, target, x[17:])
+        assert_bit_equal(got, ref[17:])
+    with pytest.raises(AlreadyExists):
+        worker.client.import_checkpoint(blob, "copy")
+    back = worker.client.import_checkpoint(blob, "copy", replace=True)
+    assert back.step == 17
+    got, _ = stream(worker, "copy", x[17:20])
+    assert_bit_equal(got, ref[17:20])
+    snap = worker.client.list_snapshots(sid)[1]
+    old = Checkpoint.decode(worker.client.export_checkpoint(sid, snap.snapshot_id))
+    assert old.step == snap.step and old.state.bit_equal(model.run(x[: snap.step])[1])
+
+
+def test_import_refuses_foreign_and_corrupt_checkpoints(worker, served_models):
+    sid = worker.client.create_session("odd").session_id
+    stream(worker, sid, random_inputs(served_models["odd"], 3, seed=15))
+    blob = worker.client.export_checkpoint(sid)
+    with pytest.raises(FailedPrecondition, match="not 'demo'") as err:
+        worker.client.import_checkpoint(blob, "x", model="demo")
+    assert err.value.reason == "CHECKPOINT_MODEL_MISMATCH"
+    corrupt = bytearray(blob)
+    corrupt[100] ^= 1
+    with pytest.raises(InvalidArgument, match="checksum") as err2:
+        worker.client.import_checkpoint(bytes(corrupt), "x")
+    assert err2.value.reason == "CHECKPOINT_CHECKSUM"
+    with pytest.raises(InvalidArgument, match="bad magic"):
+        worker.client.import_checkpoint(b"hello", "x")
+    with pytest.raises(NotFound):
+        worker.client.get_session("x")
+
+
+def _import_stream(worker, messages):
+    return stub(worker).ImportCheckpoint(iter(messages))
+
+
+@pytest.mark.parametrize(
+    ("order", "words"),
+    [
+        ("no-header", "first message must be the header"),
+        ("swapped", "chunk 1 arrived where chunk 0 was expected"),
+        ("missing-last", "without the last chunk"),
+        ("after-last", "arrived after the last chunk"),
+        ("wrong-total", "says the total is"),
+    ],
+)
+def test_import_checks_chunk_order(worker, served_models, order, words):
+    sid = worker.client.create_session("demo").session_id
+    blob = worker.client.export_checkpoint(sid)
+    half = len(blob) // 2
+    header = pb.ImportCheckpointRequest(header=pb.ImportHeader(session_id="y"))
+
+    def chunk(i, data, last, total=len(blob)):
+        return pb.ImportCheckpointRequest(
+            chunk=pb.CheckpointChunk(index=i, data=data, total_size=total, last=last)
+        )
+
+    c0, c1 = chunk(0, blob[:half], False), chunk(1, blob[half:], True)
+    messages = {
+        "no-header": [c0, c1],
+        "swapped": [header, c1, c0],
+        "missing-last": [header, c0],
+        "after-last": [header, c0, c1, chunk(2, b"", True)],
+        "wrong-total": [header, c0, chunk(1, blob[half:], True, total=len(blob) + 1)],
+    }[order]
+    with pytest.raises(grpc.RpcError) as err:
+        _import_stream(worker, messages)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details()
+    with pytest.raises(NotFound):
+        worker.client.get_session("y")
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+
+def test_idle_sessions_are_evicted_and_restored_exactly(start_worker, served_models):
+    worker = start_worker(manager=ManagerSettings(idle_check_s=0.05))
+    model = served_models["demo"]
+    x = random_inputs(model, 20, seed=16)
+    sid = worker.client.create_session("demo", snapshot_every=4, idle_ttl_s=0.2).session_id
+    stream(worker, sid, x[:9])
+    deadline = time.monotonic() + 10
+    while worker.client.get_session(sid).resident and time.monotonic() < deadline:
+        time.sleep(0.05)
+    info = worker.client.get_session(sid)
+    assert not info.resident and info.step == 9
+    got, _ = stream(worker, sid, x[9:])
+    assert_bit_equal(got, reference(model, x)[9:])
+
+
+@pytest.mark.parametrize(
+    ("durability", "survives"), [(pb.DURABILITY_LOG, 13), (pb.DURABILITY_SNAPSHOT, 10)]
+)
+def test_a_new_worker_continues_after_a_crash(start_worker, served_models, durability, survives):
+    """The first worker stops without its shutdown snapshots (a crash, as Redis sees it)."""
+    model = served_models["demo"]
+    x = random_inputs(model, 24, seed=17)
+    first = start_worker()
+    sid = first.client.create_session("demo", snapshot_every=5, durability=durability).session_id
+    stream(first, sid, x[:13])
+    first.crash()
+    second = start_worker()
+    info = second.client.get_session(sid)
+    assert info.step == survives and not info.resident
+    got, _ = stream(second, sid, x[survives:])
+    assert_bit_equal(got, reference(model, x)[survives:])
+    again = second.client.step(sid, x[survives - 1], step=survives)
+    assert again.replayed
+    assert_bit_equal(again.output, reference(model, x)[survives - 1])
+
+
+def test_health_and_reflection(worker):
+    channel = grpc.insecure_channel(worker.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "ssmserve.v1.SessionService"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in answer.list_services_response.service}
+    assert "ssmserve.v1.SessionService" in names
+    assert "grpc.health.v1.Health" in names
