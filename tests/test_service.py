@@ -15,6 +15,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from client.aio import step_input
 from client.errors import (
@@ -22,13 +24,10 @@ from client.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     StepFailed,
 )
 from server.checkpoint import Checkpoint
 from server.sessions import ManagerSettings
-from ssmserve.v1 import ssmserve_pb2 as pb
-from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 from tests.conftest import random_inputs
 
 
@@ -531,7 +530,8 @@ def test_import_checks_chunk_order(worker, served_models, order, words):
     half = len(blob) // 2
     header = pb.ImportCheckpointRequest(header=pb.ImportHeader(session_id="y"))
 
-    def chunk(i, data, last, total=len(blob)):
+    def chunk(i, data, last, total=None):
+        total = len(blob) if total is None else total
         return pb.ImportCheckpointRequest(
             chunk=pb.CheckpointChunk(index=i, data=data, total_size=total, last=last)
         )
