@@ -226,7 +226,10 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
     return 'ERR_MISSING session is gone from the store'
 end
 if redis.call('ZSCORE', KEYS[2], id) then
-    return 'OK'  -- a retried commit: already done
+    for i = 0, pieces - 1 do  -- a retried commit: already done; drop the re-staged copy
+        redis.call('DEL', base .. 'stage:' .. id .. ':' .. i)
+    end
+    return 'OK'
 end
 if label ~= '' and redis.call('HEXISTS', KEYS[3], label) == 1 then
     return 'ERR_LABEL label ' .. label .. ' already names a snapshot'
