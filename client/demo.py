@@ -1,26 +1,34 @@
-"""The quick-start demo (``./dev demo``), offline until the service lands.
+"""The quick-start demo (``./dev demo``): a real worker, a real Redis, a client.
 
-It writes the demo signal Mamba (once) to ``demo-data/model``, streams a synthetic
-multi-channel signal through it one step at a time, checkpoints the session half-way,
-restores it from the checkpoint bytes and shows the continuation is bit-identical, then
-steps many sessions in one batch and shows each equals its solo run.
+1. Starts ``ssmserve-server --demo`` (the demo signal model, a private redis-server with
+   AOF in ``demo-data/``) on a free loopback port.
+2. A monitor calibrates: it streams a calm signal through a scratch session to learn the
+   normal range of the predictions, and finds a spike that leaves it.
+3. Creates a session guarded by that range (action: rollback), streams the signal and
+   prints predictions, labels a snapshot, then sends the spike: the guard rolls the
+   session back to its newest snapshot before the violation.
+4. The monitor rolls back explicitly to the labelled snapshot, the stream resumes, and
+   the outputs are checked bit for bit against an untouched reference session.
+5. Prints a summary and stops the server with SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from ssmserve.v1 import ssmserve_pb2 as pb
 
-from server.checkpoint import Checkpoint, CheckpointMeta, InputHistory
-from server.model.demo import DemoSpec, demo_config, random_tensors
-from server.model.loader import CONFIG_FILE, load_model, save_model
-from server.model.mamba import MambaModel
-from server.state import BatchState
+from client.errors import StepFailed
+from client.sync import Client
 
 
 def synthetic_signal(steps: int, channels: int, seed: int = 0) -> np.ndarray:
@@ -33,81 +41,136 @@ def synthetic_signal(steps: int, channels: int, seed: int = 0) -> np.ndarray:
     return (clean + 0.05 * rng.standard_normal((steps, channels))).astype(np.float32)
 
 
+def start_server(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.main", "--demo", "--listen", "127.0.0.1:0",
+         "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "SSMSERVE_LOG_LEVEL": os.environ.get("SSMSERVE_LOG_LEVEL", "WARNING")},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ssmserve-server listening on "):
+        proc.kill()
+        raise SystemExit(f"demo: the server did not start (exit code {proc.wait()})")
+    return proc, line.split()[-1]
+
+
+def calibrate(
+    client: Client, calm: np.ndarray
+) -> tuple[int, float | None, float | None, np.ndarray]:
+    """A guard the calm signal keeps and a spike breaks: (dim, min, max, spike).
+
+    Streams ``calm`` through a scratch session, then tries spikes (each undone with a
+    rollback) and keeps the one whose next prediction leaves the calm range the most.
+    """
+    probe = client.create_session("demo", durability=pb.DURABILITY_NONE).session_id
+    outs = np.stack([o.output for o in client.stream_steps(probe, calm, steps_per_message=32)])
+    top, bottom = outs.max(axis=0), outs.min(axis=0)  # (o,)
+    at = len(calm)
+    best = (0.0, 0, None, None, np.zeros(calm.shape[1], np.float32))
+    signs = np.array(list(itertools.product((-1.0, 1.0), repeat=calm.shape[1])), np.float32)
+    for level in (40.0, 8.0, 3.0):
+        for pattern in signs:
+            spike = level * pattern
+            out = client.step(probe, spike, step=at + 1).output
+            client.rollback(probe, to_step=at)
+            for margins, upper in ((out - top, True), (bottom - out, False)):
+                dim = int(np.argmax(margins))
+                if margins[dim] > best[0]:
+                    edge = (top if upper else bottom)[dim] + (1 if upper else -1) * margins[dim] / 2
+                    lo, hi = (None, float(edge)) if upper else (float(edge), None)
+                    best = (float(margins[dim]), dim, lo, hi, spike)
+    client.close_session(probe)
+    if best[0] <= 0:
+        raise SystemExit("demo: no spike leaves the calm range of this model")
+    return best[1], best[2], best[3], best[4]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ssmserve-demo", description=__doc__)
-    parser.add_argument("--model-dir", type=Path, default=Path("demo-data/model"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--data-dir", type=Path, default=Path("demo-data"))
+    parser.add_argument("--steps", type=int, default=96)
     args = parser.parse_args(argv)
 
-    if not (args.model_dir / CONFIG_FILE).exists():
-        config = demo_config(DemoSpec())
-        save_model(args.model_dir, config, random_tensors(config, DemoSpec().seed))
-        print(f"wrote the demo model to {args.model_dir}")
-    model = load_model(args.model_dir, name="demo")
-    c = model.config
-    print(
-        f"model {model.name}: signal Mamba, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-        f"state {c.state_size}, {c.state_bytes:,} state bytes/session, "
-        f"fingerprint {model.fingerprint[:16]}"
-    )
+    print("starting ssmserve-server --demo (embedded Redis, demo signal model) ...")
+    proc, address = start_server(args.data_dir)
+    try:
+        with Client(address) as client:
+            return run_demo(client, address, args.steps)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        print(f"server stopped with SIGTERM (exit code {code})")
 
-    signal = synthetic_signal(args.steps, c.input_dim)
-    print(f"\nstreaming {args.steps} steps of a {c.input_dim}-channel signal, one at a time:")
-    batch = BatchState.stack([model.new_state()])
-    outputs = np.empty((args.steps, c.output_dim), np.float32)
-    half = args.steps // 2
-    blob = b""
-    t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        batch, out = model.step(batch, signal[step - 1 : step])
-        outputs[step - 1] = out[0]
-        if step % max(1, args.steps // 8) == 0:
+
+def run_demo(client: Client, address: str, steps: int) -> int:
+    calm = synthetic_signal(steps, 4)
+    label_at, spike_at = 40, 53  # a labelled snapshot at 40; periodic ones every 16
+    print(f"server on {address}; demo model: 4 channels in, 4 predictions out")
+
+    dim, lo, hi, spike = calibrate(client, calm[: spike_at - 1])
+    side = f"under {hi:+.3f}" if hi is not None else f"over {lo:+.3f}"
+    print(f"monitor calibrated: prediction {dim} stays {side} on the calm signal")
+    guard = pb.GuardRule(
+        name="calm-range", check=pb.GuardRule.CHECK_RANGE, min=lo, max=hi, dims=[dim],
+        action=pb.GuardRule.ACTION_ROLLBACK,
+    )  # fmt: skip
+    sid = client.create_session("demo", snapshot_every=16, guards=[guard]).session_id
+    ref = client.create_session("demo").session_id  # untouched reference
+    print(f"session {sid}: snapshot every 16 steps, guard {guard.name} -> rollback\n")
+
+    latencies, outputs = [], []
+    for t in range(1, spike_at):
+        t0 = time.perf_counter()
+        out = client.step(sid, calm[t - 1], step=t)
+        latencies.append(time.perf_counter() - t0)
+        outputs.append(out.output)
+        if t % 8 == 0:
+            snap = out.snapshot_events
             print(
-                f"  step {step:4d}  input {_fmt(signal[step - 1])}  ->  prediction {_fmt(out[0])}"
+                f"  step {t:3d}  prediction {_fmt(out.output)}"
+                + (f"  [snapshot {snap[0].snapshot_id}]" if snap else "")
             )
-        if step == half:
-            blob = _checkpoint(model, batch, signal, half).encode()
-    per_step_us = (time.perf_counter() - t0) / args.steps * 1e6
+        if t == label_at:
+            client.snapshot(sid, label="calm")
+            print(f"  step {t:3d}  labelled snapshot 'calm'")
 
-    restored = Checkpoint.decode(blob)
-    restored.check_model(model)
-    cont, _ = model.run(signal[half:], restored.state)
-    exact_restore = np.array_equal(cont, outputs[half:])
+    print(f"\nstep {spike_at}: a spike {_fmt(spike)} ...")
+    try:
+        client.step(sid, spike, step=spike_at)
+        raise SystemExit("demo: the guard did not fire")
+    except StepFailed as exc:
+        event = exc.result.guard_events[0]
+        print(f"  guard {event.guard} fired ({event.detail})")
+        print(f"  -> the session rolled back to step {event.rolled_back_to} [{exc.reason}]")
+    at = client.get_session(sid).step
+    resent = np.stack([o.output for o in client.stream_steps(sid, calm[at : spike_at - 1])])
+    print(f"  the client sent steps {at + 1}..{spike_at - 1} again (calm inputs)")
+
+    reply = client.rollback(sid, to_label="calm")
     print(
-        f"\ncheckpoint at step {half}: {len(blob):,} bytes; restored and continued "
-        f"{args.steps - half} steps: {'bit-identical' if exact_restore else 'DIFFERENT'}"
+        f"\nmonitor: rollback to 'calm' -> step {reply.step} "
+        f"(snapshot + {reply.replayed_steps} replayed)"
     )
+    rest = client.stream_steps(sid, calm[label_at:], steps_per_message=16)
+    got = np.concatenate([np.stack(outputs[:label_at]), np.stack([o.output for o in rest])])
+    want = np.stack([o.output for o in client.stream_steps(ref, calm, steps_per_message=16)])
+    exact = np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    exact_resent = np.array_equal(resent.view(np.uint32), want[at : spike_at - 1].view(np.uint32))
 
-    sessions = [synthetic_signal(args.steps, c.input_dim, seed=s) for s in range(args.sessions)]
-    solo = [model.run(sig[:16])[0] for sig in sessions]
-    stacked = BatchState.stack([model.new_state() for _ in sessions])
-    batched = np.empty((16, args.sessions, c.output_dim), np.float32)
-    for t in range(16):
-        stacked, out = model.step(stacked, np.stack([sig[t] for sig in sessions]))
-        batched[t] = out
-    exact_batch = all(np.array_equal(batched[:, i], solo[i]) for i in range(args.sessions))
+    info = client.get_session(sid)
+    lat = np.array(latencies) * 1e3
     print(
-        f"{args.sessions} sessions stepped in one batch: each "
-        f"{'bit-identical' if exact_batch else 'DIFFERENT'} to its solo run"
+        f"\nsummary: session at step {info.step}, {info.snapshot_count} snapshots kept, "
+        f"1 guard rollback, 1 monitor rollback\n"
+        f"  step latency p50 {np.median(lat):.2f} ms, p99 {np.percentile(lat, 99):.2f} ms "
+        f"(one step per call, each input logged in Redis before its answer)\n"
+        f"  outputs equal an untouched reference session bit for bit: "
+        f"{'yes' if exact and exact_resent else 'NO'}"
     )
-    print(
-        f"\nsummary: {per_step_us:.0f} us/step at batch 1; exact restore {exact_restore}; "
-        f"batch invariance {exact_batch}"
-    )
-    return 0 if exact_restore and exact_batch else 1
-
-
-def _checkpoint(model: MambaModel, batch: BatchState, signal: np.ndarray, step: int) -> Checkpoint:
-    return Checkpoint(
-        session_id="demo-session",
-        step=step,
-        model_id=model.name,
-        fingerprint=model.fingerprint,
-        state=batch.session(0),
-        history=InputHistory(1, signal[:step]),
-        meta=CheckpointMeta(reason="demo"),
-    )
+    client.close_session(ref)
+    return 0 if exact and exact_resent else 1
 
 
 def _fmt(vec: np.ndarray) -> str:

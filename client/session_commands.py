@@ -52,19 +52,17 @@ def parse_guard(spec: str, index: int = 0) -> pb.GuardRule:
     for part in spec.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"guard {spec!r}: expected key=value, got {part!r}")
+            raise CliError(f"guard {spec!r}: expected key=value, got {part!r}")
         fields[key.strip()] = value.strip()
     unknown = set(fields) - {"check", "action", "min", "max", "dims", "name"}
     if unknown:
-        raise argparse.ArgumentTypeError(f"guard {spec!r}: unknown key {sorted(unknown)[0]!r}")
+        raise CliError(f"guard {spec!r}: unknown key {sorted(unknown)[0]!r}")
     check = fields.get("check", "")
     action = fields.get("action", "report")
     if check not in _CHECKS:
-        raise argparse.ArgumentTypeError(f"guard {spec!r}: check must be finite or range")
+        raise CliError(f"guard {spec!r}: check must be finite or range")
     if action not in _ACTIONS:
-        raise argparse.ArgumentTypeError(
-            f"guard {spec!r}: action must be one of {', '.join(_ACTIONS)}"
-        )
+        raise CliError(f"guard {spec!r}: action must be one of {', '.join(_ACTIONS)}")
     rule = pb.GuardRule(
         name=fields.get("name", f"{check}-{index}"), check=_CHECKS[check], action=_ACTIONS[action]
     )
@@ -78,9 +76,7 @@ def parse_guard(spec: str, index: int = 0) -> pb.GuardRule:
         if fields.get("dims"):
             rule.dims.extend(int(d) for d in fields["dims"].split("+"))
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"guard {spec!r}: min, max, dims must be numbers"
-        ) from None
+        raise CliError(f"guard {spec!r}: min, max, dims must be numbers") from None
     return rule
 
 

@@ -147,7 +147,9 @@ def check_output(rules: Sequence[GuardRule], step: int, output: np.ndarray) -> G
             lo = -np.inf if rule.min is None else np.float32(rule.min)
             hi = np.inf if rule.max is None else np.float32(rule.max)
             bad = ~((values >= lo) & (values <= hi))  # NaN compares false: it is outside
-            detail = f"outside [{rule.min}, {rule.max}]"
+            lo_text = "-inf" if rule.min is None else f"{lo:.6g}"
+            hi_text = "+inf" if rule.max is None else f"{hi:.6g}"
+            detail = f"outside [{lo_text}, {hi_text}]"
         if not bad.any():
             continue
         broken = tuple(int(d) for d in dims[bad])

@@ -1,0 +1,186 @@
+"""The CLI's service commands, in the exact forms of the contract, against a real worker;
+and ``ssmserve-server`` as a process: embedded Redis, ready line, clean SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.cli import main
+from server.checkpoint import Checkpoint
+from tests.conftest import random_inputs
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def test_session_lifecycle_through_the_cli(worker, served_models, tmp_path, capsys):
+    a = worker.address
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=20)
+    np.save(tmp_path / "in.npy", x)
+
+    code, out, _ = cli(
+        capsys, "--server", a, "session", "create", "--model", "demo", "--snapshot-every", "4",
+        "--max-snapshots", "8", "--guard", "check=range,min=-50,max=50,action=report",
+    )  # fmt: skip
+    assert code == 0
+    sid = last_line(out)
+
+    code, out, _ = cli(
+        capsys,
+        "--server",
+        a,
+        "session",
+        "stream",
+        sid,
+        "--input",
+        str(tmp_path / "in.npy"),
+        "--output",
+        str(tmp_path / "out.npy"),
+    )
+    assert code == 0, out
+    got = np.load(tmp_path / "out.npy")
+    np.testing.assert_array_equal(got.view(np.uint32), model.run(x)[0].view(np.uint32))
+
+    code, out, _ = cli(capsys, "--server", a, "session", "inspect", sid, "--json")
+    info = json.loads(out)
+    assert (info["step"], info["config"]["snapshotEvery"]) == ("12", 4)
+    code, out, _ = cli(capsys, "--server", a, "session", "inspect", sid)
+    assert "step      12" in out and "range-0" in out
+
+    code, out, _ = cli(capsys, "--server", a, "snapshot", sid, "--label", "here")
+    snap_id = last_line(out)
+    code, out, _ = cli(capsys, "--server", a, "snapshots", sid)
+    assert snap_id in out and "here" in out
+
+    for flags, step in (
+        (["--to-label", "here"], 12),
+        (["--to-snapshot", snap_id], 12),
+        (["--back", "2"], 10),
+        (["--to-step", "9"], 9),
+    ):
+        code, out, _ = cli(capsys, "--server", a, "rollback", sid, *flags)
+        assert code == 0 and f"is at step {step}" in out
+
+    code, out, _ = cli(capsys, "--server", a, "export", sid, "--out", str(tmp_path / "s.ckpt"))
+    assert code == 0
+    assert Checkpoint.decode((tmp_path / "s.ckpt").read_bytes()).step == 9
+    code, out, _ = cli(
+        capsys, "--server", a, "import", "--in", str(tmp_path / "s.ckpt"), "--session", "copy"
+    )
+    assert code == 0 and last_line(out) == "copy"
+
+    code, out, _ = cli(capsys, "--server", a, "session", "list")
+    assert {line.split("\t")[0] for line in out.strip().splitlines()} == {sid, "copy"}
+    code, out, _ = cli(capsys, "--server", a, "session", "close", sid)
+    assert code == 0 and "closed" in out
+
+
+def test_cli_errors_are_one_line(worker, tmp_path, capsys):
+    a = worker.address
+    code, _, err = cli(capsys, "--server", a, "session", "inspect", "nope")
+    assert code == 2 and err == "ssmserve: error: session 'nope' does not exist\n"
+    code, _, err = cli(capsys, "--server", a, "rollback", "nope", "--to-step", "1")
+    assert code == 2 and "does not exist" in err
+    code, _, err = cli(capsys, "session", "list")
+    assert code == 2 and "--server HOST:PORT" in err
+    sid = worker.client.create_session("demo").session_id
+    np.save(tmp_path / "bad.npy", np.zeros((3, 5), np.float32))
+    code, _, err = cli(
+        capsys,
+        "--server",
+        a,
+        "session",
+        "stream",
+        sid,
+        "--input",
+        str(tmp_path / "bad.npy"),
+        "--output",
+        str(tmp_path / "o.npy"),
+    )
+    assert code == 2 and "expected shape (T, 4)" in err
+    assert not (tmp_path / "o.npy").exists()
+    np.save(tmp_path / "nan.npy", np.array([[0, 0, 0, 0], [0, np.nan, 0, 0]], np.float32))
+    code, _, err = cli(
+        capsys,
+        "--server",
+        a,
+        "session",
+        "stream",
+        sid,
+        "--input",
+        str(tmp_path / "nan.npy"),
+        "--output",
+        str(tmp_path / "o.npy"),
+    )
+    assert code == 2 and "NaN" in err and "1 of 2 steps were applied" in err
+    assert not (tmp_path / "o.npy").exists()
+    code, _, err = cli(
+        capsys, "--server", a, "session", "create", "--model", "demo", "--guard", "check=odd"
+    )
+    assert code == 2 and "check must be finite or range" in err
+
+
+def test_server_process_starts_serves_and_stops_on_sigterm(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.main", "--demo", "--listen", "127.0.0.1:0",
+         "--data-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"},
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ssmserve-server listening on "), proc.stderr.read()
+        address = line.split()[-1]
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert _redis_running_in(tmp_path / "redis")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert any((tmp_path / "redis").glob("appendonly*"))  # AOF was on
+        assert not _redis_running_in(tmp_path / "redis")  # the embedded Redis stopped too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _redis_running_in(data_dir: Path) -> bool:
+    """Is a process working in this dir alive? redis-server chdirs into its --dir (and
+    rewrites its command line, so that cannot be read)."""
+    want = data_dir.resolve()
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if cwd.resolve(strict=True) == want:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_server_refuses_to_start_without_models(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.main", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "SSMSERVE_MODELS"},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "no model to serve" in proc.stderr
+    assert not Path(tmp_path / "redis").exists()
