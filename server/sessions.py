@@ -308,6 +308,10 @@ class SessionManager:
         async with s.exclusive():
             if label and await self.store.snapshot_by_label(s.id, label) is not None:
                 raise LabelTakenError(f"label {label!r} already names a snapshot of {s.id!r}")
+            if not label and s.last_snapshot_step == s.step:
+                newest = await self.store.snapshot_at_or_before(s.id, s.step)
+                if newest is not None and newest.step == s.step:
+                    return newest  # nothing moved since: the same snapshot, not a copy
             event = await self.write_snapshot(s, s.step, s.state, "manual", label)
         record = await self.store.snapshot_by_id(s.id, event.snapshot_id)
         if record is None:  # retention dropped it at once (max_snapshots reached by others)
@@ -329,7 +333,9 @@ class SessionManager:
         blob = self._checkpoint(s, step, state, reason, label).encode()
         piece = self.store.settings.piece_bytes
         record = SnapshotRecord(
-            snapshot_id=f"{step:012d}-{secrets.token_hex(4)}",  # the writer picks the id
+            # The writer picks the id (a retried commit is then harmless). Ids sort by step,
+            # then by time: retention drops the oldest of equal steps first.
+            snapshot_id=f"{step:012d}-{time.time_ns() // 1000:014x}-{secrets.token_hex(2)}",
             step=step,
             label=label,
             reason=reason,

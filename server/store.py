@@ -252,8 +252,9 @@ if label ~= '' then
 end
 local keep = tonumber(ARGV[9])
 while redis.call('ZCARD', KEYS[2]) > keep do
-    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-    drop_snapshot(base, KEYS[2], KEYS[3], oldest)
+    -- the oldest by step (ids order snapshots of one step by time); never the new one
+    local two = redis.call('ZRANGE', KEYS[2], 0, 1)
+    drop_snapshot(base, KEYS[2], KEYS[3], two[1] == id and two[2] or two[1])
 end
 local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 local new_start = tonumber(head[2]) + 1

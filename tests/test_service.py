@@ -637,3 +637,13 @@ def test_async_client_and_no_durability_mode(worker, served_models, redis_url):
     assert_bit_equal(np.stack([o.output for o in outs]), ref)
     assert_bit_equal(np.stack([o.output for o in again]), ref[4:])
     assert snap.step == 12 and [s.session_id for s in listed] == [outs[0].session_id]
+
+
+def test_snapshots_at_one_step_keep_the_newest(worker, served_models):
+    sid = worker.client.create_session("demo", max_snapshots=2).session_id
+    stream(worker, sid, random_inputs(served_models["demo"], 3, seed=31))
+    first = worker.client.snapshot(sid)
+    assert worker.client.snapshot(sid).snapshot_id == first.snapshot_id  # nothing moved
+    labelled = [worker.client.snapshot(sid, label=f"l{i}") for i in range(4)]
+    kept = [s.snapshot_id for s in worker.client.list_snapshots(sid)]
+    assert kept == [labelled[2].snapshot_id, labelled[3].snapshot_id]

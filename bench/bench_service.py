@@ -1,0 +1,346 @@
+"""Served latency and throughput beside the machine's limits, in one run.
+
+Usage: ``.venv/bin/python bench/bench_service.py [--quick]``
+
+Processes: one redis-server (private, AOF on, appendfsync everysec), one
+``ssmserve-server`` serving the demo model, one bare grpc.aio echo server; this process is
+the client (grpc.aio). On this 2-core machine client and server share the cores, as they
+would on one box.
+
+Measured:
+- step latency p50/p99: one session, one step per message, ping-pong on one stream,
+  durability ``log`` (input in Redis before the answer) and ``none``;
+- aggregate steps/s with 1, 16, 64 sessions: one stream per session, ping-pong; and the
+  same sessions multiplexed on one stream (one message carries a step of each session);
+- snapshot write of a 2.8 MiB (mamba-130m-shaped) state: encode + SET pieces + commit;
+- rollback latency with 0, 8, 32 replayed steps (demo model);
+- limits in the same run: a bare grpc.aio echo of the same bytes (ping-pong and
+  concurrent streams), bare Redis SET of a log entry and of the 2.8 MiB blob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpc
+from common import table
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+from client.aio import step_input
+from server.checkpoint import Checkpoint, InputHistory
+from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from server.main import ensure_demo_model
+from server.state import LayerState, SessionState
+from server.store import SnapshotRecord, Store, StoreSettings
+
+ECHO = Path(__file__).resolve().parent / "echo_server.py"
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"{cmd[2]} did not start")
+    return proc, line.split()[-1]
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.array(samples) * 1e3, q))
+
+
+# ---------------------------------------------------------------------------- served
+
+
+async def ping_pong(stub: pb_grpc.SessionServiceStub, sid: str, steps: int) -> list[float]:
+    """Per-step round trips on one stream, one step per message."""
+    call = stub.Stream()
+    x = np.random.default_rng(0).standard_normal((steps, 4)).astype(np.float32)
+    info = await stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    samples = []
+    for t in range(steps):
+        req = pb.StreamRequest(steps=[step_input(sid, info.step + t + 1, x[t])])
+        t0 = time.perf_counter()
+        await call.write(req)
+        reply = await call.read()
+        samples.append(time.perf_counter() - t0)
+        assert not reply.results[0].HasField("error"), reply.results[0].error
+    await call.done_writing()
+    return samples
+
+
+async def aggregate(stub: pb_grpc.SessionServiceStub, sids: list[str], seconds: float) -> float:
+    """Steps/s with one ping-pong stream per session, all at once."""
+    deadline = time.perf_counter() + seconds
+    counts = [0] * len(sids)
+
+    async def run(i: int, sid: str) -> None:
+        call = stub.Stream()
+        step = (await stub.GetSession(pb.GetSessionRequest(session_id=sid))).step
+        v = np.zeros(4, np.float32)
+        while time.perf_counter() < deadline:
+            step += 1
+            await call.write(pb.StreamRequest(steps=[step_input(sid, step, v)]))
+            await call.read()
+            counts[i] += 1
+        await call.done_writing()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(i, s) for i, s in enumerate(sids)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+async def multiplexed(stub: pb_grpc.SessionServiceStub, sids: list[str], seconds: float) -> float:
+    """Steps/s with all sessions on one stream, a step of each in every message."""
+    call = stub.Stream()
+    steps = {s: (await stub.GetSession(pb.GetSessionRequest(session_id=s))).step for s in sids}
+    v = np.zeros(4, np.float32)
+    done = 0
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    while time.perf_counter() < deadline:
+        for s in sids:
+            steps[s] += 1
+        await call.write(pb.StreamRequest(steps=[step_input(s, steps[s], v) for s in sids]))
+        await call.read()
+        done += len(sids)
+    await call.done_writing()
+    return done / (time.perf_counter() - t0)
+
+
+async def rollbacks(
+    stub: pb_grpc.SessionServiceStub, sid: str, reps: int
+) -> dict[int, list[float]]:
+    """Rollback RPC latency with 0, 8, 32 logged steps to replay on top of a snapshot."""
+    call = stub.Stream()
+    x = np.random.default_rng(1).standard_normal((64, 4)).astype(np.float32)
+    base = (await stub.GetSession(pb.GetSessionRequest(session_id=sid))).step
+    await stub.Snapshot(pb.SnapshotRequest(session_id=sid))
+    at = base
+    out: dict[int, list[float]] = {0: [], 8: [], 32: []}
+    for _ in range(reps):
+        for replay in out:
+            # advance to base + 40 (re-sending what a rollback cut), then go back
+            need = [step_input(sid, s, x[s - base - 1]) for s in range(at + 1, base + 41)]
+            await call.write(pb.StreamRequest(steps=need))
+            await call.read()
+            t0 = time.perf_counter()
+            reply = await stub.Rollback(pb.RollbackRequest(session_id=sid, step=base + replay))
+            out[replay].append(time.perf_counter() - t0)
+            assert reply.replayed_steps == replay, reply
+            at = base + replay
+    await call.done_writing()
+    return out
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+async def echo_ping_pong(address: str, payload: bytes, steps: int) -> list[float]:
+    channel = grpc.aio.insecure_channel(address)
+    call = channel.stream_stream("/bench.Echo/Echo")()
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        await call.write(payload)
+        await call.read()
+        samples.append(time.perf_counter() - t0)
+    await call.done_writing()
+    await channel.close()
+    return samples
+
+
+async def echo_aggregate(address: str, payload: bytes, streams: int, seconds: float) -> float:
+    channel = grpc.aio.insecure_channel(address)
+    deadline = time.perf_counter() + seconds
+    counts = [0] * streams
+
+    async def run(i: int) -> None:
+        call = channel.stream_stream("/bench.Echo/Echo")()
+        while time.perf_counter() < deadline:
+            await call.write(payload)
+            await call.read()
+            counts[i] += 1
+        await call.done_writing()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(i) for i in range(streams)))
+    rate = sum(counts) / (time.perf_counter() - t0)
+    await channel.close()
+    return rate
+
+
+def big_state() -> Checkpoint:
+    rng = np.random.default_rng(0)
+    layers = tuple(
+        LayerState(
+            rng.standard_normal((1536, 4)).astype(np.float32),
+            rng.standard_normal((1536, 16)).astype(np.float32),
+        )
+        for _ in range(24)
+    )
+    history = InputHistory(1, rng.integers(0, 50280, 64))
+    return Checkpoint("bench-big", 64, "mamba-130m-shaped", "0" * 64, SessionState(layers), history)
+
+
+async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
+    store = Store(StoreSettings(url=url, key_prefix="bench"))
+    r = store.redis
+    ckpt = big_state()
+    blob = ckpt.encode()
+    out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
+    from server.store import SessionMeta
+
+    await r.flushall()
+    await store.create_session(SessionMeta("big", "m", "f", 0, 1, b"c", 0.0, 0.0, False))
+    for i in range(reps):
+        t0 = time.perf_counter()
+        await store.append_logs([("big", i + 1, [b"x" * 16])], 0.0)
+        out["log"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await r.set("bench:plain", b"x" * 16)
+        out["set16"].append(time.perf_counter() - t0)
+    for i in range(max(10, reps // 20)):
+        t0 = time.perf_counter()
+        data = ckpt.encode()
+        rec = SnapshotRecord(f"s{i}", i, "", "bench", 0.0, len(data), 1)
+        await store.commit_snapshot("big", rec, data, 4)
+        out["big"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ckpt.encode()
+        out["enc"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await r.set("bench:blob", blob)
+        out["setbig"].append(time.perf_counter() - t0)
+    await store.aclose()
+    out["size"] = [len(blob)]
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+
+
+async def bench(address: str, echo: str, redis_url: str, quick: bool) -> None:
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.SessionServiceStub(channel)
+    n = 500 if quick else 3000
+    secs = 1.0 if quick else 3.0
+
+    async def session(durability: int) -> str:
+        cfg = pb.SessionConfig(durability=durability, snapshot_every=1024)
+        reply = await stub.CreateSession(pb.CreateSessionRequest(model="demo", config=cfg))
+        return reply.session_id
+
+    log_sid, none_sid = await session(pb.DURABILITY_LOG), await session(pb.DURABILITY_NONE)
+    await ping_pong(stub, log_sid, 100)  # warm up
+    lat_log = await ping_pong(stub, log_sid, n)
+    lat_none = await ping_pong(stub, none_sid, n)
+    one_step = pb.StreamRequest(steps=[step_input("x" * 16, 1, np.zeros(4, np.float32))])
+    payload = one_step.SerializeToString()
+    await echo_ping_pong(echo, payload, 100)
+    lat_echo = await echo_ping_pong(echo, payload, n)
+
+    print("# served step latency (one session, one step per message, ping-pong)\n")
+    rows = [
+        ["ssmserve, durability log", pct(lat_log, 50), pct(lat_log, 99), len(lat_log)],
+        ["ssmserve, durability none", pct(lat_none, 50), pct(lat_none, 99), len(lat_none)],
+        ["bare grpc.aio echo, same bytes", pct(lat_echo, 50), pct(lat_echo, 99), len(lat_echo)],
+    ]
+    print(table(["what", "p50 ms", "p99 ms", "steps"], rows))
+    print(
+        f"\nlog vs none: {np.median(lat_log) / np.median(lat_none):.2f}x; "
+        f"none vs bare echo: {np.median(lat_none) / np.median(lat_echo):.2f}x (p50)\n"
+    )
+
+    rows = []
+    for count in (1, 16, 64):
+        sids = [await session(pb.DURABILITY_LOG) for _ in range(count)]
+        streams = await aggregate(stub, sids, secs)
+        mux = await multiplexed(stub, sids, secs)
+        echo_rate = await echo_aggregate(echo, payload, count, secs)
+        rows.append([count, streams, mux, echo_rate, streams / echo_rate])
+    print("# aggregate steps/s, durability log\n")
+    print(
+        table(
+            [
+                "sessions",
+                "stream per session",
+                "one stream, a step of each per message",
+                "bare echo msgs/s (same streams)",
+                "per-session / echo",
+            ],
+            rows,
+        )
+    )
+
+    rb = await rollbacks(stub, log_sid, 10 if quick else 40)
+    print("\n# rollback latency (demo model, Rollback RPC; snapshot + replay)\n")
+    print(
+        table(
+            ["replayed steps", "p50 ms", "p99 ms", "runs"],
+            [[k, pct(v, 50), pct(v, 99), len(v)] for k, v in rb.items()],
+        )
+    )
+    snap_times = []
+    for _ in range(50 if quick else 200):
+        t0 = time.perf_counter()
+        await stub.Snapshot(pb.SnapshotRequest(session_id=log_sid))
+        snap_times.append(time.perf_counter() - t0)
+    await channel.close()
+
+    lim = await store_limits(redis_url, 200 if quick else 1000)
+    size = lim["size"][0]
+    print("\n# snapshots and the store (same redis-server)\n")
+    rows = [
+        ["Snapshot RPC, demo model (20 KB state)", pct(snap_times, 50), pct(snap_times, 99)],
+        [f"snapshot write, {size / 2**20:.2f} MiB: encode + SET + commit", pct(lim["big"], 50),
+         pct(lim["big"], 99)],
+        ["  of which encode (sha256 + copy)", pct(lim["enc"], 50), pct(lim["enc"], 99)],
+        [f"bare SET of the same {size / 2**20:.2f} MiB", pct(lim["setbig"], 50),
+         pct(lim["setbig"], 99)],
+        ["log append (Lua script, 16 B input)", pct(lim["log"], 50), pct(lim["log"], 99)],
+        ["bare SET, 16 B", pct(lim["set16"], 50), pct(lim["set16"], 99)],
+    ]  # fmt: skip
+    print(table(["what", "p50 ms", "p99 ms"], rows))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
+    args = parser.parse_args()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / "redis")) as redis_server,
+    ):
+        model_dir = ensure_demo_model(Path(tmp) / "demo")
+        server, address = start(
+            [sys.executable, "-m", "server.main", "--model", f"demo={model_dir}",
+             "--listen", "127.0.0.1:0", "--redis-url", redis_server.url]
+        )  # fmt: skip
+        echo, echo_address = start([sys.executable, str(ECHO)])
+        try:
+            asyncio.run(bench(address, echo_address, redis_server.url, args.quick))
+        finally:
+            for proc in (server, echo):
+                proc.terminate()
+                proc.wait(20)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
