@@ -11,5 +11,7 @@ RUN pip install --no-cache-dir .
 RUN useradd --create-home ssmserve
 USER ssmserve
 WORKDIR /home/ssmserve
-# The main job until the gRPC worker lands: the offline demo on the demo model.
+EXPOSE 50051
+# The main job: a server on an embedded Redis plus the demo client (see README). To serve:
+#   docker run -p 50051:50051 ssmserve ssmserve-server --demo --listen 0.0.0.0:50051
 CMD ["python", "-m", "client.demo"]

@@ -171,7 +171,7 @@ local function drop_snapshot(base, snaps, labels, id)
     local pieces = tonumber(redis.call('HGET', snap, 'pieces') or '0')
     local label = redis.call('HGET', snap, 'label')
     for i = 0, pieces - 1 do
-        redis.call('DEL', base .. 'blob:' .. id .. ':' .. i)
+        redis.call('UNLINK', base .. 'blob:' .. id .. ':' .. i)
     end
     if label and label ~= '' and redis.call('HGET', labels, label) == id then
         redis.call('HDEL', labels, label)
