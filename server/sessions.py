@@ -426,6 +426,8 @@ class SessionManager:
         Computes everything first and changes Redis (the history cut) last, so a failure
         anywhere leaves the session as it was. The caller holds the session.
         """
+        if record is None and target == s.step:
+            return target, "", 0  # already there; nothing after the current step to cut
         if record is None:
             record = await self.store.snapshot_at_or_before(s.id, target)
             if record is None:
