@@ -221,8 +221,12 @@ class AsyncClient:
         back: int | None = None,
     ) -> pb.RollbackResponse:
         """Exactly one target: a step, a snapshot id, a label, or N steps back."""
-        targets = {"step": to_step, "snapshot_id": to_snapshot, "label": to_label}
-        targets["steps_back"] = back
+        targets = {
+            "step": to_step,
+            "snapshot_id": to_snapshot,
+            "label": to_label,
+            "steps_back": back,
+        }
         given = {k: v for k, v in targets.items() if v is not None}
         if len(given) != 1:
             raise ValueError("rollback takes exactly one of to_step, to_snapshot, to_label, back")

@@ -52,6 +52,12 @@ class RecentSteps:
         self.outputs.append((step, output))
         self.unflushed.append((step, raw_input))
 
+    def remember(self, first: int, raw: Sequence[bytes], outputs: Sequence[np.ndarray]) -> None:
+        """Steps ``first, first + 1, ...`` recomputed by replay: already in the log."""
+        for i, (raw_input, output) in enumerate(zip(raw, outputs, strict=True)):
+            self.inputs.append((first + i, raw_input))
+            self.outputs.append((first + i, output))
+
     def output_at(self, step: int) -> np.ndarray | None:
         if self.outputs and self.outputs[0][0] <= step <= self.outputs[-1][0]:
             found_step, output = self.outputs[step - self.outputs[0][0]]

@@ -440,11 +440,8 @@ class SessionManager:
         await self.store.cut_history(s.id, target, s.step, time.time())
         s.state, s.step = state, target
         s.recent.cut_after(target)
-        first = record.step + 1
-        if s.recent.input_at(target) is None:  # refill what replay computed
-            for i, out in enumerate(outputs):
-                s.recent.inputs.append((first + i, inputs[i]))
-                s.recent.outputs.append((first + i, out))
+        if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
+            s.recent.remember(record.step + 1, inputs, outputs)
         s.last_snapshot_step = record.step
         return target, record.snapshot_id, target - record.step
 
@@ -621,9 +618,7 @@ class SessionManager:
         )
         ckpt, state, outputs, raw = await self._rebuild(s, record, meta.step)
         self._remember_history(s, ckpt.history)
-        for i, out in enumerate(outputs):
-            s.recent.inputs.append((record.step + 1 + i, raw[i]))
-            s.recent.outputs.append((record.step + 1 + i, out))
+        s.recent.remember(record.step + 1, raw, outputs)
         s.state, s.step, s.last_snapshot_step = state, meta.step, record.step
         self._sessions[session_id] = s
         log.info(
