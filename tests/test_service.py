@@ -647,3 +647,30 @@ def test_snapshots_at_one_step_keep_the_newest(worker, served_models):
     labelled = [worker.client.snapshot(sid, label=f"l{i}") for i in range(4)]
     kept = [s.snapshot_id for s in worker.client.list_snapshots(sid)]
     assert kept == [labelled[2].snapshot_id, labelled[3].snapshot_id]
+
+
+def test_redis_outage_fails_steps_cleanly_then_recovers(model_dirs, served_models, tmp_path):
+    """Durability log: a step whose input cannot be recorded is not applied (UNAVAILABLE);
+    once Redis is back (AOF on, same port) the same step goes through, exactly."""
+    from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+    from tests.harness import WorkerHarness
+
+    model = served_models["demo"]
+    x = random_inputs(model, 8, seed=40)
+    redis_server = EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path / "r")).start()
+    worker = WorkerHarness(model_dirs, redis_server.url)
+    try:
+        sid = worker.client.create_session("demo").session_id
+        stream(worker, sid, x[:5])
+        redis_server.kill()
+        with pytest.raises(StepFailed) as err:
+            worker.client.step(sid, x[5], step=6)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        redis_server = EmbeddedRedis(
+            EmbeddedRedisSettings(data_dir=tmp_path / "r", port=redis_server.port)
+        ).start()
+        got, _ = stream(worker, sid, x[5:], first_step=6)
+        assert_bit_equal(got, reference(model, x)[5:])
+    finally:
+        worker.stop()
+        redis_server.stop()
