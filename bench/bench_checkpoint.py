@@ -24,7 +24,8 @@ from server.checkpoint import Checkpoint, InputHistory
 from server.state import LayerState, SessionState
 
 
-def main() -> int:
+def mamba130m_checkpoint() -> Checkpoint:
+    """A random mamba-130m-sized session (2.81 MiB state) with a 64-token history."""
     rng = np.random.default_rng(0)
     layers = tuple(
         LayerState(
@@ -33,9 +34,14 @@ def main() -> int:
         )
         for _ in range(24)
     )
-    state = SessionState(layers)
     history = InputHistory(1, rng.integers(0, 50280, 64))
-    ckpt = Checkpoint("bench", 64, "mamba-130m-shaped", "0" * 64, state, history)
+    return Checkpoint("bench", 64, "mamba-130m-shaped", "0" * 64, SessionState(layers), history)
+
+
+def main() -> int:
+    ckpt = mamba130m_checkpoint()
+    state = ckpt.state
+    layers = state.layers
     blob = ckpt.encode()
     mb = state.nbytes / 1e6
     raw = b"".join(layer.conv.tobytes() + layer.ssm.tobytes() for layer in layers)

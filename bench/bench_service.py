@@ -35,15 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
+from bench_checkpoint import mamba130m_checkpoint
 from common import table
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from client.aio import step_input
-from server.checkpoint import Checkpoint, InputHistory
 from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from server.main import ensure_demo_model
-from server.state import LayerState, SessionState
 from server.store import SnapshotRecord, Store, StoreSettings
 
 ECHO = Path(__file__).resolve().parent / "echo_server.py"
@@ -185,23 +184,10 @@ async def echo_aggregate(address: str, payload: bytes, streams: int, seconds: fl
     return rate
 
 
-def big_state() -> Checkpoint:
-    rng = np.random.default_rng(0)
-    layers = tuple(
-        LayerState(
-            rng.standard_normal((1536, 4)).astype(np.float32),
-            rng.standard_normal((1536, 16)).astype(np.float32),
-        )
-        for _ in range(24)
-    )
-    history = InputHistory(1, rng.integers(0, 50280, 64))
-    return Checkpoint("bench-big", 64, "mamba-130m-shaped", "0" * 64, SessionState(layers), history)
-
-
 async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     store = Store(StoreSettings(url=url, key_prefix="bench"))
     r = store.redis
-    ckpt = big_state()
+    ckpt = mamba130m_checkpoint()
     blob = ckpt.encode()
     out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
     from server.store import SessionMeta

@@ -24,6 +24,7 @@ import numpy as np
 from client import session_commands
 from client.errors import CliError, SsmserveClientError
 from client.npy_files import load_npy, save_npy
+from client.session_commands import positive_int
 from server.errors import ModelInputError, SsmserveError
 from server.model.demo import DemoSpec, demo_config, random_tensors
 from server.model.loader import (
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         init.add_argument(
             flag,
-            type=_positive_int,
+            type=positive_int,
             default=getattr(defaults, attr),
             help=f"{help_text} (default {getattr(defaults, attr)})",
         )
@@ -96,16 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _init_demo(args: argparse.Namespace) -> None:

@@ -87,14 +87,24 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _count(text: str) -> int:
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -104,9 +114,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     create = sc.add_parser("create", help="create a session; prints its id last")
     create.add_argument("--model", required=True)
     create.add_argument("--session-id", default="")
-    create.add_argument("--snapshot-every", type=_count, default=0, metavar="K")
-    create.add_argument("--max-snapshots", type=_count, default=0, metavar="N")
-    create.add_argument("--history-window", type=_count, default=0, metavar="N")
+    create.add_argument("--snapshot-every", type=count, default=0, metavar="K")
+    create.add_argument("--max-snapshots", type=count, default=0, metavar="N")
+    create.add_argument("--history-window", type=count, default=0, metavar="N")
     create.add_argument("--durability", choices=sorted(_DURABILITY), default=None)
     create.add_argument("--idle-ttl", type=float, default=0.0, metavar="SECONDS")
     create.add_argument("--label", type=_label, action="append", default=[], metavar="K=V")
@@ -116,7 +126,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     stream.add_argument("session_id")
     stream.add_argument("--input", required=True, type=Path)
     stream.add_argument("--output", required=True, type=Path)
-    stream.add_argument("--steps-per-message", type=_count, default=64)
+    stream.add_argument("--steps-per-message", type=count, default=64)
 
     inspect = sc.add_parser("inspect", help="show a session")
     inspect.add_argument("session_id")
@@ -141,10 +151,10 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     rollback = commands.add_parser("rollback", help="return a session exactly to an earlier step")
     rollback.add_argument("session_id")
     target = rollback.add_mutually_exclusive_group(required=True)
-    target.add_argument("--to-step", type=_count)
+    target.add_argument("--to-step", type=count)
     target.add_argument("--to-snapshot")
     target.add_argument("--to-label")
-    target.add_argument("--back", type=_count)
+    target.add_argument("--back", type=count)
 
     export = commands.add_parser("export", help="write a session's checkpoint to a file")
     export.add_argument("session_id")
