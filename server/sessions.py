@@ -30,7 +30,7 @@ from server.errors import CheckpointError, ErrorKind, SsmserveError
 from server.guards import check_output
 from server.input_log import RecentSteps
 from server.model.mamba import MambaModel
-from server.session import Session, SessionGoneError, SnapshotEvent, StepJob, StepOutcome
+from server.session import Session, SessionGoneError, StepJob, StepOutcome
 from server.session_config import SessionConfig, SessionDefaults
 from server.state import SessionState
 from server.stepper import Stepper, StepperSettings
@@ -312,11 +312,8 @@ class SessionManager:
                 newest = await self.store.snapshot_at_or_before(s.id, s.step)
                 if newest is not None and newest.step == s.step:
                     return newest  # nothing moved since: the same snapshot, not a copy
-            event = await self.write_snapshot(s, s.step, s.state, "manual", label)
-        record = await self.store.snapshot_by_id(s.id, event.snapshot_id)
-        if record is None:  # retention dropped it at once (max_snapshots reached by others)
-            raise SnapshotMissingError(f"snapshot {event.snapshot_id} was trimmed by retention")
-        return record
+            # retention never drops the snapshot it commits, so this record is current
+            return await self.write_snapshot(s, s.step, s.state, "manual", label)
 
     async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
         await self._meta(session_id)
@@ -324,7 +321,7 @@ class SessionManager:
 
     async def write_snapshot(
         self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
-    ) -> SnapshotEvent:
+    ) -> SnapshotRecord:
         """Flush the inputs up to ``step``, then commit a checkpoint of ``state`` at ``step``.
 
         The caller holds the session (a stepper batch or :meth:`Session.exclusive`).
@@ -345,7 +342,7 @@ class SessionManager:
         )
         await self.store.commit_snapshot(s.id, record, blob, s.config.max_snapshots)
         s.last_snapshot_step = step
-        return SnapshotEvent(record.snapshot_id, step, reason)
+        return record
 
     def _checkpoint(
         self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
@@ -414,9 +411,8 @@ class SessionManager:
             step, snapshot_id, replayed = await self.restore_to(s, t, record)
             return RollbackResult(step, snapshot_id, replayed)
 
-    async def newest_snapshot_step(self, session: Session, at_most: int) -> int | None:
-        record = await self.store.snapshot_at_or_before(session.id, at_most)
-        return None if record is None else record.step
+    async def newest_snapshot(self, session: Session, at_most: int) -> SnapshotRecord | None:
+        return await self.store.snapshot_at_or_before(session.id, at_most)
 
     async def restore_to(
         self, s: Session, target: int, record: SnapshotRecord | None = None
@@ -503,8 +499,8 @@ class SessionManager:
         async with s.exclusive():
             snapshot_id = ""
             if final_snapshot:
-                event = await self.write_snapshot(s, s.step, s.state, "close")
-                snapshot_id = event.snapshot_id
+                record = await self.write_snapshot(s, s.step, s.state, "close")
+                snapshot_id = record.snapshot_id
             await self.store.close_session(s.id, snapshot_id)
             s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
             self._sessions.pop(s.id, None)

@@ -41,7 +41,7 @@ from server.session import (
 )
 from server.session_config import Durability
 from server.state import BatchState, SessionState
-from server.store import Store
+from server.store import SnapshotRecord, Store
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,13 @@ class BatchHooks(Protocol):
 
     async def write_snapshot(
         self, session: Session, step: int, state: SessionState, reason: str
-    ) -> SnapshotEvent: ...
+    ) -> SnapshotRecord: ...
 
-    async def restore_to(self, session: Session, target: int) -> tuple[int, str, int]: ...
+    async def restore_to(
+        self, session: Session, target: int, record: SnapshotRecord | None = None
+    ) -> tuple[int, str, int]: ...
 
-    async def newest_snapshot_step(self, session: Session, at_most: int) -> int | None: ...
+    async def newest_snapshot(self, session: Session, at_most: int) -> SnapshotRecord | None: ...
 
     async def output_at(self, session: Session, step: int) -> np.ndarray: ...
 
@@ -273,12 +275,13 @@ class Stepper:
         for w in work:
             for step, state in w.snapshots_due:
                 try:
-                    event = await self.hooks.write_snapshot(w.session, step, state, "periodic")
+                    record = await self.hooks.write_snapshot(w.session, step, state, "periodic")
                 except SsmserveError as exc:  # the log still holds every input: only speed is lost
                     log.warning(
                         "session %s: periodic snapshot at %d failed: %s", w.session.id, step, exc
                     )
                     continue
+                event = SnapshotEvent(record.snapshot_id, record.step, record.reason)
                 for job, outcome in w.done:
                     if job.step == step and not outcome.replayed:
                         outcome.snapshot_events.append(event)
@@ -291,10 +294,10 @@ class Stepper:
             s = w.session
             events = [e for e in outcome.guard_events if e.action == GuardAction.ROLLBACK]
             try:
-                target = await self.hooks.newest_snapshot_step(s, job.step - 1)
-                if target is None:
+                record = await self.hooks.newest_snapshot(s, job.step - 1)
+                if record is None:
                     raise GuardRolledBackError("no snapshot before the violation to return to")
-                step, _snapshot_id, _replayed = await self.hooks.restore_to(s, target)
+                step, _snapshot_id, _replayed = await self.hooks.restore_to(s, record.step, record)
             except SsmserveError as exc:
                 outcome.error = GuardRolledBackError(
                     f"step {job.step} was not applied: guard {events[0].guard!r} asked for a "
