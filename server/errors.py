@@ -73,3 +73,19 @@ class CheckpointModelMismatchError(CheckpointError):
     """The checkpoint belongs to another model (fingerprint or state shapes differ)."""
 
     kind = ErrorKind.FAILED_PRECONDITION
+
+
+class SessionMovedError(SsmserveError):
+    """The session is owned by another worker (or being handed to one): ask that one.
+
+    ``owner`` is the worker's advertised address (empty when the owner is unknown);
+    ``retry_after_ms`` is how long the owner's lease still runs, so a client that cannot
+    reach the owner (it died) knows when any worker may take the session over.
+    """
+
+    kind = ErrorKind.UNAVAILABLE
+
+    def __init__(self, message: str, owner: str = "", retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.retry_after_ms = retry_after_ms

@@ -8,7 +8,6 @@ below map to status codes in ``server/status.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from server import status
-from server.errors import ErrorKind, SsmserveError
+from server.errors import ErrorKind, SessionMovedError, SsmserveError
 from server.guards import GuardAction, GuardCheck, GuardEvent, GuardRule, GuardRuleError
 from server.session import SnapshotEvent, StepOutcome
 from server.session_config import Durability, SessionConfig
@@ -57,23 +56,12 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self.manager = manager
         self.settings = settings
 
-    @contextlib.asynccontextmanager
-    async def _edge(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        try:
-            yield
-        except SsmserveError as exc:
-            await status.abort(context, exc)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:
-            await status.abort_internal(context, exc)
-
     # ------------------------------------------------------------------ sessions
 
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        async with self._edge(context):
+        async with status.edge(context):
             config = config_from_pb(request.config)
             view = await self.manager.create(request.model, request.session_id, config)
             return info_to_pb(view)
@@ -81,13 +69,13 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        async with self._edge(context):
+        async with status.edge(context):
             return info_to_pb(await self.manager.view(request.session_id))
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSessionsResponse:
-        async with self._edge(context):
+        async with status.edge(context):
             views, token = await self.manager.list(
                 request.page_size, request.page_token, request.model
             )
@@ -98,7 +86,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
-        async with self._edge(context):
+        async with status.edge(context):
             step, snapshot_id = await self.manager.close(request.session_id, request.final_snapshot)
             return pb.CloseSessionResponse(step=step, snapshot_id=snapshot_id)
 
@@ -118,6 +106,19 @@ class SessionService(pb_grpc.SessionServiceServicer):
         try:
             while (futures := await answers.get()) is not None:
                 outcomes = [await f for f in futures]
+                moved = next(
+                    (i for i, o in enumerate(outcomes) if isinstance(o.error, SessionMovedError)),
+                    None,
+                )
+                if moved is not None:
+                    # The session lives elsewhere now: answer what came before, then end
+                    # the stream with the redirect. Steps after it go unanswered; the
+                    # client resends them (a resend of an applied step is idempotent).
+                    if moved:
+                        yield pb.StreamResponse(results=[result_to_pb(o) for o in outcomes[:moved]])
+                    error = outcomes[moved].error
+                    assert error is not None
+                    await status.abort(context, error)
                 yield pb.StreamResponse(results=[result_to_pb(o) for o in outcomes])
             await reader
         finally:
@@ -157,14 +158,14 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotInfo:
-        async with self._edge(context):
+        async with status.edge(context):
             record = await self.manager.snapshot(request.session_id, request.label)
             return snapshot_to_pb(request.session_id, record)
 
     async def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSnapshotsResponse:
-        async with self._edge(context):
+        async with status.edge(context):
             records = await self.manager.list_snapshots(request.session_id)
             return pb.ListSnapshotsResponse(
                 snapshots=[snapshot_to_pb(request.session_id, r) for r in records]
@@ -173,7 +174,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
     ) -> pb.RollbackResponse:
-        async with self._edge(context):
+        async with status.edge(context):
             which = request.WhichOneof("target")
             if which is None:
                 raise RequestError(
@@ -192,7 +193,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def ExportCheckpoint(
         self, request: pb.ExportCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CheckpointChunk]:
-        async with self._edge(context):
+        async with status.edge(context):
             blob = await self.manager.export(request.session_id, request.snapshot_id)
         view = memoryview(blob)
         count = max(1, -(-len(blob) // CHUNK_BYTES))
@@ -209,7 +210,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         request_iterator: AsyncIterator[pb.ImportCheckpointRequest],
         context: grpc.aio.ServicerContext,
     ) -> pb.SessionInfo:
-        async with self._edge(context):
+        async with status.edge(context):
             header, blob = await self._receive_checkpoint(request_iterator)
             view = await self.manager.import_checkpoint(
                 blob,

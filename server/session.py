@@ -108,6 +108,7 @@ class Session:
         self.recent = recent
         self.queue: deque[StepJob | _Gate] = deque()
         self.busy = False  # a stepper batch or a control operation holds the session
+        self.epoch = 0  # the fencing epoch this worker acquired the session with
         self.last_snapshot_step = -1  # step of the newest snapshot this worker knows of
         self.gone: SsmserveError | None = None  # set once closed or evicted
         self._on_release = on_release  # tells the stepper the head of the queue moved

@@ -11,6 +11,14 @@ a request that fails leaves the session exactly as it was. The pieces:
 - **load**: a session that is not in memory (evicted, or its worker restarted) is restored
   the same way, up to its durable step.
 - **idle eviction**: an idle session is snapshotted and dropped from memory.
+- **ownership**: a session is resident on at most one worker, the holder of its lease
+  (``server/ownership.py``). Creating or loading a session acquires the lease, and every
+  write carries the epoch it got; a write refused as stale means another worker took the
+  session over, and it is dropped from memory at once. Loading a session that another
+  live worker holds raises :class:`SessionMovedError` with that worker's address.
+- **hand-off** (migration): between two steps, snapshot, reserve the session for the
+  target, let the target acquire and load it, then drop it here; the steps queued
+  meanwhile are answered with a redirect to the target.
 """
 
 from __future__ import annotations
@@ -20,16 +28,18 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from server.checkpoint import Checkpoint, CheckpointMeta, InputHistory
-from server.errors import CheckpointError, ErrorKind, SsmserveError
+from server.errors import CheckpointError, ErrorKind, SessionMovedError, SsmserveError
 from server.guards import check_output
 from server.input_log import RecentSteps
 from server.model.mamba import MambaModel
+from server.ownership import Ownership
 from server.session import Session, SessionGoneError, StepJob, StepOutcome
 from server.session_config import SessionConfig, SessionDefaults
 from server.state import SessionState
@@ -41,8 +51,12 @@ from server.store import (
     SessionMeta,
     SessionMissingError,
     SnapshotRecord,
+    StaleEpochError,
     Store,
+    WorkerRecord,
 )
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +91,18 @@ class ModelMismatchError(SsmserveError):
 
 class CapacityError(SsmserveError):
     kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class WorkerDrainingError(SsmserveError):
+    """This worker is draining and no other live worker can take the request."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class HandOffError(SsmserveError):
+    """A migration's target did not take the session; the source keeps serving it."""
+
+    kind = ErrorKind.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -134,10 +160,15 @@ class RollbackResult:
 
 class SessionManager:
     def __init__(
-        self, models: Mapping[str, MambaModel], store: Store, settings: ManagerSettings
+        self,
+        models: Mapping[str, MambaModel],
+        store: Store,
+        ownership: Ownership,
+        settings: ManagerSettings,
     ) -> None:
         self.models = dict(models)
         self.store = store
+        self.ownership = ownership
         self.settings = settings
         self._sessions: dict[str, Session] = {}
         self._loading: dict[str, asyncio.Future[Session]] = {}
@@ -180,6 +211,47 @@ class SessionManager:
     def resident_count(self) -> int:
         return len(self._sessions)
 
+    def resident_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    # ------------------------------------------------------------------ ownership
+
+    def held(self) -> list[tuple[str, int]]:
+        """``(session id, epoch)`` of every resident session (what the leases cover)."""
+        return [(s.id, s.epoch) for s in self._sessions.values() if s.gone is None]
+
+    def lost(self, session_id: str, error: SsmserveError) -> None:
+        """A write or lease renewal failed: drop the session if it is no longer ours."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return
+        if isinstance(error, SessionMovedError | SessionMissingError | SessionClosedError):
+            self._drop(s, error)
+
+    def _drop(self, s: Session, error: SsmserveError) -> None:
+        """Forget ``s`` at once; what is queued for it is answered with ``error``."""
+        log.info("session %s dropped from memory: %s", s.id, error)
+        s.fail_queued(error)
+        if self._sessions.get(s.id) is s:
+            del self._sessions[s.id]
+
+    async def _fenced(self, s: Session, write: Awaitable[T]) -> T:
+        """Await a write of ``s``; if its epoch was stale, drop ``s`` before re-raising."""
+        try:
+            return await write
+        except StaleEpochError as exc:
+            self._drop(s, exc)
+            raise
+
+    async def _elsewhere(self, model: str, what: str) -> SessionMovedError:
+        """This worker is draining: point the caller at the least loaded other worker."""
+        targets = await self.ownership.targets(model)
+        if not targets:
+            raise WorkerDrainingError(f"this worker is draining and no other worker can {what}")
+        return SessionMovedError(
+            f"this worker is draining; {targets[0].address} can {what}", owner=targets[0].address
+        )
+
     # ------------------------------------------------------------------ create / get / list
 
     async def create(self, model_name: str, session_id: str, config: SessionConfig) -> SessionView:
@@ -187,12 +259,13 @@ class SessionManager:
         session_id = self._new_id(session_id)
         config = config.resolve(self.settings.defaults, model.config.output_dim)
         self._check_capacity()
+        if self.ownership.draining:
+            raise await self._elsewhere(model_name, "create sessions")
         now = time.time()
-        meta = SessionMeta(
-            session_id, model_name, model.fingerprint, 0, 1, config.to_bytes(), now, now, False
-        )
-        await self.store.create_session(meta)
+        meta = self._new_meta(session_id, model_name, model, 0, config, now)
+        await self.store.create_session(meta, self.ownership.lease_ms)
         s = self._resident(session_id, model, model_name, config, model.new_state(), 0, now)
+        s.epoch = meta.epoch
         await self._first_snapshot(s, "create")
         return await self.view(session_id)
 
@@ -210,7 +283,7 @@ class SessionManager:
             self._sessions.pop(s.id, None)
             s.fail_queued(SessionGoneError(f"session {s.id!r} could not be created"))
             with contextlib.suppress(SsmserveError):
-                await self.store.close_session(s.id)
+                await self.store.close_session(s.id, s.epoch)
             raise
         finally:
             s.busy = False
@@ -223,6 +296,7 @@ class SessionManager:
         if meta is None:
             raise SessionMissingError(f"session {session_id!r} does not exist")
         count, oldest = await self.store.snapshot_count_and_oldest(session_id)
+        lease = None if s else await self.store.lease(session_id)
         model = self.models.get(meta.model)
         config = s.config if s else SessionConfig.from_bytes(meta.config)
         step = s.step if s else meta.step
@@ -236,8 +310,8 @@ class SessionManager:
             updated_at=s.updated_at if s else meta.updated_at,
             snapshot_count=count,
             oldest_rollback_step=step if oldest is None else oldest,
-            owner=self.settings.owner if s else "",
-            resident=s is not None,
+            owner=self.settings.owner if s else (lease.owner_addr if lease else ""),
+            resident=s is not None or lease is not None,
             input_dim=0 if model is None or model.config.is_token_model else model.config.input_dim,
             output_dim=0 if model is None else model.config.output_dim,
             token_input=model is not None and model.config.is_token_model,
@@ -340,7 +414,9 @@ class SessionManager:
             size=len(blob),
             pieces=max(1, -(-len(blob) // piece)),
         )
-        await self.store.commit_snapshot(s.id, record, blob, s.config.max_snapshots)
+        await self._fenced(
+            s, self.store.commit_snapshot(s.id, s.epoch, record, blob, s.config.max_snapshots)
+        )
         s.last_snapshot_step = step
         return record
 
@@ -365,8 +441,10 @@ class SessionManager:
         if not entries:
             return
         (error,) = await self.store.append_logs(
-            [(s.id, entries[0][0], [raw for _, raw in entries])], time.time()
+            [(s.id, s.epoch, entries[0][0], [raw for _, raw in entries])], time.time()
         )
+        if isinstance(error, StaleEpochError):
+            self._drop(s, error)
         if error is not None:
             raise error
         s.recent.unflushed = s.recent.unflushed[len(entries) :]
@@ -433,7 +511,7 @@ class SessionManager:
                     f"is at step {oldest} (retention keeps {s.config.max_snapshots})"
                 )
         _ckpt, state, outputs, inputs = await self._rebuild(s, record, target)
-        await self.store.cut_history(s.id, target, s.step, time.time())
+        await self._fenced(s, self.store.cut_history(s.id, s.epoch, target, s.step, time.time()))
         s.state, s.step = state, target
         s.recent.cut_after(target)
         if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
@@ -501,7 +579,7 @@ class SessionManager:
             if final_snapshot:
                 record = await self.write_snapshot(s, s.step, s.state, "close")
                 snapshot_id = record.snapshot_id
-            await self.store.close_session(s.id, snapshot_id)
+            await self._fenced(s, self.store.close_session(s.id, s.epoch, snapshot_id))
             s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
             self._sessions.pop(s.id, None)
             return s.step, snapshot_id
@@ -549,24 +627,44 @@ class SessionManager:
         self._check_capacity()
         if replace:
             await self._drop_for_replace(session_id)
+        if self.ownership.draining:
+            raise await self._elsewhere(model_name, "import sessions")
         now = time.time()
-        meta = SessionMeta(
-            session_id, model_name, model.fingerprint, ckpt.step, ckpt.step + 1,
-            config.to_bytes(), now, now, False,
-        )  # fmt: skip
-        await self.store.create_session(meta)
+        meta = self._new_meta(session_id, model_name, model, ckpt.step, config, now)
+        await self.store.create_session(meta, self.ownership.lease_ms)
         s = self._resident(session_id, model, model_name, config, ckpt.state, ckpt.step, now)
+        s.epoch = meta.epoch
         self._remember_history(s, ckpt.history)
         await self._first_snapshot(s, "import")
         return await self.view(session_id)
 
+    def _new_meta(
+        self,
+        session_id: str,
+        model_name: str,
+        model: MambaModel,
+        step: int,
+        config: SessionConfig,
+        now: float,
+    ) -> SessionMeta:
+        """A new session at ``step``, owned by this worker at epoch 1."""
+        return SessionMeta(
+            session_id, model_name, model.fingerprint, step, step + 1, config.to_bytes(), now,
+            now, False, epoch=1, owner=self.ownership.worker_id, owner_addr=self.settings.owner,
+        )  # fmt: skip
+
     async def _drop_for_replace(self, session_id: str) -> None:
-        s = self._sessions.get(session_id)
-        if s is not None:
-            async with s.exclusive():
-                s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
-                self._sessions.pop(session_id, None)
-        await self.store.close_session(session_id)
+        meta = await self.store.get_meta(session_id)
+        if meta is None:
+            return
+        if meta.closed:  # nobody owns a closed session: its last epoch still fences
+            await self.store.close_session(session_id, meta.epoch)
+            return
+        s = await self.session(session_id)  # take it over (or be redirected to its owner)
+        async with s.exclusive():
+            await self._fenced(s, self.store.close_session(s.id, s.epoch))
+            s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
+            self._sessions.pop(session_id, None)
 
     # ------------------------------------------------------------------ residency
 
@@ -605,22 +703,48 @@ class SessionManager:
                 f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]})"
             )
         self._check_capacity()
+        if self.ownership.draining:
+            lease = await self.store.lease(session_id)
+            if lease is not None and lease.owner_addr:
+                raise SessionMovedError(
+                    f"session {session_id!r} is served by worker {lease.owner_addr}",
+                    owner=lease.owner_addr,
+                    retry_after_ms=lease.ttl_ms,
+                )
+            raise await self._elsewhere(meta.model, f"serve session {session_id!r}")
+        epoch = await self.store.acquire(
+            session_id, self.ownership.worker_id, self.settings.owner, self.ownership.lease_ms
+        )
+        try:
+            return await self._restore(session_id, model, meta.model, epoch)
+        except BaseException:
+            with contextlib.suppress(SsmserveError):
+                await self.store.release(session_id, self.ownership.worker_id, epoch)
+            raise
+
+    async def _restore(
+        self, session_id: str, model: MambaModel, model_name: str, epoch: int
+    ) -> Session:
+        """Rebuild an acquired session from its newest snapshot and its log."""
+        meta = await self._meta(session_id)  # read after acquiring: the last owner is done
         config = SessionConfig.from_bytes(meta.config)
         record = await self.store.snapshot_at_or_before(session_id, meta.step)
         if record is None:
             raise SessionClosedError(f"session {session_id!r} has no snapshot to restore from")
         s = self._resident(
-            session_id, model, meta.model, config, model.new_state(), record.step, meta.created_at
+            session_id, model, model_name, config, model.new_state(), record.step, meta.created_at
         )
+        s.epoch = epoch
         ckpt, state, outputs, raw = await self._rebuild(s, record, meta.step)
         self._remember_history(s, ckpt.history)
         s.recent.remember(record.step + 1, raw, outputs)
         s.state, s.step, s.last_snapshot_step = state, meta.step, record.step
         self._sessions[session_id] = s
         log.info(
-            "session %s restored at step %d (snapshot %d + %d replayed)",
+            "session %s restored at step %d, epoch %d (snapshot %d + %d replayed)",
             session_id,
             meta.step,
+            epoch,
             record.step,
             len(outputs),
         )
@@ -648,12 +772,71 @@ class SessionManager:
             s.recent.inputs.append((history.first_step + i, s.codec.encode(history.inputs[i])))
 
     async def _unload(self, s: Session, reason: str) -> None:
-        """Snapshot ``s`` if it moved since its last snapshot, then drop it from memory."""
+        """Snapshot ``s`` if it moved since its last snapshot, release it, drop it from memory.
+
+        Any worker may load it again from there.
+        """
         async with s.exclusive():
             if s.step != s.last_snapshot_step or s.recent.unflushed:
                 await self.write_snapshot(s, s.step, s.state, reason)
+            await self._fenced(s, self.store.release(s.id, self.ownership.worker_id, s.epoch))
             s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
             self._sessions.pop(s.id, None)
+
+    async def park(self, session_id: str, reason: str) -> None:
+        """Snapshot and release a resident session (a drain with nowhere to send it)."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            await self._unload(s, reason)
+
+    async def hand_off(
+        self,
+        session_id: str,
+        target: WorkerRecord,
+        adopt: Callable[[str], Awaitable[object]],
+    ) -> tuple[int, str]:
+        """Move a resident session to ``target``; returns (step, snapshot id it moved at).
+
+        Between two steps: snapshot (which flushes the log), reserve the lease for the
+        target, and let it acquire and load the session (``adopt``). If the target fails,
+        the reservation is taken back and the session goes on here as if nothing happened.
+        """
+        s = self._sessions.get(session_id)
+        if s is None or s.gone is not None:
+            raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
+        async with s.exclusive():
+            if s.step != s.last_snapshot_step or s.recent.unflushed:
+                record = await self.write_snapshot(s, s.step, s.state, "migrate")
+            else:
+                record = await self.store.snapshot_at_or_before(s.id, s.step)
+            snapshot_id = record.snapshot_id if record else ""
+            me = self.ownership.worker_id
+            await self._fenced(
+                s, self.store.handoff(s.id, me, s.epoch, target, self.ownership.lease_ms)
+            )
+            try:
+                await adopt(session_id)
+            except Exception as exc:
+                try:
+                    await self.store.cancel_handoff(
+                        s.id, me, s.epoch, self.settings.owner, target.worker_id,
+                        self.ownership.lease_ms,
+                    )  # fmt: skip
+                except StaleEpochError:
+                    pass  # the target did acquire it (only its answer was lost): moved
+                else:
+                    raise HandOffError(
+                        f"worker {target.address} did not take session {session_id!r} ({exc}); "
+                        f"it stays on {self.settings.owner}"
+                    ) from None
+            self._drop(
+                s,
+                SessionMovedError(
+                    f"session {session_id!r} moved to worker {target.address}",
+                    owner=target.address,
+                ),
+            )
+            return s.step, snapshot_id
 
     async def _evict_idle(self) -> None:
         while True:

@@ -63,6 +63,8 @@ class BatchHooks(Protocol):
 
     async def flush_unflushed(self, session: Session, upto: int) -> None: ...
 
+    def lost(self, session_id: str, error: SsmserveError) -> None: ...
+
 
 @dataclass(frozen=True)
 class StepperSettings:
@@ -238,7 +240,8 @@ class Stepper:
         ]
         pending = [(w, w.session.recent.take_unflushed()) for w in durable]
         appends = [
-            (w.session.id, entries[0][0], [raw for _, raw in entries]) for w, entries in pending
+            (w.session.id, w.session.epoch, entries[0][0], [raw for _, raw in entries])
+            for w, entries in pending
         ]
         try:
             errors: list[SsmserveError | None] = await self.store.append_logs(appends, time.time())
@@ -247,6 +250,7 @@ class Stepper:
         for (w, _entries), error in zip(pending, errors, strict=True):
             if error is not None:
                 self._take_back(w, error)
+                self.hooks.lost(w.session.id, error)  # drops it if another worker owns it now
         for w in work:
             s = w.session
             if (

@@ -4,7 +4,11 @@ Key layout (``P`` is the key prefix, ``ssm`` by default; ``{sid}`` is a Redis Cl
 tag, so all keys of one session sit in one slot and one script may touch them together)::
 
     P:sessions                   ZSET   every session id, score 0 (paged with ZRANGEBYLEX)
-    P:{sid}:meta                 HASH   model, fingerprint, step, log_start, config, times
+    P:workers                    SET    ids of registered workers (some may have expired)
+    P:worker:<id>                HASH   address, models, load, started_at, draining (PX ttl)
+    P:{sid}:meta                 HASH   model, fingerprint, step, log_start, config, times,
+                                        epoch, owner (worker id), owner_addr
+    P:{sid}:lease                STRING the owning worker's id, or 'handoff:<id>' (PX ttl)
     P:{sid}:log                  HASH   step -> raw input bytes (float32 or int64, LE)
     P:{sid}:snaps                ZSET   snapshot id, scored by its step
     P:{sid}:snap:<id>            HASH   step, label, reason, created_at, size, pieces
@@ -18,6 +22,15 @@ the pieces into place and updates the index. Big payloads never pass through Lua
 they would block Redis for the whole copy. The writer picks the snapshot id before the
 first attempt, so a retried commit finds its id already committed and does nothing; every
 other write here is also safe to repeat, because redis-py retries failed commands.
+
+**Ownership and fencing.** A session has at most one owner: the worker whose id is in its
+``lease`` key, which expires unless renewed. Each acquisition increments ``meta.epoch``
+and hands the new epoch to the owner; every write script (log append, snapshot commit,
+rollback cut, close, lease renewal) carries the writer's epoch and refuses to change
+anything when it is not the current one (``ERR_STALE``). A worker that paused past its
+lease and came back can therefore not write over the history of the worker that took the
+session over. A migrating owner sets the lease to ``handoff:<target id>``, which only the
+target may acquire.
 
 ``meta.step`` is the durable step: the step a session comes back at after its worker is
 gone. Logged inputs cover ``log_start .. step``; ``log_start - 1`` is the step of the
@@ -34,7 +47,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from server.errors import ErrorKind, SsmserveError
+from server.errors import ErrorKind, SessionMovedError, SsmserveError
 
 T = TypeVar("T")
 
@@ -68,6 +81,13 @@ class LabelTakenError(SsmserveError):
     kind = ErrorKind.ALREADY_EXISTS
 
 
+class StaleEpochError(SessionMovedError):
+    """A write carried an epoch that is no longer the session's: another worker owns it now.
+
+    For the client this is a redirect like any other (``owner`` says where to go).
+    """
+
+
 @dataclass(frozen=True)
 class SessionMeta:
     session_id: str
@@ -79,6 +99,9 @@ class SessionMeta:
     created_at: float
     updated_at: float
     closed: bool
+    epoch: int = 0  # bumped by every acquisition (fencing)
+    owner: str = ""  # worker id of the last acquirer ('' after a release)
+    owner_addr: str = ""
 
     @classmethod
     def from_hash(cls, session_id: str, raw: dict[bytes, bytes]) -> SessionMeta:
@@ -92,6 +115,54 @@ class SessionMeta:
             created_at=float(raw[b"created_at"]),
             updated_at=float(raw[b"updated_at"]),
             closed=raw.get(b"closed", b"0") == b"1",
+            epoch=int(raw.get(b"epoch", b"0")),
+            owner=raw.get(b"owner", b"").decode(),
+            owner_addr=raw.get(b"owner_addr", b"").decode(),
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who holds a session's lease right now (``holder`` may be ``handoff:<worker id>``)."""
+
+    holder: str
+    owner_addr: str
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One live worker as registered in Redis."""
+
+    worker_id: str
+    address: str
+    models: tuple[str, ...]
+    load: int  # resident sessions
+    started_at: float
+    heartbeat_at: float
+    draining: bool
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "address": self.address,
+            "models": ",".join(self.models),
+            "load": str(self.load),
+            "started_at": repr(self.started_at),
+            "heartbeat_at": repr(self.heartbeat_at),
+            "draining": "1" if self.draining else "0",
+        }
+
+    @classmethod
+    def from_hash(cls, worker_id: str, raw: dict[bytes, bytes]) -> WorkerRecord:
+        models = raw.get(b"models", b"").decode()
+        return cls(
+            worker_id=worker_id,
+            address=raw[b"address"].decode(),
+            models=tuple(m for m in models.split(",") if m),
+            load=int(raw.get(b"load", b"0")),
+            started_at=float(raw.get(b"started_at", b"0")),
+            heartbeat_at=float(raw.get(b"heartbeat_at", b"0")),
+            draining=raw.get(b"draining", b"0") == b"1",
         )
 
 
@@ -145,6 +216,10 @@ class Keys:
         return self._k("labels")
 
     @property
+    def lease(self) -> str:
+        return self._k("lease")
+
+    @property
     def base(self) -> str:
         """The common head of the keys scripts build themselves (snap, blob, stage)."""
         return self._k("")
@@ -181,50 +256,151 @@ local function drop_snapshot(base, snaps, labels, id)
 end
 """
 
-# KEYS: meta, index. ARGV: session id, then field/value pairs of the meta hash.
+# The epoch check every write script starts with: refuse a writer whose epoch is not the
+# session's current one (another worker acquired the session since).
+_FENCE = """
+local function fence(meta, epoch)
+    local current = redis.call('HGET', meta, 'epoch')
+    if not current then
+        return 'ERR_MISSING session is gone from the store'
+    end
+    if current ~= epoch then
+        local owner = redis.call('HGET', meta, 'owner_addr') or ''
+        return 'ERR_STALE ' .. (owner ~= '' and owner or '-') .. ' epoch ' .. epoch
+            .. ' is stale: the session was taken over (epoch ' .. current .. ')'
+    end
+    return nil
+end
+"""
+
+# KEYS: meta, index, lease. ARGV: session id, worker id, lease ttl ms, then field/value pairs
+# of the meta hash (epoch 1, owner, owner_addr among them). The creator owns the session.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
     return 'ERR_EXISTS'
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
 return 'OK'
 """
 
-# KEYS: meta, log. ARGV: first step, updated_at, then one input per step.
-# Safe to repeat: the same step gets the same bytes again.
-_LOG_APPEND = """
+# KEYS: meta, lease. ARGV: worker id, worker address, lease ttl ms.
+# Free (no lease), or reserved for this worker by a handoff: take it with the next epoch.
+_ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-    return 'ERR_MISSING session is gone from the store'
+    return 'ERR_MISSING session does not exist'
 end
+if redis.call('HGET', KEYS[1], 'closed') == '1' then
+    return 'ERR_CLOSED session is closed; its final snapshot can still be exported'
+end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] then
+    return 'ERR_OWNED ' .. redis.call('PTTL', KEYS[2]) .. ' '
+        .. (redis.call('HGET', KEYS[1], 'owner_addr') or '')
+end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[2])
+return 'OK ' .. epoch
+"""
+
+# KEYS: meta, lease. ARGV: worker id, epoch, lease ttl ms.
+# Still ours: extend (or re-set, if it expired and nobody took the session meanwhile).
+_RENEW = (
+    _FENCE
+    + """
+local err = fence(KEYS[1], ARGV[2])
+if err then return err end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then
+    return 'HANDOFF'  -- being handed to another worker by this one: leave it alone
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+return 'OK'
+"""
+)
+
+# KEYS: meta, lease. ARGV: worker id, epoch. The owner lets go (eviction, shutdown).
+_RELEASE = (
+    _FENCE
+    + """
+local err = fence(KEYS[1], ARGV[2])
+if err then return err end
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+    redis.call('DEL', KEYS[2])
+end
+redis.call('HSET', KEYS[1], 'owner', '', 'owner_addr', '')
+return 'OK'
+"""
+)
+
+# KEYS: meta, lease. ARGV: worker id, epoch, target id, target address, ttl ms.
+# The owner reserves the session for one target worker, which acquires it next.
+_HANDOFF = (
+    _FENCE
+    + """
+local err = fence(KEYS[1], ARGV[2])
+if err then return err end
+redis.call('SET', KEYS[2], 'handoff:' .. ARGV[3], 'PX', ARGV[5])
+redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_addr', ARGV[4])
+return 'OK'
+"""
+)
+
+# KEYS: meta, lease. ARGV: worker id, epoch, worker address, ttl ms, target id.
+# The target did not take the session: the owner keeps it (same epoch).
+_CANCEL_HANDOFF = (
+    _FENCE
+    + """
+local err = fence(KEYS[1], ARGV[2])
+if err then return err end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= 'handoff:' .. ARGV[5] and holder ~= ARGV[1] then
+    return 'ERR_STALE - the session is held by ' .. holder
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[3])
+return 'OK'
+"""
+)
+
+# KEYS: meta, log. ARGV: epoch, first step, updated_at, then one input per step.
+# Safe to repeat: the same step gets the same bytes again.
+_LOG_APPEND = (
+    _FENCE
+    + """
+local err = fence(KEYS[1], ARGV[1])
+if err then return err end
 if redis.call('HGET', KEYS[1], 'closed') == '1' then
     return 'ERR_CLOSED session is closed'
 end
-local first = tonumber(ARGV[1])
+local first = tonumber(ARGV[2])
 local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
 if first > durable + 1 then
     return 'ERR_GAP log append at step ' .. first .. ' but the log ends at ' .. durable
 end
-local last = first + #ARGV - 3
-for i = 3, #ARGV do
-    redis.call('HSET', KEYS[2], tostring(first + i - 3), ARGV[i])
+local last = first + #ARGV - 4
+for i = 4, #ARGV do
+    redis.call('HSET', KEYS[2], tostring(first + i - 4), ARGV[i])
 end
-redis.call('HSET', KEYS[1], 'step', last, 'updated_at', ARGV[2])
+redis.call('HSET', KEYS[1], 'step', last, 'updated_at', ARGV[3])
 return 'OK'
 """
+)
 
 # KEYS: meta, snaps, labels, log. ARGV: base, id, step, pieces, label, reason,
-# created_at, size, max_snapshots, stage_ttl_unused.
+# created_at, size, max_snapshots, epoch.
 # Renames the staged pieces into place, indexes the snapshot, then applies retention:
 # at most max_snapshots are kept, and log entries at or before the oldest kept one go.
 _COMMIT_SNAPSHOT = (
     _DROP_SNAPSHOT
+    + _FENCE
     + """
 local base, id = ARGV[1], ARGV[2]
 local step, pieces, label = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-if redis.call('EXISTS', KEYS[1]) == 0 then
-    return 'ERR_MISSING session is gone from the store'
-end
+local err = fence(KEYS[1], ARGV[10])
+if err then return err end
 if redis.call('ZSCORE', KEYS[2], id) then
     for i = 0, pieces - 1 do  -- a retried commit: already done; drop the re-staged copy
         redis.call('DEL', base .. 'stage:' .. id .. ':' .. i)
@@ -269,15 +445,15 @@ return 'OK'
 """
 )
 
-# KEYS: meta, snaps, labels, log. ARGV: base, step t, current in-memory step, updated_at.
-# History after t is cut: snapshots past t and logged inputs past t are deleted.
+# KEYS: meta, snaps, labels, log. ARGV: base, step t, current in-memory step, updated_at,
+# epoch. History after t is cut: snapshots past t and logged inputs past t are deleted.
 _ROLLBACK_CUT = (
     _DROP_SNAPSHOT
+    + _FENCE
     + """
 local base, t, upto = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-if redis.call('EXISTS', KEYS[1]) == 0 then
-    return 'ERR_MISSING session is gone from the store'
-end
+local err = fence(KEYS[1], ARGV[5])
+if err then return err end
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. t, '+inf')) do
     drop_snapshot(base, KEYS[2], KEYS[3], id)
 end
@@ -293,13 +469,17 @@ return 'OK'
 """
 )
 
-# KEYS: meta, snaps, labels, log, index. ARGV: base, session id, keep (a snapshot id or '').
-# Without keep: every key of the session goes. With keep: the session is marked closed
-# and only that snapshot stays (so it can still be exported).
+# KEYS: meta, snaps, labels, log, index, lease. ARGV: base, session id, keep (a snapshot id
+# or ''), epoch. Without keep: every key of the session goes. With keep: the session is
+# marked closed and only that snapshot stays (so it can still be exported).
 _CLOSE = (
     _DROP_SNAPSHOT
+    + _FENCE
     + """
 local base, keep = ARGV[1], ARGV[3]
+local err = fence(KEYS[1], ARGV[4])
+if err then return err end
+redis.call('DEL', KEYS[6])
 for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     if id ~= keep then
         drop_snapshot(base, KEYS[2], KEYS[3], id)
@@ -310,7 +490,7 @@ if keep == '' then
     redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
     redis.call('ZREM', KEYS[5], ARGV[2])
 else
-    redis.call('HSET', KEYS[1], 'closed', '1')
+    redis.call('HSET', KEYS[1], 'closed', '1', 'owner', '', 'owner_addr', '')
 end
 return 'OK'
 """
@@ -322,6 +502,10 @@ def _raise_script_error(reply: Any) -> None:
     if text == "OK":
         return
     code, _, message = text.partition(" ")
+    if code == "ERR_STALE":
+        owner, _, message = message.partition(" ")
+        owner = "" if owner == "-" else owner
+        raise StaleEpochError(f"{message} by {owner or 'no live worker'}", owner=owner)
     error: type[SsmserveError] = {
         "ERR_EXISTS": SessionExistsError,
         "ERR_MISSING": SessionMissingError,
@@ -329,6 +513,19 @@ def _raise_script_error(reply: Any) -> None:
         "ERR_LABEL": LabelTakenError,
     }.get(code, StoreError)
     raise error(message or text)
+
+
+def _script_outcome(reply: Any, ok: tuple[bytes, ...] = (b"OK",)) -> SsmserveError | None:
+    """A pipelined script reply as None (success) or the typed error it stands for."""
+    if isinstance(reply, Exception):
+        return StoreError(f"the session store (Redis) failed: {reply}")
+    if reply in ok:
+        return None
+    try:
+        _raise_script_error(reply)
+    except SsmserveError as exc:
+        return exc
+    return StoreError(f"unexpected reply from the session store: {reply!r}")
 
 
 async def _guarded(call: Callable[[], Awaitable[T]]) -> T:
@@ -364,7 +561,13 @@ class Store:
             socket_connect_timeout=settings.socket_timeout_s,
         )
         self._index = f"{settings.key_prefix}:sessions"
+        self._workers = f"{settings.key_prefix}:workers"
         self._create = self.redis.register_script(_CREATE)
+        self._acquire = self.redis.register_script(_ACQUIRE)
+        self._renew = self.redis.register_script(_RENEW)
+        self._release = self.redis.register_script(_RELEASE)
+        self._handoff = self.redis.register_script(_HANDOFF)
+        self._cancel_handoff = self.redis.register_script(_CANCEL_HANDOFF)
         self._log_append = self.redis.register_script(_LOG_APPEND)
         self._commit = self.redis.register_script(_COMMIT_SNAPSHOT)
         self._cut = self.redis.register_script(_ROLLBACK_CUT)
@@ -381,15 +584,20 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def create_session(self, meta: SessionMeta) -> None:
+    async def create_session(self, meta: SessionMeta, lease_ms: int) -> None:
+        """Write a new session's metadata; its creator (``meta.owner``) holds the lease."""
         k = self.keys(meta.session_id)
         fields: list[Any] = [
             "model", meta.model, "fingerprint", meta.fingerprint, "step", meta.step,
             "log_start", meta.log_start, "config", meta.config, "created_at", meta.created_at,
             "updated_at", meta.updated_at, "closed", "1" if meta.closed else "0",
+            "epoch", meta.epoch, "owner", meta.owner, "owner_addr", meta.owner_addr,
         ]  # fmt: skip
         reply = await _guarded(
-            lambda: self._create(keys=[k.meta, self._index], args=[meta.session_id, *fields])
+            lambda: self._create(
+                keys=[k.meta, self._index, k.lease],
+                args=[meta.session_id, meta.owner, lease_ms, *fields],
+            )
         )
         if reply == b"ERR_EXISTS":
             raise SessionExistsError(f"session {meta.session_id!r} already exists")
@@ -399,9 +607,6 @@ class Store:
         raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
         return SessionMeta.from_hash(session_id, raw) if raw else None
 
-    async def set_config(self, session_id: str, config: bytes) -> None:
-        await _guarded(lambda: self.redis.hset(self.keys(session_id).meta, "config", config))
-
     async def list_session_ids(self, after: str, count: int) -> list[str]:
         start = f"({after}" if after else "-"
         ids = await _guarded(
@@ -409,22 +614,166 @@ class Store:
         )
         return [i.decode() for i in ids]
 
-    async def close_session(self, session_id: str, keep_snapshot: str = "") -> None:
+    async def close_session(self, session_id: str, epoch: int, keep_snapshot: str = "") -> None:
         k = self.keys(session_id)
         reply = await _guarded(
             lambda: self._close(
-                keys=[k.meta, k.snaps, k.labels, k.log, self._index],
-                args=[k.base, session_id, keep_snapshot],
+                keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease],
+                args=[k.base, session_id, keep_snapshot, epoch],
             )
         )
         _raise_script_error(reply)
 
+    # ------------------------------------------------------------------ ownership
+
+    async def acquire(self, session_id: str, worker_id: str, address: str, lease_ms: int) -> int:
+        """Take the session's lease; returns the new epoch.
+
+        Raises :class:`SessionMovedError` (with the owner's address and how long its lease
+        still runs) when another worker holds it.
+        """
+        k = self.keys(session_id)
+        reply = await _guarded(
+            lambda: self._acquire(keys=[k.meta, k.lease], args=[worker_id, address, lease_ms])
+        )
+        text = reply.decode()
+        if text.startswith("OK "):
+            return int(text[3:])
+        if text.startswith("ERR_OWNED "):
+            _code, ttl, owner = text.split(" ", 2)
+            raise SessionMovedError(
+                f"session {session_id!r} is served by worker {owner or '(unknown)'}",
+                owner=owner,
+                retry_after_ms=max(0, int(ttl)),
+            )
+        _raise_script_error(reply)
+        raise AssertionError(f"unexpected acquire reply {text!r}")
+
+    async def renew_leases(
+        self, leases: Sequence[tuple[str, int]], worker_id: str, lease_ms: int
+    ) -> list[SsmserveError | None]:
+        """Extend the leases of ``(session id, epoch)`` pairs in one round trip.
+
+        One entry per lease: None when renewed (or being handed off), else the error
+        (:class:`StaleEpochError` when another worker took the session).
+        """
+        if not leases:
+            return []
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for session_id, epoch in leases:
+                    k = self.keys(session_id)
+                    await self._renew(
+                        keys=[k.meta, k.lease], args=[worker_id, epoch, lease_ms], client=pipe
+                    )
+                return await pipe.execute(raise_on_error=False)
+
+        return [_script_outcome(r, ok=(b"OK", b"HANDOFF")) for r in await _guarded(run)]
+
+    async def release(self, session_id: str, worker_id: str, epoch: int) -> None:
+        k = self.keys(session_id)
+        reply = await _guarded(
+            lambda: self._release(keys=[k.meta, k.lease], args=[worker_id, epoch])
+        )
+        _raise_script_error(reply)
+
+    async def handoff(
+        self,
+        session_id: str,
+        worker_id: str,
+        epoch: int,
+        target: WorkerRecord,
+        lease_ms: int,
+    ) -> None:
+        """Reserve the session for ``target``: only it may acquire it next."""
+        k = self.keys(session_id)
+        args = [worker_id, epoch, target.worker_id, target.address, lease_ms]
+        reply = await _guarded(lambda: self._handoff(keys=[k.meta, k.lease], args=args))
+        _raise_script_error(reply)
+
+    async def cancel_handoff(
+        self,
+        session_id: str,
+        worker_id: str,
+        epoch: int,
+        address: str,
+        target_id: str,
+        lease_ms: int,
+    ) -> None:
+        """Take back a reservation the target never used; raises StaleEpochError if it did."""
+        k = self.keys(session_id)
+        args = [worker_id, epoch, address, lease_ms, target_id]
+        reply = await _guarded(lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args))
+        _raise_script_error(reply)
+
+    async def lease(self, session_id: str) -> Lease | None:
+        """The session's current lease holder, or None when nobody holds it."""
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(k.lease)
+                pipe.pttl(k.lease)
+                pipe.hget(k.meta, "owner_addr")
+                return await pipe.execute()
+
+        holder, ttl, addr = await _guarded(run)
+        if holder is None:
+            return None
+        return Lease(holder.decode(), (addr or b"").decode(), max(0, int(ttl)))
+
+    # ------------------------------------------------------------------ worker registry
+
+    async def register_worker(self, record: WorkerRecord, ttl_ms: int) -> None:
+        """Write (or refresh) a worker's entry; it disappears ``ttl_ms`` after the last one."""
+        key = f"{self.settings.key_prefix}:worker:{record.worker_id}"
+
+        async def run() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping=record.to_fields())
+                pipe.pexpire(key, ttl_ms)
+                pipe.sadd(self._workers, record.worker_id)
+                await pipe.execute()
+
+        await _guarded(run)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        async def run() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(f"{self.settings.key_prefix}:worker:{worker_id}")
+                pipe.srem(self._workers, worker_id)
+                await pipe.execute()
+
+        await _guarded(run)
+
+    async def live_workers(self) -> list[WorkerRecord]:
+        """Every worker whose entry has not expired, by address; forgets expired ones."""
+        ids = [i.decode() for i in await _guarded(lambda: self.redis.smembers(self._workers))]
+        if not ids:
+            return []
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for worker_id in ids:
+                    pipe.hgetall(f"{self.settings.key_prefix}:worker:{worker_id}")
+                return await pipe.execute()
+
+        raws = await _guarded(run)
+        gone = [i for i, raw in zip(ids, raws, strict=True) if not raw]
+        if gone:
+            await _guarded(lambda: self.redis.srem(self._workers, *gone))
+        live = [WorkerRecord.from_hash(i, raw) for i, raw in zip(ids, raws, strict=True) if raw]
+        return sorted(live, key=lambda w: w.address)
+
     # ------------------------------------------------------------------ input log
 
     async def append_logs(
-        self, appends: Sequence[tuple[str, int, Sequence[bytes]]], updated_at: float
+        self, appends: Sequence[tuple[str, int, int, Sequence[bytes]]], updated_at: float
     ) -> list[SsmserveError | None]:
-        """Group commit: ``(session id, first step, inputs)`` for many sessions, one round trip.
+        """Group commit: ``(session id, epoch, first step, inputs)`` for many sessions.
+
+        One round trip for all of them.
 
         Returns one entry per append: None when it was recorded, else the error.
         """
@@ -433,25 +782,16 @@ class Store:
 
         async def run() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for session_id, first, inputs in appends:
+                for session_id, epoch, first, inputs in appends:
                     k = self.keys(session_id)
                     await self._log_append(
-                        keys=[k.meta, k.log], args=[first, updated_at, *inputs], client=pipe
+                        keys=[k.meta, k.log],
+                        args=[epoch, first, updated_at, *inputs],
+                        client=pipe,
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        replies = await _guarded(run)
-        out: list[SsmserveError | None] = []
-        for reply in replies:
-            if isinstance(reply, Exception):
-                out.append(StoreError(f"log append failed: {reply}"))
-                continue
-            try:
-                _raise_script_error(reply)
-                out.append(None)
-            except SsmserveError as exc:
-                out.append(exc)
-        return out
+        return [_script_outcome(reply) for reply in await _guarded(run)]
 
     async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
         """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
@@ -471,6 +811,7 @@ class Store:
     async def commit_snapshot(
         self,
         session_id: str,
+        epoch: int,
         record: SnapshotRecord,
         blob: bytes,
         max_snapshots: int,
@@ -496,7 +837,7 @@ class Store:
         await _guarded(stage)
         args = [
             k.base, record.snapshot_id, record.step, pieces, record.label, record.reason,
-            record.created_at, record.size, max_snapshots,
+            record.created_at, record.size, max_snapshots, epoch,
         ]  # fmt: skip
         reply = await _guarded(
             lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args)
@@ -568,12 +909,15 @@ class Store:
 
     # ------------------------------------------------------------------ rollback
 
-    async def cut_history(self, session_id: str, step: int, upto: int, updated_at: float) -> None:
+    async def cut_history(
+        self, session_id: str, epoch: int, step: int, upto: int, updated_at: float
+    ) -> None:
         """Delete snapshots and logged inputs after ``step``; the durable step drops to it."""
         k = self.keys(session_id)
         reply = await _guarded(
             lambda: self._cut(
-                keys=[k.meta, k.snaps, k.labels, k.log], args=[k.base, step, upto, updated_at]
+                keys=[k.meta, k.snaps, k.labels, k.log],
+                args=[k.base, step, upto, updated_at, epoch],
             )
         )
         _raise_script_error(reply)

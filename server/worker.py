@@ -1,9 +1,10 @@
-"""One worker process: models, the store, the session manager and the gRPC server.
+"""One worker process: models, the store, ownership, the session manager and gRPC.
 
-:class:`Worker` starts them in order and stops them in reverse. Stopping is graceful:
-health turns NOT_SERVING, the gRPC server stops taking calls and gives running ones
-``shutdown_grace_s`` to finish, then every resident session that moved since its last
-snapshot is snapshotted (so a restart continues where this one stopped), and the
+:class:`Worker` starts them in order and stops them in reverse. Stopping is a drain:
+health turns NOT_SERVING, every resident session is handed to another live worker (or,
+with none left, snapshotted and released for later pickup) while the gRPC server still
+answers, so open streams get redirects; then the server stops taking calls and gives
+running ones ``shutdown_grace_s`` to finish, the worker leaves the registry, and the
 embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM).
 """
 
@@ -20,10 +21,14 @@ from grpc_reflection.v1alpha import reflection
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
+from server.cluster_service import ClusterService
 from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from server.migration import DrainProgress, MigrationSettings, Migrator
 from server.model.loader import load_model
 from server.model.mamba import MambaModel
 from server.model.numerics import pin_blas_threads
+from server.ownership import Ownership, OwnershipSettings
+from server.peers import Peers
 from server.service import ServiceSettings, SessionService
 from server.sessions import ManagerSettings, SessionManager
 from server.store import Store, StoreSettings
@@ -31,6 +36,7 @@ from server.store import Store, StoreSettings
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
+CLUSTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ClusterService"].full_name
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,11 @@ class WorkerSettings:
     max_message_bytes: int = 4 << 20  # gRPC receive/send limit per message
     shutdown_grace_s: float = 5.0
     blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
+    drain_on_stop: bool = True  # hand sessions to other workers on stop (else snapshot them)
     manager: ManagerSettings = field(default_factory=ManagerSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
+    ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
+    migration: MigrationSettings = field(default_factory=MigrationSettings)
 
 
 class Worker:
@@ -56,6 +65,9 @@ class Worker:
         self.embedded: EmbeddedRedis | None = None
         self.store: Store | None = None
         self.manager: SessionManager | None = None
+        self.ownership: Ownership | None = None
+        self.migrator: Migrator | None = None
+        self.peers = Peers()
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
@@ -90,27 +102,69 @@ class Worker:
         manager_settings = s.manager
         if not manager_settings.owner:
             manager_settings = replace(manager_settings, owner=s.advertise or self.address)
-        self.manager = SessionManager(models, self.store, manager_settings)
-        self.manager.start()
+        self.ownership = Ownership(
+            self.store,
+            s.ownership,
+            manager_settings.owner,
+            sorted(models),
+            held=lambda: manager.held(),
+            on_lost=lambda session_id, error: manager.lost(session_id, error),
+        )
+        manager = self.manager = SessionManager(
+            models, self.store, self.ownership, manager_settings
+        )
+        self.migrator = Migrator(
+            manager, self.ownership, self.peers, s.migration, on_drain=self._not_serving
+        )
+        manager.start()
         pb_grpc.add_SessionServiceServicer_to_server(
-            SessionService(self.manager, s.service), self.server
+            SessionService(manager, s.service), self.server
+        )
+        pb_grpc.add_ClusterServiceServicer_to_server(
+            ClusterService(self.migrator, self.ownership), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (SERVICE_NAME, CLUSTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
         )
         await self.server.start()
-        for service in ("", SERVICE_NAME):
+        await self.ownership.start()
+        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.address
 
-    async def stop(self) -> None:
-        for service in ("", SERVICE_NAME):
+    async def _not_serving(self) -> None:
+        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def drain(self) -> list[DrainProgress]:
+        """Move every session to other workers (or park it); the worker keeps running."""
+        assert self.migrator is not None, "start() first"
+        return [p async for p in self.migrator.drain()]
+
+    async def stop(self) -> None:
+        await self._not_serving()
+        if self.migrator is not None and self.settings.drain_on_stop:
+            try:
+                for p in await self.drain():
+                    log.info(
+                        "drain %d/%d: session %s -> %s%s",
+                        p.done,
+                        p.total,
+                        p.session_id,
+                        p.target or "parked in Redis",
+                        f" ({p.error})" if p.error else "",
+                    )
+            except Exception:  # never let a failed drain keep the worker from stopping
+                log.exception("drain failed; the remaining sessions are snapshotted instead")
         if self.server is not None:
             await self.server.stop(self.settings.shutdown_grace_s)
         if self.manager is not None:
             await self.manager.stop()
+        if self.ownership is not None:
+            await self.ownership.stop()
+        await self.peers.close()
         if self.store is not None:
             await self.store.aclose()
         if self.embedded is not None:
@@ -118,10 +172,13 @@ class Worker:
 
     async def abort(self) -> None:
         """Stop serving at once, without the shutdown snapshots (as a crash would)."""
+        if self.ownership is not None:
+            await self.ownership.stop(deregister=False)
         if self.server is not None:
             await self.server.stop(0)
         if self.manager is not None:
             await self.manager.abandon()
+        await self.peers.close()
         if self.store is not None:
             await self.store.aclose()
         if self.embedded is not None:

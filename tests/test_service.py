@@ -27,6 +27,7 @@ from client.errors import (
     StepFailed,
 )
 from server.checkpoint import Checkpoint
+from server.ownership import OwnershipSettings
 from server.sessions import ManagerSettings
 from tests.conftest import random_inputs
 
@@ -413,13 +414,15 @@ def test_keys_of_a_session_carry_its_hash_tag(worker, served_models, redis_url):
     worker.client.snapshot(sid, label="l")
     with redis.Redis.from_url(redis_url) as r:
         keys = sorted(k.decode() for k in r.keys("*"))
-        session_keys = [k for k in keys if k != "ssm:sessions"]
+        global_keys = {"ssm:sessions", "ssm:workers"}
+        session_keys = [k for k in keys if k not in global_keys and ":worker:" not in k]
         assert session_keys and all(k.startswith(f"ssm:{{{sid}}}:") for k in session_keys)
         assert {k.split(":")[2] for k in session_keys} == {
             "meta",
             "log",
             "snaps",
             "labels",
+            "lease",
             "snap",
             "blob",
         }
@@ -577,13 +580,18 @@ def test_a_new_worker_continues_after_a_crash(start_worker, served_models, durab
     """The first worker stops without its shutdown snapshots (a crash, as Redis sees it)."""
     model = served_models["demo"]
     x = random_inputs(model, 24, seed=17)
-    first = start_worker()
+    first = start_worker(ownership=OwnershipSettings(lease_ttl_s=0.4))
     sid = first.client.create_session("demo", snapshot_every=5, durability=durability).session_id
     stream(first, sid, x[:13])
     first.crash()
     second = start_worker()
-    info = second.client.get_session(sid)
-    assert info.step == survives and not info.resident
+    info = second.client.get_session(sid)  # the dead worker's lease still runs a while
+    assert info.resident and info.owner == first.address
+    deadline = time.monotonic() + 5
+    while info.resident and time.monotonic() < deadline:
+        time.sleep(0.05)
+        info = second.client.get_session(sid)
+    assert info.step == survives and not info.resident and not info.owner
     got, _ = stream(second, sid, x[survives:])
     assert_bit_equal(got, reference(model, x)[survives:])
     again = second.client.step(sid, x[survives - 1], step=survives)

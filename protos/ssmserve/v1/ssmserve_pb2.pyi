@@ -348,3 +348,89 @@ class ImportCheckpointRequest(_message.Message):
     header: ImportHeader
     chunk: CheckpointChunk
     def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    load: int
+    started_at: float
+    heartbeat_at: float
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., load: _Optional[int] = ..., started_at: _Optional[float] = ..., heartbeat_at: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("session_id", "target")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    target: str
+    def __init__(self, session_id: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("session_id", "source", "target", "step", "snapshot_id", "elapsed_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    source: str
+    target: str
+    step: int
+    snapshot_id: str
+    elapsed_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., source: _Optional[str] = ..., target: _Optional[str] = ..., step: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    def __init__(self, worker: _Optional[str] = ...) -> None: ...
+
+class DrainProgress(_message.Message):
+    __slots__ = ("session_id", "target", "done", "total", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    target: str
+    done: int
+    total: int
+    error: str
+    def __init__(self, session_id: _Optional[str] = ..., target: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class AdoptSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class AdoptSessionResponse(_message.Message):
+    __slots__ = ("step", "epoch")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...

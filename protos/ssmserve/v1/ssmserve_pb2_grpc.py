@@ -488,3 +488,236 @@ class SessionService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ClusterServiceStub:
+    """---------------------------------------------------------------- workers and ownership
+
+    Every worker registers in Redis; a session is owned by one worker at a time (a lease
+    with a fencing epoch). A request for a session that another worker owns fails with
+    UNAVAILABLE, reason SESSION_MOVED (or STALE_EPOCH), and the owner's address in the
+    trailing metadata key `ssmserve-owner` (plus `ssmserve-retry-after-ms`: how long the
+    owner's lease still runs, for a client that cannot reach it). A Stream ends that way
+    as soon as one of its sessions moved; the steps answered before it stand.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListWorkers = channel.unary_unary(
+                '/ssmserve.v1.ClusterService/ListWorkers',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/ssmserve.v1.ClusterService/Migrate',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.MigrateResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_stream(
+                '/ssmserve.v1.ClusterService/Drain',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainProgress.FromString,
+                _registered_method=True)
+        self.AdoptSession = channel.unary_unary(
+                '/ssmserve.v1.ClusterService/AdoptSession',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionResponse.FromString,
+                _registered_method=True)
+
+
+class ClusterServiceServicer:
+    """---------------------------------------------------------------- workers and ownership
+
+    Every worker registers in Redis; a session is owned by one worker at a time (a lease
+    with a fencing epoch). A request for a session that another worker owns fails with
+    UNAVAILABLE, reason SESSION_MOVED (or STALE_EPOCH), and the owner's address in the
+    trailing metadata key `ssmserve-owner` (plus `ssmserve-retry-after-ms`: how long the
+    owner's lease still runs, for a client that cannot reach it). A Stream ends that way
+    as soon as one of its sessions moved; the steps answered before it stand.
+
+    """
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Move a session to another worker; any worker may receive this (it redirects to the
+        owner). The session stops between two steps; streams follow it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Move every session off a worker (to the least loaded others, or park them in Redis
+        when none is left); progress is streamed. Any worker may receive this.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdoptSession(self, request, context):
+        """Worker to worker: acquire a session the owner has reserved for the receiver.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ClusterServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListWorkersRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.MigrateRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.MigrateResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainProgress.SerializeToString,
+            ),
+            'AdoptSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdoptSession,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ssmserve.v1.ClusterService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ssmserve.v1.ClusterService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ClusterService:
+    """---------------------------------------------------------------- workers and ownership
+
+    Every worker registers in Redis; a session is owned by one worker at a time (a lease
+    with a fencing epoch). A request for a session that another worker owns fails with
+    UNAVAILABLE, reason SESSION_MOVED (or STALE_EPOCH), and the owner's address in the
+    trailing metadata key `ssmserve-owner` (plus `ssmserve-retry-after-ms`: how long the
+    owner's lease still runs, for a client that cannot reach it). A Stream ends that way
+    as soon as one of its sessions moved; the steps answered before it stand.
+
+    """
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/ListWorkers',
+            ssmserve_dot_v1_dot_ssmserve__pb2.ListWorkersRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/Migrate',
+            ssmserve_dot_v1_dot_ssmserve__pb2.MigrateRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/Drain',
+            ssmserve_dot_v1_dot_ssmserve__pb2.DrainRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/AdoptSession',
+            ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

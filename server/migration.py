@@ -1,0 +1,182 @@
+"""Moving sessions between workers: Migrate one, or Drain a whole worker.
+
+A migration is a hand-off (``SessionManager.hand_off``): the owner stops the session
+between two steps, snapshots it, reserves its lease for the target, and the target
+acquires it (epoch + 1) and loads it from that snapshot. Streams that were talking to the
+source get a redirect and resume on the target; nothing is lost or applied twice, because
+every step carries its number and a resend of an applied step is answered, not re-run.
+
+A drain marks the worker as draining (no new sessions, no loads; the registry shows it),
+then hands every resident session to the least loaded other live worker that serves its
+model, or, with none left, snapshots and releases it so any worker can pick it up later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from server.errors import ErrorKind, SessionMovedError, SsmserveError
+from server.ownership import Ownership
+from server.peers import Peers
+from server.sessions import SessionManager
+from server.store import SessionMissingError, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+
+class UnknownWorkerError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class BadTargetError(SsmserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class MigrationSettings:
+    drain_parallel: int = 8  # sessions handed off at once during a drain
+    drain_rounds: int = 3  # passes over resident sessions (loads racing a drain)
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    session_id: str
+    source: str
+    target: str
+    step: int
+    snapshot_id: str
+    elapsed_ms: float
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    session_id: str
+    target: str  # '' when parked in Redis
+    done: int
+    total: int
+    error: str = ""
+
+
+class Migrator:
+    def __init__(
+        self,
+        manager: SessionManager,
+        ownership: Ownership,
+        peers: Peers,
+        settings: MigrationSettings,
+        on_drain: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.manager = manager
+        self.ownership = ownership
+        self.peers = peers
+        self.settings = settings
+        self._on_drain = on_drain
+
+    @property
+    def address(self) -> str:
+        return self.ownership.address
+
+    async def adopt(self, session_id: str) -> tuple[int, int]:
+        """Target side of a hand-off: acquire the reserved session and load it."""
+        s = await self.manager.session(session_id)
+        return s.step, s.epoch
+
+    async def migrate(self, session_id: str, target_address: str) -> MigrationResult:
+        started = time.perf_counter()
+        if session_id in self.manager.resident_ids():
+            if target_address == self.address:
+                s = await self.manager.session(session_id)
+                return MigrationResult(session_id, self.address, self.address, s.step, "", 0.0)
+            s = await self.manager.session(session_id)
+            target = await self._target(target_address, s.model_name)
+            step, snapshot_id = await self.manager.hand_off(
+                session_id, target, lambda sid: self.peers.adopt(target.address, sid)
+            )
+            elapsed = (time.perf_counter() - started) * 1000
+            log.info("session %s migrated to %s in %.1f ms", session_id, target_address, elapsed)
+            return MigrationResult(
+                session_id, self.address, target.address, step, snapshot_id, elapsed
+            )
+        meta = await self.manager.store.get_meta(session_id)
+        if meta is None:
+            raise SessionMissingError(f"session {session_id!r} does not exist")
+        lease = await self.manager.store.lease(session_id)
+        if lease is not None and lease.owner_addr and lease.owner_addr != self.address:
+            raise SessionMovedError(
+                f"session {session_id!r} is served by worker {lease.owner_addr}; ask it",
+                owner=lease.owner_addr,
+                retry_after_ms=lease.ttl_ms,
+            )
+        # Nobody holds it (evicted, parked, or its worker died): the target just loads it.
+        if target_address == self.address:
+            step, _epoch = await self.adopt(session_id)
+        else:
+            target = await self._target(target_address, meta.model)
+            step = (await self.peers.adopt(target.address, session_id)).step
+        elapsed = (time.perf_counter() - started) * 1000
+        return MigrationResult(session_id, "", target_address, step, "", elapsed)
+
+    async def _target(self, address: str, model: str) -> WorkerRecord:
+        target = await self.ownership.worker_at(address)
+        if target is None:
+            raise UnknownWorkerError(f"no live worker is registered at {address}")
+        if target.draining:
+            raise BadTargetError(f"worker {address} is draining; pick another target")
+        if model not in target.models:
+            raise BadTargetError(
+                f"worker {address} does not serve model {model!r} "
+                f"(it serves {', '.join(target.models) or 'nothing'})"
+            )
+        return target
+
+    # ------------------------------------------------------------------ drain
+
+    async def drain(self) -> AsyncIterator[DrainProgress]:
+        """Move every resident session away; yields one progress entry per session."""
+        await self._on_drain()
+        await self.ownership.set_draining()
+        done = 0
+        for _round in range(self.settings.drain_rounds):
+            ids = self.manager.resident_ids()
+            if not ids:
+                break
+            planned: dict[str, int] = {}  # target address -> sessions sent there by us
+            gate = asyncio.Semaphore(self.settings.drain_parallel)
+            total = done + len(ids)
+            moves = [self._drain_one(i, planned, gate) for i in ids]
+            for next_done in asyncio.as_completed(moves):
+                session_id, target, error = await next_done
+                done += 1
+                yield DrainProgress(session_id, target, done, total, error)
+        log.info("drained: %d sessions moved or parked", done)
+
+    async def _drain_one(
+        self, session_id: str, planned: dict[str, int], gate: asyncio.Semaphore
+    ) -> tuple[str, str, str]:
+        async with gate:
+            return await self._move_or_park(session_id, planned)
+
+    async def _move_or_park(self, session_id: str, planned: dict[str, int]) -> tuple[str, str, str]:
+        error = ""
+        try:
+            s = await self.manager.session(session_id)
+            targets = await self.ownership.targets(s.model_name)
+            if targets:
+                target = min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))
+                planned[target.address] = planned.get(target.address, 0) + 1
+                await self.manager.hand_off(
+                    session_id, target, lambda sid: self.peers.adopt(target.address, sid)
+                )
+                return session_id, target.address, ""
+        except SsmserveError as exc:
+            error = str(exc)
+            log.warning("drain: session %s not moved: %s", session_id, exc)
+        try:
+            await self.manager.park(session_id, "drain")
+        except SsmserveError as exc:
+            error = f"{error}; parking failed too: {exc}" if error else str(exc)
+        return session_id, "", error
