@@ -7,25 +7,54 @@
 
 Failures raise the typed exceptions of :mod:`client.errors`; a step answered with an
 error raises :class:`~client.errors.StepFailed` (or is yielded, with ``raise_on_error=False``).
+
+The client follows sessions around the cluster (``client/retry.py``): a request that
+reaches a worker that does not own the session is redirected to the owner; a worker that
+cannot be reached is replaced by another known worker (pass several addresses, and the
+client also learns the live ones from ``ListWorkers``). A stream that is cut (migration,
+crash, store outage) resumes on the new owner from the last answered step, resending the
+unanswered inputs: steps are numbered, so a resend of an applied step is answered with
+its recorded output and never applied twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
-from client.errors import StepFailed, from_rpc_error
+from client.errors import (
+    SessionMoved,
+    SsmserveClientError,
+    StepFailed,
+    Unavailable,
+    from_rpc_error,
+)
+from client.retry import Backoff, RetryPolicy
 
 CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE = 64 << 20
+T = TypeVar("T")
+# Codes a call may be retried on (elsewhere): the worker is gone, stopping or unreachable.
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 @dataclass(frozen=True)
@@ -67,20 +96,142 @@ def _typed_errors() -> Iterator[None]:
         raise from_rpc_error(exc) from None
 
 
+@dataclass
+class _Worker:
+    channel: grpc.aio.Channel
+    sessions: pb_grpc.SessionServiceStub
+    cluster: pb_grpc.ClusterServiceStub
+
+
 class AsyncClient:
-    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
-        self.stub = pb_grpc.SessionServiceStub(self.channel)
+    """A client of one ssmserve cluster; ``address`` is one worker or several."""
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        *,
+        retry: RetryPolicy | None = None,
+        discover: bool = True,
+    ) -> None:
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("give at least one worker address")
+        self.address = self.addresses[0]
+        self.retry = retry or RetryPolicy()
+        self._max_message = max_message_bytes
+        self._workers: dict[str, _Worker] = {}
+        self._owners: dict[str, str] = {}  # session id -> where it was last served
+        self._unreachable: set[str] = set()
+        self._discover = discover
+        self.channel = self._worker(self.address).channel
+        self.stub = self._worker(self.address).sessions
+
+    def _worker(self, address: str) -> _Worker:
+        worker = self._workers.get(address)
+        if worker is None:
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", self._max_message),
+                    ("grpc.max_send_message_length", self._max_message),
+                ],
+            )
+            worker = _Worker(
+                channel, pb_grpc.SessionServiceStub(channel), pb_grpc.ClusterServiceStub(channel)
+            )
+            self._workers[address] = worker
+        return worker
+
+    def owner_of(self, session_id: str) -> str:
+        """The worker this client last saw serving the session (or its first address)."""
+        return self._owners.get(session_id, self.address)
 
     async def close(self) -> None:
-        await self.channel.close()
+        workers = list(self._workers.values())
+        self._workers.clear()
+        await asyncio.gather(*(w.channel.close() for w in workers), return_exceptions=True)
+
+    # ------------------------------------------------------------------ following sessions
+
+    def _learn(self, address: str) -> None:
+        if address and address not in self.addresses:
+            self.addresses.append(address)
+
+    def _other(self, address: str) -> str:
+        """The next known worker after ``address``, preferring reachable ones."""
+        ring = self.addresses
+        start = ring.index(address) + 1 if address in ring else 0
+        ordered = ring[start:] + ring[:start]
+        return next((a for a in ordered if a not in self._unreachable), ordered[0])
+
+    async def discover(self) -> None:
+        """Learn the live workers' addresses from the cluster (best effort)."""
+        self._discover = False
+        with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+            reply = await self._worker(self.address).cluster.ListWorkers(
+                pb.ListWorkersRequest(), timeout=2.0
+            )
+            for w in reply.workers:
+                self._learn(w.address)
+
+    async def _next_address(
+        self, address: str, error: SsmserveClientError, backoff: Backoff
+    ) -> str:
+        """Where to try after ``error`` at ``address``; raises it when retrying is over."""
+        if isinstance(error, SessionMoved):
+            owner = error.owner
+            if (
+                owner
+                and owner != address
+                and owner not in self._unreachable
+                and backoff.redirects < self.retry.max_redirects
+            ):
+                backoff.redirects += 1
+                self._learn(owner)
+                return owner  # go there at once
+            if backoff.expired():
+                raise error
+            if owner and owner in self._unreachable:
+                # The owner died: its lease runs out in retry_after_ms, then any worker
+                # (this one) takes the session over.
+                await asyncio.sleep(min(error.retry_after_ms / 1000, 10.0) + 0.005)
+                return address
+            await backoff.wait()
+            return address
+        if error.code not in _TRANSIENT or backoff.expired():
+            raise error
+        if not error.reason:  # the worker itself is unreachable or stopping
+            self._unreachable.add(address)
+            if self._discover:
+                await self.discover()
+            await backoff.wait()
+            return self._other(address)
+        await backoff.wait()  # e.g. the store is briefly unavailable: same worker
+        return address
+
+    async def _call(
+        self,
+        invoke: Callable[[_Worker], Awaitable[T]],
+        session_id: str = "",
+        idempotent: bool = True,
+    ) -> T:
+        """One request, following redirects; retried elsewhere only if ``idempotent``."""
+        backoff = Backoff(self.retry)
+        address = self.owner_of(session_id) if session_id else self.address
+        while True:
+            try:
+                result = await invoke(self._worker(address))
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+                if not idempotent and not isinstance(error, SessionMoved):
+                    raise error from None
+                address = await self._next_address(address, error, backoff)
+                continue
+            self._unreachable.discard(address)
+            if session_id:
+                self._owners[session_id] = address
+            return result
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -118,33 +269,38 @@ class AsyncClient:
             labels=dict(labels or {}),
         )
         request = pb.CreateSessionRequest(model=model, session_id=session_id, config=config)
-        with _typed_errors():
-            return await self.stub.CreateSession(request)
+        info: pb.SessionInfo = await self._call(
+            lambda w: w.sessions.CreateSession(request), idempotent=False
+        )
+        if info.owner:
+            self._owners[info.session_id] = info.owner
+        return info
 
     async def get_session(self, session_id: str) -> pb.SessionInfo:
-        with _typed_errors():
-            return await self.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
+        request = pb.GetSessionRequest(session_id=session_id)
+        return await self._call(lambda w: w.sessions.GetSession(request))
 
     async def list_sessions(self, model: str = "", page_size: int = 0) -> list[pb.SessionInfo]:
         """Every session (all pages)."""
         out: list[pb.SessionInfo] = []
         token = ""
-        with _typed_errors():
-            while True:
-                page = await self.stub.ListSessions(
-                    pb.ListSessionsRequest(page_size=page_size, page_token=token, model=model)
-                )
-                out.extend(page.sessions)
-                token = page.next_page_token
-                if not token:
-                    return out
+        while True:
+            request = pb.ListSessionsRequest(page_size=page_size, page_token=token, model=model)
+            page: pb.ListSessionsResponse = await self._call(
+                lambda w, r=request: w.sessions.ListSessions(r)  # type: ignore[misc]
+            )
+            out.extend(page.sessions)
+            token = page.next_page_token
+            if not token:
+                return out
 
     async def close_session(
         self, session_id: str, final_snapshot: bool = False
     ) -> pb.CloseSessionResponse:
         request = pb.CloseSessionRequest(session_id=session_id, final_snapshot=final_snapshot)
-        with _typed_errors():
-            return await self.stub.CloseSession(request)
+        return await self._call(
+            lambda w: w.sessions.CloseSession(request), session_id, idempotent=False
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -168,33 +324,77 @@ class AsyncClient:
         ``first_step`` defaults to the session's current step + 1. With
         ``steps_per_message`` > 1, inputs are grouped into messages (throughput); the
         last group is sent when ``inputs`` ends.
+
+        The stream follows the session: when it is cut (the session moved, its worker
+        died, the store was briefly away), it reconnects to the owner and resends every
+        input not yet answered. Each step is yielded exactly once.
         """
         if first_step is None:
             first_step = (await self.get_session(session_id)).step + 1
-        start = first_step
-
-        async def requests() -> AsyncIterator[pb.StreamRequest]:
-            step = start
-            group: list[pb.StepInput] = []
-            async for value in _aiter(inputs):
-                group.append(step_input(session_id, step, value))
-                step += 1
-                if len(group) >= steps_per_message:
-                    yield pb.StreamRequest(steps=group)
-                    group = []
-            if group:
-                yield pb.StreamRequest(steps=group)
-
-        call = self.stub.Stream(requests())
+        if self._discover:
+            await self.discover()
+        feed = _StepFeed(session_id, _aiter(inputs), first_step, self.retry.window)
+        backoff = Backoff(self.retry)
+        address = self.owner_of(session_id)
         try:
-            with _typed_errors():
-                async for response in call:
-                    for result in response.results:
+            while True:
+                call = self._worker(address).sessions.Stream(feed.requests(steps_per_message))
+                try:
+                    async for result in self._answers(call, feed):
+                        backoff.progress()
+                        self._unreachable.discard(address)
+                        self._owners[session_id] = address
                         if raise_on_error and result.HasField("error"):
                             raise StepFailed(result)
                         yield StepOutput.from_pb(result)
+                    if feed.done:
+                        return
+                    error: SsmserveClientError = Unavailable(f"{address} ended the stream early")
+                except grpc.RpcError as exc:
+                    error = from_rpc_error(exc)
+                except _Retry as retry:
+                    error = retry.error
+                finally:
+                    call.cancel()
+                address = await self._next_address(address, error, backoff)
         finally:
-            call.cancel()
+            await feed.close()
+
+    async def _answers(
+        self, call: grpc.aio.StreamStreamCall, feed: _StepFeed
+    ) -> AsyncIterator[pb.StepResult]:
+        """The stream's answers, each once and in step order; _Retry when it must resume."""
+        stall = self.retry.stall_timeout_s
+        while True:
+            read = asyncio.ensure_future(call.read())
+            try:
+                while not read.done():
+                    await asyncio.wait({read}, timeout=stall)
+                    if not read.done() and feed.pending and feed.quiet_for() > stall:
+                        raise _Retry(Unavailable(f"no answer for {stall:.0f} s"))
+                response = read.result()
+            finally:
+                if not read.done():
+                    read.cancel()
+            if response is grpc.aio.EOF:
+                return
+            for result in response.results:
+                if result.step < feed.lo:
+                    continue  # answered before the stream was resumed
+                if result.step != feed.lo:
+                    raise SsmserveClientError(
+                        f"session {feed.session_id!r}: the answer to step {result.step} came "
+                        f"before the answer to step {feed.lo}"
+                    )
+                if result.HasField("error") and result.error.code in _TRANSIENT_NUMBERS:
+                    # not applied (the store or the session is briefly away): resume from it
+                    raise _Retry(
+                        SessionMoved(result.error.message, result.error.reason)
+                        if result.error.reason in ("SESSION_MOVED", "STALE_EPOCH")
+                        else Unavailable(result.error.message, result.error.reason)
+                    )
+                feed.ack(result.step)
+                yield result
 
     def open_stream(self) -> grpc.aio.StreamStreamCall:
         """A raw bidirectional stream for many sessions at once (StreamRequest in/out)."""
@@ -203,12 +403,15 @@ class AsyncClient:
     # ------------------------------------------------------------------ snapshots, rollback
 
     async def snapshot(self, session_id: str, label: str = "") -> pb.SnapshotInfo:
-        with _typed_errors():
-            return await self.stub.Snapshot(pb.SnapshotRequest(session_id=session_id, label=label))
+        request = pb.SnapshotRequest(session_id=session_id, label=label)
+        # a snapshot without a label is idempotent (the same step gives the same snapshot)
+        return await self._call(
+            lambda w: w.sessions.Snapshot(request), session_id, idempotent=not label
+        )
 
     async def list_snapshots(self, session_id: str) -> list[pb.SnapshotInfo]:
-        with _typed_errors():
-            reply = await self.stub.ListSnapshots(pb.ListSnapshotsRequest(session_id=session_id))
+        request = pb.ListSnapshotsRequest(session_id=session_id)
+        reply = await self._call(lambda w: w.sessions.ListSnapshots(request), session_id)
         return list(reply.snapshots)
 
     async def rollback(
@@ -231,20 +434,24 @@ class AsyncClient:
         if len(given) != 1:
             raise ValueError("rollback takes exactly one of to_step, to_snapshot, to_label, back")
         request = pb.RollbackRequest(session_id=session_id, **given)
-        with _typed_errors():
-            return await self.stub.Rollback(request)
+        return await self._call(
+            lambda w: w.sessions.Rollback(request), session_id, idempotent="steps_back" not in given
+        )
 
     # ------------------------------------------------------------------ export, import
 
     async def export_checkpoint(self, session_id: str, snapshot_id: str = "") -> bytes:
         request = pb.ExportCheckpointRequest(session_id=session_id, snapshot_id=snapshot_id)
-        parts: list[bytes] = []
-        with _typed_errors():
-            async for chunk in self.stub.ExportCheckpoint(request):
+
+        async def export(w: _Worker) -> bytes:
+            parts: list[bytes] = []
+            async for chunk in w.sessions.ExportCheckpoint(request):
                 if chunk.index != len(parts):
                     raise ValueError(f"export: chunk {chunk.index} came out of order")
                 parts.append(chunk.data)
-        return b"".join(parts)
+            return b"".join(parts)
+
+        return await self._call(export, session_id)
 
     async def import_checkpoint(
         self,
@@ -256,8 +463,132 @@ class AsyncClient:
         config: pb.SessionConfig | None = None,
     ) -> pb.SessionInfo:
         header = pb.ImportHeader(session_id=session_id, model=model, replace=replace, config=config)
+        info: pb.SessionInfo = await self._call(
+            lambda w: w.sessions.ImportCheckpoint(_import_requests(header, blob)),
+            idempotent=False,
+        )
+        if info.owner:
+            self._owners[info.session_id] = info.owner
+        return info
+
+    # ------------------------------------------------------------------ cluster
+
+    async def list_workers(self) -> list[pb.WorkerInfo]:
+        reply = await self._call(lambda w: w.cluster.ListWorkers(pb.ListWorkersRequest()))
+        return list(reply.workers)
+
+    async def migrate(self, session_id: str, target: str) -> pb.MigrateResponse:
+        """Move a session to the worker at ``target`` (HOST:PORT)."""
+        request = pb.MigrateRequest(session_id=session_id, target=target)
+        reply: pb.MigrateResponse = await self._call(
+            lambda w: w.cluster.Migrate(request), session_id, idempotent=False
+        )
+        self._owners[session_id] = reply.target
+        return reply
+
+    async def drain(self, worker: str = "") -> AsyncIterator[pb.DrainProgress]:
+        """Move every session off ``worker`` (default: the first address); yields progress."""
+        call = self._worker(self.address).cluster.Drain(pb.DrainRequest(worker=worker))
         with _typed_errors():
-            return await self.stub.ImportCheckpoint(_import_requests(header, blob))
+            async for progress in call:
+                yield progress
+
+
+_TRANSIENT_NUMBERS = frozenset(code.value[0] for code in _TRANSIENT)
+_END = object()
+
+
+class _Retry(Exception):
+    """A stream must be resumed (elsewhere, or after a pause) because of ``error``."""
+
+    def __init__(self, error: SsmserveClientError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _StepFeed:
+    """The inputs of one session's stream, kept until answered so they can be resent.
+
+    One task pulls from the caller's iterator (so cancelling a stream attempt never
+    cancels the caller's generator mid-item); each attempt's request generator starts at
+    the first unanswered step. At most ``window`` steps are outstanding.
+    """
+
+    def __init__(
+        self, session_id: str, source: AsyncIterator[Any], first_step: int, window: int
+    ) -> None:
+        self.session_id = session_id
+        self.lo = first_step  # the first unanswered step
+        self.hi = first_step  # the next step number to draw from the source
+        self.exhausted = False
+        self._values: dict[int, Any] = {}
+        self._window = window
+        self._room = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(1)
+        self._pump = asyncio.ensure_future(self._pull(source))
+        self._quiet_since = time.monotonic()
+
+    async def _pull(self, source: AsyncIterator[Any]) -> None:
+        async for value in source:
+            await self._queue.put(value)
+        await self._queue.put(_END)
+
+    @property
+    def pending(self) -> bool:
+        return self.hi > self.lo
+
+    @property
+    def done(self) -> bool:
+        return self.exhausted and not self.pending
+
+    def quiet_for(self) -> float:
+        return time.monotonic() - self._quiet_since
+
+    def ack(self, step: int) -> None:
+        self._values.pop(step, None)
+        self.lo = step + 1
+        self._quiet_since = time.monotonic()
+        self._room.set()
+
+    async def value_at(self, step: int) -> Any:
+        """The input of ``step``, drawing from the source as needed; _END after the last."""
+        while step >= self.lo + self._window:
+            self._room.clear()
+            await self._room.wait()
+        if step < self.hi:
+            return self._values[step]
+        async with self._lock:  # one puller at a time: attempts may overlap briefly
+            while step >= self.hi and not self.exhausted:
+                value = await self._queue.get()
+                if value is _END:
+                    self.exhausted = True
+                    break
+                if not self.pending:
+                    self._quiet_since = time.monotonic()
+                self._values[self.hi] = value
+                self.hi += 1
+        return self._values[step] if step < self.hi else _END
+
+    async def requests(self, per_message: int) -> AsyncIterator[pb.StreamRequest]:
+        step = self.lo
+        while True:
+            group: list[pb.StepInput] = []
+            while len(group) < per_message:
+                step = max(step, self.lo)
+                value = await self.value_at(step)
+                if value is _END:
+                    break
+                group.append(step_input(self.session_id, step, value))
+                step += 1
+            if group:
+                yield pb.StreamRequest(steps=group)
+            if len(group) < per_message:
+                return
+
+    async def close(self) -> None:
+        self._pump.cancel()
+        await asyncio.gather(self._pump, return_exceptions=True)
 
 
 def _import_requests(header: pb.ImportHeader, blob: bytes) -> Iterator[pb.ImportCheckpointRequest]:

@@ -13,6 +13,8 @@ from google.rpc import error_details_pb2, status_pb2
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"
+OWNER_KEY = "ssmserve-owner"
+RETRY_AFTER_KEY = "ssmserve-retry-after-ms"
 
 
 class CliError(Exception):
@@ -57,6 +59,21 @@ class Unavailable(SsmserveClientError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class SessionMoved(Unavailable):
+    """The session is served by another worker: ``owner`` (may be empty when unknown).
+
+    ``retry_after_ms`` is how long the owner's lease still runs: if the owner cannot be
+    reached (it died), any worker can take the session over after that.
+    """
+
+    def __init__(
+        self, message: str, reason: str = "", owner: str = "", retry_after_ms: int = 0
+    ) -> None:
+        super().__init__(message, reason, grpc.StatusCode.UNAVAILABLE)
+        self.owner = owner
+        self.retry_after_ms = retry_after_ms
+
+
 _BY_CODE: dict[grpc.StatusCode, type[SsmserveClientError]] = {
     cls.code: cls
     for cls in (
@@ -82,10 +99,14 @@ class StepFailed(SsmserveClientError):
         self.result = result
 
 
+REDIRECT_REASONS = frozenset({"SESSION_MOVED", "STALE_EPOCH"})
+
+
 def from_rpc_error(error: grpc.RpcError) -> SsmserveClientError:
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     message: str = error.details() or code.name  # type: ignore[attr-defined]
     reason = ""
+    metadata: dict[str, str] = {}
     for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
         if key == DETAILS_KEY:
             status = status_pb2.Status.FromString(value)
@@ -93,4 +114,15 @@ def from_rpc_error(error: grpc.RpcError) -> SsmserveClientError:
                 info = error_details_pb2.ErrorInfo()
                 if detail.Unpack(info):
                     reason = info.reason
+                    metadata.update(info.metadata)
+        elif key in (OWNER_KEY, RETRY_AFTER_KEY) and isinstance(value, str):
+            metadata[key] = value
+    if reason in REDIRECT_REASONS:
+        retry_after = metadata.get(RETRY_AFTER_KEY, "0")
+        return SessionMoved(
+            message,
+            reason,
+            owner=metadata.get(OWNER_KEY, ""),
+            retry_after_ms=int(retry_after) if retry_after.isdigit() else 0,
+        )
     return _BY_CODE.get(code, SsmserveClientError)(message, reason, code)

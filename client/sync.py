@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 from client.aio import DEFAULT_MAX_MESSAGE, AsyncClient
+from client.retry import RetryPolicy
 
 T = TypeVar("T")
 
@@ -27,16 +28,23 @@ T = TypeVar("T")
 class Client:
     """Every public method of :class:`AsyncClient`, blocking."""
 
-    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> None:
-        self.address = address
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        *,
+        retry: RetryPolicy | None = None,
+        discover: bool = True,
+    ) -> None:
+        self.address = address if isinstance(address, str) else address[0]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"ssmserve-client[{address}]", daemon=True
+            target=self._loop.run_forever, name=f"ssmserve-client[{self.address}]", daemon=True
         )
         self._thread.start()
 
         async def make() -> AsyncClient:
-            return AsyncClient(address, max_message_bytes)
+            return AsyncClient(address, max_message_bytes, retry=retry, discover=discover)
 
         self._aio = self._run(make())
 
