@@ -1,12 +1,16 @@
 """``ssmserve-server``: run one worker until SIGTERM or SIGINT.
 
     ssmserve-server --model NAME=DIR [--model ...] [--listen HOST:PORT] [--redis-url URL]
-                    [--data-dir DIR] [--advertise HOST:PORT] [--demo]
+                    [--data-dir DIR] [--advertise HOST:PORT] [--lease-ttl S] [--demo]
 
 Every flag has an environment variable, used when the flag is absent:
 ``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
-``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``. Without a Redis URL the worker starts a
-private redis-server (AOF on) in ``DATA_DIR/redis`` and stops it on exit.
+``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``, ``SSMSERVE_LEASE_TTL``. Without a Redis URL
+the worker starts a private redis-server (AOF on) in ``DATA_DIR/redis`` and stops it on
+exit. Workers that share one Redis form a cluster: sessions move between them.
+
+SIGTERM or SIGINT drains the worker (its sessions move to the other live workers, or are
+snapshotted for later pickup when none is left), then stops it.
 
 ``--demo`` also serves the demo signal model as ``demo`` (written once to
 ``DATA_DIR/models/demo``). When the server is ready it prints one line,
@@ -28,6 +32,7 @@ from pathlib import Path
 from server.errors import SsmserveError
 from server.model.demo import DemoSpec, demo_config, random_tensors
 from server.model.loader import CONFIG_FILE, save_model
+from server.ownership import OwnershipSettings
 from server.worker import Worker, WorkerSettings
 
 log = logging.getLogger("ssmserve.server")
@@ -62,7 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--data-dir", type=Path, default=Path(env("SSMSERVE_DATA_DIR", "ssmserve-data"))
     )
-    parser.add_argument("--advertise", default=env("SSMSERVE_ADVERTISE", ""))
+    parser.add_argument(
+        "--advertise",
+        default=env("SSMSERVE_ADVERTISE", ""),
+        help="address other workers and clients reach this one at (default: the bound one)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(env("SSMSERVE_LEASE_TTL", "5")),
+        metavar="S",
+        help="session lease and worker heartbeat TTL in seconds: how long a crashed "
+        "worker's sessions wait before another worker takes them over (default 5)",
+    )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -81,12 +98,15 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         )
     if len(set(names)) != len(names):
         raise SystemExit(f"ssmserve-server: error: model names repeat: {', '.join(names)}")
+    if not 0.1 <= args.lease_ttl <= 600:
+        raise SystemExit("ssmserve-server: error: --lease-ttl must be between 0.1 and 600 s")
     return WorkerSettings(
         models=tuple(models),
         listen=args.listen,
         redis_url=args.redis_url or None,
         data_dir=args.data_dir,
         advertise=args.advertise,
+        ownership=OwnershipSettings(lease_ttl_s=args.lease_ttl, worker_ttl_s=args.lease_ttl),
     )
 
 
