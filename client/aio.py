@@ -356,28 +356,50 @@ class AsyncClient:
                     error = retry.error
                 finally:
                     call.cancel()
+                if error.code == grpc.StatusCode.INTERNAL and error.message == _LOST_STATUS:
+                    # grpcio replaces the status of a call the server ended while requests
+                    # were still being written (a redirect, mostly) with this INTERNAL one.
+                    # The cause is lost: ask the cluster where the session is now.
+                    if backoff.expired():
+                        raise error
+                    await backoff.wait()
+                    address = await self._locate(session_id, address)
+                    continue
                 address = await self._next_address(address, error, backoff)
         finally:
             await feed.close()
+
+    async def _locate(self, session_id: str, address: str) -> str:
+        """The session's owner as the cluster reports it (``address`` if nobody holds it)."""
+        try:
+            info = await self.get_session(session_id)
+        except SsmserveClientError:
+            return address
+        return info.owner or address
 
     async def _answers(
         self, call: grpc.aio.StreamStreamCall, feed: _StepFeed
     ) -> AsyncIterator[pb.StepResult]:
         """The stream's answers, each once and in step order; _Retry when it must resume."""
         stall = self.retry.stall_timeout_s
+        # Iterate (not call.read()): with a request iterator, read() turns a status the
+        # server ends the call with while requests are still being written into INTERNAL.
+        responses = call.__aiter__()
         while True:
-            read = asyncio.ensure_future(call.read())
+            read: asyncio.Future[pb.StreamResponse] = asyncio.ensure_future(
+                responses.__anext__()
+            )
             try:
                 while not read.done():
                     await asyncio.wait({read}, timeout=stall)
                     if not read.done() and feed.pending and feed.quiet_for() > stall:
                         raise _Retry(Unavailable(f"no answer for {stall:.0f} s"))
                 response = read.result()
+            except StopAsyncIteration:
+                return
             finally:
                 if not read.done():
                     read.cancel()
-            if response is grpc.aio.EOF:
-                return
             for result in response.results:
                 if result.step < feed.lo:
                     continue  # answered before the stream was resumed
@@ -495,6 +517,7 @@ class AsyncClient:
 
 
 _TRANSIENT_NUMBERS = frozenset(code.value[0] for code in _TRANSIENT)
+_LOST_STATUS = "Internal error from Core"
 _END = object()
 
 

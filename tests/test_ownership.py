@@ -1,0 +1,242 @@
+"""Ownership across workers (in-process workers, one real Redis, real gRPC on loopback):
+redirects, fencing of a stale owner, migration (also under load), drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import redis
+from ssmserve.v1 import ssmserve_pb2 as pb
+
+from client.aio import step_input
+from client.errors import FailedPrecondition, NotFound, SessionMoved, Unavailable, from_rpc_error
+from client.retry import RetryPolicy
+from client.sync import Client
+from server.ownership import OwnershipSettings
+from tests.conftest import random_inputs
+from tests.test_service import assert_bit_equal, reference, stream
+
+
+def raw_error(client: Client, address: str, invoke) -> grpc.RpcError:
+    """Make one raw call (no redirect following) on the client's loop; return its error.
+
+    (Raw calls go through the client's own grpc.aio channel: this process already runs
+    grpc.aio, and the synchronous stack must not be started next to it.)
+    """
+
+    async def call():
+        try:
+            await invoke(client._aio._worker(address))
+        except grpc.RpcError as exc:
+            return exc
+        raise AssertionError("the call did not fail")
+
+    return client._run(call())
+
+
+def test_workers_register_and_list_each_other(start_worker):
+    a, b = start_worker(), start_worker()
+    workers = a.client.list_workers()
+    assert sorted(w.address for w in workers) == sorted([a.address, b.address])
+    assert all(set(w.models) == {"demo", "odd", "lm"} and not w.draining for w in workers)
+    a.client.create_session("demo")
+    a.call(a.worker.ownership.heartbeat())
+    load = {w.address: w.load for w in b.client.list_workers()}
+    assert load == {a.address: 1, b.address: 0}
+    b.stop()  # a clean stop leaves the registry at once
+    assert [w.address for w in a.client.list_workers()] == [a.address]
+
+
+def test_any_worker_redirects_to_the_owner(start_worker, served_models):
+    model = served_models["demo"]
+    x = random_inputs(model, 10, seed=1)
+    a, b = start_worker(), start_worker()
+    sid = a.client.create_session("demo").session_id
+    info = b.client.get_session(sid)
+    assert info.owner == a.address and info.resident
+    # The client pointed at B just follows: every call and the stream reach A.
+    with Client(b.address) as via_b:
+        # A raw call to the non-owner: UNAVAILABLE with the owner in the trailing metadata.
+        raw = raw_error(
+            via_b, b.address, lambda w: w.sessions.Snapshot(pb.SnapshotRequest(session_id=sid))
+        )
+        assert raw.code() == grpc.StatusCode.UNAVAILABLE
+        assert ("ssmserve-owner", a.address) in tuple(raw.trailing_metadata())
+        moved = from_rpc_error(raw)
+        assert isinstance(moved, SessionMoved) and moved.owner == a.address
+        got = np.stack([o.output for o in via_b.stream_steps(sid, list(x), first_step=1)])
+        assert via_b.owner_of(sid) == a.address
+        assert via_b.snapshot(sid, label="here").step == 10
+        assert via_b.rollback(sid, to_step=4).step == 4
+    assert_bit_equal(got, reference(model, x))
+    assert b.manager.resident_count == 0 and a.manager.resident_count == 1
+
+
+def test_a_stale_owner_is_fenced_and_drops_the_session(start_worker, served_models, redis_url):
+    """A loses its lease (as if paused past it); B takes the session over. A's next write
+    carries the old epoch: Redis refuses it, nothing changes, and A drops the session."""
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=2)
+    a = start_worker(ownership=OwnershipSettings(renew_every_s=3600))  # A never renews
+    b = start_worker()
+    sid = a.client.create_session("demo", snapshot_every=100).session_id
+    stream(a, sid, x[:5])
+    with redis.Redis.from_url(redis_url) as r:
+        r.delete(f"ssm:{{{sid}}}:lease")  # A's lease ran out
+        with Client(b.address) as via_b:
+            got = [o.output for o in via_b.stream_steps(sid, list(x[5:8]), first_step=6)]
+        assert_bit_equal(np.stack(got), reference(model, x)[5:8])
+        assert int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) == 2
+        before = r.hgetall(f"ssm:{{{sid}}}:log"), r.hgetall(f"ssm:{{{sid}}}:meta")
+
+        # A still holds it in memory at epoch 1, at step 5; step 6 again (not 9) so it applies
+        async def stale_step(w):
+            call = w.sessions.Stream(iter([pb.StreamRequest(steps=[step_input(sid, 6, x[7])])]))
+            return [r async for r in call]
+
+        with Client(a.address) as raw_client:
+            moved = from_rpc_error(raw_error(raw_client, a.address, stale_step))
+        assert isinstance(moved, SessionMoved) and moved.reason == "STALE_EPOCH"
+        assert moved.owner == b.address
+        assert (r.hgetall(f"ssm:{{{sid}}}:log"), r.hgetall(f"ssm:{{{sid}}}:meta")) == before
+        assert a.manager.resident_count == 0  # dropped at once
+    # B's history is intact and goes on exactly.
+    with Client(a.address) as via_a:  # pointed at the old owner: redirected to B
+        rest = [o.output for o in via_a.stream_steps(sid, list(x[8:]), first_step=9)]
+    assert_bit_equal(np.stack(rest), reference(model, x)[8:])
+
+
+def test_migrate_moves_a_session_and_streams_follow(start_worker, served_models):
+    model = served_models["demo"]
+    x = random_inputs(model, 30, seed=3)
+    a, b = start_worker(), start_worker()
+    sid = a.client.create_session("demo", snapshot_every=7).session_id
+    stream(a, sid, x[:10])
+    # any worker may be asked; the owner does it
+    with Client(b.address) as via_b:
+        moved = via_b.migrate(sid, b.address)
+    assert (moved.source, moved.target, moved.step) == (a.address, b.address, 10)
+    assert moved.snapshot_id and moved.elapsed_ms > 0
+    assert a.manager.resident_count == 0 and b.manager.resident_count == 1
+    assert b.client.get_session(sid).owner == b.address
+    # a client that only knows A still streams, and resends are answered, not re-applied
+    got, outs = stream(a, sid, x[8:], first_step=9)
+    assert [o.replayed for o in outs[:2]] == [True, True]
+    assert_bit_equal(got, reference(model, x)[8:])
+    # migrating to where it is changes nothing
+    assert a.client.migrate(sid, b.address).source == b.address
+
+
+def test_migrate_refuses_bad_targets(start_worker, model_dirs, redis_url):
+    from tests.harness import WorkerHarness
+
+    a = start_worker()
+    lm_only = WorkerHarness({"lm": model_dirs["lm"]}, redis_url)
+    try:
+        sid = a.client.create_session("demo").session_id
+        with pytest.raises(NotFound, match="no live worker"):
+            a.client.migrate(sid, "127.0.0.1:1")
+        with pytest.raises(FailedPrecondition, match="does not serve model 'demo'"):
+            a.client.migrate(sid, lm_only.address)
+        with pytest.raises(NotFound):
+            a.client.migrate("nope", a.address)
+        assert a.manager.resident_count == 1  # untouched, still served here
+        assert a.client.get_session(sid).owner == a.address
+    finally:
+        lm_only.stop()
+
+
+def test_migration_under_load_is_exact(start_worker, served_models):
+    """Streams keep going while their sessions hop between workers; nothing is lost or
+    applied twice, and every output equals the uninterrupted reference."""
+    model = served_models["demo"]
+    a, b = start_worker(), start_worker()
+    n, steps = 3, 300
+    xs = [random_inputs(model, steps, seed=10 + i) for i in range(n)]
+    sids = [a.client.create_session("demo", snapshot_every=16).session_id for _ in range(n)]
+    outs: list[list] = [[] for _ in range(n)]
+    clients = [Client([a.address]) for _ in range(n)]
+
+    async def paced(x):
+        for row in x:
+            await asyncio.sleep(0.004)
+            yield row
+
+    def run(i):
+        outs[i].extend(clients[i].stream_steps(sids[i], paced(xs[i]), first_step=1))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    moves = 0
+    try:
+        while any(t.is_alive() for t in threads) and moves < 24:
+            i = moves % n
+            owner = a.client.get_session(sids[i]).owner
+            target = b.address if owner == a.address else a.address
+            a.client.migrate(sids[i], target)
+            moves += 1
+            time.sleep(0.01)
+    finally:
+        for t in threads:
+            t.join(60)
+        for c in clients:
+            c.close()
+    assert moves >= 12
+    for i in range(n):
+        assert [o.step for o in outs[i]] == list(range(1, steps + 1))
+        assert_bit_equal(np.stack([o.output for o in outs[i]]), reference(model, xs[i]))
+
+
+def test_drain_moves_every_session_to_the_others(start_worker, served_models):
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=4)
+    a, b, c = start_worker(), start_worker(), start_worker()
+    sids = [a.client.create_session("demo").session_id for _ in range(4)]
+    for sid in sids:
+        stream(a, sid, x[:6])
+    progress = list(b.client.drain(a.address))  # asked of another worker: relayed
+    assert [p.done for p in progress] == [1, 2, 3, 4] and {p.total for p in progress} == {4}
+    assert {p.session_id for p in progress} == set(sids)
+    assert {p.target for p in progress} == {b.address, c.address}  # balanced by load
+    assert not any(p.error for p in progress)
+    assert a.manager.resident_count == 0
+    draining = {w.address: w.draining for w in c.client.list_workers()}
+    assert draining == {a.address: True, b.address: False, c.address: False}
+    # a draining worker creates nothing itself: the client is sent to another worker
+    created = a.client.create_session("demo")
+    assert created.owner in (b.address, c.address)
+    for sid in sids:
+        got, _ = stream(a, sid, x[6:], first_step=7)
+        assert_bit_equal(got, reference(model, x)[6:])
+    assert a.manager.resident_count == 0
+
+
+def test_drain_with_nowhere_to_go_parks_sessions_for_later(start_worker, served_models):
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=5)
+    a = start_worker()
+    sid = a.client.create_session("demo", snapshot_every=100).session_id
+    stream(a, sid, x[:7])
+    (progress,) = list(a.client.drain())
+    assert progress.session_id == sid and progress.target == "" and not progress.error
+    info = a.client.get_session(sid)
+    assert not info.resident and info.step == 7 and info.owner == ""
+    a.stop()
+    b = start_worker()
+    got, _ = stream(b, sid, x[7:], first_step=8)
+    assert_bit_equal(got, reference(model, x)[7:])
+    assert b.client.get_session(sid).owner == b.address
+
+
+def test_client_gives_up_on_a_cluster_it_cannot_reach():
+    with Client("127.0.0.1:1", retry=RetryPolicy(give_up_after_s=0.2), discover=False) as c:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            c.get_session("x")
+        assert time.monotonic() - t0 < 5
