@@ -386,9 +386,7 @@ class AsyncClient:
         # server ends the call with while requests are still being written into INTERNAL.
         responses = call.__aiter__()
         while True:
-            read: asyncio.Future[pb.StreamResponse] = asyncio.ensure_future(
-                responses.__anext__()
-            )
+            read: asyncio.Future[pb.StreamResponse] = asyncio.ensure_future(responses.__anext__())
             try:
                 while not read.done():
                     await asyncio.wait({read}, timeout=stall)

@@ -8,6 +8,7 @@
     snapshot SID [--label L] | snapshots SID [--json]
     rollback SID (--to-step T | --to-snapshot ID | --to-label L | --back N)
     export SID --out FILE [--snapshot ID] | import --in FILE [--session SID] [--model NAME]
+    workers [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
 
 A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range), ``action``
 (report | clamp | reject | rollback), and optionally ``min``, ``max``, ``dims`` (``0+2``)
@@ -167,8 +168,25 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     imp.add_argument("--model", default="", help="model name (default: by fingerprint)")
     imp.add_argument("--replace", action="store_true", help="overwrite an existing session")
 
+    workers = commands.add_parser("workers", help="list the live workers of the cluster")
+    workers.add_argument("--json", action="store_true", help="print JSON")
 
-SERVICE_COMMANDS = {"session", "snapshot", "snapshots", "rollback", "export", "import"}
+    migrate = commands.add_parser("migrate", help="move a session to another worker")
+    migrate.add_argument("session_id")
+    migrate.add_argument("--to", required=True, metavar="HOST:PORT", help="the target worker")
+
+    drain = commands.add_parser(
+        "drain", help="move every session off a worker (it then refuses new ones)"
+    )
+    drain.add_argument(
+        "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
+    )
+
+
+SERVICE_COMMANDS = {
+    "session", "snapshot", "snapshots", "rollback", "export", "import", "workers", "migrate",
+    "drain",
+}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -190,6 +208,9 @@ def run(args: argparse.Namespace) -> None:
             "rollback": _rollback,
             "export": _export,
             "import": _import,
+            "workers": _workers,
+            "migrate": _migrate,
+            "drain": _drain,
         }[args.command]
     with Client(args.server) as client:
         handler(client, args)
@@ -334,3 +355,36 @@ def _import(client: Client, args: argparse.Namespace) -> None:
     info = client.import_checkpoint(blob, args.session, model=args.model, replace=args.replace)
     print(f"imported session on model {info.model} at step {info.step}")
     print(info.session_id)
+
+
+def _workers(client: Client, args: argparse.Namespace) -> None:
+    workers = client.list_workers()
+    if args.json:
+        print(json.dumps([json_format.MessageToDict(w) for w in workers], indent=2))
+        return
+    for w in workers:
+        state = "draining" if w.draining else "serving"
+        print(f"{w.address}\t{w.worker_id}\t{state}\t{w.load} sessions\t{','.join(w.models)}")
+
+
+def _migrate(client: Client, args: argparse.Namespace) -> None:
+    reply = client.migrate(args.session_id, args.to)
+    if reply.source == reply.target:
+        print(f"{args.session_id} is already served by {reply.target} (step {reply.step})")
+        return
+    source = reply.source or "(no live owner)"
+    print(
+        f"migrated {args.session_id} from {source} to {reply.target} at step {reply.step} "
+        f"in {reply.elapsed_ms:.1f} ms"
+    )
+
+
+def _drain(client: Client, args: argparse.Namespace) -> None:
+    worker = args.worker or args.server
+    done = 0
+    for p in client.drain(worker):
+        done = p.done
+        where = f"-> {p.target}" if p.target else "snapshotted for later pickup"
+        error = f" ({p.error})" if p.error else ""
+        print(f"[{p.done}/{p.total}] {p.session_id} {where}{error}", flush=True)
+    print(f"drained {worker}: {done} sessions")

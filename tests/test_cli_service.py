@@ -184,3 +184,44 @@ def test_server_refuses_to_start_without_models(tmp_path):
     assert proc.returncode != 0
     assert "no model to serve" in proc.stderr
     assert not Path(tmp_path / "redis").exists()
+
+
+def test_cluster_commands_workers_migrate_drain(start_worker, served_models, tmp_path, capsys):
+    """workers / migrate / drain, and `session stream` pointed at the old owner."""
+    a, b = start_worker(), start_worker()
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=21)
+    np.save(tmp_path / "first.npy", x[:6])
+    np.save(tmp_path / "rest.npy", x[6:])
+    sid = a.client.create_session("demo").session_id
+    a.client.create_session("demo")
+
+    code, out, _ = cli(capsys, "--server", b.address, "workers")
+    assert code == 0
+    rows = [line.split("\t") for line in out.strip().splitlines()]
+    assert sorted(r[0] for r in rows) == sorted([a.address, b.address])
+    assert {r[0]: r[3] for r in rows}[a.address] in ("2 sessions", "0 sessions")  # heartbeat lag
+    code, out, _ = cli(capsys, "--server", a.address, "workers", "--json")
+    assert {w["address"] for w in json.loads(out)} == {a.address, b.address}
+
+    out_file = str(tmp_path / "out1.npy")
+    assert cli(capsys, "--server", a.address, "session", "stream", sid, "--input",
+               str(tmp_path / "first.npy"), "--output", out_file)[0] == 0  # fmt: skip
+    code, out, _ = cli(capsys, "--server", b.address, "migrate", sid, "--to", b.address)
+    assert code == 0 and f"from {a.address} to {b.address} at step 6" in out
+    # pointed at the old owner, the stream simply works
+    out_file2 = str(tmp_path / "out2.npy")
+    code, out, err = cli(capsys, "--server", a.address, "session", "stream", sid, "--input",
+                         str(tmp_path / "rest.npy"), "--output", out_file2)  # fmt: skip
+    assert code == 0, err
+    got = np.concatenate([np.load(out_file), np.load(out_file2)])
+    np.testing.assert_array_equal(got.view(np.uint32), model.run(x)[0].view(np.uint32))
+
+    code, out, err = cli(capsys, "--server", a.address, "migrate", sid, "--to", "127.0.0.1:1")
+    assert code == 2 and "no live worker is registered at 127.0.0.1:1" in err
+
+    code, out, _ = cli(capsys, "--server", b.address, "drain")
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[-1] == f"drained {b.address}: 1 sessions"
+    assert lines[0] == f"[1/1] {sid} -> {a.address}"
+    assert a.client.get_session(sid).owner == a.address

@@ -1,0 +1,210 @@
+"""Workers as real processes sharing one real redis-server: kill -9 at random moments,
+a paused (SIGSTOP) owner, and SIGTERM drains. Loopback only, bounded in time."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from client.aio import AsyncClient
+from client.retry import RetryPolicy
+from client.sync import Client
+from tests.conftest import random_inputs
+from tests.test_service import assert_bit_equal, reference
+from tests.worker_process import WorkerProcess
+
+
+def start_workers(count, model_dirs, redis_url, tmp_path: Path, lease_ttl_s=1.0):
+    started = []
+    threads = []
+    for i in range(count):
+        w = WorkerProcess({"demo": model_dirs["demo"]}, redis_url, tmp_path / f"w{i}", lease_ttl_s)
+        started.append(w)
+        threads.append(threading.Thread(target=w.start))
+    for t in threads:  # in parallel: a worker takes about a second to start
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(w.alive for w in started)
+    return started
+
+
+def stream_in_background(
+    addresses, sids, xs, stop: threading.Event, pace_s=0.003, discover=True, **retry
+):
+    """Stream every session (one client each) until ``stop``; returns (thread, outputs)."""
+    outs: list[list] = [[] for _ in sids]
+
+    async def one(i: int) -> None:
+        policy = RetryPolicy(**retry)
+        async with AsyncClient(addresses, retry=policy, discover=discover) as client:
+
+            async def source():
+                for row in xs[i]:
+                    if stop.is_set():
+                        return
+                    await asyncio.sleep(pace_s)
+                    yield row
+
+            async for out in client.stream_steps(sids[i], source(), first_step=1):
+                outs[i].append(out)
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i) for i in range(len(sids))))
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outs, errors
+
+
+def wait_for(condition, errors, timeout_s=30.0, what="the streams"):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert not errors, errors
+        assert time.monotonic() < deadline, f"{what}: timed out"
+        time.sleep(0.01)
+
+
+def check_exact(model, sids, xs, outs, client):
+    for i, sid in enumerate(sids):
+        steps = [o.step for o in outs[i]]
+        assert steps == list(range(1, len(steps) + 1)), f"session {i}: a step is missing or doubled"
+        assert_bit_equal(
+            np.stack([o.output for o in outs[i]]), reference(model, xs[i][: len(steps)])
+        )
+        assert client.get_session(sid).step == len(steps)  # every acknowledged step is there
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis_url, tmp_path):
+    """Three workers, four sessions streaming; 20 kill -9s of random workers at random
+    moments (each restarted at once). Every acknowledged step survives, and every output
+    equals an uninterrupted single-process run, bit for bit."""
+    model = served_models["demo"]
+    workers = start_workers(3, model_dirs, redis_url, tmp_path)
+    addresses = [w.address for w in workers]
+    rng = random.Random(2026)
+    try:
+        sids = [
+            Client(addresses[i % 3]).create_session("demo", snapshot_every=32).session_id
+            for i in range(4)
+        ]
+        xs = [random_inputs(model, 20_000, seed=300 + i) for i in range(4)]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background(addresses, sids, xs, stop, stall_timeout_s=3)
+        wait_for(lambda: min(len(o) for o in outs) >= 10, errors)
+        restarts: list[threading.Thread] = []
+        kills = 0
+        deadline = time.monotonic() + 120
+        while kills < 20 and time.monotonic() < deadline:
+            time.sleep(rng.uniform(0.15, 0.5))
+            alive = [w for w in workers if w.alive]
+            if not alive:
+                continue
+            victim = rng.choice(alive)
+            victim.kill()
+            kills += 1
+            restart = threading.Thread(target=victim.start)
+            restart.start()
+            restarts.append(restart)
+        for r in restarts:
+            r.join(60)
+        time.sleep(1.0)  # let every stream come back after the last kill
+        answered = [len(o) for o in outs]
+        time.sleep(1.0)
+        assert all(len(o) > a for o, a in zip(outs, answered, strict=True)), "a stream is stuck"
+        stop.set()
+        thread.join(60)
+        assert not errors, errors
+        assert kills >= 20
+        with Client(addresses) as client:
+            check_exact(model, sids, xs, outs, client)
+        assert min(len(o) for o in outs) > 500
+    finally:
+        for w in workers:
+            w.kill()
+
+
+@pytest.mark.slow
+def test_a_paused_owner_is_fenced_when_it_resumes(model_dirs, served_models, redis_url, tmp_path):
+    model = served_models["demo"]
+    a, b = start_workers(2, model_dirs, redis_url, tmp_path)
+    try:
+        sid = Client(a.address).create_session("demo").session_id
+        x = random_inputs(model, 100_000, seed=400)
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background(
+            [a.address, b.address], [sid], [x], stop, stall_timeout_s=0.5
+        )
+        wait_for(lambda: len(outs[0]) >= 50, errors)
+        a.pause()  # A still holds the session in memory, with its epoch
+        paused_at = len(outs[0])
+        time.sleep(3.0)  # the lease (1 s) runs out; the client fails over; B takes over
+        assert len(outs[0]) > paused_at + 50, "the stream did not move on while A was paused"
+        with redis.Redis.from_url(redis_url) as r:
+            assert int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) == 2
+        a.resume()
+        deadline = time.monotonic() + 5
+        while "dropped from memory" not in a.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "dropped from memory" in a.log_text()
+        assert "is stale" in a.log_text()  # its renewal (or a late write) was refused
+        time.sleep(0.5)
+        stop.set()
+        thread.join(30)
+        assert not errors, errors
+        with Client(a.address) as via_a:  # the resumed worker redirects to the new owner
+            assert via_a.get_session(sid).owner == b.address
+            check_exact(model, [sid], [x], outs, via_a)
+            load = {w.address: w.load for w in via_a.list_workers()}
+            assert load[a.address] == 0 and load[b.address] == 1
+    finally:
+        a.kill()
+        b.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_to_the_other_worker(model_dirs, served_models, redis_url, tmp_path):
+    """SIGTERM: the sessions move to the other worker while their streams go on; clients
+    that only knew the stopping worker follow the redirect."""
+    model = served_models["demo"]
+    a, b = start_workers(2, model_dirs, redis_url, tmp_path, lease_ttl_s=5.0)
+    try:
+        with Client(a.address) as client:
+            sids = [client.create_session("demo").session_id for _ in range(3)]
+        xs = [random_inputs(model, 100_000, seed=500 + i) for i in range(3)]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background([a.address], sids, xs, stop, discover=False)
+        wait_for(lambda: min(len(o) for o in outs) >= 30, errors)
+        t0 = time.monotonic()
+        assert a.terminate() == 0
+        assert time.monotonic() - t0 < 10
+        counts = [len(o) for o in outs]
+        time.sleep(0.5)
+        assert all(len(o) > c for o, c in zip(outs, counts, strict=True))  # still streaming
+        stop.set()
+        thread.join(30)
+        assert not errors, errors
+        assert "drain 3/3" in a.log_text()
+        with Client(b.address) as client:
+            check_exact(model, sids, xs, outs, client)
+            assert [w.address for w in client.list_workers()] == [b.address]
+            assert {client.get_session(s).owner for s in sids} == {b.address}
+    finally:
+        a.kill()
+        b.kill()
