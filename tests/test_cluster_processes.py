@@ -113,10 +113,10 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
         deadline = time.monotonic() + 120
         while kills < 20 and time.monotonic() < deadline:
             time.sleep(rng.uniform(0.15, 0.5))
-            alive = [w for w in workers if w.alive]
-            if not alive:
+            serving = [w for w in workers if w.ready]  # not one that is still starting
+            if not serving:
                 continue
-            victim = rng.choice(alive)
+            victim = rng.choice(serving)
             victim.kill()
             kills += 1
             restart = threading.Thread(target=victim.start)
@@ -124,6 +124,7 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
             restarts.append(restart)
         for r in restarts:
             r.join(60)
+        assert all(w.ready for w in workers)
         time.sleep(1.0)  # let every stream come back after the last kill
         answered = [len(o) for o in outs]
         time.sleep(1.0)
@@ -135,6 +136,9 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
         with Client(addresses) as client:
             check_exact(model, sids, xs, outs, client)
         assert min(len(o) for o in outs) > 500
+        with redis.Redis.from_url(redis_url) as r:  # the kills did hit owners: takeovers
+            takeovers = sum(int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) - 1 for sid in sids)
+        assert takeovers >= 5
     finally:
         for w in workers:
             w.kill()

@@ -31,6 +31,7 @@ class WorkerProcess:
         self.log = data_dir / f"worker-{self.port}.log"
         self.proc: subprocess.Popen[str] | None = None
         self.starts = 0
+        self.ready = False  # serving (started and not killed since)
 
     def start(self, timeout_s: float = 30.0) -> WorkerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -52,6 +53,7 @@ class WorkerProcess:
             line = self.proc.stdout.readline()
             if "listening on" in line:
                 self.starts += 1
+                self.ready = True
                 return self
             if not line and self.proc.poll() is not None:
                 break
@@ -64,6 +66,7 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """SIGKILL: no drain, no snapshots, leases left to expire."""
+        self.ready = False
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # a stopped process dies only when it runs
             self.proc.kill()
