@@ -278,7 +278,10 @@ class AsyncClient:
 
     async def get_session(self, session_id: str) -> pb.SessionInfo:
         request = pb.GetSessionRequest(session_id=session_id)
-        return await self._call(lambda w: w.sessions.GetSession(request))
+        info: pb.SessionInfo = await self._call(lambda w: w.sessions.GetSession(request))
+        if info.owner:  # any worker answers this; remember who actually serves it
+            self._owners[session_id] = info.owner
+        return info
 
     async def list_sessions(self, model: str = "", page_size: int = 0) -> list[pb.SessionInfo]:
         """Every session (all pages)."""
