@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from server.errors import ErrorKind, SessionMovedError, SsmserveError
+from server.errors import ErrorKind, SsmserveError
 from server.ownership import Ownership
 from server.peers import Peers
 from server.sessions import SessionManager
@@ -106,11 +106,7 @@ class Migrator:
             raise SessionMissingError(f"session {session_id!r} does not exist")
         lease = await self.manager.store.lease(session_id)
         if lease is not None and lease.owner_addr and lease.owner_addr != self.address:
-            raise SessionMovedError(
-                f"session {session_id!r} is served by worker {lease.owner_addr}; ask it",
-                owner=lease.owner_addr,
-                retry_after_ms=lease.ttl_ms,
-            )
+            raise lease.redirect(session_id)
         # Nobody holds it (evicted, parked, or its worker died): the target just loads it.
         if target_address == self.address:
             step, _epoch = await self.adopt(session_id)

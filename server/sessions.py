@@ -117,7 +117,6 @@ class ManagerSettings:
     idle_check_s: float = 1.0  # how often idle sessions are looked for
     list_page_size: int = 100
     max_list_page_size: int = 1000
-    owner: str = ""  # the address this worker advertises (SessionInfo.owner)
 
 
 @dataclass(frozen=True)
@@ -310,7 +309,7 @@ class SessionManager:
             updated_at=s.updated_at if s else meta.updated_at,
             snapshot_count=count,
             oldest_rollback_step=step if oldest is None else oldest,
-            owner=self.settings.owner if s else (lease.owner_addr if lease else ""),
+            owner=self.ownership.address if s else (lease.owner_addr if lease else ""),
             resident=s is not None or lease is not None,
             input_dim=0 if model is None or model.config.is_token_model else model.config.input_dim,
             output_dim=0 if model is None else model.config.output_dim,
@@ -650,7 +649,7 @@ class SessionManager:
         """A new session at ``step``, owned by this worker at epoch 1."""
         return SessionMeta(
             session_id, model_name, model.fingerprint, step, step + 1, config.to_bytes(), now,
-            now, False, epoch=1, owner=self.ownership.worker_id, owner_addr=self.settings.owner,
+            now, False, epoch=1, owner=self.ownership.worker_id, owner_addr=self.ownership.address,
         )  # fmt: skip
 
     async def _drop_for_replace(self, session_id: str) -> None:
@@ -706,14 +705,10 @@ class SessionManager:
         if self.ownership.draining:
             lease = await self.store.lease(session_id)
             if lease is not None and lease.owner_addr:
-                raise SessionMovedError(
-                    f"session {session_id!r} is served by worker {lease.owner_addr}",
-                    owner=lease.owner_addr,
-                    retry_after_ms=lease.ttl_ms,
-                )
+                raise lease.redirect(session_id)
             raise await self._elsewhere(meta.model, f"serve session {session_id!r}")
         epoch = await self.store.acquire(
-            session_id, self.ownership.worker_id, self.settings.owner, self.ownership.lease_ms
+            session_id, self.ownership.worker_id, self.ownership.address, self.ownership.lease_ms
         )
         try:
             return await self._restore(session_id, model, meta.model, epoch)
@@ -819,7 +814,7 @@ class SessionManager:
             except Exception as exc:
                 try:
                     await self.store.cancel_handoff(
-                        s.id, me, s.epoch, self.settings.owner, target.worker_id,
+                        s.id, me, s.epoch, self.ownership.address, target.worker_id,
                         self.ownership.lease_ms,
                     )  # fmt: skip
                 except StaleEpochError:
@@ -827,7 +822,7 @@ class SessionManager:
                 else:
                     raise HandOffError(
                         f"worker {target.address} did not take session {session_id!r} ({exc}); "
-                        f"it stays on {self.settings.owner}"
+                        f"it stays on {self.ownership.address}"
                     ) from None
             self._drop(
                 s,

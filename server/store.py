@@ -129,6 +129,14 @@ class Lease:
     owner_addr: str
     ttl_ms: int
 
+    def redirect(self, session_id: str) -> SessionMovedError:
+        """The error that sends a caller to this lease's holder."""
+        return SessionMovedError(
+            f"session {session_id!r} is served by worker {self.owner_addr or '(unknown)'}",
+            owner=self.owner_addr,
+            retry_after_ms=self.ttl_ms,
+        )
+
 
 @dataclass(frozen=True)
 class WorkerRecord:
@@ -641,11 +649,7 @@ class Store:
             return int(text[3:])
         if text.startswith("ERR_OWNED "):
             _code, ttl, owner = text.split(" ", 2)
-            raise SessionMovedError(
-                f"session {session_id!r} is served by worker {owner or '(unknown)'}",
-                owner=owner,
-                retry_after_ms=max(0, int(ttl)),
-            )
+            raise Lease("", owner, max(0, int(ttl))).redirect(session_id)
         _raise_script_error(reply)
         raise AssertionError(f"unexpected acquire reply {text!r}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -99,20 +99,15 @@ class Worker:
             raise OSError(f"cannot listen on {s.listen}")
         host = s.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{port}"
-        manager_settings = s.manager
-        if not manager_settings.owner:
-            manager_settings = replace(manager_settings, owner=s.advertise or self.address)
         self.ownership = Ownership(
             self.store,
             s.ownership,
-            manager_settings.owner,
+            s.advertise or self.address,
             sorted(models),
             held=lambda: manager.held(),
             on_lost=lambda session_id, error: manager.lost(session_id, error),
         )
-        manager = self.manager = SessionManager(
-            models, self.store, self.ownership, manager_settings
-        )
+        manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         self.migrator = Migrator(
             manager, self.ownership, self.peers, s.migration, on_drain=self._not_serving
         )
