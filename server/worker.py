@@ -53,6 +53,10 @@ class WorkerSettings:
     shutdown_grace_s: float = 5.0
     blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
     drain_on_stop: bool = True  # hand sessions to other workers on stop (else snapshot them)
+    # After a drain moved sessions away, keep answering (with redirects) this long before
+    # refusing calls: a client whose redirect was lost in flight, and that knows no other
+    # worker, can still ask this one where its session went.
+    lame_duck_s: float = 1.0
     manager: ManagerSettings = field(default_factory=ManagerSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
     ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
@@ -142,7 +146,8 @@ class Worker:
         await self._not_serving()
         if self.migrator is not None and self.settings.drain_on_stop:
             try:
-                for p in await self.drain():
+                progress = await self.drain()
+                for p in progress:
                     log.info(
                         "drain %d/%d: session %s -> %s%s",
                         p.done,
@@ -151,6 +156,8 @@ class Worker:
                         p.target or "parked in Redis",
                         f" ({p.error})" if p.error else "",
                     )
+                if any(p.target for p in progress):
+                    await asyncio.sleep(self.settings.lame_duck_s)
             except Exception:  # never let a failed drain keep the worker from stopping
                 log.exception("drain failed; the remaining sessions are snapshotted instead")
         if self.server is not None:
