@@ -23,18 +23,18 @@ reduction, which numpy computes per row. Hence batch invariance (see ``numerics.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from server.errors import ModelInputError
+from server.model import kernels
 from server.model.config import MambaConfig
-from server.model.numerics import RowStableLinear
+from server.model.numerics import RowStableLinear, padded
 from server.state import BatchState, SessionState
-
-# torch.nn.functional.softplus returns x itself above this (HF uses the default).
-_SOFTPLUS_THRESHOLD = np.float32(20.0)
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,60 @@ class MambaBlockWeights:
     A: np.ndarray  # (e, n) = -exp(A_log), precomputed once
     D: np.ndarray  # (e,) skip connection
     out_proj: RowStableLinear  # e -> d
+
+    @cached_property
+    def conv_bias_or_zero(self) -> np.ndarray:
+        """The conv bias, or zeros (the kernel takes an array either way)."""
+        if self.conv_bias is not None:
+            return self.conv_bias
+        return np.zeros(self.conv_weight.shape[0], np.float32)
+
+
+@dataclass
+class StepWorkspace:
+    """Preallocated activations for one padded batch size: a step allocates only its results.
+
+    Every array has ``rows`` rows (a whole number of 16-row tiles, see ``numerics.py``);
+    rows past the batch hold leftovers that nothing reads.
+    """
+
+    rows: int
+    signal: np.ndarray  # (rows, i) signal inputs
+    h: np.ndarray  # (rows, d) residual stream
+    xn: np.ndarray  # (rows, d) normalised block input
+    xz: np.ndarray  # (rows, 2e) in_proj output: x branch and gate z
+    xs: np.ndarray  # (rows, e) conv branch after SiLU
+    x_dbl: np.ndarray  # (rows, r + 2n) Δ low rank, B, C
+    dt_low: np.ndarray  # (rows, r) contiguous copy of Δ low rank
+    dt_raw: np.ndarray  # (rows, e) dt_proj output
+    y: np.ndarray  # (rows, e) mixer output
+    delta: np.ndarray  # (rows, d) out_proj output
+    scratch: np.ndarray  # (2e + e n,) float32 per-row scratch of the kernels
+    scratch_bits: np.ndarray  # (e n,) int32
+
+    @classmethod
+    def allocate(cls, c: MambaConfig, rows: int, block: MambaBlockWeights) -> StepWorkspace:
+        d, e, n = c.hidden_size, c.intermediate_size, c.state_size
+        r = block.dt_proj.in_features
+
+        def zeros(*shape: int) -> np.ndarray:
+            return np.zeros(shape, np.float32)
+
+        return cls(
+            rows=rows,
+            signal=zeros(rows, max(c.input_dim, 1)),
+            h=zeros(rows, d),
+            xn=zeros(rows, d),
+            xz=zeros(rows, 2 * e),
+            xs=zeros(rows, e),
+            x_dbl=zeros(rows, r + 2 * n),
+            dt_low=zeros(rows, r),
+            dt_raw=zeros(rows, e),
+            y=zeros(rows, e),
+            delta=zeros(rows, d),
+            scratch=zeros(2 * e + e * n),
+            scratch_bits=np.zeros(max(e * n, e), np.int32),
+        )
 
 
 class MambaModel:
@@ -83,6 +137,16 @@ class MambaModel:
         self.input_proj = input_proj  # i -> d
         self.fingerprint = fingerprint
         self.name = name
+        self._buffers = threading.local()  # StepWorkspace per thread and padded batch size
+
+    @property
+    def flops_per_step(self) -> int:
+        """FLOPs of the products for one session-step (the elementwise work is extra)."""
+        linears = [lin for b in self.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
+        linears.append(self.head)
+        if self.input_proj is not None:
+            linears.append(self.input_proj)
+        return sum(2 * lin.in_features * lin.out_features for lin in linears)
 
     # ------------------------------------------------------------------ state and inputs
 
@@ -150,71 +214,77 @@ class MambaModel:
 
         ``state`` is not modified. Outputs are logits ``(b, v)`` or signal ``(b, o)``.
         Inputs must already satisfy :meth:`check_inputs` (the hot path does not re-check).
+        Safe to call from several threads at once (each thread has its own buffers).
         """
-        with np.errstate(over="ignore", under="ignore"):
-            if self.embeddings is not None:
-                h = self.embeddings[inputs]  # (b, d)
-            else:
-                assert self.input_proj is not None
-                h = self.input_proj(inputs)  # (b, i) -> (b, d)
-            new_conv: list[np.ndarray] = []
-            new_ssm: list[np.ndarray] = []
-            for block, conv, ssm in zip(self.blocks, state.conv, state.ssm, strict=True):
-                x = rms_norm(h, block.norm, self.config.layer_norm_epsilon)  # (b, d)
-                y, conv_next, ssm_next = self._mixer(block, x, conv, ssm)  # (b, e)
-                h = h + block.out_proj(y)  # (b, d) residual around the block
-                new_conv.append(conv_next)
-                new_ssm.append(ssm_next)
-            h = rms_norm(h, self.norm_f, self.config.layer_norm_epsilon)  # (b, d)
-            out = self.head(h)  # (b, v | o)
-        return BatchState(tuple(new_conv), tuple(new_ssm)), out
+        c = self.config
+        b = state.batch_size
+        ws = self._workspace(b)
+        eps = np.float32(c.layer_norm_epsilon)
+        if self.embeddings is not None:
+            ws.h[:b] = self.embeddings[inputs]  # (b, d)
+        else:
+            assert self.input_proj is not None
+            ws.signal[:b] = inputs  # (b, i)
+            self.input_proj.into(ws.signal, ws.h)  # (rows, i) -> (rows, d)
+        new_conv: list[np.ndarray] = []
+        new_ssm: list[np.ndarray] = []
+        blocks = self.blocks
+        kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
+        for i, (block, conv, ssm) in enumerate(zip(blocks, state.conv, state.ssm, strict=True)):
+            conv_next = np.empty_like(conv)  # (b, e, k): states are values, never updated
+            ssm_next = np.empty_like(ssm)  # (b, e, n)
+            self._mixer(block, ws, conv, ssm, conv_next, ssm_next)  # -> ws.y (rows, e)
+            block.out_proj.into(ws.y, ws.delta)  # (rows, e) -> (rows, d)
+            # Residual around the block, then the next block's norm (or the final norm).
+            norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
+            kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)
+            new_conv.append(conv_next)
+            new_ssm.append(ssm_next)
+        out = np.empty((ws.rows, self.head.out_features), np.float32)  # the caller keeps it
+        self.head.into(ws.xn, out)  # (rows, d) -> (rows, v | o)
+        return BatchState(tuple(new_conv), tuple(new_ssm)), out[:b]
 
     def _mixer(
-        self, w: MambaBlockWeights, x: np.ndarray, conv: np.ndarray, ssm: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self,
+        w: MambaBlockWeights,
+        ws: StepWorkspace,
+        conv: np.ndarray,
+        ssm: np.ndarray,
+        conv_next: np.ndarray,
+        ssm_next: np.ndarray,
+    ) -> None:
         """The Mamba mixer for one time step ([1] Figure 3, Algorithm 2 with L = 1).
 
-        Args:
-            x: (b, d) normalised block input
-            conv: (b, e, k) last k conv inputs;  ssm: (b, e, n) hidden state h_{t-1}
-        Returns:
-            y (b, e) before out_proj, the new conv window (b, e, k), h_t (b, e, n)
+        Reads ``ws.xn`` (rows, d), the normalised block input; conv (b, e, k) holds the last
+        k conv inputs and ssm (b, e, n) the hidden state h_{t-1}. Writes the new window to
+        ``conv_next``, h_t to ``ssm_next`` and y (before out_proj) to ``ws.y`` (rows, e).
         """
-        e = self.config.intermediate_size
-        n = self.config.state_size
-        xz = w.in_proj(x)  # (b, 2e)
-        xs, z = xz[:, :e], xz[:, e:]  # (b, e), (b, e)
-
-        # Causal depthwise conv over the last k inputs: shift the window left by one.
-        conv_next = np.empty_like(conv)  # (b, e, k)
-        conv_next[:, :, :-1] = conv[:, :, 1:]
-        conv_next[:, :, -1] = xs
-        xs = (conv_next * w.conv_weight).sum(axis=-1)  # (b, e, k) -> (b, e)
-        if w.conv_bias is not None:
-            xs += w.conv_bias
-        xs = silu(xs)  # (b, e)
-
+        w.in_proj.into(ws.xn, ws.xz)  # (rows, d) -> (rows, 2e): x branch, gate z
+        # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
+        kernels.conv_silu(
+            conv, ws.xz, w.conv_weight, w.conv_bias_or_zero, w.conv_bias is not None,
+            conv_next, ws.xs, ws.scratch, ws.scratch_bits,
+        )  # fmt: skip
         # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
-        x_dbl = w.x_proj(xs)  # (b, r + 2n)
-        r = x_dbl.shape[1] - 2 * n
-        dt = softplus(w.dt_proj(x_dbl[:, :r]))  # (b, r) -> (b, e)
-        B = x_dbl[:, r : r + n]  # (b, n)
-        C = x_dbl[:, r + n :]  # (b, n)
+        w.x_proj.into(ws.xs, ws.x_dbl)  # (rows, e) -> (rows, r + 2n)
+        ws.dt_low[:] = ws.x_dbl[:, : w.dt_proj.in_features]  # (rows, r), contiguous
+        w.dt_proj.into(ws.dt_low, ws.dt_raw)  # (rows, r) -> (rows, e), with bias
+        # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
+        kernels.selective_scan(
+            ws.dt_raw, ws.xs, ws.x_dbl, ws.xz, w.A, w.D, ssm, ssm_next, ws.y,
+            ws.scratch, ws.scratch_bits,
+        )  # fmt: skip
 
-        # The (b, e, n) tensors dominate the step at large batches: one scratch buffer,
-        # in-place ops, and the new state is the only other (b, e, n) allocation.
-        # Zero-order-hold discretization ([1] Eq. 4): Ā = exp(ΔA), B̄x ≈ ΔBx.
-        scratch = np.multiply(dt[:, :, None], w.A)  # (b, e, 1) * (e, n) -> (b, e, n)
-        dA = np.exp(scratch, out=scratch)  # (b, e, n)
-        # Recurrence ([1] Eq. 2a): h_t = Ā h_{t-1} + B̄ x_t
-        ssm_next = np.multiply(dA, ssm)  # (b, e, n)
-        dBx = np.multiply((dt * xs)[:, :, None], B[:, None, :], out=scratch)  # (b, e, n)
-        ssm_next += dBx
-        # Readout ([1] Eq. 2b) plus the D skip: y_t = C h_t + D x_t
-        y = np.matmul(ssm_next, C[:, :, None])[:, :, 0]  # (b, e, n) @ (b, n, 1) -> (b, e)
-        y += xs * w.D  # (b, e)
-        y *= silu(z)  # gate (b, e)
-        return y, conv_next, ssm_next
+    def _workspace(self, batch: int) -> StepWorkspace:
+        """This thread's buffers for ``batch`` sessions (rows padded to whole tiles)."""
+        cache: dict[int, StepWorkspace] | None = getattr(self._buffers, "by_rows", None)
+        if cache is None:
+            cache = self._buffers.by_rows = {}
+        rows = padded(batch)
+        ws = cache.get(rows)
+        if ws is None:
+            ws = cache[rows] = StepWorkspace.allocate(self.config, rows, self.blocks[0])
+        return ws
 
     # ------------------------------------------------------------------ conveniences
 
@@ -234,21 +304,3 @@ class MambaModel:
             batch, out = self.step(batch, seq[t : t + 1])
             outputs[t] = out[0]
         return outputs, batch.session(0)
-
-
-def rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm (Zhang and Sennrich, 2019): ``weight * h / sqrt(mean(h^2) + eps)``. (b, d)."""
-    variance = (h * h).mean(axis=-1, keepdims=True)  # (b, 1)
-    return (h * (1.0 / np.sqrt(variance + np.float32(eps)))) * weight  # (b, d)
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """SiLU / swish: ``x * sigmoid(x)``; exp overflow for very negative x gives -0, fine."""
-    return x / (np.float32(1.0) + np.exp(-x))
-
-
-def softplus(x: np.ndarray) -> np.ndarray:
-    """``log(1 + exp(x))``, linear above 20 like ``torch.nn.functional.softplus``."""
-    return np.where(
-        x > _SOFTPLUS_THRESHOLD, x, np.log1p(np.exp(np.minimum(x, _SOFTPLUS_THRESHOLD)))
-    )

@@ -88,20 +88,28 @@ class RowStableLinear:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x``: (b, i) float32 -> (b, o) float32 (a view into a fresh padded buffer)."""
         b = x.shape[0]
-        padded_rows = -(-b // TILE_ROWS) * TILE_ROWS
+        padded_rows = padded(b)
         if padded_rows == b and x.flags.c_contiguous:
             xp = x  # (b, i)
         else:
             xp = np.zeros((padded_rows, self.in_features), dtype=np.float32)  # (bp, i)
             xp[:b] = x
         out = np.empty((padded_rows, self.out_features), dtype=np.float32)  # (bp, o)
-        for start in range(0, padded_rows, TILE_ROWS):
+        return self.into(xp, out)[:b]
+
+    def into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``x`` (bp, i) -> ``out`` (bp, o), both C-contiguous, bp a multiple of 16 rows."""
+        for start in range(0, x.shape[0], TILE_ROWS):
             stop = start + TILE_ROWS
             # (o, i) @ (i, 16) -> (o, 16). Not ``out=out[start:stop].T``: given an
             # F-ordered destination numpy swaps the operands, which is the
             # position-dependent x_tile @ w.T form again.
-            out[start:stop] = (self.weight @ xp[start:stop].T).T
-        y = out[:b]  # (b, o)
+            out[start:stop] = (self.weight @ x[start:stop].T).T
         if self.bias is not None:
-            y += self.bias
-        return y
+            out += self.bias
+        return out
+
+
+def padded(rows: int) -> int:
+    """``rows`` rounded up to whole tiles of :data:`TILE_ROWS` (at least one tile)."""
+    return max(1, -(-rows // TILE_ROWS)) * TILE_ROWS

@@ -1,0 +1,237 @@
+"""Fused elementwise parts of the Mamba step, compiled with numba.
+
+Why this module exists. Between its four products a Mamba layer does ~25 small numpy
+operations; at batch 1 each costs a few microseconds of call overhead, and at batch 64
+the (b, e, n) scan makes five passes over memory (multiply, exp, multiply, add, matmul).
+Here each stretch between two products is one compiled loop over rows: the scan reads
+and writes the state once. See ``BENCHMARKS.md`` for the before and after.
+
+Exactness. Every kernel handles each row (session) with the same instructions in the same
+order, whatever the other rows are, so batch invariance (``numerics.py``) still holds;
+``tests/test_batch_invariance.py`` checks it end to end. ``exp`` is our own (Cephes
+``expf``, within 2 ulp of the true value, flushing results below ``2**-126`` to 0)
+because numba's ``math.exp`` is a scalar libm call that does not vectorise; it is written
+with float multiplies and adds only, so it gives the same bits wherever it is inlined. The
+only ``contract`` fast-math flag is on (fused multiply-add), which changes no order.
+
+Glossary (as in ``mamba.py``): b sessions, d hidden, e inner, n state, k conv width,
+r rank of Δ. Activations are ``(rows, ...)`` with rows >= b; rows past b are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_JIT = {
+    "nogil": True,
+    "cache": True,
+    "boundscheck": False,
+    "error_model": "numpy",
+    "fastmath": {"contract"},
+}
+
+# Cephes expf constants: exp(x) = 2^m * exp(g), g = x - m ln2 split in two for accuracy.
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+_EXP_HI = np.float32(88.0)  # clamp: keeps 2^m finite (exp(88) = 1.65e38, near float32's max)
+_EXP_LO = np.float32(-87.3365478515625)  # 2^m stays a normal number down to here; below: 0
+_ONE = np.float32(1.0)
+_HALF = np.float32(0.5)
+_ZERO = np.float32(0.0)
+# torch.nn.functional.softplus returns x itself above this (HF uses the default).
+_SOFTPLUS_THRESHOLD = np.float32(20.0)
+
+
+@njit(**_JIT, inline="always")
+def _exp_into(x: np.ndarray, out: np.ndarray, scale_bits: np.ndarray) -> None:
+    """``out[i] = exp(x[i])`` for 1-d float32 arrays; ``scale_bits`` is int32 scratch."""
+    for i in range(x.shape[0]):
+        v = min(max(x[i], _EXP_LO), _EXP_HI)
+        m = np.floor(v * _LOG2E + _HALF)  # nearest integer to x / ln2
+        g = v - m * _LN2_HI
+        g = g - m * _LN2_LO  # |g| <= ln2 / 2
+        p = ((((_P0 * g + _P1) * g + _P2) * g + _P3) * g + _P4) * g + _P5
+        # The bits of 2^m, or of 0.0 below the normal range (flush rather than denormals).
+        # Before writing out[i]: x may be out.
+        scale_bits[i] = (np.int32(m) + np.int32(127)) << np.int32(23) if x[i] >= _EXP_LO else 0
+        out[i] = p * (g * g) + g + _ONE  # exp(g)
+    scale = scale_bits.view(np.float32)
+    for i in range(x.shape[0]):
+        out[i] = out[i] * scale[i]
+
+
+@njit(**_JIT)
+def exp_f32(x: np.ndarray) -> np.ndarray:
+    """The kernels' exp on a 1-d float32 array (for tests and the accuracy check)."""
+    out = np.empty_like(x)
+    _exp_into(x, out, np.empty(x.shape[0], np.int32))
+    return out
+
+
+@njit(**_JIT)
+def rms_norm_rows(
+    h: np.ndarray, weight: np.ndarray, eps: np.float32, b: int, out: np.ndarray
+) -> None:
+    """RMSNorm of rows ``h[:b]`` (b, d) into ``out[:b]``: ``w * h / sqrt(mean(h^2) + eps)``."""
+    d = h.shape[1]
+    for row in range(b):
+        hr = h[row]
+        ss = _ZERO
+        for j in range(d):
+            ss += hr[j] * hr[j]
+        inv = _ONE / np.sqrt(ss / np.float32(d) + eps)
+        o = out[row]
+        for j in range(d):
+            o[j] = hr[j] * inv * weight[j]
+
+
+@njit(**_JIT)
+def residual_rms_norm_rows(
+    h: np.ndarray,
+    delta: np.ndarray,
+    weight: np.ndarray,
+    eps: np.float32,
+    b: int,
+    out: np.ndarray,
+) -> None:
+    """``h[:b] += delta[:b]`` (the residual around a block), then RMSNorm into ``out``."""
+    d = h.shape[1]
+    for row in range(b):
+        hr = h[row]
+        dr = delta[row]
+        ss = _ZERO
+        for j in range(d):
+            v = hr[j] + dr[j]
+            hr[j] = v
+            ss += v * v
+        inv = _ONE / np.sqrt(ss / np.float32(d) + eps)
+        o = out[row]
+        for j in range(d):
+            o[j] = hr[j] * inv * weight[j]
+
+
+@njit(**_JIT)
+def conv_silu(
+    conv: np.ndarray,
+    xz: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    has_bias: bool,
+    conv_out: np.ndarray,
+    xs_out: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+) -> None:
+    """Causal depthwise conv of one new input, then SiLU ([1] Figure 3, the conv branch).
+
+    conv (b, e, k) last k inputs -> conv_out (b, e, k) shifted window with ``xz[:, :e]``
+    appended; xs_out[:b] (b, e) = silu(sum_k window * weight + bias).
+    """
+    b, e, k = conv.shape
+    for row in range(b):
+        for c in range(e):
+            s = _ZERO
+            for t in range(k - 1):
+                v = conv[row, c, t + 1]
+                conv_out[row, c, t] = v
+                s += v * weight[c, t]
+            v = xz[row, c]
+            conv_out[row, c, k - 1] = v
+            s += v * weight[c, k - 1]
+            if has_bias:
+                s += bias[c]
+            xs_out[row, c] = s
+            scratch[c] = -s
+        _exp_into(scratch[:e], scratch[e : 2 * e], scratch_bits)
+        for c in range(e):
+            xs_out[row, c] = xs_out[row, c] / (_ONE + scratch[e + c])  # x * sigmoid(x)
+
+
+@njit(**_JIT)
+def selective_scan(
+    dt_raw: np.ndarray,
+    xs: np.ndarray,
+    x_dbl: np.ndarray,
+    xz: np.ndarray,
+    A: np.ndarray,
+    D: np.ndarray,
+    ssm: np.ndarray,
+    ssm_out: np.ndarray,
+    y_out: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+) -> None:
+    """One step of the selective SSM with gate ([1] Algorithm 2 with L = 1, Eq. 2 and 4).
+
+    dt_raw (rows, e) = dt_proj(Δ low rank) + bias; xs (rows, e) conv branch output;
+    x_dbl (rows, r + 2n) = [Δ low rank, B, C]; xz (rows, 2e) with the gate z in ``[:, e:]``;
+    A (e, n) = -exp(A_log); ssm (b, e, n) = h_{t-1}. Writes ssm_out (b, e, n) = h_t and
+    y_out[:b] (b, e) = (C h_t + D x) * silu(z).
+    """
+    b, e, n = ssm.shape
+    r = x_dbl.shape[1] - 2 * n
+    dt = scratch[:e]
+    ex = scratch[e : 2 * e]
+    dA = scratch[2 * e : 2 * e + e * n]  # Δ A for a whole row, then exp(Δ A) in place
+    A_flat = A.reshape(e * n)
+    for row in range(b):
+        B = x_dbl[row, r : r + n]  # (n,)
+        C = x_dbl[row, r + n : r + 2 * n]  # (n,)
+        h_prev = ssm[row].reshape(e * n)  # (e n,) contiguous
+        h_next = ssm_out[row].reshape(e * n)
+        raw = dt_raw[row]
+        x = xs[row]
+        z = xz[row, e : 2 * e]
+        y = y_out[row]
+        # Δ = softplus(dt_raw) (e,): log1p(exp(x)), linear above 20 like torch.
+        for c in range(e):
+            dt[c] = min(raw[c], _SOFTPLUS_THRESHOLD)
+        _exp_into(dt, ex, scratch_bits)
+        for c in range(e):
+            dt[c] = raw[c] if raw[c] > _SOFTPLUS_THRESHOLD else np.float32(math.log1p(ex[c]))
+        # Zero-order hold ([1] Eq. 4): Ā = exp(Δ A)  (e, n)
+        for c in range(e):
+            dtc = dt[c]
+            for s in range(n):
+                dA[c * n + s] = dtc * A_flat[c * n + s]
+        _exp_into(dA, dA, scratch_bits)
+        # Recurrence ([1] Eq. 2a): h_t = Ā h_{t-1} + B̄ x_t, with B̄ x = Δ B x  (e, n)
+        for c in range(e):
+            dx = dt[c] * x[c]
+            for s in range(n):
+                i = c * n + s
+                h_next[i] = dA[i] * h_prev[i] + dx * B[s]
+        # silu(z) needs exp(-z)  (e,)
+        for c in range(e):
+            ex[c] = -z[c]
+        _exp_into(ex, ex, scratch_bits)
+        # Readout ([1] Eq. 2b) and gate: y = (C h_t + D x) * silu(z)  (e,). Four partial
+        # sums (s mod 4) instead of one chain: a fixed order, four times the parallelism.
+        for c in range(e):
+            a0 = _ZERO
+            a1 = _ZERO
+            a2 = _ZERO
+            a3 = _ZERO
+            base = c * n
+            s = 0
+            while s + 4 <= n:
+                a0 += h_next[base + s] * C[s]
+                a1 += h_next[base + s + 1] * C[s + 1]
+                a2 += h_next[base + s + 2] * C[s + 2]
+                a3 += h_next[base + s + 3] * C[s + 3]
+                s += 4
+            while s < n:
+                a0 += h_next[base + s] * C[s]
+                s += 1
+            acc = (a0 + a1) + (a2 + a3)
+            y[c] = (acc + D[c] * x[c]) * (z[c] / (_ONE + ex[c]))
