@@ -24,6 +24,7 @@ from server.guards import GuardEvent
 from server.input_log import InputCodec, RecentSteps
 from server.model.mamba import MambaModel
 from server.session_config import SessionConfig
+from server.snapshot_writer import SnapshotWriter
 from server.state import SessionState
 
 
@@ -111,6 +112,9 @@ class Session:
         self.epoch = 0  # the fencing epoch this worker acquired the session with
         self.last_snapshot_step = -1  # step of the newest snapshot this worker knows of
         self.gone: SsmserveError | None = None  # set once closed or evicted
+        self.snapshots = SnapshotWriter(session_id)  # periodic snapshots, in the background
+        self.snapshot_events: list[SnapshotEvent] = []  # committed, not yet in an answer
+        self.flush_lock = asyncio.Lock()  # one log flush at a time (stepper or snapshot)
         self._on_release = on_release  # tells the stepper the head of the queue moved
 
     @property
@@ -147,6 +151,7 @@ class Session:
         try:
             if self.gone is not None:
                 raise self.gone
+            await self.snapshots.settled()  # no background write lands under our feet
             yield
         finally:
             self.queue.remove(gate)
@@ -161,6 +166,7 @@ class Session:
     def fail_queued(self, error: SsmserveError) -> None:
         """The session is leaving memory: everything still queued gets ``error``."""
         self.gone = error
+        self.snapshots.cancel()
         for item in list(self.queue):
             if isinstance(item, StepJob):
                 self.queue.remove(item)

@@ -40,7 +40,7 @@ from server.guards import check_output
 from server.input_log import RecentSteps
 from server.model.mamba import MambaModel
 from server.ownership import Ownership
-from server.session import Session, SessionGoneError, StepJob, StepOutcome
+from server.session import Session, SessionGoneError, SnapshotEvent, StepJob, StepOutcome
 from server.session_config import SessionConfig, SessionDefaults
 from server.state import SessionState
 from server.stepper import Stepper, StepperSettings
@@ -57,6 +57,10 @@ from server.store import (
 )
 
 T = TypeVar("T")
+
+# Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
+# keeps the event loop answering meanwhile; smaller ones cost less than the hop.
+_ENCODE_IN_THREAD_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +294,7 @@ class SessionManager:
             self.steppers[s.model_name].notify(s)
 
     async def view(self, session_id: str) -> SessionView:
+        await self._settled(session_id)
         s = self._sessions.get(session_id)
         meta = await self.store.get_meta(session_id)
         if meta is None:
@@ -390,7 +395,14 @@ class SessionManager:
 
     async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
         await self._meta(session_id)
+        await self._settled(session_id)
         return await self.store.list_snapshots(session_id)
+
+    async def _settled(self, session_id: str) -> None:
+        """Read your writes: snapshots already due here are committed before we answer."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            await s.snapshots.settled()
 
     async def write_snapshot(
         self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
@@ -399,16 +411,41 @@ class SessionManager:
 
         The caller holds the session (a stepper batch or :meth:`Session.exclusive`).
         """
+        return await self._commit_checkpoint(s, self._checkpoint(s, step, state, reason, label))
+
+    def schedule_snapshot(self, s: Session, step: int, state: SessionState) -> None:
+        """A periodic snapshot is due: copy what it needs now, write it in the background.
+
+        Called by the stepper while it holds the session; the write itself runs after the
+        steps are answered (see ``snapshot_writer.py``).
+        """
+        ckpt = self._checkpoint(s, step, state.copy(), "periodic")  # own the arrays
+
+        async def write() -> None:
+            try:
+                record = await self._commit_checkpoint(s, ckpt)
+            except SsmserveError as exc:  # the log still holds every input: only speed is lost
+                log.warning("session %s: periodic snapshot at %d failed: %s", s.id, step, exc)
+                return
+            s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
+
+        s.snapshots.schedule(write)
+
+    async def _commit_checkpoint(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:
+        step = ckpt.step
         await self.flush_unflushed(s, step)
-        blob = self._checkpoint(s, step, state, reason, label).encode()
+        if ckpt.state.nbytes >= _ENCODE_IN_THREAD_BYTES:  # sha256 releases the GIL
+            blob = await asyncio.to_thread(ckpt.encode)
+        else:
+            blob = ckpt.encode()
         piece = self.store.settings.piece_bytes
         record = SnapshotRecord(
             # The writer picks the id (a retried commit is then harmless). Ids sort by step,
             # then by time: retention drops the oldest of equal steps first.
             snapshot_id=f"{step:012d}-{time.time_ns() // 1000:014x}-{secrets.token_hex(2)}",
             step=step,
-            label=label,
-            reason=reason,
+            label=ckpt.meta.label or "",
+            reason=ckpt.meta.reason,
             created_at=time.time(),
             size=len(blob),
             pieces=max(1, -(-len(blob) // piece)),
@@ -416,7 +453,7 @@ class SessionManager:
         await self._fenced(
             s, self.store.commit_snapshot(s.id, s.epoch, record, blob, s.config.max_snapshots)
         )
-        s.last_snapshot_step = step
+        s.last_snapshot_step = max(s.last_snapshot_step, step)
         return record
 
     def _checkpoint(
@@ -436,17 +473,19 @@ class SessionManager:
 
     async def flush_unflushed(self, s: Session, upto: int) -> None:
         """Write the session's unflushed inputs with step <= ``upto`` to the log."""
-        entries = [(step, raw) for step, raw in s.recent.unflushed if step <= upto]
-        if not entries:
-            return
-        (error,) = await self.store.append_logs(
-            [(s.id, s.epoch, entries[0][0], [raw for _, raw in entries])], time.time()
-        )
-        if isinstance(error, StaleEpochError):
-            self._drop(s, error)
-        if error is not None:
-            raise error
-        s.recent.unflushed = s.recent.unflushed[len(entries) :]
+        async with s.flush_lock:  # the stepper and a background snapshot may both flush
+            entries = [(step, raw) for step, raw in s.recent.unflushed if step <= upto]
+            if not entries:
+                return
+            (error,) = await self.store.append_logs(
+                [(s.id, s.epoch, entries[0][0], [raw for _, raw in entries])], time.time()
+            )
+            if isinstance(error, StaleEpochError):
+                self._drop(s, error)
+            if error is not None:
+                raise error
+            # Steps recorded meanwhile were appended behind these: drop just the written.
+            s.recent.unflushed = s.recent.unflushed[len(entries) :]
 
     # ------------------------------------------------------------------ rollback and replay
 
@@ -499,6 +538,7 @@ class SessionManager:
         Computes everything first and changes Redis (the history cut) last, so a failure
         anywhere leaves the session as it was. The caller holds the session.
         """
+        await s.snapshots.settled()  # a guard rollback holds a batch, not the gate
         if record is None and target == s.step:
             return target, "", 0  # already there; nothing after the current step to cut
         if record is None:
@@ -838,6 +878,10 @@ class SessionManager:
             await asyncio.sleep(self.settings.idle_check_s)
             now = time.monotonic()
             for s in list(self._sessions.values()):
+                if not s.busy and s.state.is_view and now - s.last_active > 1.0:
+                    # A batch row keeps its whole batch array alive: a session that stopped
+                    # stepping gets arrays of its own, so its memory is its state's size.
+                    s.state = s.state.copy()
                 ttl = s.config.idle_ttl_s
                 if ttl and not s.queue and not s.busy and now - s.last_active > ttl:
                     try:

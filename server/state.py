@@ -42,6 +42,17 @@ class SessionState:
     def nbytes(self) -> int:
         return sum(layer.conv.nbytes + layer.ssm.nbytes for layer in self.layers)
 
+    @property
+    def is_view(self) -> bool:
+        """True while the arrays are rows of a stepper batch (which they keep alive)."""
+        return any(layer.ssm.base is not None for layer in self.layers)
+
+    def copy(self) -> SessionState:
+        """The same state in arrays of its own (a batch row keeps the whole batch alive)."""
+        return SessionState(
+            tuple(LayerState(layer.conv.copy(), layer.ssm.copy()) for layer in self.layers)
+        )
+
     def named_arrays(self) -> list[tuple[str, np.ndarray]]:
         """Arrays in a fixed order with stable names (the checkpoint's per-layer entries)."""
         out: list[tuple[str, np.ndarray]] = []

@@ -11,9 +11,15 @@ If a session's log write fails, that session is put back exactly where the batch
 (states are values, so this is keeping a reference) and its applied steps are answered
 with the error: a step is either durable and answered, or not applied at all.
 
-Then, in order, still holding the sessions: periodic snapshots, guard rollbacks, outputs
-of resent steps that fell out of memory (recomputed by replay). Only then are the futures
-resolved, so an answer always reports what happened to its step.
+Then, in order, still holding the sessions: due periodic snapshots are handed to each
+session's background writer (copied state; encoded and written after the answers, see
+``snapshot_writer.py``), guard rollbacks run, outputs of resent steps that fell out of
+memory are recomputed by replay. Only then are the futures resolved, so an answer always
+reports what happened to its step; a snapshot is reported in the session's first answer
+after it is committed.
+
+Large engine calls run on one engine thread per stepper, so the event loop keeps serving
+streams while a batch computes; small ones run inline (``offload_min_flop``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +41,6 @@ from server.session import (
     GuardRolledBackError,
     Session,
     SessionGoneError,
-    SnapshotEvent,
     StepGapError,
     StepJob,
     StepOutcome,
@@ -49,9 +55,7 @@ log = logging.getLogger(__name__)
 class BatchHooks(Protocol):
     """What the stepper asks of the session manager while it holds a batch."""
 
-    async def write_snapshot(
-        self, session: Session, step: int, state: SessionState, reason: str
-    ) -> SnapshotRecord: ...
+    def schedule_snapshot(self, session: Session, step: int, state: SessionState) -> None: ...
 
     async def restore_to(
         self, session: Session, target: int, record: SnapshotRecord | None = None
@@ -71,6 +75,10 @@ class StepperSettings:
     max_batch: int = 256  # sessions per engine call
     max_ticks: int = 16  # engine calls per group commit (several steps per session)
     max_unflushed: int = 1 << 16  # non-log sessions: inputs held in memory before a flush
+    # Engine calls of at least this many FLOPs (batch x model FLOPs per step) run on the
+    # stepper's engine thread; smaller ones run on the loop, where they cost less than the
+    # hop (~50 us). 5 MFLOP is ~0.1 ms of work on this machine (BENCHMARKS.md).
+    offload_min_flop: float = 5e6
 
 
 @dataclass
@@ -97,6 +105,7 @@ class Stepper:
         self._ready: dict[str, Session] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._engine = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
         self.batches = 0
         self.steps = 0
 
@@ -108,6 +117,7 @@ class Stepper:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self._engine.shutdown(wait=True)
 
     def submit(self, session: Session, job: StepJob) -> None:
         session.queue.append(job)
@@ -148,10 +158,10 @@ class Stepper:
         recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]] = []
         try:
             for _ in range(self.settings.max_ticks):
-                if not self._tick(work, recompute):
+                if not await self._tick(work, recompute):
                     break
             await self._commit_logs(work)
-            await self._snapshots(work)
+            self._snapshots(work)
             await self._guard_rollbacks(work)
             for w, job, outcome in recompute:
                 await self._recompute(w, job, outcome)
@@ -162,13 +172,23 @@ class Stepper:
             raise
         finally:
             for w in work:
+                if w.done and w.session.snapshot_events:  # committed since the last answer
+                    w.done[-1][1].snapshot_events.extend(w.session.snapshot_events)
+                    w.session.snapshot_events.clear()
                 for job, outcome in w.done:
                     if not job.future.done():
                         job.future.set_result(outcome)
 
     # ------------------------------------------------------------------ compute
 
-    def _tick(
+    def _engine_call(
+        self, states: list[SessionState], values: list[np.ndarray]
+    ) -> tuple[BatchState, np.ndarray]:
+        batch = BatchState.stack(states)
+        inputs = np.stack(values)  # (b,) ids or (b, i)
+        return self.model.step(batch, inputs)  # (b, o)
+
+    async def _tick(
         self,
         work: list[_SessionBatch],
         recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]],
@@ -197,9 +217,17 @@ class Stepper:
                 apply.append((w, job))
         if not apply:
             return any(not w.stopped and w.session.head_is_step for w in work)
-        batch = BatchState.stack([w.session.state for w, _ in apply])
-        inputs = np.stack([job.value for _, job in apply])  # (b,) ids or (b, i)
-        new_batch, outputs = self.model.step(batch, inputs)  # (b, o)
+        states = [w.session.state for w, _ in apply]
+        values = [job.value for _, job in apply]
+        if len(apply) * self.model.flops_per_step >= self.settings.offload_min_flop:
+            # Big enough to be worth a thread hop: the loop goes on serving I/O meanwhile
+            # (BLAS and the numba kernels run without the GIL).
+            loop = asyncio.get_running_loop()
+            new_batch, outputs = await loop.run_in_executor(
+                self._engine, self._engine_call, states, values
+            )
+        else:
+            new_batch, outputs = self._engine_call(states, values)
         self.steps += len(apply)
         for row, (w, job) in enumerate(apply):
             self._settle(w, job, new_batch.session(row), outputs[row])
@@ -275,20 +303,11 @@ class Stepper:
                 outcome.output, outcome.replayed, outcome.error = None, False, error
                 outcome.guard_events.clear()
 
-    async def _snapshots(self, work: list[_SessionBatch]) -> None:
+    def _snapshots(self, work: list[_SessionBatch]) -> None:
+        """Hand due snapshots to the sessions' background writers."""
         for w in work:
             for step, state in w.snapshots_due:
-                try:
-                    record = await self.hooks.write_snapshot(w.session, step, state, "periodic")
-                except SsmserveError as exc:  # the log still holds every input: only speed is lost
-                    log.warning(
-                        "session %s: periodic snapshot at %d failed: %s", w.session.id, step, exc
-                    )
-                    continue
-                event = SnapshotEvent(record.snapshot_id, record.step, record.reason)
-                for job, outcome in w.done:
-                    if job.step == step and not outcome.replayed:
-                        outcome.snapshot_events.append(event)
+                self.hooks.schedule_snapshot(w.session, step, state)
 
     async def _guard_rollbacks(self, work: list[_SessionBatch]) -> None:
         for w in work:

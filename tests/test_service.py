@@ -394,6 +394,27 @@ def test_guard_actions(worker, served_models, action):
 # ---------------------------------------------------------------------------- snapshots
 
 
+def test_periodic_snapshots_are_written_in_the_background_and_reported_later(worker, served_models):
+    model = served_models["demo"]
+    x = random_inputs(model, 30, seed=21)
+    sid = worker.client.create_session("demo", snapshot_every=4).session_id
+    got, outs = stream(worker, sid, x[:25], per_message=1)
+    assert_bit_equal(got, reference(model, x[:25]))
+    # Read your writes: every due snapshot is committed before ListSnapshots answers.
+    assert [s.step for s in worker.client.list_snapshots(sid)] == [0, 4, 8, 12, 16, 20, 24]
+    # Each is reported once, in an answer after the step it was taken at.
+    _, more = stream(worker, sid, x[25:30], per_message=1)
+    reported = [(o.step, e.step) for o in outs + more for e in o.snapshot_events]
+    assert [s for _, s in reported] == [4, 8, 12, 16, 20, 24]
+    assert all(answered >= taken for answered, taken in reported)
+    assert all(e.reason == "periodic" for o in outs + more for e in o.snapshot_events)
+    # Rollback to a background snapshot is exact.
+    reply = worker.client.rollback(sid, to_step=20)
+    assert reply.replayed_steps == 0
+    again, _ = stream(worker, sid, x[20:30], first_step=21)
+    assert_bit_equal(again, reference(model, x)[20:30])
+
+
 def test_retention_keeps_n_snapshots_and_trims_the_log(worker, served_models, redis_url):
     model = served_models["demo"]
     sid = worker.client.create_session("demo", snapshot_every=2, max_snapshots=3).session_id

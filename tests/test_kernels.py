@@ -1,0 +1,149 @@
+"""The fused step kernels: their exp, thread safety of the step, the snapshot writer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import pytest
+
+from server.model.kernels import exp_f32
+from server.model.mamba import MambaModel
+from server.snapshot_writer import MAX_WAITING, SnapshotWriter
+from server.state import BatchState
+from tests.conftest import random_inputs
+
+
+def test_exp_is_within_two_ulp_of_the_true_value() -> None:
+    x = np.linspace(-87.0, 88.0, 2_000_001, dtype=np.float32)
+    got = exp_f32(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got - want) / ulp) <= 2.0
+    assert exp_f32(np.zeros(3, np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_exp_flushes_below_the_normal_range_and_clamps_above() -> None:
+    x = np.array([-1e30, -200.0, -87.4, 88.0, 100.0, 1e30], np.float32)
+    got = exp_f32(x)
+    assert got[:3].tolist() == [0.0, 0.0, 0.0]  # no denormals, no NaN
+    assert np.isfinite(got).all() and got[3] == got[4] == got[5]
+
+
+def test_exp_in_place_gives_the_same_bits() -> None:
+    x = np.random.default_rng(0).normal(0, 30, 10_000).astype(np.float32)
+    assert np.array_equal(exp_f32(x.copy()), exp_f32(x))
+
+
+def test_steps_on_two_threads_at_once_match_sequential(signal_model: MambaModel) -> None:
+    """Each thread has its own step buffers: the engine thread and a replay on the loop."""
+    model = signal_model
+    inputs = random_inputs(model, 24, seed=3)
+    sizes = {0: 5, 1: 20}  # different padded sizes and the same one, in both threads
+    want = {}
+    for t, size in sizes.items():
+        outs = []
+        state = BatchState.stack([model.new_state()] * size)
+        for i in range(24):
+            state, out = model.step(state, np.repeat(inputs[i][None], size, axis=0))
+            outs.append(out.copy())
+        want[t] = outs
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    barrier = threading.Barrier(2)
+
+    def run(t: int) -> None:
+        barrier.wait()
+        state = BatchState.stack([model.new_state()] * sizes[t])
+        for i in range(24):
+            state, out = model.step(state, np.repeat(inputs[i][None], sizes[t], axis=0))
+            got[t].append(out.copy())
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in sizes]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for t in sizes:
+        for a, b in zip(got[t], want[t], strict=True):
+            assert np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------- SnapshotWriter
+
+
+def test_writer_runs_one_write_at_a_time_in_order_and_drops_the_oldest_waiting() -> None:
+    async def main() -> None:
+        writer = SnapshotWriter("s")
+        running = 0
+        peak = 0
+        done: list[int] = []
+        release = asyncio.Event()
+
+        def job(n: int) -> Callable[[], Awaitable[None]]:
+            async def write() -> None:
+                nonlocal running, peak
+                running += 1
+                peak = max(peak, running)
+                await release.wait()
+                running -= 1
+                done.append(n)
+
+            return write
+
+        for n in range(2 + MAX_WAITING + 2):  # 1 in flight, then 1 + MAX_WAITING + 2 waiting
+            writer.schedule(job(n))
+            await asyncio.sleep(0)
+        release.set()
+        await writer.settled()
+        assert peak == 1
+        # 0 was in flight; of the 1 + MAX_WAITING + 2 that waited, the oldest 2 + 1 dropped
+        kept = list(range(2 + MAX_WAITING + 2))[-MAX_WAITING:]
+        assert done == [0, *kept]
+        assert writer.superseded == 3 and writer.written == 1 + MAX_WAITING
+        assert not writer.busy
+
+    asyncio.run(main())
+
+
+def test_writer_survives_a_failing_write_and_cancel_stops_it() -> None:
+    async def main() -> None:
+        writer = SnapshotWriter("s")
+        done: list[str] = []
+
+        async def bad() -> None:
+            raise RuntimeError("boom")
+
+        async def good() -> None:
+            done.append("good")
+
+        writer.schedule(bad)
+        writer.schedule(good)
+        await writer.settled()
+        assert done == ["good"]
+
+        started = asyncio.Event()
+
+        async def slow() -> None:
+            started.set()
+            await asyncio.sleep(60)
+
+        writer.schedule(slow)
+        writer.schedule(good)
+        await started.wait()
+        writer.cancel()
+        await writer.settled()
+        assert done == ["good"] and not writer.busy
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("size", [1, 17])
+def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> None:
+    batch = BatchState.stack([demo_model.new_state()] * size)
+    new, _ = demo_model.step(batch, random_inputs(demo_model, size, seed=1))
+    row = new.session(0)
+    assert row.is_view
+    own = row.copy()
+    assert not own.is_view and own.bit_equal(row)
