@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -122,6 +123,49 @@ async def multiplexed(stub: pb_grpc.SessionServiceStub, sids: list[str], seconds
     return done / (time.perf_counter() - t0)
 
 
+async def pipelined(
+    stub: pb_grpc.SessionServiceStub,
+    sids: list[str],
+    seconds: float,
+    per_session: int,
+    depth: int = 2,
+) -> tuple[float, list[float]]:
+    """All sessions on one stream, ``per_session`` steps of each in every message, with
+    ``depth`` messages in flight. Returns (steps/s, per-message round trips in s)."""
+    call = stub.Stream()
+    steps = {s: (await stub.GetSession(pb.GetSessionRequest(session_id=s))).step for s in sids}
+    v = np.zeros(4, np.float32)
+    sent: list[float] = []
+    rtts: list[float] = []
+    done = 0
+
+    def message() -> pb.StreamRequest:
+        out = []
+        for s in sids:
+            for _ in range(per_session):
+                steps[s] += 1
+                out.append(step_input(s, steps[s], v))
+        return pb.StreamRequest(steps=out)
+
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    for _ in range(depth):
+        sent.append(time.perf_counter())
+        await call.write(message())
+    while sent:
+        reply = await call.read()
+        rtts.append(time.perf_counter() - sent.pop(0))
+        done += len(reply.results)
+        bad = [r for r in reply.results if r.HasField("error")]
+        assert not bad, bad[0].error
+        if time.perf_counter() < deadline:
+            sent.append(time.perf_counter())
+            await call.write(message())
+    elapsed = time.perf_counter() - t0
+    await call.done_writing()
+    return done / elapsed, rtts
+
+
 async def rollbacks(
     stub: pb_grpc.SessionServiceStub, sid: str, reps: int
 ) -> dict[int, list[float]]:
@@ -193,10 +237,11 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     from server.store import SessionMeta
 
     await r.flushall()
-    await store.create_session(SessionMeta("big", "m", "f", 0, 1, b"c", 0.0, 0.0, False))
+    meta = SessionMeta("big", "m", "f", 0, 1, b"c", 0.0, 0.0, False, epoch=1, owner="bench")
+    await store.create_session(meta, 60_000)
     for i in range(reps):
         t0 = time.perf_counter()
-        await store.append_logs([("big", i + 1, [b"x" * 16])], 0.0)
+        await store.append_logs([("big", 1, i + 1, [b"x" * 16])], 0.0)
         out["log"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         await r.set("bench:plain", b"x" * 16)
@@ -205,7 +250,7 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         data = ckpt.encode()
         rec = SnapshotRecord(f"s{i}", i, "", "bench", 0.0, len(data), 1)
-        await store.commit_snapshot("big", rec, data, 4)
+        await store.commit_snapshot("big", 1, rec, data, 4)
         out["big"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ckpt.encode()
@@ -221,14 +266,15 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
 # ---------------------------------------------------------------------------- main
 
 
-async def bench(address: str, echo: str, redis_url: str, quick: bool) -> None:
+async def bench(address: str, echo: str, redis_url: str, quick: bool) -> dict[str, object]:
+    report: dict[str, object] = {}
     channel = grpc.aio.insecure_channel(address)
     stub = pb_grpc.SessionServiceStub(channel)
     n = 500 if quick else 3000
     secs = 1.0 if quick else 3.0
 
-    async def session(durability: int) -> str:
-        cfg = pb.SessionConfig(durability=durability, snapshot_every=1024)
+    async def session(durability: int, snapshot_every: int = 1 << 20) -> str:
+        cfg = pb.SessionConfig(durability=durability, snapshot_every=snapshot_every)
         reply = await stub.CreateSession(pb.CreateSessionRequest(model="demo", config=cfg))
         return reply.session_id
 
@@ -248,31 +294,71 @@ async def bench(address: str, echo: str, redis_url: str, quick: bool) -> None:
         ["bare grpc.aio echo, same bytes", pct(lat_echo, 50), pct(lat_echo, 99), len(lat_echo)],
     ]
     print(table(["what", "p50 ms", "p99 ms", "steps"], rows))
+    report["latency_ms"] = {
+        "log": [pct(lat_log, 50), pct(lat_log, 99)],
+        "none": [pct(lat_none, 50), pct(lat_none, 99)],
+        "echo": [pct(lat_echo, 50), pct(lat_echo, 99)],
+    }
     print(
         f"\nlog vs none: {np.median(lat_log) / np.median(lat_none):.2f}x; "
         f"none vs bare echo: {np.median(lat_none) / np.median(lat_echo):.2f}x (p50)\n"
     )
 
     rows = []
-    for count in (1, 16, 64):
+    report["throughput"] = {}
+    for count in (1, 16, 64, 256):
         sids = [await session(pb.DURABILITY_LOG) for _ in range(count)]
         streams = await aggregate(stub, sids, secs)
         mux = await multiplexed(stub, sids, secs)
-        echo_rate = await echo_aggregate(echo, payload, count, secs)
-        rows.append([count, streams, mux, echo_rate, streams / echo_rate])
-    print("# aggregate steps/s, durability log\n")
+        many, rtts = await pipelined(stub, sids, secs, per_session=8)
+        echo_rate = await echo_aggregate(echo, payload, min(count, 64), secs)
+        rows.append([count, streams, mux, many, pct(rtts, 50), pct(rtts, 99), echo_rate,
+                     many / echo_rate])  # fmt: skip
+        report["throughput"][count] = {
+            "stream_per_session": streams, "mux_1": mux, "mux_8_pipelined": many,
+            "mux_8_msg_p50_ms": pct(rtts, 50), "mux_8_msg_p99_ms": pct(rtts, 99),
+            "echo_msgs_per_s": echo_rate,
+        }  # fmt: skip
+    print("# aggregate steps/s, durability log (demo model)\n")
     print(
         table(
             [
                 "sessions",
                 "stream per session",
-                "one stream, a step of each per message",
-                "bare echo msgs/s (same streams)",
-                "per-session / echo",
+                "one stream, 1 step of each per message",
+                "one stream, 8 steps of each per message, 2 in flight",
+                "  message p50 ms",
+                "  message p99 ms",
+                "bare echo msgs/s (<= 64 streams)",
+                "best / echo msgs",
             ],
             rows,
         )
     )
+
+    # p99 while snapshots are written: 64 sessions ping-pong (1 step each per message),
+    # without snapshots during the run, then with one due every 8 steps of every session.
+    print("\n# step latency while snapshots are written (64 sessions, one stream, log)\n")
+    quiet = [await session(pb.DURABILITY_LOG) for _ in range(64)]
+    busy = [await session(pb.DURABILITY_LOG, snapshot_every=8) for _ in range(64)]
+    lat: dict[str, list[float]] = {"quiet": [], "busy": []}
+    for _ in range(2):  # interleaved, so drift in machine load hits both alike
+        for name, sids in (("quiet", quiet), ("busy", busy)):
+            _rate, rtts = await pipelined(stub, sids, secs / 2, per_session=1, depth=1)
+            lat[name].extend(rtts)
+    snaps = 0
+    for sid in busy[:4]:
+        reply = await stub.ListSnapshots(pb.ListSnapshotsRequest(session_id=sid))
+        snaps += len(reply.snapshots)
+    rows = [
+        ["no snapshot due", pct(lat["quiet"], 50), pct(lat["quiet"], 99), len(lat["quiet"])],
+        ["snapshot every 8 steps", pct(lat["busy"], 50), pct(lat["busy"], 99), len(lat["busy"])],
+    ]
+    print(table(["64 sessions, a step of each per message", "p50 ms", "p99 ms", "messages"], rows))
+    rise = pct(lat["busy"], 99) / pct(lat["quiet"], 99)
+    print(f"\np99 with snapshots / without: {rise:.3f} (snapshots kept by 4 sessions: {snaps})\n")
+    report["snapshot_p99_rise"] = rise
+    report["snapshot_p99_ms"] = {"quiet": pct(lat["quiet"], 99), "busy": pct(lat["busy"], 99)}
 
     rb = await rollbacks(stub, log_sid, 10 if quick else 40)
     print("\n# rollback latency (demo model, Rollback RPC; snapshot + replay)\n")
@@ -303,11 +389,20 @@ async def bench(address: str, echo: str, redis_url: str, quick: bool) -> None:
         ["bare SET, 16 B", pct(lim["set16"], 50), pct(lim["set16"], 99)],
     ]  # fmt: skip
     print(table(["what", "p50 ms", "p99 ms"], rows))
+    report["redis"] = {
+        "set16_p50_ms": pct(lim["set16"], 50),
+        "log_append_p50_ms": pct(lim["log"], 50),
+        "setbig_p50_ms": pct(lim["setbig"], 50),
+        "snapshot_big_p50_ms": pct(lim["big"], 50),
+    }
+    report["rollback_p50_ms"] = {k: pct(v, 50) for k, v in rb.items()}
+    return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -320,7 +415,9 @@ def main() -> int:
         )  # fmt: skip
         echo, echo_address = start([sys.executable, str(ECHO)])
         try:
-            asyncio.run(bench(address, echo_address, redis_server.url, args.quick))
+            report = asyncio.run(bench(address, echo_address, redis_server.url, args.quick))
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=2))
         finally:
             for proc in (server, echo):
                 proc.terminate()

@@ -609,6 +609,9 @@ def test_a_new_worker_continues_after_a_crash(start_worker, served_models, durab
     first = start_worker(ownership=OwnershipSettings(lease_ttl_s=0.4))
     sid = first.client.create_session("demo", snapshot_every=5, durability=durability).session_id
     stream(first, sid, x[:13])
+    # Periodic snapshots are written in the background; ListSnapshots waits for the ones
+    # already due, so after it the snapshot at 10 is in Redis (what `snapshot` promises).
+    assert [s.step for s in first.client.list_snapshots(sid)] == [0, 5, 10]
     first.crash()
     second = start_worker()
     info = second.client.get_session(sid)  # the dead worker's lease still runs a while
