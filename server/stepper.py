@@ -230,7 +230,9 @@ class Stepper:
             new_batch, outputs = self._engine_call(states, values)
         self.steps += len(apply)
         for row, (w, job) in enumerate(apply):
-            self._settle(w, job, new_batch.session(row), outputs[row])
+            # A copy: kept in the session's recent outputs, a view would pin the whole
+            # (16-row padded) output buffer of this step (~3 MB per token for 130m logits).
+            self._settle(w, job, new_batch.session(row), outputs[row].copy())
         return True
 
     def _settle(
