@@ -127,7 +127,7 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
         batch = BatchState.stack([s.state for s in group])
         new_batch, outputs = model.step(batch, np.stack(values))
         for row, s in enumerate(group):
-            verdict = check_output(s.config.guards, step, outputs[row])
+            verdict = check_output(s.config.guards, step, outputs[row].copy())  # as Stepper
             s.state, s.step = new_batch.session(row), step
             s.recent.record(step, s.codec.encode(values[row]), verdict.output)
         for s in group:  # log durability: the group commit empties unflushed

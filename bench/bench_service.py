@@ -236,7 +236,6 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
     from server.store import SessionMeta
 
-    await r.flushall()
     meta = SessionMeta("big", "m", "f", 0, 1, b"c", 0.0, 0.0, False, epoch=1, owner="bench")
     await store.create_session(meta, 60_000)
     for i in range(reps):

@@ -119,6 +119,10 @@ class ManagerSettings:
     max_queued_steps: int = 4096  # per session, waiting for the stepper
     output_window: int = 64  # outputs kept per session to answer resent steps from memory
     idle_check_s: float = 1.0  # how often idle sessions are looked for
+    # Background snapshot writes running at once on this worker (all sessions). Sessions
+    # that step in lockstep come due together; a bound spreads their writes over the
+    # following steps instead of stalling one tick behind dozens of Redis round trips.
+    snapshot_writes_in_flight: int = 2
     list_page_size: int = 100
     max_list_page_size: int = 1000
 
@@ -179,6 +183,7 @@ class SessionManager:
             name: Stepper(model, store, self, settings.stepper) for name, model in models.items()
         }
         self._reaper: asyncio.Task[None] | None = None
+        self._snapshot_slots = asyncio.Semaphore(settings.snapshot_writes_in_flight)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -423,7 +428,8 @@ class SessionManager:
 
         async def write() -> None:
             try:
-                record = await self._commit_checkpoint(s, ckpt)
+                async with self._snapshot_slots:
+                    record = await self._commit_checkpoint(s, ckpt)
             except SsmserveError as exc:  # the log still holds every input: only speed is lost
                 log.warning("session %s: periodic snapshot at %d failed: %s", s.id, step, exc)
                 return
