@@ -78,6 +78,16 @@ def exp_f32(x: np.ndarray) -> np.ndarray:
     return out
 
 
+@njit(**_JIT, inline="always")
+def _scale_row(
+    hr: np.ndarray, ss: np.float32, weight: np.ndarray, eps: np.float32, o: np.ndarray
+) -> None:
+    """``o = w * hr / sqrt(ss / d + eps)``, ``ss`` being the row's sum of squares."""
+    inv = _ONE / np.sqrt(ss / np.float32(hr.shape[0]) + eps)
+    for j in range(hr.shape[0]):
+        o[j] = hr[j] * inv * weight[j]
+
+
 @njit(**_JIT)
 def rms_norm_rows(
     h: np.ndarray, weight: np.ndarray, eps: np.float32, b: int, out: np.ndarray
@@ -89,10 +99,7 @@ def rms_norm_rows(
         ss = _ZERO
         for j in range(d):
             ss += hr[j] * hr[j]
-        inv = _ONE / np.sqrt(ss / np.float32(d) + eps)
-        o = out[row]
-        for j in range(d):
-            o[j] = hr[j] * inv * weight[j]
+        _scale_row(hr, ss, weight, eps, out[row])
 
 
 @njit(**_JIT)
@@ -114,10 +121,7 @@ def residual_rms_norm_rows(
             v = hr[j] + dr[j]
             hr[j] = v
             ss += v * v
-        inv = _ONE / np.sqrt(ss / np.float32(d) + eps)
-        o = out[row]
-        for j in range(d):
-            o[j] = hr[j] * inv * weight[j]
+        _scale_row(hr, ss, weight, eps, out[row])
 
 
 @njit(**_JIT)
