@@ -64,18 +64,6 @@ def mamba_130m_model() -> MambaModel:
     return build_model(config, random_tensors(config, 0), name="mamba-130m-shaped")
 
 
-def linears(model: MambaModel) -> list[RowStableLinear]:
-    out = [lin for b in model.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
-    out.append(model.head)
-    if model.input_proj is not None:
-        out.append(model.input_proj)
-    return out
-
-
-def matmul_flops_per_step(model: MambaModel) -> int:
-    return sum(2 * lin.in_features * lin.out_features for lin in linears(model))
-
-
 def inputs_for(model: MambaModel, batch: int, rng: np.random.Generator) -> np.ndarray:
     c = model.config
     if c.is_token_model:
@@ -112,10 +100,10 @@ class PlainProducts:
 
 def sgemm_gflops(model: MambaModel, rows: int = 64, repeats: int = 5) -> float:
     rng = np.random.default_rng(0)
-    xs = [rng.standard_normal((rows, lin.in_features)).astype(np.float32) for lin in linears(model)]
-    ws = [lin.weight.T for lin in linears(model)]
+    xs = [rng.standard_normal((rows, lin.in_features)).astype(np.float32) for lin in model.linears]
+    ws = [lin.weight.T for lin in model.linears]
     seconds = median_seconds(lambda: [x @ w for x, w in zip(xs, ws, strict=True)], repeats)
-    return rows * matmul_flops_per_step(model) / seconds / 1e9
+    return rows * model.flops_per_step / seconds / 1e9
 
 
 def measure_peer() -> dict[str, float] | None:
@@ -155,7 +143,7 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
         plain = {b: step_time(model, b, max(3, (12 if big else 400) // b)) for b in (1, 64)}
     exact = {b: results["batches"][b]["step_ms"] / 1e3 for b in (1, 64)}  # type: ignore[index]
     gflops = sgemm_gflops(model, repeats=3 if big else 20)
-    ceiling = gflops * 1e9 / matmul_flops_per_step(model)
+    ceiling = gflops * 1e9 / model.flops_per_step
     reached = results["batches"][64]["steps_per_s"] / ceiling  # type: ignore[index]
     print(
         table(
@@ -169,7 +157,7 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
     )
     print(
         f"sgemm at 64 rows on these weights: {gflops:.0f} GFLOP/s -> ceiling "
-        f"{ceiling:,.0f} steps/s ({matmul_flops_per_step(model) / 1e6:.2f} MFLOP/step); "
+        f"{ceiling:,.0f} steps/s ({model.flops_per_step / 1e6:.2f} MFLOP/step); "
         f"reached at batch 64: {reached:.0%}"
     )
     results.update(

@@ -68,7 +68,7 @@ def percentiles_ms(samples: list[float]) -> tuple[float, float]:
 
 
 def child_ours(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
-    from bench_engine import linears, mamba_130m_model
+    from bench_engine import mamba_130m_model
 
     from server.model.numerics import blas_signature, pin_blas_threads
     from server.state import BatchState
@@ -92,7 +92,7 @@ def child_ours(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
     # Reference point, not an engine: one plain 1-row product per weight matrix, i.e. every
     # weight read once, as batch 1 must (batch-invariant products pad to 16-row tiles).
     rng = np.random.default_rng(1)
-    weights = [lin.weight for lin in linears(model)]
+    weights = [lin.weight for lin in model.linears]
     xs = [rng.standard_normal((1, w.shape[1])).astype(np.float32) for w in weights]
     gemv = median_seconds(lambda: [x @ w.T for x, w in zip(xs, weights, strict=True)], 10)
     weight_bytes = sum(w.nbytes for w in weights)

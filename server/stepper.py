@@ -77,7 +77,8 @@ class StepperSettings:
     max_unflushed: int = 1 << 16  # non-log sessions: inputs held in memory before a flush
     # Engine calls of at least this many FLOPs (batch x model FLOPs per step) run on the
     # stepper's engine thread; smaller ones run on the loop, where they cost less than the
-    # hop (~50 us). 5 MFLOP is ~0.1 ms of work on this machine (BENCHMARKS.md).
+    # hop. 5 MFLOP is roughly half a millisecond of step here (signal 256x4 at batch 2,
+    # the demo model at batch ~40; bench/bench_engine.py).
     offload_min_flop: float = 5e6
 
 

@@ -140,13 +140,18 @@ class MambaModel:
         self._buffers = threading.local()  # StepWorkspace per thread and padded batch size
 
     @property
+    def linears(self) -> list[RowStableLinear]:
+        """Every product of a step: the blocks' four, the head, the signal input projection."""
+        out = [lin for b in self.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
+        out.append(self.head)
+        if self.input_proj is not None:
+            out.append(self.input_proj)
+        return out
+
+    @property
     def flops_per_step(self) -> int:
         """FLOPs of the products for one session-step (the elementwise work is extra)."""
-        linears = [lin for b in self.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
-        linears.append(self.head)
-        if self.input_proj is not None:
-            linears.append(self.input_proj)
-        return sum(2 * lin.in_features * lin.out_features for lin in linears)
+        return sum(2 * lin.in_features * lin.out_features for lin in self.linears)
 
     # ------------------------------------------------------------------ state and inputs
 
