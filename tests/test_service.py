@@ -405,7 +405,8 @@ def test_periodic_snapshots_are_written_in_the_background_and_reported_later(wor
     # Each is reported once, in an answer after the step it was taken at.
     _, more = stream(worker, sid, x[25:30], per_message=1)
     reported = [(o.step, e.step) for o in outs + more for e in o.snapshot_events]
-    assert [s for _, s in reported] == [4, 8, 12, 16, 20, 24]
+    # (the snapshot at 28 is reported too when its write beats the answer to step 30)
+    assert [s for _, s in reported] in ([4, 8, 12, 16, 20, 24], [4, 8, 12, 16, 20, 24, 28])
     assert all(answered >= taken for answered, taken in reported)
     assert all(e.reason == "periodic" for o in outs + more for e in o.snapshot_events)
     # Rollback to a background snapshot is exact.
