@@ -58,6 +58,10 @@ class RecentSteps:
             self.inputs.append((first + i, raw_input))
             self.outputs.append((first + i, output))
 
+    def remember_output(self, step: int, output: np.ndarray) -> None:
+        """The output of ``step`` known from elsewhere (a fork's first step)."""
+        self.outputs.append((step, output))
+
     def output_at(self, step: int) -> np.ndarray | None:
         if self.outputs and self.outputs[0][0] <= step <= self.outputs[-1][0]:
             found_step, output = self.outputs[step - self.outputs[0][0]]

@@ -116,6 +116,28 @@ class Migrator:
         elapsed = (time.perf_counter() - started) * 1000
         return MigrationResult(session_id, "", target_address, step, "", elapsed)
 
+    async def place(self, session_id: str, target_address: str) -> None:
+        """Move a session just made here (a fork) to ``target_address``.
+
+        An empty target means any other live worker, for a draining worker (with none
+        left, the session stays and is parked with the others). If the session cannot
+        move it is deleted again, so the request that made it fails as a whole.
+        """
+        try:
+            if not target_address:
+                s = await self.manager.session(session_id)
+                targets = await self.ownership.targets(s.model_name)
+                if not targets:
+                    return
+                target_address = targets[0].address
+            await self.migrate(session_id, target_address)
+        except BaseException:
+            try:
+                await self.manager.discard(session_id)
+            except SsmserveError as exc:
+                log.warning("session %s could not be placed nor deleted: %s", session_id, exc)
+            raise
+
     async def _target(self, address: str, model: str) -> WorkerRecord:
         target = await self.ownership.worker_at(address)
         if target is None:

@@ -19,7 +19,9 @@ from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from server import status
 from server.errors import ErrorKind, SessionMovedError, SsmserveError
+from server.forecaster import ForecastStep
 from server.guards import GuardAction, GuardCheck, GuardEvent, GuardRule, GuardRuleError
+from server.migration import Migrator
 from server.session import SnapshotEvent, StepOutcome
 from server.session_config import Durability, SessionConfig
 from server.sessions import RollbackTarget, SessionManager, SessionView
@@ -52,9 +54,12 @@ class ServiceSettings:
 
 
 class SessionService(pb_grpc.SessionServiceServicer):
-    def __init__(self, manager: SessionManager, settings: ServiceSettings) -> None:
+    def __init__(
+        self, manager: SessionManager, settings: ServiceSettings, migrator: Migrator
+    ) -> None:
         self.manager = manager
         self.settings = settings
+        self.migrator = migrator  # places forks on other workers
 
     # ------------------------------------------------------------------ sessions
 
@@ -183,6 +188,50 @@ class SessionService(pb_grpc.SessionServiceServicer):
             target = RollbackTarget(**{which: getattr(request, which)})
             result = await self.manager.rollback(request.session_id, target)
             return pb.RollbackResponse(
+                step=result.step,
+                from_snapshot_id=result.from_snapshot_id,
+                replayed_steps=result.replayed_steps,
+            )
+
+    # ------------------------------------------------------------------ forecast, fork
+
+    async def Forecast(
+        self, request: pb.ForecastRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ForecastResponse]:
+        async with status.edge(context):
+            job = await self.manager.forecast(
+                request.session_id,
+                request.horizon,
+                request.at_step if request.HasField("at_step") else None,
+            )
+        try:
+            async for steps in job.batches(self.manager.settings.forecast.message_bytes):
+                yield pb.ForecastResponse(
+                    from_step=job.from_step, steps=[forecast_step_to_pb(x) for x in steps]
+                )
+            if job.stopped is not None:
+                if job.stopped.kind is ErrorKind.UNAVAILABLE:  # the worker stopped: retry
+                    await status.abort(context, job.stopped)
+                yield pb.ForecastResponse(
+                    from_step=job.from_step, stopped=status.step_error(job.stopped)
+                )
+        finally:
+            job.cancelled = True  # the client went away: stop computing for it
+
+    async def Fork(
+        self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForkResponse:
+        async with status.edge(context):
+            which = request.WhichOneof("at")
+            at = RollbackTarget(**{which: getattr(request, which)}) if which else RollbackTarget()
+            result = await self.manager.fork(request.session_id, at, request.new_session_id)
+            view = result.view
+            if request.target or self.manager.ownership.draining:
+                await self.migrator.place(view.session_id, request.target)
+                view = await self.manager.view(view.session_id)
+            return pb.ForkResponse(
+                session=info_to_pb(view),
+                source_session_id=result.source_session_id,
                 step=result.step,
                 from_snapshot_id=result.from_snapshot_id,
                 replayed_steps=result.replayed_steps,
@@ -404,6 +453,17 @@ def _guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:
 
 def _snapshot_event_to_pb(event: SnapshotEvent) -> pb.SnapshotEvent:
     return pb.SnapshotEvent(snapshot_id=event.snapshot_id, step=event.step, reason=event.reason)
+
+
+def forecast_step_to_pb(item: ForecastStep) -> pb.ForecastStep:
+    out = pb.ForecastStep(
+        step=item.step, guard_events=[_guard_event_to_pb(e) for e in item.guard_events]
+    )
+    if item.output is not None:
+        out.output.values.extend(item.output.tolist())
+    if item.token is not None:
+        out.token = item.token
+    return out
 
 
 def result_to_pb(outcome: StepOutcome) -> pb.StepResult:

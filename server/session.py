@@ -133,8 +133,12 @@ class Session:
             head.opened.set_result(None)
 
     @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Hold the session between two steps: queued steps before us run first."""
+    async def exclusive(self, read_only: bool = False) -> AsyncIterator[None]:
+        """Hold the session between two steps: queued steps before us run first.
+
+        ``read_only``: the holder changes nothing (forecast, fork), so ``updated_at``
+        stays; the session still counts as active for idle eviction.
+        """
         if self.gone is not None:
             raise self.gone
         gate = _Gate(asyncio.get_running_loop().create_future())
@@ -156,7 +160,10 @@ class Session:
         finally:
             self.queue.remove(gate)
             self.busy = False
-            self.touch()
+            if read_only:
+                self.last_active = time.monotonic()
+            else:
+                self.touch()
             self._after_release()
 
     def _after_release(self) -> None:

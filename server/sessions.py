@@ -36,6 +36,15 @@ import numpy as np
 
 from server.checkpoint import Checkpoint, CheckpointMeta, InputHistory
 from server.errors import CheckpointError, ErrorKind, SessionMovedError, SsmserveError
+from server.forecaster import (
+    BadHorizonError,
+    Forecaster,
+    ForecastJob,
+    ForecastLimitError,
+    ForecastSettings,
+    ForecastUnsupportedError,
+    feedback,
+)
 from server.guards import check_output
 from server.input_log import RecentSteps
 from server.model.mamba import MambaModel
@@ -115,6 +124,7 @@ class ManagerSettings:
 
     defaults: SessionDefaults = field(default_factory=SessionDefaults)
     stepper: StepperSettings = field(default_factory=StepperSettings)
+    forecast: ForecastSettings = field(default_factory=ForecastSettings)
     max_sessions: int = 10_000  # resident sessions; creating or loading more is refused
     max_queued_steps: int = 4096  # per session, waiting for the stepper
     output_window: int = 64  # outputs kept per session to answer resent steps from memory
@@ -165,6 +175,27 @@ class RollbackResult:
     replayed_steps: int
 
 
+@dataclass(frozen=True)
+class StatePoint:
+    """A session as it was at one step, rebuilt without changing it (forecast, fork)."""
+
+    step: int
+    state: SessionState
+    output: np.ndarray | None  # the (guarded) output of ``step``; None when unknown
+    history: InputHistory  # the inputs up to ``step`` (the session's history window)
+    from_snapshot_id: str  # "" when the session was at ``step`` (its live state)
+    replayed_steps: int
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    view: SessionView  # the fork
+    source_session_id: str
+    step: int
+    from_snapshot_id: str
+    replayed_steps: int
+
+
 class SessionManager:
     def __init__(
         self,
@@ -182,6 +213,10 @@ class SessionManager:
         self.steppers = {
             name: Stepper(model, store, self, settings.stepper) for name, model in models.items()
         }
+        self.forecasters = {
+            name: Forecaster(model, self.steppers[name].engine, settings.forecast)
+            for name, model in models.items()
+        }
         self._reaper: asyncio.Task[None] | None = None
         self._snapshot_slots = asyncio.Semaphore(settings.snapshot_writes_in_flight)
 
@@ -190,6 +225,8 @@ class SessionManager:
     def start(self) -> None:
         for stepper in self.steppers.values():
             stepper.start()
+        for forecaster in self.forecasters.values():
+            forecaster.start()
         self._reaper = asyncio.create_task(self._evict_idle(), name="idle-eviction")
 
     async def stop(self) -> None:
@@ -201,6 +238,8 @@ class SessionManager:
             *(self._unload(s, "shutdown") for s in list(self._sessions.values())),
             return_exceptions=True,
         )
+        for forecaster in self.forecasters.values():
+            await forecaster.stop()
         for stepper in self.steppers.values():
             await stepper.stop()
 
@@ -209,6 +248,8 @@ class SessionManager:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        for forecaster in self.forecasters.values():
+            await forecaster.stop()
         for stepper in self.steppers.values():
             await stepper.stop()
         for s in list(self._sessions.values()):
@@ -498,40 +539,47 @@ class SessionManager:
     async def rollback(self, session_id: str, target: RollbackTarget) -> RollbackResult:
         s = await self.session(session_id)
         async with s.exclusive():
-            record: SnapshotRecord | None = None
-            if target.snapshot_id is not None:
-                record = await self.store.snapshot_by_id(s.id, target.snapshot_id)
-                if record is None:
-                    raise SnapshotMissingError(
-                        f"session {s.id!r} has no snapshot {target.snapshot_id!r}"
-                    )
-                t = record.step
-            elif target.label is not None:
-                record = await self.store.snapshot_by_label(s.id, target.label)
-                if record is None:
-                    raise SnapshotMissingError(
-                        f"session {s.id!r} has no snapshot labelled {target.label!r}"
-                    )
-                t = record.step
-            elif target.steps_back is not None:
-                if target.steps_back > s.step:
-                    raise RollbackRangeError(
-                        f"cannot go {target.steps_back} steps back: session {s.id!r} is at "
-                        f"step {s.step}"
-                    )
-                t = s.step - target.steps_back
-            elif target.step is not None:
-                t = target.step
-            else:
-                raise BadStepInputError(
-                    "rollback needs a snapshot id, a label, a step or steps back"
-                )
-            if t > s.step:
-                raise RollbackRangeError(
-                    f"cannot roll session {s.id!r} forward to step {t}: it is at step {s.step}"
-                )
+            t, record = await self._resolve(s, target, "roll back")
             step, snapshot_id, replayed = await self.restore_to(s, t, record)
             return RollbackResult(step, snapshot_id, replayed)
+
+    async def _resolve(
+        self, s: Session, target: RollbackTarget, what: str
+    ) -> tuple[int, SnapshotRecord | None]:
+        """The step a target names, and its snapshot if it names one. The caller holds ``s``."""
+        record: SnapshotRecord | None = None
+        if target.snapshot_id is not None:
+            record = await self.store.snapshot_by_id(s.id, target.snapshot_id)
+            if record is None:
+                raise SnapshotMissingError(
+                    f"session {s.id!r} has no snapshot {target.snapshot_id!r}"
+                )
+            t = record.step
+        elif target.label is not None:
+            record = await self.store.snapshot_by_label(s.id, target.label)
+            if record is None:
+                raise SnapshotMissingError(
+                    f"session {s.id!r} has no snapshot labelled {target.label!r}"
+                )
+            t = record.step
+        elif target.steps_back is not None:
+            if target.steps_back > s.step:
+                raise RollbackRangeError(
+                    f"cannot go {target.steps_back} steps back: session {s.id!r} is at "
+                    f"step {s.step}"
+                )
+            t = s.step - target.steps_back
+        elif target.step is not None:
+            t = target.step
+        else:
+            raise BadStepInputError(f"{what} needs a snapshot id, a label, a step or steps back")
+        if t > s.step:
+            raise RollbackRangeError(
+                f"cannot {what} session {s.id!r} at step {t}: it is at step {s.step}"
+                if what != "roll back"
+                else f"cannot roll session {s.id!r} forward to step {t}: it is at step {s.step}"
+            )
+        return t, record
 
     async def newest_snapshot(self, session: Session, at_most: int) -> SnapshotRecord | None:
         return await self.store.snapshot_at_or_before(session.id, at_most)
@@ -550,11 +598,7 @@ class SessionManager:
         if record is None:
             record = await self.store.snapshot_at_or_before(s.id, target)
             if record is None:
-                _count, oldest = await self.store.snapshot_count_and_oldest(s.id)
-                raise RollbackRangeError(
-                    f"session {s.id!r} cannot reach step {target}: its oldest kept snapshot "
-                    f"is at step {oldest} (retention keeps {s.config.max_snapshots})"
-                )
+                raise await self._out_of_range(s, target)
         _ckpt, state, outputs, inputs = await self._rebuild(s, record, target)
         await self._fenced(s, self.store.cut_history(s.id, s.epoch, target, s.step, time.time()))
         s.state, s.step = state, target
@@ -563,6 +607,13 @@ class SessionManager:
             s.recent.remember(record.step + 1, inputs, outputs)
         s.last_snapshot_step = record.step
         return target, record.snapshot_id, target - record.step
+
+    async def _out_of_range(self, s: Session, step: int) -> RollbackRangeError:
+        _count, oldest = await self.store.snapshot_count_and_oldest(s.id)
+        return RollbackRangeError(
+            f"session {s.id!r} cannot reach step {step}: its oldest kept snapshot is at step "
+            f"{oldest} (retention keeps {s.config.max_snapshots})"
+        )
 
     async def _rebuild(
         self, s: Session, record: SnapshotRecord, target: int
@@ -614,6 +665,137 @@ class SessionManager:
             )
         *_, outputs, _raw = await self._rebuild(session, record, step)
         return outputs[-1]
+
+    # ------------------------------------------------------------------ forecast and fork
+
+    async def forecast(
+        self, session_id: str, horizon: int, at_step: int | None = None
+    ) -> ForecastJob:
+        """Start a forecast of ``horizon`` steps from the session's current step (or
+        ``at_step``); read its steps with :meth:`ForecastJob.batches`. The session is not
+        changed: its state is read between two steps and the forecast runs on a copy.
+        """
+        limits = self.settings.forecast
+        if horizon < 1:
+            raise BadHorizonError("a forecast needs a horizon of at least 1 step")
+        if horizon > limits.max_horizon:
+            raise ForecastLimitError(
+                f"a horizon of {horizon} steps is over this server's limit of "
+                f"{limits.max_horizon}; ask for fewer steps, or continue from a fork"
+            )
+        s = await self.session(session_id)
+        c = s.model.config
+        if not c.is_token_model and c.output_dim != c.input_dim:
+            raise ForecastUnsupportedError(
+                f"model {s.model_name!r} maps {c.input_dim} input values to {c.output_dim} "
+                f"output values, so its outputs cannot be fed back as its inputs; forecasts "
+                f"need output_dim == input_dim (or a token model)"
+            )
+        size = horizon * c.output_dim * 4
+        if size > limits.max_output_bytes:
+            raise ForecastLimitError(
+                f"a forecast of {horizon} steps of model {s.model_name!r} would hold "
+                f"{size / 2**20:.1f} MiB of outputs (limit {limits.max_output_bytes / 2**20:.0f} "
+                f"MiB); ask for at most {limits.max_output_bytes // (c.output_dim * 4)} steps"
+            )
+        target = RollbackTarget(step=at_step)
+        point = await self._point(s, target, "forecast", need_output=True)
+        if point.output is None:
+            raise RollbackRangeError(
+                f"session {s.id!r} is at step 0 and has no output yet to feed back; send it "
+                f"one input first"
+                if point.step == 0
+                else f"the output of step {point.step} of session {s.id!r} is no longer kept "
+                f"(it is older than the session's kept history), so a forecast cannot start "
+                f"from it; forecast from a later step"
+            )
+        job = ForecastJob(
+            session_id=s.id,
+            guards=s.config.guards,
+            from_step=point.step,
+            horizon=horizon,
+            state=point.state,
+            next_input=feedback(s.model, point.step, point.output),
+        )
+        self.forecasters[s.model_name].submit(job)
+        return job
+
+    async def fork(
+        self, session_id: str, target: RollbackTarget, new_session_id: str = ""
+    ) -> ForkResult:
+        """A new session at the source's state at ``target`` (default: its current step).
+
+        The fork gets a first snapshot of its own at the fork point, carrying the source's
+        input history window up to there; nothing else is shared with the source, so the
+        two never touch each other's keys (see the proto's ForkRequest).
+        """
+        new_id = self._new_id(new_session_id)
+        s = await self.session(session_id)
+        self._check_capacity()
+        point = await self._point(s, target, "fork", need_output=False)
+        now = time.time()
+        meta = self._new_meta(new_id, s.model_name, s.model, point.step, s.config, now)
+        await self.store.create_session(meta, self.ownership.lease_ms)
+        f = self._resident(new_id, s.model, s.model_name, s.config, point.state, point.step, now)
+        f.epoch = meta.epoch
+        self._remember_history(f, point.history)
+        if point.output is not None:  # a resend of the fork point is answered, as by the source
+            f.recent.remember_output(point.step, point.output)
+        await self._first_snapshot(f, "fork")
+        log.info(
+            "session %s forked from %s at step %d (snapshot %s + %d replayed)",
+            new_id, s.id, point.step, point.from_snapshot_id or "-", point.replayed_steps,
+        )  # fmt: skip
+        return ForkResult(
+            await self.view(new_id), s.id, point.step, point.from_snapshot_id, point.replayed_steps
+        )
+
+    async def discard(self, session_id: str) -> None:
+        """Delete a session this worker just made (a fork that could not be placed)."""
+        s = await self.session(session_id)
+        async with s.exclusive():
+            await self._fenced(s, self.store.close_session(s.id, s.epoch))
+            s.fail_queued(SessionGoneError(f"session {s.id!r} was discarded"))
+            self._sessions.pop(s.id, None)
+
+    async def _point(
+        self, s: Session, target: RollbackTarget, what: str, need_output: bool
+    ) -> StatePoint:
+        """The session at ``target`` as rollback would reach it, without changing it.
+
+        A target of ``step=None`` is the current step. Holds the session only while it
+        reads: between two steps, with no background write in flight.
+        """
+        async with s.exclusive(read_only=True):
+            if target == RollbackTarget(step=None):
+                t, record = s.step, None
+            else:
+                t, record = await self._resolve(s, target, what)
+            if record is None and t == s.step:
+                first, raw = s.recent.history(t, s.config.history_window)
+                history = InputHistory(first, s.codec.decode_many(raw) if raw else s.codec.empty())
+                state, output, snapshot_id, replayed = s.state, s.recent.output_at(t), "", 0
+            else:
+                if record is None:
+                    record = await self.store.snapshot_at_or_before(s.id, t)
+                    if record is None:
+                        raise await self._out_of_range(s, t)
+                ckpt, state, outputs, raw = await self._rebuild(s, record, t)
+                history = self._history_at(s, ckpt.history, raw, t)
+                output = outputs[-1] if outputs else s.recent.output_at(t)
+                snapshot_id, replayed = record.snapshot_id, t - record.step
+            if output is None and need_output and t > 0:
+                with contextlib.suppress(RollbackRangeError):  # the caller says what is missing
+                    output = await self.output_at(s, t)
+            return StatePoint(t, state, output, history, snapshot_id, replayed)
+
+    @staticmethod
+    def _history_at(s: Session, base: InputHistory, raw: list[bytes], t: int) -> InputHistory:
+        """The history window ending at ``t``: a checkpoint's history plus replayed inputs."""
+        inputs = np.concatenate([base.inputs, s.codec.decode_many(raw)]) if raw else base.inputs
+        window = s.config.history_window
+        kept = inputs[len(inputs) - window :] if window else inputs[:0]
+        return InputHistory(t - len(kept) + 1, kept)
 
     # ------------------------------------------------------------------ close, export, import
 

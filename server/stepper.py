@@ -18,8 +18,9 @@ memory are recomputed by replay. Only then are the futures resolved, so an answe
 reports what happened to its step; a snapshot is reported in the session's first answer
 after it is committed.
 
-Large engine calls run on one engine thread per stepper, so the event loop keeps serving
-streams while a batch computes; small ones run inline (``offload_min_flop``).
+Engine calls go through the model's :class:`~server.engine.EngineLane` (shared with
+forecasts): large ones on its engine thread, so the event loop keeps serving streams
+while a batch computes, small ones inline (``offload_min_flop``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from server.engine import EngineLane
 from server.errors import SsmserveError
 from server.guards import GuardAction, GuardEvent, check_output
 from server.model.mamba import MambaModel
@@ -46,7 +47,7 @@ from server.session import (
     StepOutcome,
 )
 from server.session_config import Durability
-from server.state import BatchState, SessionState
+from server.state import SessionState
 from server.store import SnapshotRecord, Store
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,9 @@ class StepperSettings:
     max_ticks: int = 16  # engine calls per group commit (several steps per session)
     max_unflushed: int = 1 << 16  # non-log sessions: inputs held in memory before a flush
     # Engine calls of at least this many FLOPs (batch x model FLOPs per step) run on the
-    # stepper's engine thread; smaller ones run on the loop, where they cost less than the
-    # hop. 5 MFLOP is roughly half a millisecond of step here (signal 256x4 at batch 2,
-    # the demo model at batch ~40; bench/bench_engine.py).
+    # model's engine thread (steps and forecasts); smaller ones run on the loop, where
+    # they cost less than the hop. 5 MFLOP is roughly half a millisecond of step here
+    # (signal 256x4 at batch 2, the demo model at batch ~40; bench/bench_engine.py).
     offload_min_flop: float = 5e6
 
 
@@ -106,7 +107,7 @@ class Stepper:
         self._ready: dict[str, Session] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._engine = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
+        self.engine = EngineLane(model, settings.offload_min_flop)
         self.batches = 0
         self.steps = 0
 
@@ -118,7 +119,7 @@ class Stepper:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        self._engine.shutdown(wait=True)
+        self.engine.shutdown()
 
     def submit(self, session: Session, job: StepJob) -> None:
         session.queue.append(job)
@@ -182,13 +183,6 @@ class Stepper:
 
     # ------------------------------------------------------------------ compute
 
-    def _engine_call(
-        self, states: list[SessionState], values: list[np.ndarray]
-    ) -> tuple[BatchState, np.ndarray]:
-        batch = BatchState.stack(states)
-        inputs = np.stack(values)  # (b,) ids or (b, i)
-        return self.model.step(batch, inputs)  # (b, o)
-
     async def _tick(
         self,
         work: list[_SessionBatch],
@@ -218,17 +212,9 @@ class Stepper:
                 apply.append((w, job))
         if not apply:
             return any(not w.stopped and w.session.head_is_step for w in work)
-        states = [w.session.state for w, _ in apply]
-        values = [job.value for _, job in apply]
-        if len(apply) * self.model.flops_per_step >= self.settings.offload_min_flop:
-            # Big enough to be worth a thread hop: the loop goes on serving I/O meanwhile
-            # (BLAS and the numba kernels run without the GIL).
-            loop = asyncio.get_running_loop()
-            new_batch, outputs = await loop.run_in_executor(
-                self._engine, self._engine_call, states, values
-            )
-        else:
-            new_batch, outputs = self._engine_call(states, values)
+        new_batch, outputs = await self.engine.step(
+            [w.session.state for w, _ in apply], [job.value for _, job in apply]
+        )
         self.steps += len(apply)
         for row, (w, job) in enumerate(apply):
             # A copy: kept in the session's recent outputs, a view would pin the whole

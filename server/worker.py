@@ -117,7 +117,7 @@ class Worker:
         )
         manager.start()
         pb_grpc.add_SessionServiceServicer_to_server(
-            SessionService(manager, s.service), self.server
+            SessionService(manager, s.service, self.migrator), self.server
         )
         pb_grpc.add_ClusterServiceServicer_to_server(
             ClusterService(self.migrator, self.ownership), self.server

@@ -349,6 +349,68 @@ class ImportCheckpointRequest(_message.Message):
     chunk: CheckpointChunk
     def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
 
+class ForecastRequest(_message.Message):
+    __slots__ = ("session_id", "horizon", "at_step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HORIZON_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    horizon: int
+    at_step: int
+    def __init__(self, session_id: _Optional[str] = ..., horizon: _Optional[int] = ..., at_step: _Optional[int] = ...) -> None: ...
+
+class ForecastStep(_message.Message):
+    __slots__ = ("step", "output", "token", "guard_events")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GUARD_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    output: Vector
+    token: int
+    guard_events: _containers.RepeatedCompositeFieldContainer[GuardEvent]
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[Vector, _Mapping]] = ..., token: _Optional[int] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ...) -> None: ...
+
+class ForecastResponse(_message.Message):
+    __slots__ = ("from_step", "steps", "stopped")
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    from_step: int
+    steps: _containers.RepeatedCompositeFieldContainer[ForecastStep]
+    stopped: StepError
+    def __init__(self, from_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[ForecastStep, _Mapping]]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("session_id", "step", "snapshot_id", "label", "new_session_id", "target")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    snapshot_id: str
+    label: str
+    new_session_id: str
+    target: str
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., label: _Optional[str] = ..., new_session_id: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("session", "source_session_id", "step", "from_snapshot_id", "replayed_steps")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FROM_SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    source_session_id: str
+    step: int
+    from_snapshot_id: str
+    replayed_steps: int
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., source_session_id: _Optional[str] = ..., step: _Optional[int] = ..., from_snapshot_id: _Optional[str] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

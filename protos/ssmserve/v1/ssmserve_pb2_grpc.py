@@ -84,6 +84,16 @@ class SessionServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ImportCheckpointRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.Forecast = channel.unary_stream(
+                '/ssmserve.v1.SessionService/Forecast',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForecastRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForecastResponse.FromString,
+                _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/ssmserve.v1.SessionService/Fork',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -155,6 +165,23 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forecast(self, request, context):
+        """Run the model `horizon` steps ahead of the session (or of its state at `at_step`),
+        feeding each output back as the next input; the session itself is not changed.
+        Outputs stream back as they are computed, several steps per message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fork(self, request, context):
+        """A new session that starts exactly where the source was at a step, snapshot or label,
+        with its own log and snapshots from there on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +234,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.ImportCheckpoint,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ImportCheckpointRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.SessionInfo.SerializeToString,
+            ),
+            'Forecast': grpc.unary_stream_rpc_method_handler(
+                    servicer.Forecast,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForecastRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForecastResponse.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -479,6 +516,60 @@ class SessionService:
             '/ssmserve.v1.SessionService/ImportCheckpoint',
             ssmserve_dot_v1_dot_ssmserve__pb2.ImportCheckpointRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forecast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ssmserve.v1.SessionService/Forecast',
+            ssmserve_dot_v1_dot_ssmserve__pb2.ForecastRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.ForecastResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.SessionService/Fork',
+            ssmserve_dot_v1_dot_ssmserve__pb2.ForkRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.ForkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,46 @@
+"""The engine lane: batched model steps of one model, on the event loop or off it.
+
+Steps (``server/stepper.py``) and forecasts (``server/forecaster.py``) of a model share
+one lane, so their engine calls take turns on one engine thread instead of competing for
+the cores. A call of at least ``offload_min_flop`` FLOPs runs on that thread (BLAS and
+the numba kernels release the GIL, so the loop goes on serving streams meanwhile); a
+smaller one runs inline, where it costs less than the thread hop. Batch invariance makes
+the bits of a row the same either way, whatever else shares the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from server.model.mamba import MambaModel
+from server.state import BatchState, SessionState
+
+
+class EngineLane:
+    def __init__(self, model: MambaModel, offload_min_flop: float) -> None:
+        self.model = model
+        self.offload_min_flop = offload_min_flop
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
+
+    async def step(
+        self, states: Sequence[SessionState], values: Sequence[np.ndarray]
+    ) -> tuple[BatchState, np.ndarray]:
+        """One step of each state with its input: (new states, outputs ``(b, o)``)."""
+        if len(states) * self.model.flops_per_step >= self.offload_min_flop:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._call, states, values)
+        return self._call(states, values)
+
+    def _call(
+        self, states: Sequence[SessionState], values: Sequence[np.ndarray]
+    ) -> tuple[BatchState, np.ndarray]:
+        batch = BatchState.stack(states)
+        inputs = np.stack(values)  # (b,) ids or (b, i)
+        return self.model.step(batch, inputs)  # (b, o)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
