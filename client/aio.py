@@ -80,6 +80,23 @@ class StepOutput:
         )
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """A forecast: the outputs of steps ``from_step + 1 ..``, as stepping a copy would give."""
+
+    session_id: str
+    from_step: int
+    outputs: np.ndarray  # (h, o) float32; h < horizon when ``stopped`` is set
+    tokens: np.ndarray | None  # (h,) int64 for token models: the argmax fed back next
+    guard_events: Sequence[pb.GuardEvent]
+    stopped: pb.StepError | None  # why it ended early (a guard, an output with NaN/Inf)
+
+    @property
+    def steps(self) -> np.ndarray:
+        """(h,) the step number of each output."""
+        return np.arange(self.from_step + 1, self.from_step + 1 + len(self.outputs))
+
+
 def step_input(session_id: str, step: int, value: Any) -> pb.StepInput:
     """A token id (int) or a vector (anything numpy turns into floats) as a StepInput."""
     if isinstance(value, int | np.integer):
@@ -460,6 +477,73 @@ class AsyncClient:
         return await self._call(
             lambda w: w.sessions.Rollback(request), session_id, idempotent="steps_back" not in given
         )
+
+    # ------------------------------------------------------------------ forecast, fork
+
+    async def forecast(
+        self, session_id: str, horizon: int, *, at_step: int | None = None
+    ) -> Forecast:
+        """Run the session's model ``horizon`` steps ahead on its own outputs, from its
+        current step or from ``at_step``; the session is not changed."""
+        request = pb.ForecastRequest(session_id=session_id, horizon=horizon, at_step=at_step)
+
+        async def forecast(w: _Worker) -> Forecast:
+            from_step, stopped = 0, None
+            outputs: list[np.ndarray] = []
+            tokens: list[int] = []
+            events: list[pb.GuardEvent] = []
+            async for reply in w.sessions.Forecast(request):
+                from_step = reply.from_step
+                for item in reply.steps:
+                    events.extend(item.guard_events)
+                    if item.HasField("output"):
+                        outputs.append(np.asarray(item.output.values, np.float32))
+                    if item.HasField("token"):
+                        tokens.append(item.token)
+                if reply.HasField("stopped"):
+                    stopped = reply.stopped
+            if outputs:
+                width = len(outputs[0])
+            else:  # stopped at its first step: the shape still says what a step holds
+                width = (
+                    await w.sessions.GetSession(pb.GetSessionRequest(session_id=session_id))
+                ).output_dim
+            return Forecast(
+                session_id=session_id,
+                from_step=from_step,
+                outputs=np.stack(outputs) if outputs else np.empty((0, width), np.float32),
+                tokens=np.asarray(tokens, np.int64) if tokens else None,
+                guard_events=events,
+                stopped=stopped,
+            )
+
+        return await self._call(forecast, session_id)
+
+    async def fork(
+        self,
+        session_id: str,
+        *,
+        at_step: int | None = None,
+        at_snapshot: str | None = None,
+        at_label: str | None = None,
+        new_session_id: str = "",
+        target: str = "",
+    ) -> pb.ForkResponse:
+        """A new session at the source's state at a step, snapshot or label (at most one;
+        none: its current step), optionally served by the worker at ``target``."""
+        points = {"step": at_step, "snapshot_id": at_snapshot, "label": at_label}
+        given = {k: v for k, v in points.items() if v is not None}
+        if len(given) > 1:
+            raise ValueError("fork takes at most one of at_step, at_snapshot, at_label")
+        request = pb.ForkRequest(
+            session_id=session_id, new_session_id=new_session_id, target=target, **given
+        )
+        reply: pb.ForkResponse = await self._call(
+            lambda w: w.sessions.Fork(request), session_id, idempotent=False
+        )
+        if reply.session.owner:
+            self._owners[reply.session.session_id] = reply.session.owner
+        return reply
 
     # ------------------------------------------------------------------ export, import
 

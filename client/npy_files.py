@@ -22,10 +22,15 @@ def load_npy(path: Path) -> np.ndarray:
     return arr
 
 
-def save_npy(path: Path, arr: np.ndarray) -> None:
+def check_writable(path: Path) -> None:
+    """Fail before the work when ``path`` cannot be written (its directory is missing)."""
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise CliError(f"{path}: directory {parent} does not exist")
+
+
+def save_npy(path: Path, arr: np.ndarray) -> None:
+    check_writable(path)
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a name

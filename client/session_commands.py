@@ -8,6 +8,8 @@
     snapshot SID [--label L] | snapshots SID [--json]
     rollback SID (--to-step T | --to-snapshot ID | --to-label L | --back N)
     export SID --out FILE [--snapshot ID] | import --in FILE [--session SID] [--model NAME]
+    forecast SID --horizon H [--at-step T] [--output OUT.npy]
+    fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
 
 A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range), ``action``
@@ -30,7 +32,7 @@ from google.protobuf import json_format
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 from client.errors import CliError, SsmserveClientError
-from client.npy_files import load_npy, save_npy
+from client.npy_files import check_writable, load_npy, save_npy
 from client.sync import Client
 from server.atomic_file import atomic_write
 
@@ -168,6 +170,23 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     imp.add_argument("--model", default="", help="model name (default: by fingerprint)")
     imp.add_argument("--replace", action="store_true", help="overwrite an existing session")
 
+    forecast = commands.add_parser(
+        "forecast", help="run a session's model ahead on its own outputs (session unchanged)"
+    )
+    forecast.add_argument("session_id")
+    forecast.add_argument("--horizon", required=True, type=positive_int, metavar="H")
+    forecast.add_argument("--at-step", type=count, metavar="T", help="default: current step")
+    forecast.add_argument("--output", type=Path, help="write the (H, output_dim) outputs here")
+
+    fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")
+    fork.add_argument("session_id")
+    point = fork.add_mutually_exclusive_group(required=True)
+    point.add_argument("--at-step", type=count, metavar="T")
+    point.add_argument("--at-snapshot", metavar="ID")
+    point.add_argument("--at-label", metavar="L")
+    fork.add_argument("--new-id", default="", help="the fork's session id (default: generated)")
+    fork.add_argument("--target", default="", metavar="HOST:PORT", help="the worker to serve it")
+
     workers = commands.add_parser("workers", help="list the live workers of the cluster")
     workers.add_argument("--json", action="store_true", help="print JSON")
 
@@ -184,8 +203,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 SERVICE_COMMANDS = {
-    "session", "snapshot", "snapshots", "rollback", "export", "import", "workers", "migrate",
-    "drain",
+    "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
+    "workers", "migrate", "drain",
 }  # fmt: skip
 
 
@@ -208,6 +227,8 @@ def run(args: argparse.Namespace) -> None:
             "rollback": _rollback,
             "export": _export,
             "import": _import,
+            "forecast": _forecast,
+            "fork": _fork,
             "workers": _workers,
             "migrate": _migrate,
             "drain": _drain,
@@ -355,6 +376,50 @@ def _import(client: Client, args: argparse.Namespace) -> None:
     info = client.import_checkpoint(blob, args.session, model=args.model, replace=args.replace)
     print(f"imported session on model {info.model} at step {info.step}")
     print(info.session_id)
+
+
+def _forecast(client: Client, args: argparse.Namespace) -> None:
+    if args.output is not None:
+        check_writable(args.output)
+    fc = client.forecast(args.session_id, args.horizon, at_step=args.at_step)
+    for event in fc.guard_events:
+        print(f"step {event.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
+    if args.output is not None:
+        save_npy(args.output, fc.outputs)
+    else:
+        for i, step in enumerate(fc.steps):
+            if fc.tokens is not None:
+                print(f"step {step}: token {fc.tokens[i]} (logit {fc.outputs[i].max():.6g})")
+            else:
+                print(f"step {step}: " + " ".join(f"{v:.6g}" for v in fc.outputs[i]))
+    where = f"; outputs in {args.output}" if args.output is not None else ""
+    if fc.stopped is not None:
+        raise CliError(
+            f"the forecast stopped after {len(fc.outputs)} of {args.horizon} steps "
+            f"({fc.stopped.reason}): {fc.stopped.message}{where}"
+        )
+    print(
+        f"forecast of {len(fc.outputs)} steps from step {fc.from_step} of {args.session_id} "
+        f"(the session is unchanged){where}"
+    )
+
+
+def _fork(client: Client, args: argparse.Namespace) -> None:
+    reply = client.fork(
+        args.session_id,
+        at_step=args.at_step,
+        at_snapshot=args.at_snapshot,
+        at_label=args.at_label,
+        new_session_id=args.new_id,
+        target=args.target,
+    )
+    source = (
+        f"snapshot {reply.from_snapshot_id} + {reply.replayed_steps} replayed"
+        if reply.from_snapshot_id
+        else "live state"
+    )
+    print(f"forked {args.session_id} at step {reply.step} ({source}) on {reply.session.owner}")
+    print(reply.session.session_id)
 
 
 def _workers(client: Client, args: argparse.Namespace) -> None:

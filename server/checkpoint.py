@@ -10,6 +10,10 @@ Layout (all integers little-endian)::
     16      8     payload length P (u64)
     24      H     header: msgpack map (session, step, model, array table, history, meta)
     24+H    P     payload: raw little-endian array bytes, each array at a 64-byte offset
+
+The header may also hold ``output``: the (guarded) output of step s, float32 ``(o,)``, so
+a session restored at s can answer a resend of s and start a forecast there without a
+replay. It is optional (older checkpoints lack it; readers that predate it ignore it).
     24+H+P  32    sha256 over bytes [0, 24+H+P)
 
 Decoding trusts nothing: lengths, checksum, every header field's type and range, dtypes
@@ -93,6 +97,7 @@ class Checkpoint:
     state: SessionState
     history: InputHistory
     meta: CheckpointMeta = field(default_factory=CheckpointMeta)
+    output: np.ndarray | None = None  # (o,) float32, the output of ``step``, if known
 
     # ------------------------------------------------------------------ model checks
 
@@ -119,6 +124,11 @@ class Checkpoint:
         if not ok:
             raise CheckpointModelMismatchError(
                 f"checkpoint input history is {hist.dtype}{list(hist.shape)}, model needs {want}"
+            )
+        if self.output is not None and self.output.shape != (c.output_dim,):
+            raise CheckpointModelMismatchError(
+                f"checkpoint output has shape {list(self.output.shape)}, model outputs "
+                f"{c.output_dim} values"
             )
 
     # ------------------------------------------------------------------ encode
@@ -147,22 +157,22 @@ class Checkpoint:
         hist = self.history.inputs
         hist_dtype = "<i8" if np.issubdtype(hist.dtype, np.integer) else "<f4"
         history = [self.history.first_step, *place(hist, hist_dtype)]
-        header = msgpack.packb(
-            {
-                "session_id": self.session_id,
-                "step": self.step,
-                "model": {"id": self.model_id, "fingerprint": self.fingerprint},
-                "arrays": table,
-                "history": history,
-                "meta": {
-                    "created_at": float(self.meta.created_at),
-                    "reason": self.meta.reason,
-                    "label": self.meta.label,
-                    "tags": dict(self.meta.tags),
-                },
+        fields: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step": self.step,
+            "model": {"id": self.model_id, "fingerprint": self.fingerprint},
+            "arrays": table,
+            "history": history,
+            "meta": {
+                "created_at": float(self.meta.created_at),
+                "reason": self.meta.reason,
+                "label": self.meta.label,
+                "tags": dict(self.meta.tags),
             },
-            use_bin_type=True,
-        )
+        }
+        if self.output is not None:
+            fields["output"] = place(self.output, STATE_DTYPE)
+        header = msgpack.packb(fields, use_bin_type=True)
         prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), offset)
         digest = hashlib.sha256(prefix)
         digest.update(header)
@@ -271,8 +281,13 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
     if inputs.ndim != (1 if inputs.dtype == np.int64 else 2):
         raise CheckpointLayoutError(f"history of dtype {inputs.dtype} has shape {inputs.shape}")
     history = InputHistory(hist_raw[0], inputs)
+    output = None
+    if "output" in header:
+        output = payload.array("output", h.get("output", list), (STATE_DTYPE,))
+        if output.ndim != 1:
+            raise CheckpointLayoutError(f"output must be 1-D, got shape {output.shape}")
     payload.check_disjoint()
-    ckpt = Checkpoint(session_id, step, model_id, fp, state, history, meta)
+    ckpt = Checkpoint(session_id, step, model_id, fp, state, history, meta, output)
     _check_fields(ckpt, error=CheckpointLayoutError)
     return ckpt
 

@@ -516,6 +516,7 @@ class SessionManager:
             state=state,
             history=InputHistory(first, inputs),
             meta=CheckpointMeta(reason=reason, label=label or None),
+            output=s.recent.output_at(step),
         )
 
     async def flush_unflushed(self, s: Session, upto: int) -> None:
@@ -705,9 +706,9 @@ class SessionManager:
                 f"session {s.id!r} is at step 0 and has no output yet to feed back; send it "
                 f"one input first"
                 if point.step == 0
-                else f"the output of step {point.step} of session {s.id!r} is no longer kept "
-                f"(it is older than the session's kept history), so a forecast cannot start "
-                f"from it; forecast from a later step"
+                else f"the output of step {point.step} of session {s.id!r} is not known (it is "
+                f"older than the kept history, or the session came from a checkpoint without "
+                f"it), so a forecast cannot start there; forecast from a later step"
             )
         job = ForecastJob(
             session_id=s.id,
@@ -783,6 +784,8 @@ class SessionManager:
                 ckpt, state, outputs, raw = await self._rebuild(s, record, t)
                 history = self._history_at(s, ckpt.history, raw, t)
                 output = outputs[-1] if outputs else s.recent.output_at(t)
+                if output is None:
+                    output = ckpt.output
                 snapshot_id, replayed = record.snapshot_id, t - record.step
             if output is None and need_output and t > 0:
                 with contextlib.suppress(RollbackRangeError):  # the caller says what is missing
@@ -862,6 +865,8 @@ class SessionManager:
         s = self._resident(session_id, model, model_name, config, ckpt.state, ckpt.step, now)
         s.epoch = meta.epoch
         self._remember_history(s, ckpt.history)
+        if ckpt.output is not None:
+            s.recent.remember_output(ckpt.step, ckpt.output)
         await self._first_snapshot(s, "import")
         return await self.view(session_id)
 
@@ -960,6 +965,8 @@ class SessionManager:
         s.epoch = epoch
         ckpt, state, outputs, raw = await self._rebuild(s, record, meta.step)
         self._remember_history(s, ckpt.history)
+        if ckpt.output is not None:
+            s.recent.remember_output(record.step, ckpt.output)
         s.recent.remember(record.step + 1, raw, outputs)
         s.state, s.step, s.last_snapshot_step = state, meta.step, record.step
         self._sessions[session_id] = s

@@ -212,3 +212,33 @@ def test_encode_refuses_inconsistent_history(signal_model: MambaModel) -> None:
     )
     with pytest.raises(CheckpointLayoutError, match="history covers"):
         bad.encode()
+
+
+def test_the_output_of_the_step_round_trips_and_is_optional(signal_model: MambaModel) -> None:
+    ckpt, inputs = make_checkpoint(signal_model)
+    assert Checkpoint.decode(ckpt.encode()).output is None  # optional: older blobs lack it
+    out = signal_model.run(inputs[:20])[0][-1]
+    with_output = Checkpoint(
+        ckpt.session_id, ckpt.step, ckpt.model_id, ckpt.fingerprint, ckpt.state, ckpt.history,
+        ckpt.meta, out,
+    )  # fmt: skip
+    decoded = Checkpoint.decode(with_output.encode())
+    decoded.check_model(signal_model)
+    assert (
+        decoded.output is not None
+        and decoded.output.view(np.uint32).tolist() == out.view(np.uint32).tolist()
+    )
+    blob = with_output.encode()
+    header = header_of(blob)
+    header["output"][1] = [3, 1]
+    with pytest.raises(CheckpointLayoutError, match="output must be 1-D"):
+        Checkpoint.decode(reseal(blob, header))
+    header["output"] = "x"
+    with pytest.raises(CheckpointLayoutError, match="output has the wrong type"):
+        Checkpoint.decode(reseal(blob, header))
+    wrong = Checkpoint(
+        ckpt.session_id, ckpt.step, ckpt.model_id, ckpt.fingerprint, ckpt.state, ckpt.history,
+        ckpt.meta, np.zeros(7, np.float32),
+    )  # fmt: skip
+    with pytest.raises(CheckpointModelMismatchError, match="model outputs 3 values"):
+        Checkpoint.decode(wrong.encode()).check_model(signal_model)

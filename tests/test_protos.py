@@ -46,6 +46,8 @@ def test_contract_services_and_messages() -> None:
         "Rollback": (False, False),
         "ExportCheckpoint": (False, True),
         "ImportCheckpoint": (True, False),
+        "Forecast": (False, True),
+        "Fork": (False, False),
     }
     request = pb.RollbackRequest(session_id="s", steps_back=3)
     assert request.WhichOneof("target") == "steps_back"
