@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.cli import main
@@ -225,3 +226,43 @@ def test_cluster_commands_workers_migrate_drain(start_worker, served_models, tmp
     assert code == 0 and lines[-1] == f"drained {b.address}: 1 sessions"
     assert lines[0] == f"[1/1] {sid} -> {a.address}"
     assert a.client.get_session(sid).owner == a.address
+
+
+def test_forecast_and_fork_through_the_cli(worker, served_models, tmp_path, capsys):
+    a = worker.address
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=21)
+    sid = worker.client.create_session("demo", snapshot_every=4).session_id
+    list(worker.client.stream_steps(sid, list(x)))
+
+    out_file = tmp_path / "fc.npy"
+    code, out, _ = cli(
+        capsys, "--server", a, "forecast", sid, "--horizon", "7", "--at-step", "10",
+        "--output", str(out_file),
+    )  # fmt: skip
+    assert code == 0, out
+    assert "7 steps from step 10" in last_line(out)
+    expected = worker.client.forecast(sid, 7, at_step=10).outputs
+    np.testing.assert_array_equal(np.load(out_file).view(np.uint32), expected.view(np.uint32))
+    code, out, _ = cli(capsys, "--server", a, "forecast", sid, "--horizon", "2")
+    assert code == 0 and out.startswith("step 13: ") and "step 14: " in out
+
+    code, out, _ = cli(capsys, "--server", a, "fork", sid, "--at-step", "6")
+    assert code == 0, out
+    fork = last_line(out)
+    assert worker.client.get_session(fork).step == 6
+    label_snap = worker.client.snapshot(sid, label="here")
+    code, out, _ = cli(capsys, "--server", a, "fork", sid, "--at-label", "here")
+    assert code == 0 and worker.client.get_session(last_line(out)).step == label_snap.step
+    code, out, _ = cli(capsys, "--server", a, "fork", sid, "--at-snapshot", label_snap.snapshot_id)
+    assert code == 0 and worker.client.get_session(last_line(out)).step == 12
+
+    code, _, err = cli(capsys, "--server", a, "fork", sid, "--at-step", "99")
+    assert code == 2 and "at step 99: it is at step 12" in err and len(err.splitlines()) == 1
+    for argv, message in (
+        (("forecast", sid, "--horizon", "0"), "must be >= 1"),
+        (("fork", sid), "one of the arguments --at-step --at-snapshot --at-label is required"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--server", a, *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
