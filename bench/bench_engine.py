@@ -47,7 +47,13 @@ def signal_model() -> MambaModel:
 
 
 def mamba_130m_model() -> MambaModel:
-    config = MambaConfig(
+    config = mamba_130m_config()
+    return build_model(config, random_tensors(config, 0), name="mamba-130m-shaped")
+
+
+def mamba_130m_config() -> MambaConfig:
+    """state-spaces/mamba-130m's dims (random weights stand in for the real ones)."""
+    return MambaConfig(
         architecture=Architecture.LM,
         hidden_size=768,
         state_size=16,
@@ -61,7 +67,6 @@ def mamba_130m_model() -> MambaModel:
         vocab_size=50280,
         tie_word_embeddings=True,
     )
-    return build_model(config, random_tensors(config, 0), name="mamba-130m-shaped")
 
 
 def inputs_for(model: MambaModel, batch: int, rng: np.random.Generator) -> np.ndarray:
