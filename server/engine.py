@@ -1,11 +1,12 @@
 """The engine lane: batched model steps of one model, on the event loop or off it.
 
-Steps (``server/stepper.py``) and forecasts (``server/forecaster.py``) of a model share
-one lane, so their engine calls take turns on one engine thread instead of competing for
-the cores. A call of at least ``offload_min_flop`` FLOPs runs on that thread (BLAS and
-the numba kernels release the GIL, so the loop goes on serving streams meanwhile); a
-smaller one runs inline, where it costs less than the thread hop. Batch invariance makes
-the bits of a row the same either way, whatever else shares the call.
+Steps (``server/stepper.py``), forecasts (``server/forecaster.py``) and replays
+(rollback, load, fork: ``SessionManager._rebuild``) of a model share one lane, so their
+engine calls take turns on one engine thread instead of competing for the cores. A call
+of at least ``offload_min_flop`` FLOPs runs on that thread (BLAS and the numba kernels
+release the GIL, so the loop goes on serving streams meanwhile); a smaller one runs
+inline, where it costs less than the thread hop. Batch invariance makes the bits of a
+row the same either way, whatever else shares the call.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class EngineLane:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._thread, self._call, states, values)
         return self._call(states, values)
+
+    async def run(self, inputs: np.ndarray, state: SessionState) -> tuple[np.ndarray, SessionState]:
+        """One session stepped through ``inputs`` (a replay): (outputs ``(T, o)``, state)."""
+        if len(inputs) * self.model.flops_per_step >= self.offload_min_flop:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self.model.run, inputs, state)
+        return self.model.run(inputs, state)
 
     def _call(
         self, states: Sequence[SessionState], values: Sequence[np.ndarray]

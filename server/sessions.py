@@ -624,7 +624,9 @@ class SessionManager:
         raw = await self._inputs(s, record.step + 1, target)
         if not raw:
             return ckpt, ckpt.state, [], []
-        outputs, state = s.model.run(s.codec.decode_many(raw), ckpt.state)
+        # A long replay (a 130m model replays ~20 steps/s) must not stall the event loop.
+        engine = self.steppers[s.model_name].engine
+        outputs, state = await engine.run(s.codec.decode_many(raw), ckpt.state)
         guarded = [
             check_output(s.config.guards, record.step + 1 + i, out).output
             for i, out in enumerate(outputs)
