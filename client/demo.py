@@ -9,7 +9,10 @@
    session back to its newest snapshot before the violation.
 4. The monitor rolls back explicitly to the labelled snapshot, the stream resumes, and
    the outputs are checked bit for bit against an untouched reference session.
-5. Prints a summary and stops the server with SIGTERM.
+5. Looks ahead and branches: a forecast of 8 steps (the session is not changed), and a
+   fork at the labelled snapshot that streams the rest of the signal on its own; its
+   outputs must equal the reference's too.
+6. Prints a summary and stops the server with SIGTERM.
 """
 
 from __future__ import annotations
@@ -159,6 +162,23 @@ def run_demo(client: Client, address: str, steps: int) -> int:
     exact = np.array_equal(got.view(np.uint32), want.view(np.uint32))
     exact_resent = np.array_equal(resent.view(np.uint32), want[at : spike_at - 1].view(np.uint32))
 
+    fc = client.forecast(sid, 8)
+    print(f"\nforecast: 8 steps ahead of step {fc.from_step}, each prediction fed back as input")
+    for step, out in list(zip(fc.steps, fc.outputs, strict=True))[1::2]:
+        print(f"  step {step:3d}  forecast {_fmt(out)}")
+    if fc.stopped is not None:
+        print(f"  (stopped after {len(fc.outputs)} steps: {fc.stopped.message})")
+    branch = client.fork(sid, at_label="calm")
+    forked = np.stack(
+        [o.output for o in client.stream_steps(branch.session.session_id, calm[label_at:])]
+    )
+    exact_fork = np.array_equal(forked.view(np.uint32), want[label_at:].view(np.uint32))
+    print(
+        f"fork {branch.session.session_id} at 'calm' (step {branch.step}) streamed steps "
+        f"{label_at + 1}..{steps} on its own"
+    )
+    exact = exact and exact_fork
+
     info = client.get_session(sid)
     lat = np.array(latencies) * 1e3
     print(
@@ -166,10 +186,11 @@ def run_demo(client: Client, address: str, steps: int) -> int:
         f"1 guard rollback, 1 monitor rollback\n"
         f"  step latency p50 {np.median(lat):.2f} ms, p99 {np.percentile(lat, 99):.2f} ms "
         f"(one step per call, each input logged in Redis before its answer)\n"
-        f"  outputs equal an untouched reference session bit for bit: "
+        f"  outputs (session and fork) equal an untouched reference session bit for bit: "
         f"{'yes' if exact and exact_resent else 'NO'}"
     )
     client.close_session(ref)
+    client.close_session(branch.session.session_id)
     return 0 if exact and exact_resent else 1
 
 

@@ -168,12 +168,16 @@ class Forecaster:
     def running(self) -> int:
         return len(self._jobs)
 
-    def submit(self, job: ForecastJob) -> None:
+    def check_room(self) -> None:
+        """Raise ForecastLimitError when no further forecast may start now."""
         if len(self._jobs) >= self.settings.max_running:
             raise ForecastLimitError(
                 f"this worker is already running {len(self._jobs)} forecasts of model "
                 f"{self.model.name!r} (limit {self.settings.max_running}); retry later"
             )
+
+    def submit(self, job: ForecastJob) -> None:
+        self.check_room()
         self._jobs.append(job)
         self._wake.set()
 

@@ -701,8 +701,9 @@ class SessionManager:
                 f"{size / 2**20:.1f} MiB of outputs (limit {limits.max_output_bytes / 2**20:.0f} "
                 f"MiB); ask for at most {limits.max_output_bytes // (c.output_dim * 4)} steps"
             )
-        target = RollbackTarget(step=at_step)
-        point = await self._point(s, target, "forecast", need_output=True)
+        forecaster = self.forecasters[s.model_name]
+        forecaster.check_room()  # before the (maybe long) replay, not after
+        point = await self._point(s, RollbackTarget(step=at_step), "forecast", need_output=True)
         if point.output is None:
             raise RollbackRangeError(
                 f"session {s.id!r} is at step 0 and has no output yet to feed back; send it "
@@ -720,7 +721,7 @@ class SessionManager:
             state=point.state,
             next_input=feedback(s.model, point.step, point.output),
         )
-        self.forecasters[s.model_name].submit(job)
+        forecaster.submit(job)
         return job
 
     async def fork(

@@ -386,3 +386,28 @@ def test_a_checkpoint_without_its_output_cannot_seed_a_forecast_until_it_steps(
         worker.client.forecast(sid, 3)
     stream(worker, sid, as_inputs(model, x[8:]))
     assert_bit_equal(worker.client.forecast(sid, 3).outputs, offline_forecast(model, x, 3))
+
+
+def test_too_many_forecasts_at_once_are_refused(start_worker, served_models):
+    w = start_worker(manager=ManagerSettings(forecast=ForecastSettings(max_running=1)))
+    model = served_models["demo"]
+    sid = w.client.create_session("demo").session_id
+    stream(w, sid, as_inputs(model, random_inputs(model, 3, seed=14)))
+    forecaster = w.manager.forecasters["demo"]
+    blocker = ForecastJob("x", (), 0, 1, model.new_state(), np.zeros(4, np.float32))
+    w.call(_submit_unstarted(forecaster, blocker))  # holds the one slot until it runs
+    try:
+        with pytest.raises(ResourceExhausted, match="limit 1"):
+            w.client.forecast(sid, 4)
+    finally:
+        blocker.cancelled = True
+        w.call(_wake(forecaster))
+    assert len(w.client.forecast(sid, 4).outputs) == 4
+
+
+async def _submit_unstarted(forecaster, job):
+    forecaster._jobs.append(job)  # queued, not woken: it stays until the next wake
+
+
+async def _wake(forecaster):
+    forecaster._wake.set()
