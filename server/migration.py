@@ -133,7 +133,7 @@ class Migrator:
             await self.migrate(session_id, target_address)
         except BaseException:
             try:
-                await self.manager.discard(session_id)
+                await self.manager.close(session_id, final_snapshot=False)
             except SsmserveError as exc:
                 log.warning("session %s could not be placed nor deleted: %s", session_id, exc)
             raise

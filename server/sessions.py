@@ -506,18 +506,22 @@ class SessionManager:
     def _checkpoint(
         self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
     ) -> Checkpoint:
-        first, raw = s.recent.history(step, s.config.history_window)
-        inputs = s.codec.decode_many(raw) if raw else s.codec.empty()
         return Checkpoint(
             session_id=s.id,
             step=step,
             model_id=s.model_name,
             fingerprint=s.model.fingerprint,
             state=state,
-            history=InputHistory(first, inputs),
+            history=self._recent_history(s, step),
             meta=CheckpointMeta(reason=reason, label=label or None),
             output=s.recent.output_at(step),
         )
+
+    @staticmethod
+    def _recent_history(s: Session, step: int) -> InputHistory:
+        """The history window ending at ``step``, from the inputs the session holds."""
+        first, raw = s.recent.history(step, s.config.history_window)
+        return InputHistory(first, s.codec.decode_many(raw) if raw else s.codec.empty())
 
     async def flush_unflushed(self, s: Session, upto: int) -> None:
         """Write the session's unflushed inputs with step <= ``upto`` to the log."""
@@ -583,6 +587,9 @@ class SessionManager:
         return t, record
 
     async def newest_snapshot(self, session: Session, at_most: int) -> SnapshotRecord | None:
+        # A guard rollback asks while a periodic snapshot it should return to may still be
+        # on its way to Redis: wait for the writes already due (read your writes).
+        await session.snapshots.settled()
         return await self.store.snapshot_at_or_before(session.id, at_most)
 
     async def restore_to(
@@ -754,14 +761,6 @@ class SessionManager:
             await self.view(new_id), s.id, point.step, point.from_snapshot_id, point.replayed_steps
         )
 
-    async def discard(self, session_id: str) -> None:
-        """Delete a session this worker just made (a fork that could not be placed)."""
-        s = await self.session(session_id)
-        async with s.exclusive():
-            await self._fenced(s, self.store.close_session(s.id, s.epoch))
-            s.fail_queued(SessionGoneError(f"session {s.id!r} was discarded"))
-            self._sessions.pop(s.id, None)
-
     async def _point(
         self, s: Session, target: RollbackTarget, what: str, need_output: bool
     ) -> StatePoint:
@@ -776,8 +775,7 @@ class SessionManager:
             else:
                 t, record = await self._resolve(s, target, what)
             if record is None and t == s.step:
-                first, raw = s.recent.history(t, s.config.history_window)
-                history = InputHistory(first, s.codec.decode_many(raw) if raw else s.codec.empty())
+                history = self._recent_history(s, t)
                 state, output, snapshot_id, replayed = s.state, s.recent.output_at(t), "", 0
             else:
                 if record is None:
