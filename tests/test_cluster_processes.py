@@ -149,6 +149,10 @@ def test_a_paused_owner_is_fenced_when_it_resumes(model_dirs, served_models, red
     model = served_models["demo"]
     a, b = start_workers(2, model_dirs, redis_url, tmp_path)
     try:
+        with Client(b.address) as warm:  # B's first steps load (or compile) its numba
+            scratch = warm.create_session("demo").session_id  # kernels: not in the window
+            list(warm.stream_steps(scratch, list(random_inputs(model, 3, seed=401))))
+            warm.close_session(scratch)
         sid = Client(a.address).create_session("demo").session_id
         x = random_inputs(model, 100_000, seed=400)
         stop = threading.Event()
