@@ -234,13 +234,19 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     ckpt = mamba130m_checkpoint()
     blob = ckpt.encode()
     out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
+    from server.lease import SessionLease, new_incarnation
     from server.store import SessionMeta
 
-    meta = SessionMeta("big", "m", "f", 0, 1, b"c", 0.0, 0.0, False, epoch=1, owner="bench")
-    await store.create_session(meta, 60_000)
+    lease = SessionLease("big", f"{new_incarnation()}.1", "bench")
+    meta = SessionMeta(
+        "big", "m", "f", 0, 1, b"c", 0.0, 0.0, False, epoch=1, owner="bench", token=lease.token
+    )
+    await store.create_session(
+        meta, 60_000, SnapshotRecord("base", 0, "", "b", 0.0, 1, 1), b"x", 64
+    )
     for i in range(reps):
         t0 = time.perf_counter()
-        await store.append_logs([("big", 1, i + 1, [b"x" * 16])], 0.0)
+        await store.append_logs([(lease, i + 1, [b"x" * 16])], 0.0)
         out["log"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         await r.set("bench:plain", b"x" * 16)
@@ -249,7 +255,7 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         data = ckpt.encode()
         rec = SnapshotRecord(f"s{i}", i, "", "bench", 0.0, len(data), 1)
-        await store.commit_snapshot("big", 1, rec, data, 4)
+        await store.commit_snapshot(lease, rec, data, 4)
         out["big"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ckpt.encode()

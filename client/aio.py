@@ -47,14 +47,18 @@ from client.errors import (
     StepFailed,
     Unavailable,
     from_rpc_error,
+    step_redirect,
 )
 from client.retry import Backoff, RetryPolicy
 
 CHUNK_BYTES = 1 << 20
+_RECONNECT_MS = 2000
 DEFAULT_MAX_MESSAGE = 64 << 20
 T = TypeVar("T")
 # Codes a call may be retried on (elsewhere): the worker is gone, stopping or unreachable.
-_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+_TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 
 
 @dataclass(frozen=True)
@@ -147,12 +151,23 @@ class AsyncClient:
     def _worker(self, address: str) -> _Worker:
         worker = self._workers.get(address)
         if worker is None:
+            policy = self.retry
             channel = grpc.aio.insecure_channel(
                 address,
                 options=[
                     ("grpc.max_receive_message_length", self._max_message),
                     ("grpc.max_send_message_length", self._max_message),
+                    ("grpc.keepalive_time_ms", int(policy.keepalive_time_s * 1000)),
+                    ("grpc.keepalive_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_pings_without_data", 0),
+                    # A connection attempt to a frozen worker gives up within seconds (the
+                    # default waits 20 s), and one that restarted is retried soon.
+                    ("grpc.min_reconnect_backoff_ms", _RECONNECT_MS),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
                 ],
+                interceptors=[_DefaultDeadline(policy.call_timeout_s)],
             )
             worker = _Worker(
                 channel, pb_grpc.SessionServiceStub(channel), pb_grpc.ClusterServiceStub(channel)
@@ -182,15 +197,25 @@ class AsyncClient:
         ordered = ring[start:] + ring[:start]
         return next((a for a in ordered if a not in self._unreachable), ordered[0])
 
+    def _reachable(self, prefer: str = "") -> list[str]:
+        """Known workers not marked unreachable, ``prefer`` first (all, if none is left)."""
+        ordered = [prefer] if prefer in self.addresses else []
+        ordered += [a for a in self.addresses if a != prefer]
+        return [a for a in ordered if a not in self._unreachable] or ordered
+
     async def discover(self) -> None:
         """Learn the live workers' addresses from the cluster (best effort)."""
         self._discover = False
-        with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
-            reply = await self._worker(self.address).cluster.ListWorkers(
-                pb.ListWorkersRequest(), timeout=2.0
-            )
+        for address in self._reachable(self.address)[:2]:
+            try:
+                reply = await self._worker(address).cluster.ListWorkers(
+                    pb.ListWorkersRequest(), timeout=2.0
+                )
+            except grpc.RpcError:
+                continue
             for w in reply.workers:
                 self._learn(w.address)
+            return
 
     async def _next_address(
         self, address: str, error: SsmserveClientError, backoff: Backoff
@@ -210,10 +235,10 @@ class AsyncClient:
             if backoff.expired():
                 raise error
             if owner and owner in self._unreachable:
-                # The owner died: its lease runs out in retry_after_ms, then any worker
-                # (this one) takes the session over.
-                await asyncio.sleep(min(error.retry_after_ms / 1000, 10.0) + 0.005)
-                return address
+                # The owner died or froze: its lease runs out in retry_after_ms, then any
+                # worker (this one, or another reachable one) takes the session over.
+                await backoff.wait(at_least_s=min(error.retry_after_ms / 1000, 10.0) + 0.005)
+                return address if address not in self._unreachable else self._other(address)
             await backoff.wait()
             return address
         if error.code not in _TRANSIENT or backoff.expired():
@@ -390,12 +415,29 @@ class AsyncClient:
             await feed.close()
 
     async def _locate(self, session_id: str, address: str) -> str:
-        """The session's owner as the cluster reports it (``address`` if nobody holds it)."""
-        try:
-            info = await self.get_session(session_id)
-        except SsmserveClientError:
-            return address
-        return info.owner or address
+        """The session's owner as the cluster reports it (``address`` if nobody holds it).
+
+        Asks reachable workers only, each with a deadline: the one that just failed may
+        be frozen, and a question to it would wait as long as it does.
+        """
+        request = pb.GetSessionRequest(session_id=session_id)
+        for candidate in self._reachable()[:3]:
+            try:
+                info = await self._worker(candidate).sessions.GetSession(
+                    request, timeout=min(self.retry.call_timeout_s, 5.0)
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in _TRANSIENT:  # type: ignore[attr-defined]
+                    self._unreachable.add(candidate)
+                    continue
+                return address
+            self._unreachable.discard(candidate)
+            if info.owner and info.owner not in self._unreachable:
+                return info.owner
+            # Nobody holds it, or its owner is unreachable: this worker takes it over
+            # (once the owner's lease runs out; its redirect says when).
+            return candidate
+        return self._other(address)
 
     async def _answers(
         self, call: grpc.aio.StreamStreamCall, feed: _StepFeed
@@ -427,11 +469,11 @@ class AsyncClient:
                         f"before the answer to step {feed.lo}"
                     )
                 if result.HasField("error") and result.error.code in _TRANSIENT_NUMBERS:
-                    # not applied (the store or the session is briefly away): resume from it
+                    # Not applied: the session moved (go to its owner), or the store or the
+                    # session is briefly away (retry). Resume from this step.
                     raise _Retry(
-                        SessionMoved(result.error.message, result.error.reason)
-                        if result.error.reason in ("SESSION_MOVED", "STALE_EPOCH")
-                        else Unavailable(result.error.message, result.error.reason)
+                        step_redirect(result.error)
+                        or Unavailable(result.error.message, result.error.reason)
                     )
                 feed.ack(result.step)
                 yield result
@@ -571,7 +613,9 @@ class AsyncClient:
     ) -> pb.SessionInfo:
         header = pb.ImportHeader(session_id=session_id, model=model, replace=replace, config=config)
         info: pb.SessionInfo = await self._call(
-            lambda w: w.sessions.ImportCheckpoint(_import_requests(header, blob)),
+            lambda w: w.sessions.ImportCheckpoint(
+                _import_requests(header, blob), timeout=self.retry.import_timeout_s
+            ),
             idempotent=False,
         )
         if info.owner:
@@ -602,6 +646,25 @@ class AsyncClient:
 
 
 _TRANSIENT_NUMBERS = frozenset(code.value[0] for code in _TRANSIENT)
+
+
+class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Gives every unary call without a deadline of its own the policy's deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: Any,
+        request: Any,
+    ) -> Any:
+        if client_call_details.timeout is None:
+            client_call_details = client_call_details._replace(timeout=self.timeout_s)
+        return await continuation(client_call_details, request)
+
+
 _LOST_STATUS = "Internal error from Core"
 _END = object()
 

@@ -59,6 +59,14 @@ class Unavailable(SsmserveClientError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(SsmserveClientError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class DataLoss(SsmserveClientError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class SessionMoved(Unavailable):
     """The session is served by another worker: ``owner`` (may be empty when unknown).
 
@@ -83,9 +91,19 @@ _BY_CODE: dict[grpc.StatusCode, type[SsmserveClientError]] = {
         FailedPrecondition,
         ResourceExhausted,
         Unavailable,
+        DeadlineExceeded,
+        DataLoss,
     )
 }
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+REDIRECT_REASONS = frozenset({"SESSION_MOVED", "STALE_EPOCH"})
+
+
+def step_redirect(error: pb.StepError) -> SessionMoved | None:
+    """The redirect a step's error carries (reason SESSION_MOVED / STALE_EPOCH), if any."""
+    if error.reason not in REDIRECT_REASONS:
+        return None
+    return SessionMoved(error.message, error.reason, error.owner, error.retry_after_ms)
 
 
 class StepFailed(SsmserveClientError):
@@ -97,9 +115,6 @@ class StepFailed(SsmserveClientError):
         self.session_id = result.session_id
         self.step = result.step
         self.result = result
-
-
-REDIRECT_REASONS = frozenset({"SESSION_MOVED", "STALE_EPOCH"})
 
 
 def from_rpc_error(error: grpc.RpcError) -> SsmserveClientError:

@@ -26,6 +26,15 @@ class RetryPolicy:
     max_redirects: int = 8  # hops in a row before backing off (a hand-off in progress)
     stall_timeout_s: float = 30.0  # no answer for this long with steps pending: reconnect
     window: int = 256  # steps sent but not yet answered, per stream (kept for resending)
+    # Deadline of every unary call (a rollback or fork may replay a snapshot interval).
+    call_timeout_s: float = 30.0
+    # Deadline of an import (the whole checkpoint goes up in one call).
+    import_timeout_s: float = 600.0
+    # gRPC keepalive: a ping after this long without news from a worker, and the
+    # connection is given up when no answer comes within the timeout. A frozen or
+    # vanished worker is noticed within about their sum, even mid-stream.
+    keepalive_time_s: float = 2.0
+    keepalive_timeout_s: float = 2.0
 
 
 class Backoff:

@@ -49,6 +49,7 @@ from server.errors import (
     CheckpointTruncatedError,
     CheckpointVersionError,
     ModelInputError,
+    clip,
 )
 from server.model.mamba import MambaModel
 from server.state import SessionState
@@ -190,7 +191,7 @@ class Checkpoint:
         except CheckpointError:
             raise
         except Exception as exc:  # a validation gap must still surface as a typed error
-            raise CheckpointLayoutError(f"checkpoint is malformed: {exc!r}") from exc
+            raise CheckpointLayoutError(f"checkpoint is malformed: {clip(repr(exc), 200)}") from exc
 
 
 def _decode(blob: bytes | memoryview) -> Checkpoint:
@@ -255,9 +256,11 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
     for i, entry in enumerate(arrays_raw):
         if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[0], str):
             raise CheckpointLayoutError(f"arrays[{i}] must be [name, dtype, shape, offset, nbytes]")
-        arr = payload.array(f"array {entry[0]!r}", entry[1:], (STATE_DTYPE,))
+        arr = payload.array(f"array {clip(entry[0])}", entry[1:], (STATE_DTYPE,))
         if arr.ndim != 2:
-            raise CheckpointLayoutError(f"array {entry[0]!r} must be 2-D, got shape {arr.shape}")
+            raise CheckpointLayoutError(
+                f"array {clip(entry[0])} must be 2-D, got shape {arr.shape}"
+            )
         named.append((entry[0], arr))
     try:
         state = SessionState.from_named_arrays(named)
@@ -319,7 +322,7 @@ class _Fields:
 
     def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
         if key not in self.raw:
-            raise CheckpointLayoutError(f"checkpoint {self.where} lacks {key!r}")
+            raise CheckpointLayoutError(f"checkpoint {self.where} lacks {clip(key)}")
         value = self.raw[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -350,13 +353,13 @@ class _Payload:
     def array(self, what: str, desc: list[Any], dtypes: tuple[str, ...]) -> np.ndarray:
         dtype, shape, offset, nbytes = desc
         if dtype not in dtypes:
-            raise CheckpointLayoutError(f"{what} has dtype {dtype!r}; allowed: {dtypes}")
+            raise CheckpointLayoutError(f"{what} has dtype {clip(dtype)}; allowed: {dtypes}")
         if (
             not isinstance(shape, list)
             or len(shape) > _MAX_DIMS
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
         ):
-            raise CheckpointLayoutError(f"{what} has an invalid shape {shape!r}")
+            raise CheckpointLayoutError(f"{what} has an invalid shape {clip(shape)}")
         for v in (offset, nbytes):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise CheckpointLayoutError(f"{what} has an invalid offset or size")

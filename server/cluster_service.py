@@ -9,6 +9,7 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from server import status
+from server.errors import clip
 from server.migration import Migrator, UnknownWorkerError
 from server.ownership import Ownership
 from server.service import RequestError
@@ -49,7 +50,9 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
         async with status.edge(context):
             if request.worker and request.worker != self.ownership.address:
                 if await self.ownership.worker_at(request.worker) is None:
-                    raise UnknownWorkerError(f"no live worker is registered at {request.worker}")
+                    raise UnknownWorkerError(
+                        f"no live worker is registered at {clip(request.worker)}"
+                    )
                 async for progress in self.migrator.peers.drain(request.worker):
                     yield progress
                 return

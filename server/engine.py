@@ -12,6 +12,7 @@ row the same either way, whatever else shares the call.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,3 +53,19 @@ class EngineLane:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+
+    def warm_up(self) -> float:
+        """Compile (or load from numba's on-disk cache) every kernel that steps, forecasts
+        and replays use, so no request pays for it; returns the seconds it took.
+
+        A worker calls this before it registers and reports SERVING: a first compile takes
+        seconds, and on the event loop it would also hold up lease renewals.
+        """
+        started = time.perf_counter()
+        c = self.model.config
+        value = np.asarray(0, np.int64) if c.is_token_model else np.zeros(c.input_dim, np.float32)
+        state = self.model.new_state()
+        self._call([state], [value])  # batch of one
+        self._call([state, state], [value, value])  # a batch
+        self.model.run(np.stack([value, value]), state)  # a replay
+        return time.perf_counter() - started

@@ -19,6 +19,23 @@ class ErrorKind(enum.Enum):
     FAILED_PRECONDITION = "failed_precondition"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
+    DATA_LOSS = "data_loss"
+
+
+#: Characters of a client's string that an error message may repeat back.
+CLIP_CHARS = 128
+
+
+def clip(text: object, limit: int = CLIP_CHARS) -> str:
+    """``text`` quoted for an error message, cut to ``limit`` characters.
+
+    Clients send ids, labels and names of any length; messages (and the status details
+    that carry them) stay small whatever was sent.
+    """
+    s = str(text)
+    if len(s) <= limit:
+        return repr(s)
+    return f"{s[:limit]!r}... ({len(s)} characters)"
 
 
 class SsmserveError(Exception):

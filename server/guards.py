@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.errors import SsmserveError
+from server.errors import SsmserveError, clip
 
 MAX_RULES = 32
+MAX_DIMS = 4096  # per rule: keeps a session's settings far below a message's size
 
 
 class GuardCheck(enum.IntEnum):
@@ -59,7 +60,7 @@ class GuardRule:
     dims: tuple[int, ...] = ()  # empty: every output dim
 
     def validate(self, output_dim: int) -> None:
-        where = f"guard {self.name!r}"
+        where = f"guard {clip(self.name)}"
         if not self.name or len(self.name) > 64:
             raise GuardRuleError(f"{where}: a name of 1 to 64 characters is required")
         if self.check == GuardCheck.RANGE:
@@ -72,6 +73,11 @@ class GuardRule:
                 raise GuardRuleError(f"{where}: min {self.min} is above max {self.max}")
         elif self.min is not None or self.max is not None:
             raise GuardRuleError(f"{where}: a finite check takes no bounds")
+        if len(self.dims) > MAX_DIMS:
+            raise GuardRuleError(
+                f"{where}: at most {MAX_DIMS} dims per rule (got {len(self.dims)}); leave "
+                f"dims empty to check every output dim"
+            )
         bad = [d for d in self.dims if not 0 <= d < output_dim]
         if bad:
             raise GuardRuleError(

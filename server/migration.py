@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from server.errors import ErrorKind, SsmserveError
+from server.errors import ErrorKind, SsmserveError, clip
 from server.ownership import Ownership
 from server.peers import Peers
 from server.sessions import SessionManager
@@ -83,7 +83,7 @@ class Migrator:
     async def adopt(self, session_id: str) -> tuple[int, int]:
         """Target side of a hand-off: acquire the reserved session and load it."""
         s = await self.manager.session(session_id)
-        return s.step, s.epoch
+        return s.step, s.lease.epoch
 
     async def migrate(self, session_id: str, target_address: str) -> MigrationResult:
         started = time.perf_counter()
@@ -92,7 +92,7 @@ class Migrator:
                 s = await self.manager.session(session_id)
                 return MigrationResult(session_id, self.address, self.address, s.step, "", 0.0)
             s = await self.manager.session(session_id)
-            target = await self._target(target_address, s.model_name)
+            target = await self._target(target_address, s.model_name, self.ownership.numerics)
             step, snapshot_id = await self.manager.hand_off(
                 session_id, target, lambda sid: self.peers.adopt(target.address, sid)
             )
@@ -104,14 +104,14 @@ class Migrator:
         meta = await self.manager.store.get_meta(session_id)
         if meta is None:
             raise SessionMissingError(f"session {session_id!r} does not exist")
-        lease = await self.manager.store.lease(session_id)
+        lease = await self.manager.store.lease_holder(session_id)
         if lease is not None and lease.owner_addr and lease.owner_addr != self.address:
             raise lease.redirect(session_id)
         # Nobody holds it (evicted, parked, or its worker died): the target just loads it.
         if target_address == self.address:
             step, _epoch = await self.adopt(session_id)
         else:
-            target = await self._target(target_address, meta.model)
+            target = await self._target(target_address, meta.model, meta.numerics)
             step = (await self.peers.adopt(target.address, session_id)).step
         elapsed = (time.perf_counter() - started) * 1000
         return MigrationResult(session_id, "", target_address, step, "", elapsed)
@@ -126,7 +126,7 @@ class Migrator:
         try:
             if not target_address:
                 s = await self.manager.session(session_id)
-                targets = await self.ownership.targets(s.model_name)
+                targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
                 if not targets:
                     return
                 target_address = targets[0].address
@@ -138,16 +138,23 @@ class Migrator:
                 log.warning("session %s could not be placed nor deleted: %s", session_id, exc)
             raise
 
-    async def _target(self, address: str, model: str) -> WorkerRecord:
+    async def _target(self, address: str, model: str, numerics: str) -> WorkerRecord:
         target = await self.ownership.worker_at(address)
         if target is None:
-            raise UnknownWorkerError(f"no live worker is registered at {address}")
+            raise UnknownWorkerError(f"no live worker is registered at {clip(address)}")
         if target.draining:
             raise BadTargetError(f"worker {address} is draining; pick another target")
         if model not in target.models:
             raise BadTargetError(
                 f"worker {address} does not serve model {model!r} "
                 f"(it serves {', '.join(target.models) or 'nothing'})"
+            )
+        if numerics and target.numerics != numerics:
+            raise BadTargetError(
+                f"worker {address} computes with other numerics ({target.numerics or 'unknown'}"
+                f"; the session's are {numerics}: CPU, BLAS build and threads, engine code), "
+                f"so it could not replay the session's history exactly; pick a worker with "
+                f"the same numerics"
             )
         return target
 
@@ -182,7 +189,7 @@ class Migrator:
         error = ""
         try:
             s = await self.manager.session(session_id)
-            targets = await self.ownership.targets(s.model_name)
+            targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
             if targets:
                 target = min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))
                 planned[target.address] = planned.get(target.address, 0) + 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +18,7 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from server import status
-from server.errors import ErrorKind, SessionMovedError, SsmserveError
+from server.errors import ErrorKind, SsmserveError, clip
 from server.forecaster import ForecastStep
 from server.guards import GuardAction, GuardCheck, GuardEvent, GuardRule, GuardRuleError
 from server.migration import Migrator
@@ -48,6 +48,7 @@ class ImportTooLargeError(SsmserveError):
 
 @dataclass(frozen=True)
 class ServiceSettings:
+    max_message_bytes: int = 4 << 20  # answers are split to stay below this
     max_steps_per_message: int = 4096
     max_inflight_messages: int = 64  # per stream: messages read ahead of their answers
     max_import_bytes: int = 1 << 30  # largest checkpoint ImportCheckpoint accepts
@@ -84,9 +85,20 @@ class SessionService(pb_grpc.SessionServiceServicer):
             views, token = await self.manager.list(
                 request.page_size, request.page_token, request.model
             )
-            return pb.ListSessionsResponse(
-                sessions=[info_to_pb(v) for v in views], next_page_token=token
-            )
+            # A page holds at most page_size sessions and fits in one message: sessions
+            # with many labels and guards are large, so the page may end early.
+            budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
+            infos: list[pb.SessionInfo] = []
+            size = 0
+            for view in views:
+                info = info_to_pb(view)
+                n = info.ByteSize() + 8
+                if infos and size + n > budget:
+                    token = infos[-1].session_id
+                    break
+                infos.append(info)
+                size += n
+            return pb.ListSessionsResponse(sessions=infos, next_page_token=token)
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
@@ -103,60 +115,23 @@ class SessionService(pb_grpc.SessionServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StreamResponse]:
         # Requests are read ahead (up to max_inflight_messages) while earlier ones are
-        # being stepped; answers go out in request order, one response per request.
-        answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None] = asyncio.Queue(
-            self.settings.max_inflight_messages
-        )
-        reader = asyncio.create_task(self._read_stream(request_iterator, answers))
+        # being stepped; answers go out in request order. Every problem of a step, a
+        # redirect included, is answered in its StepResult: ending a bidi call while the
+        # client still writes can reach the client as INTERNAL with the real status lost.
+        reader = _StreamReader(self.manager, self.settings)
+        task = asyncio.create_task(reader.run(request_iterator), name="stream-reader")
+        budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
         try:
-            while (futures := await answers.get()) is not None:
+            while (futures := await reader.answers.get()) is not None:
                 outcomes = [await f for f in futures]
-                moved = next(
-                    (i for i, o in enumerate(outcomes) if isinstance(o.error, SessionMovedError)),
-                    None,
-                )
-                if moved is not None:
-                    # The session lives elsewhere now: answer what came before, then end
-                    # the stream with the redirect. Steps after it go unanswered; the
-                    # client resends them (a resend of an applied step is idempotent).
-                    if moved:
-                        yield pb.StreamResponse(results=[result_to_pb(o) for o in outcomes[:moved]])
-                    error = outcomes[moved].error
-                    assert error is not None
-                    await status.abort(context, error)
-                yield pb.StreamResponse(results=[result_to_pb(o) for o in outcomes])
-            await reader
+                for response in split_results([result_to_pb(o) for o in outcomes], budget):
+                    yield response
+                reader.slots.release()
+            await task
+            if reader.failure is not None:  # e.g. a message that is not valid protobuf
+                await status.abort(context, reader.failure)
         finally:
-            reader.cancel()
-
-    async def _read_stream(
-        self,
-        request_iterator: AsyncIterator[pb.StreamRequest],
-        answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None],
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async for request in request_iterator:
-                futures: list[asyncio.Future[StepOutcome]] = []
-                too_many = len(request.steps) > self.settings.max_steps_per_message
-                for step in request.steps:
-                    try:
-                        if too_many:
-                            raise StreamLimitError(
-                                f"a message may carry at most "
-                                f"{self.settings.max_steps_per_message} steps, this one has "
-                                f"{len(request.steps)}; none of them was applied"
-                            )
-                        future = await self.manager.submit(
-                            step.session_id, step.step, step_value(step)
-                        )
-                    except SsmserveError as exc:
-                        future = loop.create_future()
-                        future.set_result(StepOutcome(step.session_id, step.step, error=exc))
-                    futures.append(future)
-                await answers.put(futures)
-        finally:
-            await answers.put(None)
+            task.cancel()  # never blocks: the reader waits only for a slot or a request
 
     # ------------------------------------------------------------------ snapshots, rollback
 
@@ -328,6 +303,76 @@ class SessionService(pb_grpc.SessionServiceServicer):
         return header, b"".join(parts)
 
 
+class _StreamReader:
+    """Reads one Stream's requests and queues the futures of their steps.
+
+    The queue is unbounded; ``slots`` bounds how many messages are read ahead of their
+    answers, so cancelling the stream (the client went away) never leaves the reader
+    blocked on a full queue.
+    """
+
+    def __init__(self, manager: SessionManager, settings: ServiceSettings) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(settings.max_inflight_messages)
+        self.failure: SsmserveError | None = None
+
+    async def run(self, request_iterator: AsyncIterator[pb.StreamRequest]) -> None:
+        requests = request_iterator.__aiter__()
+        try:
+            while True:
+                await self.slots.acquire()
+                try:
+                    request = await requests.__anext__()
+                except StopAsyncIteration:
+                    return
+                self.answers.put_nowait(await self._submit(request))
+        except SsmserveError as exc:
+            self.failure = exc
+        finally:
+            self.answers.put_nowait(None)
+
+    async def _submit(self, request: pb.StreamRequest) -> list[asyncio.Future[StepOutcome]]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[StepOutcome]] = []
+        limit = self.settings.max_steps_per_message
+        too_many = len(request.steps) > limit
+        for step in request.steps:
+            try:
+                if too_many:
+                    raise StreamLimitError(
+                        f"a message may carry at most {limit} steps, this one has "
+                        f"{len(request.steps)}; none of them was applied"
+                    )
+                future = await self.manager.submit(step.session_id, step.step, step_value(step))
+            except SsmserveError as exc:
+                future = loop.create_future()
+                future.set_result(StepOutcome(step.session_id, step.step, error=exc))
+            futures.append(future)
+        return futures
+
+
+#: Room left in a message for what is not results (framing, the continued flag).
+_RESPONSE_MARGIN = 64 << 10
+
+
+def split_results(results: list[pb.StepResult], budget: int) -> Iterator[pb.StreamResponse]:
+    """The answers to one request, in responses of at most ``budget`` bytes each (all but
+    the last marked ``continued``). One result always fits: the worker refuses models
+    whose single output could not (``Worker.start``)."""
+    batch: list[pb.StepResult] = []
+    size = 0
+    for result in results:
+        n = result.ByteSize() + 8  # tag and length prefix
+        if batch and size + n > budget:
+            yield pb.StreamResponse(results=batch, continued=True)
+            batch, size = [], 0
+        batch.append(result)
+        size += n
+    yield pb.StreamResponse(results=batch)
+
+
 # ---------------------------------------------------------------------------- conversions
 
 
@@ -360,9 +405,11 @@ def config_from_pb(config: pb.SessionConfig) -> SessionConfig:
     guards = []
     for rule in config.guards:
         if rule.check not in _CHECKS:
-            raise GuardRuleError(f"guard {rule.name!r}: check must be CHECK_FINITE or CHECK_RANGE")
+            raise GuardRuleError(
+                f"guard {clip(rule.name)}: check must be CHECK_FINITE or CHECK_RANGE"
+            )
         if rule.action not in _ACTIONS:
-            raise GuardRuleError(f"guard {rule.name!r}: unknown action {rule.action}")
+            raise GuardRuleError(f"guard {clip(rule.name)}: unknown action {rule.action}")
         guards.append(
             GuardRule(
                 name=rule.name,

@@ -22,6 +22,7 @@ import numpy as np
 from server.errors import ErrorKind, SsmserveError
 from server.guards import GuardEvent
 from server.input_log import InputCodec, RecentSteps
+from server.lease import SessionLease
 from server.model.mamba import MambaModel
 from server.session_config import SessionConfig
 from server.snapshot_writer import SnapshotWriter
@@ -94,6 +95,7 @@ class Session:
         step: int,
         created_at: float,
         recent: RecentSteps,
+        lease: SessionLease,
         on_release: Callable[[Session], None],
     ) -> None:
         self.id = session_id
@@ -109,7 +111,8 @@ class Session:
         self.recent = recent
         self.queue: deque[StepJob | _Gate] = deque()
         self.busy = False  # a stepper batch or a control operation holds the session
-        self.epoch = 0  # the fencing epoch this worker acquired the session with
+        self.lease = lease  # this worker's ownership: every store write carries it
+        self.lease_check = asyncio.Lock()  # one revalidation of the lease at a time
         self.last_snapshot_step = -1  # step of the newest snapshot this worker knows of
         self.gone: SsmserveError | None = None  # set once closed or evicted
         self.snapshots = SnapshotWriter(session_id)  # periodic snapshots, in the background

@@ -28,14 +28,14 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
 from server.checkpoint import Checkpoint, CheckpointMeta, InputHistory
-from server.errors import CheckpointError, ErrorKind, SessionMovedError, SsmserveError
+from server.errors import CheckpointError, ErrorKind, SessionMovedError, SsmserveError, clip
 from server.forecaster import (
     BadHorizonError,
     Forecaster,
@@ -47,6 +47,7 @@ from server.forecaster import (
 )
 from server.guards import check_output
 from server.input_log import RecentSteps
+from server.lease import SessionLease, new_incarnation
 from server.model.mamba import MambaModel
 from server.ownership import Ownership
 from server.session import Session, SessionGoneError, SnapshotEvent, StepJob, StepOutcome
@@ -54,16 +55,21 @@ from server.session_config import SessionConfig, SessionDefaults
 from server.state import SessionState
 from server.stepper import Stepper, StepperSettings
 from server.store import (
-    SESSION_ID_PATTERN,
+    BadSessionIdError,
     LabelTakenError,
+    LogDivergedError,
     SessionClosedError,
     SessionMeta,
     SessionMissingError,
     SnapshotRecord,
     StaleEpochError,
     Store,
+    StoreDataError,
+    StoreOutcomeUnknownError,
     WorkerRecord,
+    check_session_id,
 )
+from server.store_layout import MAX_STEP
 
 T = TypeVar("T")
 
@@ -76,10 +82,6 @@ log = logging.getLogger(__name__)
 
 class UnknownModelError(SsmserveError):
     kind = ErrorKind.NOT_FOUND
-
-
-class BadSessionIdError(SsmserveError):
-    pass
 
 
 class BadStepInputError(SsmserveError):
@@ -108,6 +110,31 @@ class CapacityError(SsmserveError):
 
 class WorkerDrainingError(SsmserveError):
     """This worker is draining and no other live worker can take the request."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class BadLabelError(SsmserveError):
+    pass
+
+
+class BadPageTokenError(SsmserveError):
+    pass
+
+
+class StepRangeError(SsmserveError):
+    """A step number beyond what the store can represent exactly (``MAX_STEP``)."""
+
+
+class NumericsMismatchError(SsmserveError):
+    """The session's history was computed with other numerics than this worker's."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class ReloadingError(SsmserveError):
+    """The session left memory to be reloaded from the store (an unknown write outcome,
+    or memory and store diverged); retrying the request reloads it."""
 
     kind = ErrorKind.UNAVAILABLE
 
@@ -218,9 +245,16 @@ class SessionManager:
             for name, model in models.items()
         }
         self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
         self._snapshot_slots = asyncio.Semaphore(settings.snapshot_writes_in_flight)
 
     # ------------------------------------------------------------------ lifecycle
+
+    async def warm_up(self) -> None:
+        """Compile every model's kernels (off the event loop) before the worker serves."""
+        for name, stepper in self.steppers.items():
+            seconds = await asyncio.to_thread(stepper.engine.warm_up)
+            log.info("model %s: kernels ready in %.2f s", name, seconds)
 
     def start(self) -> None:
         for stepper in self.steppers.values():
@@ -265,31 +299,123 @@ class SessionManager:
 
     # ------------------------------------------------------------------ ownership
 
-    def held(self) -> list[tuple[str, int]]:
-        """``(session id, epoch)`` of every resident session (what the leases cover)."""
-        return [(s.id, s.epoch) for s in self._sessions.values() if s.gone is None]
+    def held(self) -> list[SessionLease]:
+        """The lease of every resident session not known to have run out (renewed by
+        ``Ownership``; one known to have run out is acquired again on its next use)."""
+        return [s.lease for s in self._sessions.values() if s.gone is None and s.lease.valid_until]
 
-    def lost(self, session_id: str, error: SsmserveError) -> None:
-        """A write or lease renewal failed: drop the session if it is no longer ours."""
-        s = self._sessions.get(session_id)
-        if s is None:
+    def lost(self, s: Session, lease: SessionLease, error: SsmserveError) -> None:
+        """A write or lease renewal with ``lease`` failed with ``error``: if it means the
+        session is not ours any more, or that memory and Redis may differ (an unknown
+        outcome, a log that does not continue), drop ``s`` from memory. The next request
+        loads it again from Redis, the source of truth, or is sent to its new owner.
+
+        A lease that is no longer the session's (it was acquired again since) proves
+        nothing about the session as it is now, so it is left alone."""
+        if s.lease is not lease or self._sessions.get(s.id) is not s:
             return
-        if isinstance(error, SessionMovedError | SessionMissingError | SessionClosedError):
-            self._drop(s, error)
+        if isinstance(
+            error,
+            SessionMovedError | SessionMissingError | SessionClosedError,
+        ):
+            self.drop(s, error)
+        elif isinstance(error, StoreOutcomeUnknownError | LogDivergedError):
+            self.drop(
+                s,
+                ReloadingError(
+                    f"session {s.id!r} is being reloaded from the store ({error}); retry"
+                ),
+            )
 
-    def _drop(self, s: Session, error: SsmserveError) -> None:
+    def lost_lease(self, lease: SessionLease, error: SsmserveError) -> None:
+        """``Ownership`` found ``lease`` someone else's."""
+        s = self._sessions.get(lease.session_id)
+        if s is not None:
+            self.lost(s, lease, error)
+
+    def expired_lease(self, lease: SessionLease) -> None:
+        """``Ownership`` found ``lease`` ran out unrenewed: acquire it again, between steps."""
+        s = self._sessions.get(lease.session_id)
+        if s is None or s.lease is not lease or s.gone is not None:
+            return
+
+        async def reacquire() -> None:
+            with contextlib.suppress(SsmserveError):
+                async with self._hold(s, read_only=True):
+                    pass  # holding it revalidates the lease
+
+        task = asyncio.create_task(reacquire(), name=f"reacquire[{s.id}]")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]:
+        """Make sure this worker still owns each of ``sessions`` before it answers for them.
+
+        A lease still valid by this worker's clock needs nothing. The others are renewed
+        (one round trip), or, if they ran out while nobody took the session, acquired
+        again (a new token; memory is still exact, since no one else wrote meanwhile).
+        Returns the errors of the sessions that could not be revalidated; those that are
+        not ours any more have been dropped. The caller holds the sessions.
+        """
+        stale = [s for s in sessions if s.gone is None and not s.lease.valid()]
+        if not stale:
+            return {}
+        errors: dict[str, SsmserveError] = {}
+        leases = [s.lease for s in stale]
+        for s, lease, result in zip(
+            stale, leases, await self.ownership.revalidate(leases), strict=True
+        ):
+            if isinstance(result, SessionLease):
+                if s.lease is lease:
+                    s.lease = result
+                continue
+            errors[s.id] = result
+            self.lost(s, lease, result)
+        return errors
+
+    async def ensure_lease(self, s: Session) -> None:
+        """:meth:`revalidate` for one session; raises what stands in the way."""
+        if s.lease.valid():
+            return
+        async with s.lease_check:
+            error = (await self.revalidate([s])).get(s.id)
+        if error is not None:
+            if isinstance(error, StaleEpochError | SessionMissingError | SessionClosedError):
+                raise await self._redirect(s.id, error)
+            raise error
+        if s.gone is not None:
+            raise s.gone
+
+    async def _redirect(self, session_id: str, error: SsmserveError) -> SsmserveError:
+        """Where a caller should go for a session this worker just lost (best effort)."""
+        with contextlib.suppress(SsmserveError):
+            holder = await self.store.lease_holder(session_id)
+            if holder is not None and holder.owner_addr:
+                return holder.redirect(session_id)
+        return error
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, s: Session, read_only: bool = False) -> AsyncIterator[None]:
+        """Hold ``s`` between two steps (``Session.exclusive``), its lease revalidated."""
+        async with s.exclusive(read_only=read_only):
+            await self.ensure_lease(s)
+            yield
+
+    def drop(self, s: Session, error: SsmserveError) -> None:
         """Forget ``s`` at once; what is queued for it is answered with ``error``."""
         log.info("session %s dropped from memory: %s", s.id, error)
         s.fail_queued(error)
         if self._sessions.get(s.id) is s:
             del self._sessions[s.id]
 
-    async def _fenced(self, s: Session, write: Awaitable[T]) -> T:
-        """Await a write of ``s``; if its epoch was stale, drop ``s`` before re-raising."""
+    async def _write(self, s: Session, write: Callable[[SessionLease], Awaitable[T]]) -> T:
+        """Run a store write of ``s`` with its lease; on an error that means the session
+        is not ours any more, or that its outcome is unknown, drop ``s`` and re-raise."""
+        lease = s.lease
         try:
-            return await write
-        except StaleEpochError as exc:
-            self._drop(s, exc)
+            return await write(lease)
+        except SsmserveError as exc:
+            self.lost(s, lease, exc)
             raise
 
     async def _elsewhere(self, model: str, what: str) -> SessionMovedError:
@@ -310,43 +436,66 @@ class SessionManager:
         self._check_capacity()
         if self.ownership.draining:
             raise await self._elsewhere(model_name, "create sessions")
-        now = time.time()
-        meta = self._new_meta(session_id, model_name, model, 0, config, now)
-        await self.store.create_session(meta, self.ownership.lease_ms)
-        s = self._resident(session_id, model, model_name, config, model.new_state(), 0, now)
-        s.epoch = meta.epoch
-        await self._first_snapshot(s, "create")
+        await self._create(session_id, model, model_name, config, model.new_state(), 0, "create")
         return await self.view(session_id)
 
-    async def _first_snapshot(self, s: Session, reason: str) -> None:
-        """Make a just-created session resident and give it its base snapshot.
+    async def _create(
+        self,
+        session_id: str,
+        model: MambaModel,
+        model_name: str,
+        config: SessionConfig,
+        state: SessionState,
+        step: int,
+        reason: str,
+        history: InputHistory | None = None,
+        output: np.ndarray | None = None,
+    ) -> Session:
+        """A new session at ``step``, owned here: its metadata, lease and first snapshot
+        (``state``, the ``history`` window, the ``output`` of ``step``) written at once.
 
-        The session is held (busy) meanwhile, so steps sent at once wait for the snapshot;
-        if it cannot be written, the session is deleted again.
+        The fencing token starts a new incarnation, so nothing a worker did with an
+        earlier session of the same id can touch this one.
         """
-        s.busy = True
-        self._sessions[s.id] = s
-        try:
-            await self.write_snapshot(s, s.step, s.state, reason)
-        except BaseException:
-            self._sessions.pop(s.id, None)
-            s.fail_queued(SessionGoneError(f"session {s.id!r} could not be created"))
-            with contextlib.suppress(SsmserveError):
-                await self.store.close_session(s.id, s.epoch)
-            raise
-        finally:
-            s.busy = False
-            s.open_gate()
-            self.steppers[s.model_name].notify(s)
+        now = time.time()
+        lease = SessionLease(session_id, f"{new_incarnation()}.1", self.ownership.worker_id)
+        s = self._resident(session_id, model, model_name, config, state, step, now, lease)
+        if history is not None:
+            self._remember_history(s, history)
+        if output is not None:  # a resend of ``step`` is answered, as by the source
+            s.recent.remember_output(step, output)
+        blob, record = await self._encode(self._checkpoint(s, step, state, reason))
+        meta = SessionMeta(
+            session_id, model_name, model.fingerprint, step, step + 1, config.to_bytes(), now,
+            now, False, epoch=1, owner=self.ownership.worker_id,
+            owner_addr=self.ownership.address, token=lease.token,
+            numerics=self.ownership.numerics,
+        )  # fmt: skip
+        sent_at = time.monotonic()
+        await self.store.create_session(
+            meta, self.ownership.lease_ms, record, blob, config.max_snapshots
+        )
+        s.lease = self.ownership.new_lease(session_id, lease.token, sent_at)
+        s.last_snapshot_step = step
+        self._sessions[session_id] = s
+        return s
 
     async def view(self, session_id: str) -> SessionView:
         await self._settled(session_id)
         s = self._sessions.get(session_id)
+        if s is not None and s.gone is None and not s.lease.valid():
+            # What memory says counts only while the lease is surely ours.
+            with contextlib.suppress(SessionMovedError, SessionGoneError, ReloadingError):
+                async with self._hold(s, read_only=True):
+                    pass
+            s = self._sessions.get(session_id)
+        if s is not None and s.gone is not None:
+            s = None
         meta = await self.store.get_meta(session_id)
         if meta is None:
             raise SessionMissingError(f"session {session_id!r} does not exist")
         count, oldest = await self.store.snapshot_count_and_oldest(session_id)
-        lease = None if s else await self.store.lease(session_id)
+        lease = None if s else await self.store.lease_holder(session_id)
         model = self.models.get(meta.model)
         config = s.config if s else SessionConfig.from_bytes(meta.config)
         step = s.step if s else meta.step
@@ -371,14 +520,21 @@ class SessionManager:
     async def list(
         self, page_size: int, page_token: str, model: str
     ) -> tuple[list[SessionView], str]:
+        if len(page_token) > 128:
+            raise BadPageTokenError("a page token is at most 128 characters (a session id)")
         size = min(page_size or self.settings.list_page_size, self.settings.max_list_page_size)
         ids = await self.store.list_session_ids(page_token, size)
         views = []
         for session_id in ids:
-            with contextlib.suppress(SessionMissingError):  # closed meanwhile
+            try:
                 v = await self.view(session_id)
-                if not model or v.model == model:
-                    views.append(v)
+            except SessionMissingError:  # closed meanwhile
+                continue
+            except (BadSessionIdError, StoreDataError) as exc:  # one bad entry, not the page
+                log.warning("list: session %s skipped: %s", clip(session_id), exc)
+                continue
+            if not model or v.model == model:
+                views.append(v)
         return views, (ids[-1] if len(ids) == size else "")
 
     # ------------------------------------------------------------------ steps
@@ -391,6 +547,10 @@ class SessionManager:
         Raises for problems found before queueing (unknown session, bad input); the session
         is untouched then.
         """
+        if step > MAX_STEP:
+            raise StepRangeError(
+                f"step {step} is beyond the last step a session can take ({MAX_STEP})"
+            )
         s = await self.session(session_id)
         arr = self._check_input(s, value)
         if len(s.queue) >= self.settings.max_queued_steps:
@@ -427,11 +587,11 @@ class SessionManager:
 
     async def snapshot(self, session_id: str, label: str) -> SnapshotRecord:
         if len(label) > 128:
-            raise BadSessionIdError("snapshot labels are at most 128 characters")
+            raise BadLabelError("snapshot labels are at most 128 characters")
         s = await self.session(session_id)
-        async with s.exclusive():
+        async with self._hold(s):
             if label and await self.store.snapshot_by_label(s.id, label) is not None:
-                raise LabelTakenError(f"label {label!r} already names a snapshot of {s.id!r}")
+                raise LabelTakenError(f"label {clip(label)} already names a snapshot of {s.id!r}")
             if not label and s.last_snapshot_step == s.step:
                 newest = await self.store.snapshot_at_or_before(s.id, s.step)
                 if newest is not None and newest.step == s.step:
@@ -481,11 +641,21 @@ class SessionManager:
     async def _commit_checkpoint(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:
         step = ckpt.step
         await self.flush_unflushed(s, step)
+        blob, record = await self._encode(ckpt)
+        await self._write(
+            s, lambda lease: self.store.commit_snapshot(lease, record, blob, s.config.max_snapshots)
+        )
+        s.last_snapshot_step = max(s.last_snapshot_step, step)
+        return record
+
+    async def _encode(self, ckpt: Checkpoint) -> tuple[bytes, SnapshotRecord]:
+        """A checkpoint's bytes and the record that indexes them under a new snapshot id."""
         if ckpt.state.nbytes >= _ENCODE_IN_THREAD_BYTES:  # sha256 releases the GIL
             blob = await asyncio.to_thread(ckpt.encode)
         else:
             blob = ckpt.encode()
         piece = self.store.settings.piece_bytes
+        step = ckpt.step
         record = SnapshotRecord(
             # The writer picks the id (a retried commit is then harmless). Ids sort by step,
             # then by time: retention drops the oldest of equal steps first.
@@ -497,11 +667,7 @@ class SessionManager:
             size=len(blob),
             pieces=max(1, -(-len(blob) // piece)),
         )
-        await self._fenced(
-            s, self.store.commit_snapshot(s.id, s.epoch, record, blob, s.config.max_snapshots)
-        )
-        s.last_snapshot_step = max(s.last_snapshot_step, step)
-        return record
+        return blob, record
 
     def _checkpoint(
         self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
@@ -529,12 +695,15 @@ class SessionManager:
             entries = [(step, raw) for step, raw in s.recent.unflushed if step <= upto]
             if not entries:
                 return
-            (error,) = await self.store.append_logs(
-                [(s.id, s.epoch, entries[0][0], [raw for _, raw in entries])], time.time()
-            )
-            if isinstance(error, StaleEpochError):
-                self._drop(s, error)
+            lease = s.lease
+            try:
+                (error,) = await self.store.append_logs(
+                    [(lease, entries[0][0], [raw for _, raw in entries])], time.time()
+                )
+            except SsmserveError as exc:
+                error = exc
             if error is not None:
+                self.lost(s, lease, error)
                 raise error
             # Steps recorded meanwhile were appended behind these: drop just the written.
             s.recent.unflushed = s.recent.unflushed[len(entries) :]
@@ -543,7 +712,7 @@ class SessionManager:
 
     async def rollback(self, session_id: str, target: RollbackTarget) -> RollbackResult:
         s = await self.session(session_id)
-        async with s.exclusive():
+        async with self._hold(s):
             t, record = await self._resolve(s, target, "roll back")
             step, snapshot_id, replayed = await self.restore_to(s, t, record)
             return RollbackResult(step, snapshot_id, replayed)
@@ -557,14 +726,14 @@ class SessionManager:
             record = await self.store.snapshot_by_id(s.id, target.snapshot_id)
             if record is None:
                 raise SnapshotMissingError(
-                    f"session {s.id!r} has no snapshot {target.snapshot_id!r}"
+                    f"session {s.id!r} has no snapshot {clip(target.snapshot_id)}"
                 )
             t = record.step
         elif target.label is not None:
             record = await self.store.snapshot_by_label(s.id, target.label)
             if record is None:
                 raise SnapshotMissingError(
-                    f"session {s.id!r} has no snapshot labelled {target.label!r}"
+                    f"session {s.id!r} has no snapshot labelled {clip(target.label)}"
                 )
             t = record.step
         elif target.steps_back is not None:
@@ -608,7 +777,9 @@ class SessionManager:
             if record is None:
                 raise await self._out_of_range(s, target)
         _ckpt, state, outputs, inputs = await self._rebuild(s, record, target)
-        await self._fenced(s, self.store.cut_history(s.id, s.epoch, target, s.step, time.time()))
+        await self._write(
+            s, lambda lease: self.store.cut_history(lease, target, s.step, time.time())
+        )
         s.state, s.step = state, target
         s.recent.cut_after(target)
         if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
@@ -744,15 +915,10 @@ class SessionManager:
         s = await self.session(session_id)
         self._check_capacity()
         point = await self._point(s, target, "fork", need_output=False)
-        now = time.time()
-        meta = self._new_meta(new_id, s.model_name, s.model, point.step, s.config, now)
-        await self.store.create_session(meta, self.ownership.lease_ms)
-        f = self._resident(new_id, s.model, s.model_name, s.config, point.state, point.step, now)
-        f.epoch = meta.epoch
-        self._remember_history(f, point.history)
-        if point.output is not None:  # a resend of the fork point is answered, as by the source
-            f.recent.remember_output(point.step, point.output)
-        await self._first_snapshot(f, "fork")
+        await self._create(
+            new_id, s.model, s.model_name, s.config, point.state, point.step, "fork",
+            point.history, point.output,
+        )  # fmt: skip
         log.info(
             "session %s forked from %s at step %d (snapshot %s + %d replayed)",
             new_id, s.id, point.step, point.from_snapshot_id or "-", point.replayed_steps,
@@ -769,7 +935,7 @@ class SessionManager:
         A target of ``step=None`` is the current step. Holds the session only while it
         reads: between two steps, with no background write in flight.
         """
-        async with s.exclusive(read_only=True):
+        async with self._hold(s, read_only=True):
             if target == RollbackTarget(step=None):
                 t, record = s.step, None
             else:
@@ -805,12 +971,12 @@ class SessionManager:
 
     async def close(self, session_id: str, final_snapshot: bool) -> tuple[int, str]:
         s = await self.session(session_id)
-        async with s.exclusive():
+        async with self._hold(s):
             snapshot_id = ""
             if final_snapshot:
                 record = await self.write_snapshot(s, s.step, s.state, "close")
                 snapshot_id = record.snapshot_id
-            await self._fenced(s, self.store.close_session(s.id, s.epoch, snapshot_id))
+            await self._write(s, lambda lease: self.store.close_session(lease, snapshot_id))
             s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
             self._sessions.pop(s.id, None)
             return s.step, snapshot_id
@@ -825,11 +991,11 @@ class SessionManager:
             )
             if record is None:
                 raise SnapshotMissingError(
-                    f"session {session_id!r} has no snapshot {snapshot_id!r}"
+                    f"session {session_id!r} has no snapshot {clip(snapshot_id)}"
                 )
             return await self.store.read_blob(session_id, record)
         s = await self.session(session_id)
-        async with s.exclusive():
+        async with self._hold(s):
             return self._checkpoint(s, s.step, s.state, "export").encode()
 
     async def import_checkpoint(
@@ -853,6 +1019,11 @@ class SessionManager:
                 )
             model_name, model = found[0], self.models[found[0]]
         ckpt.check_model(model)
+        if ckpt.step > MAX_STEP:
+            raise StepRangeError(
+                f"the checkpoint is at step {ckpt.step}, beyond the last step a session can "
+                f"take ({MAX_STEP})"
+            )
         session_id = self._new_id(session_id or ckpt.session_id)
         config = config.resolve(self.settings.defaults, model.config.output_dim)
         self._check_capacity()
@@ -860,42 +1031,22 @@ class SessionManager:
             await self._drop_for_replace(session_id)
         if self.ownership.draining:
             raise await self._elsewhere(model_name, "import sessions")
-        now = time.time()
-        meta = self._new_meta(session_id, model_name, model, ckpt.step, config, now)
-        await self.store.create_session(meta, self.ownership.lease_ms)
-        s = self._resident(session_id, model, model_name, config, ckpt.state, ckpt.step, now)
-        s.epoch = meta.epoch
-        self._remember_history(s, ckpt.history)
-        if ckpt.output is not None:
-            s.recent.remember_output(ckpt.step, ckpt.output)
-        await self._first_snapshot(s, "import")
-        return await self.view(session_id)
-
-    def _new_meta(
-        self,
-        session_id: str,
-        model_name: str,
-        model: MambaModel,
-        step: int,
-        config: SessionConfig,
-        now: float,
-    ) -> SessionMeta:
-        """A new session at ``step``, owned by this worker at epoch 1."""
-        return SessionMeta(
-            session_id, model_name, model.fingerprint, step, step + 1, config.to_bytes(), now,
-            now, False, epoch=1, owner=self.ownership.worker_id, owner_addr=self.ownership.address,
+        await self._create(
+            session_id, model, model_name, config, ckpt.state, ckpt.step, "import",
+            ckpt.history, ckpt.output,
         )  # fmt: skip
+        return await self.view(session_id)
 
     async def _drop_for_replace(self, session_id: str) -> None:
         meta = await self.store.get_meta(session_id)
         if meta is None:
             return
-        if meta.closed:  # nobody owns a closed session: its last epoch still fences
-            await self.store.close_session(session_id, meta.epoch)
+        if meta.closed:  # nobody owns a closed session: its last token still fences
+            await self.store.close_session(SessionLease(session_id, meta.token, ""))
             return
         s = await self.session(session_id)  # take it over (or be redirected to its owner)
-        async with s.exclusive():
-            await self._fenced(s, self.store.close_session(s.id, s.epoch))
+        async with self._hold(s):
+            await self._write(s, lambda lease: self.store.close_session(lease))
             s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
             self._sessions.pop(session_id, None)
 
@@ -937,33 +1088,57 @@ class SessionManager:
             )
         self._check_capacity()
         if self.ownership.draining:
-            lease = await self.store.lease(session_id)
-            if lease is not None and lease.owner_addr:
-                raise lease.redirect(session_id)
+            holder = await self.store.lease_holder(session_id)
+            if holder is not None and holder.owner_addr:
+                raise holder.redirect(session_id)
             raise await self._elsewhere(meta.model, f"serve session {session_id!r}")
-        epoch = await self.store.acquire(
-            session_id, self.ownership.worker_id, self.ownership.address, self.ownership.lease_ms
-        )
+        if meta.numerics and meta.numerics != self.ownership.numerics:
+            raise await self._other_numerics(meta)
+        sent_at = time.monotonic()
+        token = await self.store.acquire(
+            session_id, self.ownership.worker_id, self.ownership.address,
+            self.ownership.lease_ms, numerics=self.ownership.numerics,
+        )  # fmt: skip
+        lease = self.ownership.new_lease(session_id, token, sent_at)
         try:
-            return await self._restore(session_id, model, meta.model, epoch)
+            return await self._restore(session_id, model, meta.model, lease)
         except BaseException:
             with contextlib.suppress(SsmserveError):
-                await self.store.release(session_id, self.ownership.worker_id, epoch)
+                await self.store.release(lease)
             raise
 
+    async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
+        """A session whose history was computed with numerics this worker does not have:
+        replaying it here might not reproduce what was answered. Send the caller to a
+        worker with the same numerics, or say why nobody can serve it."""
+        for worker in await self.ownership.targets(meta.model, numerics=meta.numerics):
+            return SessionMovedError(
+                f"session {meta.session_id!r} was computed with numerics {meta.numerics}, "
+                f"which worker {worker.address} has and this one ({self.ownership.numerics}) "
+                f"has not",
+                owner=worker.address,
+            )
+        return NumericsMismatchError(
+            f"session {meta.session_id!r} was computed with numerics {meta.numerics} (CPU, "
+            f"BLAS build and threads, engine code), and no live worker has them; this worker "
+            f"has {self.ownership.numerics}, so replaying its history here might not give "
+            f"the bits that were answered. Serve it from a worker with the same numerics, or "
+            f"export it and import the checkpoint here (its history then starts there)"
+        )
+
     async def _restore(
-        self, session_id: str, model: MambaModel, model_name: str, epoch: int
+        self, session_id: str, model: MambaModel, model_name: str, lease: SessionLease
     ) -> Session:
         """Rebuild an acquired session from its newest snapshot and its log."""
         meta = await self._meta(session_id)  # read after acquiring: the last owner is done
         config = SessionConfig.from_bytes(meta.config)
         record = await self.store.snapshot_at_or_before(session_id, meta.step)
         if record is None:
-            raise SessionClosedError(f"session {session_id!r} has no snapshot to restore from")
+            raise StoreDataError(f"session {session_id!r} has no snapshot to restore from")
         s = self._resident(
-            session_id, model, model_name, config, model.new_state(), record.step, meta.created_at
-        )
-        s.epoch = epoch
+            session_id, model, model_name, config, model.new_state(), record.step,
+            meta.created_at, lease,
+        )  # fmt: skip
         ckpt, state, outputs, raw = await self._rebuild(s, record, meta.step)
         self._remember_history(s, ckpt.history)
         if ckpt.output is not None:
@@ -972,13 +1147,9 @@ class SessionManager:
         s.state, s.step, s.last_snapshot_step = state, meta.step, record.step
         self._sessions[session_id] = s
         log.info(
-            "session %s restored at step %d, epoch %d (snapshot %d + %d replayed)",
-            session_id,
-            meta.step,
-            epoch,
-            record.step,
-            len(outputs),
-        )
+            "session %s restored at step %d, token %s (snapshot %d + %d replayed)",
+            session_id, meta.step, lease.token, record.step, len(outputs),
+        )  # fmt: skip
         return s
 
     def _resident(
@@ -990,12 +1161,14 @@ class SessionManager:
         state: SessionState,
         step: int,
         created_at: float,
+        lease: SessionLease,
     ) -> Session:
         stepper = self.steppers[model_name]
         recent = RecentSteps(max(config.history_window, 1), self.settings.output_window)
         return Session(
-            session_id, model, model_name, config, state, step, created_at, recent, stepper.notify
-        )
+            session_id, model, model_name, config, state, step, created_at, recent, lease,
+            stepper.notify,
+        )  # fmt: skip
 
     @staticmethod
     def _remember_history(s: Session, history: InputHistory) -> None:
@@ -1007,10 +1180,10 @@ class SessionManager:
 
         Any worker may load it again from there.
         """
-        async with s.exclusive():
+        async with self._hold(s):
             if s.step != s.last_snapshot_step or s.recent.unflushed:
                 await self.write_snapshot(s, s.step, s.state, reason)
-            await self._fenced(s, self.store.release(s.id, self.ownership.worker_id, s.epoch))
+            await self._write(s, self.store.release)
             s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
             self._sessions.pop(s.id, None)
 
@@ -1035,32 +1208,34 @@ class SessionManager:
         s = self._sessions.get(session_id)
         if s is None or s.gone is not None:
             raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
-        async with s.exclusive():
+        async with self._hold(s):
             if s.step != s.last_snapshot_step or s.recent.unflushed:
                 record = await self.write_snapshot(s, s.step, s.state, "migrate")
             else:
                 record = await self.store.snapshot_at_or_before(s.id, s.step)
             snapshot_id = record.snapshot_id if record else ""
-            me = self.ownership.worker_id
-            await self._fenced(
-                s, self.store.handoff(s.id, me, s.epoch, target, self.ownership.lease_ms)
+            lease = s.lease
+            await self._write(
+                s, lambda lease: self.store.handoff(lease, target, self.ownership.lease_ms)
             )
             try:
                 await adopt(session_id)
             except Exception as exc:
                 try:
                     await self.store.cancel_handoff(
-                        s.id, me, s.epoch, self.ownership.address, target.worker_id,
-                        self.ownership.lease_ms,
-                    )  # fmt: skip
+                        lease, self.ownership.address, target.worker_id, self.ownership.lease_ms
+                    )
                 except StaleEpochError:
                     pass  # the target did acquire it (only its answer was lost): moved
+                except SsmserveError as cancel_error:  # unknown: reload before answering
+                    self.lost(s, lease, cancel_error)
+                    raise
                 else:
                     raise HandOffError(
                         f"worker {target.address} did not take session {session_id!r} ({exc}); "
                         f"it stays on {self.ownership.address}"
                     ) from None
-            self._drop(
+            self.drop(
                 s,
                 SessionMovedError(
                     f"session {session_id!r} moved to worker {target.address}",
@@ -1091,19 +1266,13 @@ class SessionManager:
         model = self.models.get(name)
         if model is None:
             raise UnknownModelError(
-                f"model {name!r} is not served here (models: {', '.join(sorted(self.models))})"
+                f"model {clip(name)} is not served here (models: {', '.join(sorted(self.models))})"
             )
         return model
 
-    def _new_id(self, session_id: str) -> str:
-        if not session_id:
-            return secrets.token_hex(8)
-        if not SESSION_ID_PATTERN.fullmatch(session_id):
-            raise BadSessionIdError(
-                f"session id {session_id[:64]!r} is invalid: use 1-128 letters, digits, '.', "
-                f"'_' or '-', starting with a letter or digit"
-            )
-        return session_id
+    @staticmethod
+    def _new_id(session_id: str) -> str:
+        return check_session_id(session_id) if session_id else secrets.token_hex(8)
 
     def _check_capacity(self) -> None:
         if len(self._sessions) >= self.settings.max_sessions:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import AsyncIterator
-from typing import NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
@@ -41,11 +43,22 @@ GRPC_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
 }
 
 
 def grpc_code(error: SsmserveError) -> grpc.StatusCode:
     return GRPC_CODES[error.kind]
+
+
+#: The longest message an error carries (client strings in it are clipped already; this
+#: bounds the rest, so status details always fit in gRPC's metadata limits).
+MAX_MESSAGE_CHARS = 2048
+
+
+def message_of(error: BaseException) -> str:
+    text = str(error)
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def rich_status(error: SsmserveError) -> status_pb2.Status:
@@ -54,7 +67,7 @@ def rich_status(error: SsmserveError) -> status_pb2.Status:
     info.Pack(
         error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=_redirect(error))
     )
-    return status_pb2.Status(code=code.value[0], message=str(error), details=[info])
+    return status_pb2.Status(code=code.value[0], message=message_of(error), details=[info])
 
 
 def _redirect(error: SsmserveError) -> dict[str, str]:
@@ -98,4 +111,110 @@ async def abort_internal(context: grpc.aio.ServicerContext, exc: BaseException) 
 
 
 def step_error(error: SsmserveError) -> pb.StepError:
-    return pb.StepError(code=grpc_code(error).value[0], reason=error.reason, message=str(error))
+    out = pb.StepError(
+        code=grpc_code(error).value[0], reason=error.reason, message=message_of(error)
+    )
+    if isinstance(error, SessionMovedError):  # a redirect: where to go, and from when
+        out.owner = error.owner
+        out.retry_after_ms = max(0, min(error.retry_after_ms, 2**32 - 1))
+    return out
+
+
+# ---------------------------------------------------------------------------- undecodable
+
+
+class UndecodableRequestError(SsmserveError):
+    """A request message that is not valid protobuf for its method."""
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """What a request that fails to parse becomes, instead of an exception inside grpcio
+    (which would answer UNKNOWN, with the Python exception's class, and log a traceback)."""
+
+    method: str
+    size: int
+    problem: str
+
+    def error(self) -> UndecodableRequestError:
+        return UndecodableRequestError(
+            f"the request is not a valid message for {self.method} ({self.size} bytes: "
+            f"{self.problem[:200]})"
+        )
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """Requests that do not parse get INVALID_ARGUMENT and one log line.
+
+    Wraps every async handler: its deserializer returns an :class:`_Undecodable` marker
+    instead of raising, and the handler answers the marker with the error (a streamed
+    request's iterator raises it where the handler reads it).
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method  # type: ignore[attr-defined]
+        parse = handler.request_deserializer
+
+        def deserialize(raw: bytes) -> object:
+            try:
+                return parse(raw)
+            except Exception as exc:
+                log.warning("undecodable request to %s (%d bytes): %s", method, len(raw), exc)
+                return _Undecodable(method, len(raw), str(exc) or type(exc).__name__)
+
+        serialize = handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            inner_ss = handler.stream_stream
+            if not inspect.isasyncgenfunction(inner_ss):
+                return handler
+
+            async def stream_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+                async for response in inner_ss(_checked(requests), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+        if handler.request_streaming:
+            inner_su = handler.stream_unary
+            if not inspect.iscoroutinefunction(inner_su):
+                return handler
+
+            async def stream_unary(requests: Any, context: Any) -> Any:
+                return await inner_su(_checked(requests), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, serialize)
+        if handler.response_streaming:
+            inner_us = handler.unary_stream
+            if not inspect.isasyncgenfunction(inner_us):
+                return handler
+
+            async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await abort(context, request.error())
+                async for response in inner_us(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
+        inner_uu = handler.unary_unary
+        if not inspect.iscoroutinefunction(inner_uu):
+            return handler
+
+        async def unary_unary(request: Any, context: Any) -> Any:
+            if isinstance(request, _Undecodable):
+                await abort(context, request.error())
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.error()
+        yield request

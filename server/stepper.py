@@ -36,6 +36,7 @@ import numpy as np
 from server.engine import EngineLane
 from server.errors import SsmserveError
 from server.guards import GuardAction, GuardEvent, check_output
+from server.lease import SessionLease
 from server.model.mamba import MambaModel
 from server.session import (
     GuardRejectedError,
@@ -68,7 +69,11 @@ class BatchHooks(Protocol):
 
     async def flush_unflushed(self, session: Session, upto: int) -> None: ...
 
-    def lost(self, session_id: str, error: SsmserveError) -> None: ...
+    def lost(self, session: Session, lease: SessionLease, error: SsmserveError) -> None: ...
+
+    async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]: ...
+
+    def drop(self, session: Session, error: SsmserveError) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,7 @@ class Stepper:
             await self._guard_rollbacks(work)
             for w, job, outcome in recompute:
                 await self._recompute(w, job, outcome)
+            await self._check_leases(work)
         except BaseException as exc:
             error = exc if isinstance(exc, SsmserveError) else None
             for w in work:
@@ -255,19 +261,20 @@ class Stepper:
             for w in work
             if w.session.config.durability == Durability.LOG and w.session.recent.unflushed
         ]
-        pending = [(w, w.session.recent.take_unflushed()) for w in durable]
+        pending = [(w, w.session.lease, w.session.recent.take_unflushed()) for w in durable]
         appends = [
-            (w.session.id, w.session.epoch, entries[0][0], [raw for _, raw in entries])
-            for w, entries in pending
+            (lease, entries[0][0], [raw for _, raw in entries]) for _w, lease, entries in pending
         ]
         try:
             errors: list[SsmserveError | None] = await self.store.append_logs(appends, time.time())
         except SsmserveError as exc:
             errors = [exc] * len(appends)
-        for (w, _entries), error in zip(pending, errors, strict=True):
+        for (w, lease, _entries), error in zip(pending, errors, strict=True):
             if error is not None:
                 self._take_back(w, error)
-                self.hooks.lost(w.session.id, error)  # drops it if another worker owns it now
+                # Dropped if another worker owns it now, or if Redis may hold more than
+                # memory now (an unknown outcome): the next request reloads it.
+                self.hooks.lost(w.session, lease, error)
         for w in work:
             s = w.session
             if (
@@ -278,6 +285,24 @@ class Stepper:
                     await self.hooks.flush_unflushed(s, s.step)
                 except SsmserveError as exc:
                     log.warning("session %s: log flush failed: %s", s.id, exc)
+
+    async def _check_leases(self, work: list[_SessionBatch]) -> None:
+        """Answer only for sessions this worker surely still owns (self-fencing).
+
+        A session whose lease may have run out by this worker's clock (a freeze, a long
+        stall, Redis unreachable) is revalidated first; if that fails, nothing of this
+        batch is answered for it (not even what its log already holds: the next owner
+        answers a resend of those steps from the log) and it leaves memory, so the next
+        request finds its owner or reloads it from Redis.
+        """
+        errors = await self.hooks.revalidate([w.session for w in work if w.done])
+        if not errors:
+            return
+        for w in work:
+            error = errors.get(w.session.id)
+            if error is not None:
+                self._take_back(w, error)
+                self.hooks.drop(w.session, error)
 
     def _take_back(self, w: _SessionBatch, error: SsmserveError) -> None:
         """Undo every step this batch applied to the session; answer them with ``error``."""

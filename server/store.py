@@ -1,36 +1,25 @@
-"""Redis I/O for sessions: every key name and every Lua script lives in this module.
+"""Redis I/O for sessions: the only module that talks to Redis.
 
-Key layout (``P`` is the key prefix, ``ssm`` by default; ``{sid}`` is a Redis Cluster hash
-tag, so all keys of one session sit in one slot and one script may touch them together)::
-
-    P:sessions                   ZSET   every session id, score 0 (paged with ZRANGEBYLEX)
-    P:workers                    SET    ids of registered workers (some may have expired)
-    P:worker:<id>                HASH   address, models, load, started_at, draining (PX ttl)
-    P:{sid}:meta                 HASH   model, fingerprint, step, log_start, config, times,
-                                        epoch, owner (worker id), owner_addr
-    P:{sid}:lease                STRING the owning worker's id, or 'handoff:<id>' (PX ttl)
-    P:{sid}:log                  HASH   step -> raw input bytes (float32 or int64, LE)
-    P:{sid}:snaps                ZSET   snapshot id, scored by its step
-    P:{sid}:snap:<id>            HASH   step, label, reason, created_at, size, pieces
-    P:{sid}:blob:<id>:<i>        STRING piece i of a committed snapshot's checkpoint bytes
-    P:{sid}:stage:<id>:<i>       STRING a piece written but not committed yet (expires)
-    P:{sid}:labels               HASH   label -> snapshot id
+Key names and Lua scripts live in ``server/store_layout.py``; this module runs them and
+turns their replies into records and typed errors.
 
 Writing a snapshot is two phases (DESIGN.md, "Redis over loopback"): plain ``SET``s put the
 blob into staging keys in pieces of at most ``piece_bytes``; a small script then renames
 the pieces into place and updates the index. Big payloads never pass through Lua, where
 they would block Redis for the whole copy. The writer picks the snapshot id before the
-first attempt, so a retried commit finds its id already committed and does nothing; every
-other write here is also safe to repeat, because redis-py retries failed commands.
+first attempt, so a commit sent again finds its id already committed and does nothing.
 
-**Ownership and fencing.** A session has at most one owner: the worker whose id is in its
-``lease`` key, which expires unless renewed. Each acquisition increments ``meta.epoch``
-and hands the new epoch to the owner; every write script (log append, snapshot commit,
-rollback cut, close, lease renewal) carries the writer's epoch and refuses to change
-anything when it is not the current one (``ERR_STALE``). A worker that paused past its
-lease and came back can therefore not write over the history of the worker that took the
-session over. A migrating owner sets the lease to ``handoff:<target id>``, which only the
-target may acquire.
+**Ownership and fencing.** Every write of a session carries its owner's
+:class:`~server.lease.SessionLease`; the scripts compare its fencing token with the
+session's current one and change nothing when they differ (:class:`StaleEpochError`). A
+new session's token comes from :meth:`Store.create_session`, every later one from
+:meth:`Store.acquire`; :meth:`Store.renew_leases` only extends live leases.
+
+**Unknown outcomes.** redis-py does not retry here (``retry`` off), and a write whose
+answer never came (a timeout, a connection cut after the command left) may or may not
+have run: it raises :class:`StoreOutcomeUnknownError`, and the session manager reloads the
+session from Redis before it answers anything else about it. Reads that fail raise
+:class:`StoreUnavailableError`.
 
 ``meta.step`` is the durable step: the step a session comes back at after its worker is
 gone. Logged inputs cover ``log_start .. step``; ``log_start - 1`` is the step of the
@@ -46,13 +35,31 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
-from server.errors import ErrorKind, SessionMovedError, SsmserveError
+from server import store_layout as layout
+from server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
+from server.lease import SessionLease, new_incarnation
+from server.store_layout import Keys
 
 T = TypeVar("T")
 
 #: session ids: safe in key names (no braces, which would break the hash tag) and URLs.
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class BadSessionIdError(SsmserveError):
+    """A session id that is not 1-128 letters, digits, '.', '_' or '-'."""
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise BadSessionIdError(
+            f"session id {clip(session_id)} is invalid: use 1-128 letters, digits, '.', "
+            f"'_' or '-', starting with a letter or digit"
+        )
+    return session_id
 
 
 class StoreError(SsmserveError):
@@ -62,7 +69,21 @@ class StoreError(SsmserveError):
 
 
 class StoreUnavailableError(StoreError):
-    """Redis cannot be reached (or timed out); the request may be retried."""
+    """Redis cannot be reached (or timed out); nothing was written; retry."""
+
+
+class StoreOutcomeUnknownError(StoreUnavailableError):
+    """A write was sent but its answer never came: it may or may not have run.
+
+    Never guessed at: the session is reloaded from Redis before anything else about it
+    is answered.
+    """
+
+
+class StoreDataError(SsmserveError):
+    """What Redis holds for a session cannot be read back (a field is not what it must be)."""
+
+    kind = ErrorKind.DATA_LOSS
 
 
 class SessionMissingError(SsmserveError):
@@ -82,10 +103,32 @@ class LabelTakenError(SsmserveError):
 
 
 class StaleEpochError(SessionMovedError):
-    """A write carried an epoch that is no longer the session's: another worker owns it now.
+    """A write carried a fencing token that is no longer the session's: another worker (or
+    another incarnation of the id) owns it now. For the client a redirect like any other
+    (``owner`` says where to go); the reason code keeps its historic name."""
 
-    For the client this is a redirect like any other (``owner`` says where to go).
-    """
+
+class LeaseExpiredError(StoreError):
+    """This worker's lease ran out before it was renewed (nobody took the session yet)."""
+
+
+class LogDivergedError(StoreError):
+    """A write does not continue what Redis holds: memory and store diverged. The session
+    is reloaded from Redis (the source of truth); the request may be retried."""
+
+
+def _int(raw: dict[bytes, bytes], name: str, what: str, default: bytes | None = None) -> int:
+    value = raw.get(name.encode(), default)
+    if value is None or not value.isdigit():
+        raise StoreDataError(f"{what}: field {name!r} holds {value!r:.40}, not a step number")
+    return int(value)
+
+
+def _float(raw: dict[bytes, bytes], name: str, what: str, default: bytes = b"0") -> float:
+    try:
+        return float(raw.get(name.encode(), default))
+    except ValueError:
+        raise StoreDataError(f"{what}: field {name!r} is not a number") from None
 
 
 @dataclass(frozen=True)
@@ -99,30 +142,49 @@ class SessionMeta:
     created_at: float
     updated_at: float
     closed: bool
-    epoch: int = 0  # bumped by every acquisition (fencing)
+    epoch: int = 0  # acquisitions within this incarnation (for people; fencing uses token)
     owner: str = ""  # worker id of the last acquirer ('' after a release)
     owner_addr: str = ""
+    token: str = ""  # the current owner's fencing token ("<incarnation>.<epoch>")
+    numerics: str = ""  # the numerics signature its history was computed with
+
+    def to_fields(self) -> list[Any]:
+        fields: list[Any] = [
+            "model", self.model, "fingerprint", self.fingerprint, "step", self.step,
+            "log_start", self.log_start, "config", self.config, "created_at", self.created_at,
+            "updated_at", self.updated_at, "closed", "1" if self.closed else "0",
+            "incarnation", self.token.rpartition(".")[0], "epoch", self.epoch,
+            "token", self.token, "owner", self.owner, "owner_addr", self.owner_addr,
+            "numerics", self.numerics,
+        ]  # fmt: skip
+        return fields
 
     @classmethod
     def from_hash(cls, session_id: str, raw: dict[bytes, bytes]) -> SessionMeta:
-        return cls(
-            session_id=session_id,
-            model=raw[b"model"].decode(),
-            fingerprint=raw[b"fingerprint"].decode(),
-            step=int(raw[b"step"]),
-            log_start=int(raw[b"log_start"]),
-            config=raw[b"config"],
-            created_at=float(raw[b"created_at"]),
-            updated_at=float(raw[b"updated_at"]),
-            closed=raw.get(b"closed", b"0") == b"1",
-            epoch=int(raw.get(b"epoch", b"0")),
-            owner=raw.get(b"owner", b"").decode(),
-            owner_addr=raw.get(b"owner_addr", b"").decode(),
-        )
+        what = f"session {session_id!r}"
+        try:
+            return cls(
+                session_id=session_id,
+                model=raw[b"model"].decode(),
+                fingerprint=raw[b"fingerprint"].decode(),
+                step=_int(raw, "step", what),
+                log_start=_int(raw, "log_start", what),
+                config=raw[b"config"],
+                created_at=_float(raw, "created_at", what),
+                updated_at=_float(raw, "updated_at", what),
+                closed=raw.get(b"closed", b"0") == b"1",
+                epoch=_int(raw, "epoch", what, b"0"),
+                owner=raw.get(b"owner", b"").decode(),
+                owner_addr=raw.get(b"owner_addr", b"").decode(),
+                token=raw.get(b"token", b"").decode(),
+                numerics=raw.get(b"numerics", b"").decode(),
+            )
+        except (KeyError, UnicodeDecodeError) as exc:
+            raise StoreDataError(f"{what}: its metadata is incomplete ({exc})") from None
 
 
 @dataclass(frozen=True)
-class Lease:
+class LeaseHolder:
     """Who holds a session's lease right now (``holder`` may be ``handoff:<worker id>``)."""
 
     holder: str
@@ -149,6 +211,7 @@ class WorkerRecord:
     started_at: float
     heartbeat_at: float
     draining: bool
+    numerics: str = ""  # what its engine's bits depend on (server/model/numerics.py)
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -158,6 +221,7 @@ class WorkerRecord:
             "started_at": repr(self.started_at),
             "heartbeat_at": repr(self.heartbeat_at),
             "draining": "1" if self.draining else "0",
+            "numerics": self.numerics,
         }
 
     @classmethod
@@ -171,6 +235,7 @@ class WorkerRecord:
             started_at=float(raw.get(b"started_at", b"0")),
             heartbeat_at=float(raw.get(b"heartbeat_at", b"0")),
             draining=raw.get(b"draining", b"0") == b"1",
+            numerics=raw.get(b"numerics", b"").decode(),
         )
 
 
@@ -186,361 +251,70 @@ class SnapshotRecord:
 
     @classmethod
     def from_hash(cls, snapshot_id: str, raw: dict[bytes, bytes]) -> SnapshotRecord:
+        what = f"snapshot {snapshot_id!r}"
         return cls(
             snapshot_id=snapshot_id,
-            step=int(raw[b"step"]),
+            step=_int(raw, "step", what),
             label=raw[b"label"].decode(),
             reason=raw[b"reason"].decode(),
-            created_at=float(raw[b"created_at"]),
-            size=int(raw[b"size"]),
-            pieces=int(raw[b"pieces"]),
+            created_at=_float(raw, "created_at", what),
+            size=_int(raw, "size", what),
+            pieces=_int(raw, "pieces", what),
         )
 
 
-@dataclass(frozen=True)
-class Keys:
-    """Key names of one session."""
-
-    prefix: str
-    session_id: str
-
-    def _k(self, suffix: str) -> str:
-        return f"{self.prefix}:{{{self.session_id}}}:{suffix}"
-
-    @property
-    def meta(self) -> str:
-        return self._k("meta")
-
-    @property
-    def log(self) -> str:
-        return self._k("log")
-
-    @property
-    def snaps(self) -> str:
-        return self._k("snaps")
-
-    @property
-    def labels(self) -> str:
-        return self._k("labels")
-
-    @property
-    def lease(self) -> str:
-        return self._k("lease")
-
-    @property
-    def base(self) -> str:
-        """The common head of the keys scripts build themselves (snap, blob, stage)."""
-        return self._k("")
-
-    def snap(self, snapshot_id: str) -> str:
-        return self._k(f"snap:{snapshot_id}")
-
-    def blob(self, snapshot_id: str, piece: int) -> str:
-        return self._k(f"blob:{snapshot_id}:{piece}")
-
-    def stage(self, snapshot_id: str, piece: int) -> str:
-        return self._k(f"stage:{snapshot_id}:{piece}")
+# ---------------------------------------------------------------------------- replies
 
 
-# ---------------------------------------------------------------------------- scripts
-# Each script touches only keys of one session (one hash tag). Keys derived inside a
-# script (snap:<id>, blob:<id>:<i>) share that tag, so they live in the same slot.
-# Errors are returned as "ERR_<KIND> message" strings so Python can type them.
-
-# A helper shared by the scripts that drop snapshots: delete one snapshot and its label.
-_DROP_SNAPSHOT = """
-local function drop_snapshot(base, snaps, labels, id)
-    local snap = base .. 'snap:' .. id
-    local pieces = tonumber(redis.call('HGET', snap, 'pieces') or '0')
-    local label = redis.call('HGET', snap, 'label')
-    for i = 0, pieces - 1 do
-        redis.call('UNLINK', base .. 'blob:' .. id .. ':' .. i)
-    end
-    if label and label ~= '' and redis.call('HGET', labels, label) == id then
-        redis.call('HDEL', labels, label)
-    end
-    redis.call('DEL', snap)
-    redis.call('ZREM', snaps, id)
-end
-"""
-
-# The epoch check every write script starts with: refuse a writer whose epoch is not the
-# session's current one (another worker acquired the session since).
-_FENCE = """
-local function fence(meta, epoch)
-    local current = redis.call('HGET', meta, 'epoch')
-    if not current then
-        return 'ERR_MISSING session is gone from the store'
-    end
-    if current ~= epoch then
-        local owner = redis.call('HGET', meta, 'owner_addr') or ''
-        return 'ERR_STALE ' .. (owner ~= '' and owner or '-') .. ' epoch ' .. epoch
-            .. ' is stale: the session was taken over (epoch ' .. current .. ')'
-    end
-    return nil
-end
-"""
-
-# KEYS: meta, index, lease. ARGV: session id, worker id, lease ttl ms, then field/value pairs
-# of the meta hash (epoch 1, owner, owner_addr among them). The creator owns the session.
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-    return 'ERR_EXISTS'
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('ZADD', KEYS[2], 0, ARGV[1])
-redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
-return 'OK'
-"""
-
-# KEYS: meta, lease. ARGV: worker id, worker address, lease ttl ms.
-# Free (no lease), or reserved for this worker by a handoff: take it with the next epoch.
-_ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-    return 'ERR_MISSING session does not exist'
-end
-if redis.call('HGET', KEYS[1], 'closed') == '1' then
-    return 'ERR_CLOSED session is closed; its final snapshot can still be exported'
-end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] then
-    return 'ERR_OWNED ' .. redis.call('PTTL', KEYS[2]) .. ' '
-        .. (redis.call('HGET', KEYS[1], 'owner_addr') or '')
-end
-local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[2])
-return 'OK ' .. epoch
-"""
-
-# KEYS: meta, lease. ARGV: worker id, epoch, lease ttl ms.
-# Still ours: extend (or re-set, if it expired and nobody took the session meanwhile).
-_RENEW = (
-    _FENCE
-    + """
-local err = fence(KEYS[1], ARGV[2])
-if err then return err end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[1] then
-    return 'HANDOFF'  -- being handed to another worker by this one: leave it alone
-end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-return 'OK'
-"""
-)
-
-# KEYS: meta, lease. ARGV: worker id, epoch. The owner lets go (eviction, shutdown).
-_RELEASE = (
-    _FENCE
-    + """
-local err = fence(KEYS[1], ARGV[2])
-if err then return err end
-if redis.call('GET', KEYS[2]) == ARGV[1] then
-    redis.call('DEL', KEYS[2])
-end
-redis.call('HSET', KEYS[1], 'owner', '', 'owner_addr', '')
-return 'OK'
-"""
-)
-
-# KEYS: meta, lease. ARGV: worker id, epoch, target id, target address, ttl ms.
-# The owner reserves the session for one target worker, which acquires it next.
-_HANDOFF = (
-    _FENCE
-    + """
-local err = fence(KEYS[1], ARGV[2])
-if err then return err end
-redis.call('SET', KEYS[2], 'handoff:' .. ARGV[3], 'PX', ARGV[5])
-redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_addr', ARGV[4])
-return 'OK'
-"""
-)
-
-# KEYS: meta, lease. ARGV: worker id, epoch, worker address, ttl ms, target id.
-# The target did not take the session: the owner keeps it (same epoch).
-_CANCEL_HANDOFF = (
-    _FENCE
-    + """
-local err = fence(KEYS[1], ARGV[2])
-if err then return err end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= 'handoff:' .. ARGV[5] and holder ~= ARGV[1] then
-    return 'ERR_STALE - the session is held by ' .. holder
-end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[3])
-return 'OK'
-"""
-)
-
-# KEYS: meta, log. ARGV: epoch, first step, updated_at, then one input per step.
-# Safe to repeat: the same step gets the same bytes again.
-_LOG_APPEND = (
-    _FENCE
-    + """
-local err = fence(KEYS[1], ARGV[1])
-if err then return err end
-if redis.call('HGET', KEYS[1], 'closed') == '1' then
-    return 'ERR_CLOSED session is closed'
-end
-local first = tonumber(ARGV[2])
-local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
-if first > durable + 1 then
-    return 'ERR_GAP log append at step ' .. first .. ' but the log ends at ' .. durable
-end
-local last = first + #ARGV - 4
-for i = 4, #ARGV do
-    redis.call('HSET', KEYS[2], tostring(first + i - 4), ARGV[i])
-end
-redis.call('HSET', KEYS[1], 'step', last, 'updated_at', ARGV[3])
-return 'OK'
-"""
-)
-
-# KEYS: meta, snaps, labels, log. ARGV: base, id, step, pieces, label, reason,
-# created_at, size, max_snapshots, epoch.
-# Renames the staged pieces into place, indexes the snapshot, then applies retention:
-# at most max_snapshots are kept, and log entries at or before the oldest kept one go.
-_COMMIT_SNAPSHOT = (
-    _DROP_SNAPSHOT
-    + _FENCE
-    + """
-local base, id = ARGV[1], ARGV[2]
-local step, pieces, label = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local err = fence(KEYS[1], ARGV[10])
-if err then return err end
-if redis.call('ZSCORE', KEYS[2], id) then
-    for i = 0, pieces - 1 do  -- a retried commit: already done; drop the re-staged copy
-        redis.call('DEL', base .. 'stage:' .. id .. ':' .. i)
-    end
-    return 'OK'
-end
-if label ~= '' and redis.call('HEXISTS', KEYS[3], label) == 1 then
-    return 'ERR_LABEL label ' .. label .. ' already names a snapshot'
-end
-for i = 0, pieces - 1 do
-    if redis.call('EXISTS', base .. 'stage:' .. id .. ':' .. i) == 0 then
-        return 'ERR_STAGE staged piece ' .. i .. ' of snapshot ' .. id .. ' is missing'
-    end
-end
-for i = 0, pieces - 1 do
-    local blob = base .. 'blob:' .. id .. ':' .. i
-    redis.call('RENAME', base .. 'stage:' .. id .. ':' .. i, blob)
-    redis.call('PERSIST', blob)
-end
-redis.call('HSET', base .. 'snap:' .. id, 'step', step, 'label', label, 'reason', ARGV[6],
-    'created_at', ARGV[7], 'size', ARGV[8], 'pieces', pieces)
-redis.call('ZADD', KEYS[2], step, id)
-if label ~= '' then
-    redis.call('HSET', KEYS[3], label, id)
-end
-local keep = tonumber(ARGV[9])
-while redis.call('ZCARD', KEYS[2]) > keep do
-    -- the oldest by step (ids order snapshots of one step by time); never the new one
-    local two = redis.call('ZRANGE', KEYS[2], 0, 1)
-    drop_snapshot(base, KEYS[2], KEYS[3], two[1] == id and two[2] or two[1])
-end
-local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-local new_start = tonumber(head[2]) + 1
-local log_start = tonumber(redis.call('HGET', KEYS[1], 'log_start'))
-if new_start > log_start then
-    for s = log_start, new_start - 1 do
-        redis.call('HDEL', KEYS[4], tostring(s))
-    end
-    redis.call('HSET', KEYS[1], 'log_start', new_start)
-end
-return 'OK'
-"""
-)
-
-# KEYS: meta, snaps, labels, log. ARGV: base, step t, current in-memory step, updated_at,
-# epoch. History after t is cut: snapshots past t and logged inputs past t are deleted.
-_ROLLBACK_CUT = (
-    _DROP_SNAPSHOT
-    + _FENCE
-    + """
-local base, t, upto = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local err = fence(KEYS[1], ARGV[5])
-if err then return err end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. t, '+inf')) do
-    drop_snapshot(base, KEYS[2], KEYS[3], id)
-end
-local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
-for s = t + 1, math.max(durable, upto) do
-    redis.call('HDEL', KEYS[4], tostring(s))
-end
-if durable > t then
-    redis.call('HSET', KEYS[1], 'step', t)
-end
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[4])
-return 'OK'
-"""
-)
-
-# KEYS: meta, snaps, labels, log, index, lease. ARGV: base, session id, keep (a snapshot id
-# or ''), epoch. Without keep: every key of the session goes. With keep: the session is
-# marked closed and only that snapshot stays (so it can still be exported).
-_CLOSE = (
-    _DROP_SNAPSHOT
-    + _FENCE
-    + """
-local base, keep = ARGV[1], ARGV[3]
-local err = fence(KEYS[1], ARGV[4])
-if err then return err end
-redis.call('DEL', KEYS[6])
-for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-    if id ~= keep then
-        drop_snapshot(base, KEYS[2], KEYS[3], id)
-    end
-end
-redis.call('DEL', KEYS[4])
-if keep == '' then
-    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-    redis.call('ZREM', KEYS[5], ARGV[2])
-else
-    redis.call('HSET', KEYS[1], 'closed', '1', 'owner', '', 'owner_addr', '')
-end
-return 'OK'
-"""
-)
+def _reply(raw: Any) -> list[str]:
+    if isinstance(raw, list) and raw:
+        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in raw]
+    raise StoreError(f"unexpected reply from the session store: {raw!r:.200}")
 
 
-def _raise_script_error(reply: Any) -> None:
-    text = reply.decode() if isinstance(reply, bytes) else str(reply)
-    if text == "OK":
-        return
-    code, _, message = text.partition(" ")
+def _raise_script_error(raw: Any) -> list[str]:
+    """A script's reply as a list of strings; raises the typed error an ERR_ code stands for."""
+    reply = _reply(raw)
+    code, rest = reply[0], reply[1:]
+    if code in ("OK", "HANDOFF"):
+        return reply
+    message = rest[0] if rest else code
     if code == "ERR_STALE":
-        owner, _, message = message.partition(" ")
-        owner = "" if owner == "-" else owner
+        owner = rest[1] if len(rest) > 1 else ""
         raise StaleEpochError(f"{message} by {owner or 'no live worker'}", owner=owner)
     error: type[SsmserveError] = {
         "ERR_EXISTS": SessionExistsError,
         "ERR_MISSING": SessionMissingError,
         "ERR_CLOSED": SessionClosedError,
         "ERR_LABEL": LabelTakenError,
+        "ERR_EXPIRED": LeaseExpiredError,
+        "ERR_GAP": LogDivergedError,
     }.get(code, StoreError)
-    raise error(message or text)
+    raise error(message)
 
 
-def _script_outcome(reply: Any, ok: tuple[bytes, ...] = (b"OK",)) -> SsmserveError | None:
+def _script_outcome(raw: Any) -> SsmserveError | None:
     """A pipelined script reply as None (success) or the typed error it stands for."""
-    if isinstance(reply, Exception):
-        return StoreError(f"the session store (Redis) failed: {reply}")
-    if reply in ok:
-        return None
+    if isinstance(raw, Exception):
+        return StoreError(f"the session store (Redis) failed: {raw}")
     try:
-        _raise_script_error(reply)
+        _raise_script_error(raw)
     except SsmserveError as exc:
         return exc
-    return StoreError(f"unexpected reply from the session store: {reply!r}")
+    return None
 
 
-async def _guarded(call: Callable[[], Awaitable[T]]) -> T:
-    """Run one Redis call; connection trouble becomes StoreUnavailableError."""
+async def _guarded(call: Callable[[], Awaitable[T]], write: bool = False) -> T:
+    """Run one Redis call; connection trouble becomes StoreUnavailableError, or, for a
+    write whose answer may have been lost, StoreOutcomeUnknownError."""
     try:
         return await call()
     except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        if write:
+            raise StoreOutcomeUnknownError(
+                f"the session store (Redis) did not answer a write, which may or may not "
+                f"have been applied: {exc}"
+            ) from None
         raise StoreUnavailableError(f"the session store (Redis) is unavailable: {exc}") from None
     except redis_errors.RedisError as exc:
         raise StoreError(f"the session store (Redis) failed: {exc}") from None
@@ -552,7 +326,10 @@ class StoreSettings:
     key_prefix: str = "ssm"
     piece_bytes: int = 4 << 20  # snapshot blobs are SET in pieces of at most this size
     stage_ttl_s: int = 600  # staged pieces of a commit that never came expire after this
-    socket_timeout_s: float = 5.0
+    # Every Redis command gets this long to answer; then its outcome is unknown (a write)
+    # or it failed (a read). Small enough that a stalled Redis is noticed well within a
+    # lease TTL, large enough for a 4 MiB piece on a busy loopback.
+    socket_timeout_s: float = 2.0
 
 
 class Store:
@@ -567,22 +344,23 @@ class Store:
             decode_responses=False,
             socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=settings.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # a lost answer is an unknown outcome, not a retry
         )
         self._index = f"{settings.key_prefix}:sessions"
         self._workers = f"{settings.key_prefix}:workers"
-        self._create = self.redis.register_script(_CREATE)
-        self._acquire = self.redis.register_script(_ACQUIRE)
-        self._renew = self.redis.register_script(_RENEW)
-        self._release = self.redis.register_script(_RELEASE)
-        self._handoff = self.redis.register_script(_HANDOFF)
-        self._cancel_handoff = self.redis.register_script(_CANCEL_HANDOFF)
-        self._log_append = self.redis.register_script(_LOG_APPEND)
-        self._commit = self.redis.register_script(_COMMIT_SNAPSHOT)
-        self._cut = self.redis.register_script(_ROLLBACK_CUT)
-        self._close = self.redis.register_script(_CLOSE)
+        self._create = self.redis.register_script(layout.CREATE)
+        self._acquire = self.redis.register_script(layout.ACQUIRE)
+        self._renew = self.redis.register_script(layout.RENEW)
+        self._release = self.redis.register_script(layout.RELEASE)
+        self._handoff = self.redis.register_script(layout.HANDOFF)
+        self._cancel_handoff = self.redis.register_script(layout.CANCEL_HANDOFF)
+        self._log_append = self.redis.register_script(layout.LOG_APPEND)
+        self._commit = self.redis.register_script(layout.COMMIT_SNAPSHOT)
+        self._cut = self.redis.register_script(layout.ROLLBACK_CUT)
+        self._close = self.redis.register_script(layout.CLOSE)
 
     def keys(self, session_id: str) -> Keys:
-        return Keys(self.settings.key_prefix, session_id)
+        return Keys(self.settings.key_prefix, check_session_id(session_id))
 
     async def ping(self) -> None:
         await _guarded(self.redis.ping)
@@ -592,24 +370,44 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def create_session(self, meta: SessionMeta, lease_ms: int) -> None:
-        """Write a new session's metadata; its creator (``meta.owner``) holds the lease."""
+    async def create_session(
+        self,
+        meta: SessionMeta,
+        lease_ms: int,
+        record: SnapshotRecord,
+        blob: bytes,
+        max_snapshots: int,
+    ) -> None:
+        """Write a new session and its first snapshot at once; ``meta.owner`` holds it.
+
+        ``meta.token`` is the creator's fencing token (a fresh incarnation, epoch 1). If
+        the answer is lost, the store is asked again whether this token's session exists,
+        so the outcome is known when this returns or raises anything but
+        :class:`StoreOutcomeUnknownError`.
+        """
         k = self.keys(meta.session_id)
-        fields: list[Any] = [
-            "model", meta.model, "fingerprint", meta.fingerprint, "step", meta.step,
-            "log_start", meta.log_start, "config", meta.config, "created_at", meta.created_at,
-            "updated_at", meta.updated_at, "closed", "1" if meta.closed else "0",
-            "epoch", meta.epoch, "owner", meta.owner, "owner_addr", meta.owner_addr,
+        await self._stage(k, record, blob)
+        args = [
+            meta.session_id, meta.owner, lease_ms, meta.token, k.base, record.snapshot_id,
+            record.step, record.pieces, record.reason, record.created_at, record.size,
+            max_snapshots, *meta.to_fields(),
         ]  # fmt: skip
-        reply = await _guarded(
-            lambda: self._create(
-                keys=[k.meta, self._index, k.lease],
-                args=[meta.session_id, meta.owner, lease_ms, *fields],
-            )
-        )
-        if reply == b"ERR_EXISTS":
-            raise SessionExistsError(f"session {meta.session_id!r} already exists")
-        _raise_script_error(reply)
+        keys = [k.meta, self._index, k.lease, k.snaps, k.labels, k.log]
+        try:
+            reply = await _guarded(lambda: self._create(keys=keys, args=args), write=True)
+        except StoreOutcomeUnknownError:
+            current = await self.get_meta(meta.session_id)  # may raise: still unknown
+            if current is not None and current.token == meta.token:
+                return  # it was applied
+            if current is not None:
+                raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
+            raise StoreUnavailableError(
+                "the session store (Redis) did not answer; the session was not created"
+            ) from None
+        try:
+            _raise_script_error(reply)
+        except SessionExistsError:
+            raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
 
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
@@ -620,98 +418,98 @@ class Store:
         ids = await _guarded(
             lambda: self.redis.zrangebylex(self._index, start, "+", start=0, num=count)
         )
-        return [i.decode() for i in ids]
+        return [i.decode(errors="replace") for i in ids]
 
-    async def close_session(self, session_id: str, epoch: int, keep_snapshot: str = "") -> None:
-        k = self.keys(session_id)
+    async def close_session(self, lease: SessionLease, keep_snapshot: str = "") -> None:
+        k = self.keys(lease.session_id)
         reply = await _guarded(
             lambda: self._close(
                 keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease],
-                args=[k.base, session_id, keep_snapshot, epoch],
-            )
+                args=[k.base, lease.session_id, keep_snapshot, lease.token],
+            ),
+            write=True,
         )
         _raise_script_error(reply)
 
     # ------------------------------------------------------------------ ownership
 
-    async def acquire(self, session_id: str, worker_id: str, address: str, lease_ms: int) -> int:
-        """Take the session's lease; returns the new epoch.
+    async def acquire(
+        self,
+        session_id: str,
+        worker_id: str,
+        address: str,
+        lease_ms: int,
+        expect: str = "",
+        numerics: str = "",
+    ) -> str:
+        """Take the session's lease; returns the new fencing token.
 
-        Raises :class:`SessionMovedError` (with the owner's address and how long its lease
-        still runs) when another worker holds it.
+        ``expect``: only if the session's token is still this one (nobody acquired it
+        since). ``numerics``: recorded for a session stored without a signature. Raises
+        :class:`SessionMovedError` (with the owner's address and how long its lease still
+        runs) when another worker holds it.
         """
         k = self.keys(session_id)
-        reply = await _guarded(
-            lambda: self._acquire(keys=[k.meta, k.lease], args=[worker_id, address, lease_ms])
-        )
-        text = reply.decode()
-        if text.startswith("OK "):
-            return int(text[3:])
-        if text.startswith("ERR_OWNED "):
-            _code, ttl, owner = text.split(" ", 2)
-            raise Lease("", owner, max(0, int(ttl))).redirect(session_id)
-        _raise_script_error(reply)
-        raise AssertionError(f"unexpected acquire reply {text!r}")
+        args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics]
+        raw = await _guarded(lambda: self._acquire(keys=[k.meta, k.lease], args=args), write=True)
+        reply = _reply(raw)
+        if reply[0] == "ERR_OWNED":
+            owner, ttl = reply[2], reply[3]
+            raise LeaseHolder("", owner, max(0, int(ttl) if ttl.isdigit() else 0)).redirect(
+                session_id
+            )
+        _raise_script_error(raw)
+        return reply[1]
 
     async def renew_leases(
-        self, leases: Sequence[tuple[str, int]], worker_id: str, lease_ms: int
+        self, leases: Sequence[SessionLease], lease_ms: int
     ) -> list[SsmserveError | None]:
-        """Extend the leases of ``(session id, epoch)`` pairs in one round trip.
-
-        One entry per lease: None when renewed (or being handed off), else the error
-        (:class:`StaleEpochError` when another worker took the session).
-        """
+        """Extend live leases in one round trip; one entry per lease: None when renewed
+        (or being handed off), else the error (:class:`StaleEpochError` when the session
+        is someone else's, :class:`LeaseExpiredError` when the lease ran out)."""
         if not leases:
             return []
 
         async def run() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for session_id, epoch in leases:
-                    k = self.keys(session_id)
+                for lease in leases:
+                    k = self.keys(lease.session_id)
                     await self._renew(
-                        keys=[k.meta, k.lease], args=[worker_id, epoch, lease_ms], client=pipe
+                        keys=[k.meta, k.lease],
+                        args=[lease.holder, lease.token, lease_ms],
+                        client=pipe,
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        return [_script_outcome(r, ok=(b"OK", b"HANDOFF")) for r in await _guarded(run)]
+        return [_script_outcome(r) for r in await _guarded(run, write=True)]
 
-    async def release(self, session_id: str, worker_id: str, epoch: int) -> None:
-        k = self.keys(session_id)
+    async def release(self, lease: SessionLease) -> None:
+        k = self.keys(lease.session_id)
         reply = await _guarded(
-            lambda: self._release(keys=[k.meta, k.lease], args=[worker_id, epoch])
+            lambda: self._release(keys=[k.meta, k.lease], args=[lease.holder, lease.token]),
+            write=True,
         )
         _raise_script_error(reply)
 
-    async def handoff(
-        self,
-        session_id: str,
-        worker_id: str,
-        epoch: int,
-        target: WorkerRecord,
-        lease_ms: int,
-    ) -> None:
+    async def handoff(self, lease: SessionLease, target: WorkerRecord, lease_ms: int) -> None:
         """Reserve the session for ``target``: only it may acquire it next."""
-        k = self.keys(session_id)
-        args = [worker_id, epoch, target.worker_id, target.address, lease_ms]
-        reply = await _guarded(lambda: self._handoff(keys=[k.meta, k.lease], args=args))
+        k = self.keys(lease.session_id)
+        args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
+        reply = await _guarded(lambda: self._handoff(keys=[k.meta, k.lease], args=args), write=True)
         _raise_script_error(reply)
 
     async def cancel_handoff(
-        self,
-        session_id: str,
-        worker_id: str,
-        epoch: int,
-        address: str,
-        target_id: str,
-        lease_ms: int,
+        self, lease: SessionLease, address: str, target_id: str, lease_ms: int
     ) -> None:
         """Take back a reservation the target never used; raises StaleEpochError if it did."""
-        k = self.keys(session_id)
-        args = [worker_id, epoch, address, lease_ms, target_id]
-        reply = await _guarded(lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args))
+        k = self.keys(lease.session_id)
+        args = [lease.holder, lease.token, address, lease_ms, target_id]
+        reply = await _guarded(
+            lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args), write=True
+        )
         _raise_script_error(reply)
 
-    async def lease(self, session_id: str) -> Lease | None:
+    async def lease_holder(self, session_id: str) -> LeaseHolder | None:
         """The session's current lease holder, or None when nobody holds it."""
         k = self.keys(session_id)
 
@@ -725,7 +523,7 @@ class Store:
         holder, ttl, addr = await _guarded(run)
         if holder is None:
             return None
-        return Lease(holder.decode(), (addr or b"").decode(), max(0, int(ttl)))
+        return LeaseHolder(holder.decode(), (addr or b"").decode(), max(0, int(ttl)))
 
     # ------------------------------------------------------------------ worker registry
 
@@ -773,29 +571,30 @@ class Store:
     # ------------------------------------------------------------------ input log
 
     async def append_logs(
-        self, appends: Sequence[tuple[str, int, int, Sequence[bytes]]], updated_at: float
+        self,
+        appends: Sequence[tuple[SessionLease, int, Sequence[bytes]]],
+        updated_at: float,
     ) -> list[SsmserveError | None]:
-        """Group commit: ``(session id, epoch, first step, inputs)`` for many sessions.
+        """Group commit: ``(lease, first step, inputs)`` for many sessions, one round trip.
 
-        One round trip for all of them.
-
-        Returns one entry per append: None when it was recorded, else the error.
+        Returns one entry per append: None when it was recorded, else the error. A lost
+        answer raises :class:`StoreOutcomeUnknownError` for all of them.
         """
         if not appends:
             return []
 
         async def run() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for session_id, epoch, first, inputs in appends:
-                    k = self.keys(session_id)
+                for lease, first, inputs in appends:
+                    k = self.keys(lease.session_id)
                     await self._log_append(
                         keys=[k.meta, k.log],
-                        args=[epoch, first, updated_at, *inputs],
+                        args=[lease.token, first, updated_at, *inputs],
                         client=pipe,
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        return [_script_outcome(reply) for reply in await _guarded(run)]
+        return [_script_outcome(reply) for reply in await _guarded(run, write=True)]
 
     async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
         """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
@@ -812,16 +611,8 @@ class Store:
 
     # ------------------------------------------------------------------ snapshots
 
-    async def commit_snapshot(
-        self,
-        session_id: str,
-        epoch: int,
-        record: SnapshotRecord,
-        blob: bytes,
-        max_snapshots: int,
-    ) -> None:
-        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script."""
-        k = self.keys(session_id)
+    async def _stage(self, k: Keys, record: SnapshotRecord, blob: bytes) -> None:
+        """Put ``blob`` into the record's staging keys with plain SETs (they expire)."""
         piece = self.settings.piece_bytes
         view = memoryview(blob)
         pieces = max(1, -(-len(blob) // piece))
@@ -838,13 +629,27 @@ class Store:
                     )
                 await pipe.execute()
 
+        # Staging keys are private to this commit (its id is new): a lost answer here is
+        # harmless, the commit that follows finds out whether every piece arrived.
         await _guarded(stage)
+
+    async def commit_snapshot(
+        self,
+        lease: SessionLease,
+        record: SnapshotRecord,
+        blob: bytes,
+        max_snapshots: int,
+    ) -> None:
+        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script."""
+        k = self.keys(lease.session_id)
+        await self._stage(k, record, blob)
         args = [
-            k.base, record.snapshot_id, record.step, pieces, record.label, record.reason,
-            record.created_at, record.size, max_snapshots, epoch,
+            k.base, record.snapshot_id, record.step, record.pieces, record.label, record.reason,
+            record.created_at, record.size, max_snapshots, lease.token,
         ]  # fmt: skip
         reply = await _guarded(
-            lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args)
+            lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args),
+            write=True,
         )
         _raise_script_error(reply)
 
@@ -914,21 +719,22 @@ class Store:
     # ------------------------------------------------------------------ rollback
 
     async def cut_history(
-        self, session_id: str, epoch: int, step: int, upto: int, updated_at: float
+        self, lease: SessionLease, step: int, upto: int, updated_at: float
     ) -> None:
         """Delete snapshots and logged inputs after ``step``; the durable step drops to it."""
-        k = self.keys(session_id)
+        k = self.keys(lease.session_id)
         reply = await _guarded(
             lambda: self._cut(
                 keys=[k.meta, k.snaps, k.labels, k.log],
-                args=[k.base, step, upto, updated_at, epoch],
-            )
+                args=[k.base, step, upto, updated_at, lease.token],
+            ),
+            write=True,
         )
         _raise_script_error(reply)
 
     async def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session (tests and operators; SCAN, so not for hot paths)."""
-        pattern = f"{self.settings.key_prefix}:{{{session_id}}}:*"
+        pattern = f"{self.settings.key_prefix}:{{{check_session_id(session_id)}}}:*"
         return sorted(
             [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
         )

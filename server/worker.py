@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -23,17 +23,24 @@ from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 from server.cluster_service import ClusterService
 from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from server.errors import SsmserveError
 from server.migration import DrainProgress, MigrationSettings, Migrator
 from server.model.loader import load_model
 from server.model.mamba import MambaModel
-from server.model.numerics import pin_blas_threads
+from server.model.numerics import numerics_description, numerics_signature, pin_blas_threads
 from server.ownership import Ownership, OwnershipSettings
-from server.peers import Peers
+from server.peers import Peers, PeerSettings
 from server.service import ServiceSettings, SessionService
 from server.sessions import ManagerSettings, SessionManager
+from server.status import UndecodableRequests
 from server.store import Store, StoreSettings
 
 log = logging.getLogger(__name__)
+
+
+class ModelTooLargeError(SsmserveError):
+    """A model whose one answer cannot fit in a gRPC message of the configured size."""
+
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
 CLUSTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ClusterService"].full_name
@@ -50,6 +57,13 @@ class WorkerSettings:
     advertise: str = ""  # address shown as a session's owner; default: the bound address
     key_prefix: str = "ssm"
     max_message_bytes: int = 4 << 20  # gRPC receive/send limit per message
+    # gRPC keepalive: the server pings each client connection this long after it last
+    # heard from it and closes it when no answer comes within the timeout, so the streams
+    # of a client that vanished (crashed host, half-open connection) end within about
+    # the sum. Clients may ping as often as they like (no "too many pings" strikes).
+    keepalive_time_s: float = 5.0
+    keepalive_timeout_s: float = 3.0
+    redis_timeout_s: float = 2.0  # every Redis command's deadline (StoreSettings)
     shutdown_grace_s: float = 5.0
     blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
     drain_on_stop: bool = True  # hand sessions to other workers on stop (else snapshot them)
@@ -61,6 +75,21 @@ class WorkerSettings:
     service: ServiceSettings = field(default_factory=ServiceSettings)
     ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
     migration: MigrationSettings = field(default_factory=MigrationSettings)
+    peers: PeerSettings = field(default_factory=PeerSettings)
+
+
+def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
+    """gRPC server channel arguments: message limits and keepalive (both directions)."""
+    return [
+        ("grpc.max_receive_message_length", s.max_message_bytes),
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 class Worker:
@@ -71,10 +100,11 @@ class Worker:
         self.manager: SessionManager | None = None
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
-        self.peers = Peers()
+        self.peers = Peers(settings.peers)
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
+        self.numerics = ""
 
     async def start(self) -> str:
         """Start everything; returns the address the server listens on (host:port)."""
@@ -84,20 +114,30 @@ class Worker:
         for name, directory in s.models:
             models[name] = await asyncio.to_thread(load_model, directory, name)
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
+        for name, model in models.items():
+            # One step's answer (float32 outputs, packed) must fit in one message.
+            one = model.config.output_dim * 4 + 4096
+            if one > s.max_message_bytes // 2:
+                raise ModelTooLargeError(
+                    f"model {name}: one output of {model.config.output_dim} values does not fit "
+                    f"in half a {s.max_message_bytes}-byte message; raise max_message_bytes"
+                )
         url = s.redis_url
         if url is None:
             self.embedded = EmbeddedRedis(EmbeddedRedisSettings(data_dir=s.data_dir / "redis"))
             await asyncio.to_thread(self.embedded.start)
             url = self.embedded.url
             log.info("embedded redis-server on %s (data in %s)", url, s.data_dir / "redis")
-        self.store = Store(StoreSettings(url=url, key_prefix=s.key_prefix))
+        self.store = Store(
+            StoreSettings(url=url, key_prefix=s.key_prefix, socket_timeout_s=s.redis_timeout_s)
+        )
         await self.store.ping()
+        self.numerics = numerics_description()
+        log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
 
-        options = [
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
-        ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(
+            options=server_options(s), interceptors=[UndecodableRequests()]
+        )
         port = self.server.add_insecure_port(s.listen)
         if port == 0:
             raise OSError(f"cannot listen on {s.listen}")
@@ -108,16 +148,22 @@ class Worker:
             s.ownership,
             s.advertise or self.address,
             sorted(models),
+            numerics_signature(self.numerics),
             held=lambda: manager.held(),
-            on_lost=lambda session_id, error: manager.lost(session_id, error),
+            on_lost=lambda lease, error: manager.lost_lease(lease, error),
+            on_expired=lambda lease: manager.expired_lease(lease),
         )
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         self.migrator = Migrator(
             manager, self.ownership, self.peers, s.migration, on_drain=self._not_serving
         )
+        await manager.warm_up()  # ready means warm: no request compiles a kernel
         manager.start()
         pb_grpc.add_SessionServiceServicer_to_server(
-            SessionService(manager, s.service, self.migrator), self.server
+            SessionService(
+                manager, replace(s.service, max_message_bytes=s.max_message_bytes), self.migrator
+            ),
+            self.server,
         )
         pb_grpc.add_ClusterServiceServicer_to_server(
             ClusterService(self.migrator, self.ownership), self.server

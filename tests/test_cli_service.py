@@ -219,7 +219,7 @@ def test_cluster_commands_workers_migrate_drain(start_worker, served_models, tmp
     np.testing.assert_array_equal(got.view(np.uint32), model.run(x)[0].view(np.uint32))
 
     code, out, err = cli(capsys, "--server", a.address, "migrate", sid, "--to", "127.0.0.1:1")
-    assert code == 2 and "no live worker is registered at 127.0.0.1:1" in err
+    assert code == 2 and "no live worker is registered at '127.0.0.1:1'" in err
 
     code, out, _ = cli(capsys, "--server", b.address, "drain")
     lines = out.strip().splitlines()

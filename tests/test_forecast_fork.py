@@ -364,7 +364,7 @@ def test_fork_errors_are_clear_and_leave_nothing_behind(start_worker, served_mod
         a.client.fork(sid, new_session_id=sid)
     with pytest.raises(InvalidArgument, match="session id"):
         a.client.fork(sid, new_session_id="bad id!")
-    with pytest.raises(NotFound, match=r"no live worker is registered at 127\.0\.0\.1:1"):
+    with pytest.raises(NotFound, match=r"no live worker is registered at '127\.0\.0\.1:1'"):
         a.client.fork(sid, new_session_id="orphan", target="127.0.0.1:1")
     with pytest.raises(NotFound, match="does not exist"):
         a.client.fork("nobody")

@@ -14,7 +14,14 @@ import redis
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 from client.aio import step_input
-from client.errors import FailedPrecondition, NotFound, SessionMoved, Unavailable, from_rpc_error
+from client.errors import (
+    FailedPrecondition,
+    NotFound,
+    SessionMoved,
+    Unavailable,
+    from_rpc_error,
+    step_redirect,
+)
 from client.retry import RetryPolicy
 from client.sync import Client
 from server.ownership import OwnershipSettings
@@ -79,7 +86,8 @@ def test_any_worker_redirects_to_the_owner(start_worker, served_models):
 
 def test_a_stale_owner_is_fenced_and_drops_the_session(start_worker, served_models, redis_url):
     """A loses its lease (as if paused past it); B takes the session over. A's next write
-    carries the old epoch: Redis refuses it, nothing changes, and A drops the session."""
+    carries the old fencing token: Redis refuses it, nothing changes, A drops the session
+    and answers the step with a redirect to B (inside the stream, which goes on)."""
     model = served_models["demo"]
     x = random_inputs(model, 12, seed=2)
     a = start_worker(ownership=OwnershipSettings(renew_every_s=3600))  # A never renews
@@ -94,13 +102,16 @@ def test_a_stale_owner_is_fenced_and_drops_the_session(start_worker, served_mode
         assert int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) == 2
         before = r.hgetall(f"ssm:{{{sid}}}:log"), r.hgetall(f"ssm:{{{sid}}}:meta")
 
-        # A still holds it in memory at epoch 1, at step 5; step 6 again (not 9) so it applies
+        # A still holds it in memory with its old token, at step 5; step 6 again (not 9)
+        # so it applies
         async def stale_step(w):
             call = w.sessions.Stream(iter([pb.StreamRequest(steps=[step_input(sid, 6, x[7])])]))
             return [r async for r in call]
 
         with Client(a.address) as raw_client:
-            moved = from_rpc_error(raw_error(raw_client, a.address, stale_step))
+            (response,) = raw_client._run(stale_step(raw_client._aio._worker(a.address)))
+        (result,) = response.results  # the redirect is the step's answer; no abort
+        moved = step_redirect(result.error)
         assert isinstance(moved, SessionMoved) and moved.reason == "STALE_EPOCH"
         assert moved.owner == b.address
         assert (r.hgetall(f"ssm:{{{sid}}}:log"), r.hgetall(f"ssm:{{{sid}}}:meta")) == before

@@ -12,19 +12,27 @@ import pytest
 
 from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from server.errors import SessionMovedError
+from server.lease import SessionLease, new_incarnation
 from server.store import (
+    BadSessionIdError,
     LabelTakenError,
+    LeaseExpiredError,
+    LogDivergedError,
     SessionClosedError,
     SessionExistsError,
     SessionMeta,
+    SessionMissingError,
     SnapshotRecord,
     StaleEpochError,
     Store,
+    StoreDataError,
     StoreError,
+    StoreOutcomeUnknownError,
     StoreSettings,
     StoreUnavailableError,
     WorkerRecord,
 )
+from server.store_layout import MAX_STEP
 
 
 def _binaries() -> list[object]:
@@ -72,19 +80,35 @@ def run(store_factory, body):
     return asyncio.run(main())
 
 
-def meta(sid: str, step: int = 0) -> SessionMeta:
-    return SessionMeta(
-        sid, "demo", "f" * 64, step, step + 1, b"cfg", 1.0, 1.0, False, 1, "w1", "addr:1"
-    )
-
-
 LEASE_MS = 60_000
+BASE = b"base"  # the bytes of every test session's first snapshot
 
 
 def record(step: int, size: int, label: str = "", sid: str = "") -> SnapshotRecord:
     return SnapshotRecord(
         f"{step:012d}-{sid or 'x'}", step, label, "test", 2.0, size, max(1, -(-size // (1 << 20)))
     )
+
+
+def meta(sid: str, token: str, step: int = 0, owner: str = "w1") -> SessionMeta:
+    return SessionMeta(
+        sid, "demo", "f" * 64, step, step + 1, b"cfg", 1.0, 1.0, False, 1, owner,
+        f"addr:{owner[1:]}", token, "n" * 16,
+    )  # fmt: skip
+
+
+async def new(s: Store, sid: str, step: int = 0, owner: str = "w1", lease_ms=LEASE_MS):
+    """Create a session at ``step`` (base snapshot included); returns its lease."""
+    lease = SessionLease(sid, f"{new_incarnation()}.1", owner)
+    await s.create_session(
+        meta(sid, lease.token, step, owner), lease_ms, record(step, 4, sid="base"), BASE, 16
+    )
+    return lease
+
+
+async def acquire(s: Store, sid: str, owner: str, expect: str = "") -> SessionLease:
+    token = await s.acquire(sid, owner, f"addr:{owner[1:]}", LEASE_MS, expect=expect)
+    return SessionLease(sid, token, owner)
 
 
 def test_redis_under_test_is_private(any_redis):
@@ -96,33 +120,52 @@ def test_redis_under_test_is_private(any_redis):
     assert any_redis.port != 6379
 
 
-def test_create_is_exclusive_and_indexed(store):
+def test_create_is_whole_exclusive_and_indexed(store):
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
+        a = await new(s, "a")
         with pytest.raises(SessionExistsError):
-            await s.create_session(meta("a"), LEASE_MS)
-        await s.create_session(meta("b"), LEASE_MS)
+            await new(s, "a")
+        # the same create sent again (its answer was lost) finds its own token: done
+        await s.create_session(meta("a", a.token), LEASE_MS, record(0, 4, sid="base"), BASE, 16)
+        await new(s, "b")
         assert await s.list_session_ids("", 10) == ["a", "b"]
         assert await s.list_session_ids("a", 10) == ["b"]
         got = await s.get_meta("a")
         assert (got.model, got.step, got.log_start, got.config) == ("demo", 0, 1, b"cfg")
+        assert (got.token, got.epoch, got.owner, got.numerics) == (a.token, 1, "w1", "n" * 16)
+        (base,) = await s.list_snapshots("a")  # the session came with its first snapshot
+        assert await s.read_blob("a", base) == BASE
+        assert not [k for k in await s.session_keys("a") if ":stage:" in k]
         assert await s.get_meta("zzz") is None
 
     run(store, body)
 
 
-def test_log_append_is_repeatable_and_refuses_gaps(store):
+def test_ids_that_would_break_the_key_layout_are_refused(store):
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
+        for bad in ("a}b", "{a}", "", "x" * 129, "a b", "-a"):
+            with pytest.raises(BadSessionIdError) as err:
+                await s.get_meta(bad)
+            assert len(str(err.value)) < 300  # a long id is clipped, not echoed whole
+
+    run(store, body)
+
+
+def test_log_append_must_continue_the_log(store):
+    async def body(s: Store):
+        a = await new(s, "a")
         entries = [b"1111", b"2222", b"3333"]
-        assert await s.append_logs([("a", 1, 1, entries)], 5.0) == [None]
-        assert await s.append_logs([("a", 1, 1, entries)], 5.0) == [None]  # a retry
+        assert await s.append_logs([(a, 1, entries)], 5.0) == [None]
         assert (await s.get_meta("a")).step == 3
         assert await s.read_log("a", 1, 3) == entries
-        (gap,) = await s.append_logs([("a", 1, 5, [b"5555"])], 5.0)
-        assert isinstance(gap, StoreError) and "ends at 3" in str(gap)
-        (missing,) = await s.append_logs([("nope", 1, 1, [b"x"])], 5.0)
-        assert "gone" in str(missing)
+        # the same append again, or one past a gap: memory and store diverged
+        (again,) = await s.append_logs([(a, 1, entries)], 5.0)
+        assert isinstance(again, LogDivergedError) and "ends at step 3" in str(again)
+        (gap,) = await s.append_logs([(a, 5, [b"5555"])], 5.0)
+        assert isinstance(gap, LogDivergedError)
+        assert (await s.get_meta("a")).step == 3 and await s.read_log("a", 1, 3) == entries
+        (missing,) = await s.append_logs([(SessionLease("nope", "x.1", "w1"), 1, [b"x"])], 5.0)
+        assert isinstance(missing, SessionMissingError) and "gone" in str(missing)
         with pytest.raises(StoreError, match=r"lacks steps 4\.\.4"):
             await s.read_log("a", 1, 4)
 
@@ -133,51 +176,53 @@ def test_big_snapshots_are_staged_in_pieces_and_commits_are_repeatable(store):
     blob = bytes(range(256)) * (10 * 1024 + 7)  # about 2.5 MiB: three 1 MiB pieces
 
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
+        a = await new(s, "a")
         rec = record(0, len(blob))
         assert rec.pieces == 3
-        await s.commit_snapshot("a", 1, rec, blob, 4)
-        await s.commit_snapshot("a", 1, rec, blob, 4)  # a retried commit changes nothing
-        assert [r.snapshot_id for r in await s.list_snapshots("a")] == [rec.snapshot_id]
+        await s.commit_snapshot(a, rec, blob, 4)
+        await s.commit_snapshot(a, rec, blob, 4)  # a retried commit changes nothing
+        assert rec.snapshot_id in [r.snapshot_id for r in await s.list_snapshots("a")]
+        assert len(await s.list_snapshots("a")) == 2  # and the base snapshot
         assert await s.read_blob("a", rec) == blob
         keys = await s.session_keys("a")
         assert not [k for k in keys if ":stage:" in k]
-        assert len([k for k in keys if ":blob:" in k]) == 3
+        assert len([k for k in keys if ":blob:" + rec.snapshot_id in k]) == 3
         kept = [k for k in keys if not k.endswith(":lease")]  # the lease is meant to expire
         assert [await s.redis.ttl(k) for k in kept] == [-1] * len(kept)  # no staging TTL left
 
     run(store, body)
 
 
-def test_commit_without_staged_pieces_fails(store):
+def test_commit_without_staged_pieces_or_ahead_of_the_log_fails(store):
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
+        a = await new(s, "a")
         k = s.keys("a")
         reply = await s._commit(
             keys=[k.meta, k.snaps, k.labels, k.log],
-            args=[k.base, "id", 0, 1, "", "r", 1.0, 10, 4, 1],
+            args=[k.base, "id", 0, 1, "", "r", 1.0, 10, 4, a.token],
         )
-        assert reply.startswith(b"ERR_STAGE")
-        assert await s.list_snapshots("a") == []
+        assert reply[0] == b"ERR_STAGE"
+        with pytest.raises(LogDivergedError, match="ahead of the log"):
+            await s.commit_snapshot(a, record(5, 4), b"abcd", 4)
+        assert len(await s.list_snapshots("a")) == 1
 
     run(store, body)
 
 
 def test_retention_and_log_trim(store):
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
-        await s.commit_snapshot("a", 1, record(0, 10), b"0" * 10, 3)
+        a = await new(s, "a")
         for step in range(1, 13):
-            await s.append_logs([("a", 1, step, [b"%04d" % step])], 1.0)
+            await s.append_logs([(a, step, [b"%04d" % step])], 1.0)
             if step % 3 == 0:
-                await s.commit_snapshot("a", 1, record(step, 10, label=f"L{step}"), b"s" * 10, 3)
+                await s.commit_snapshot(a, record(step, 10, label=f"L{step}"), b"s" * 10, 3)
         assert [r.step for r in await s.list_snapshots("a")] == [6, 9, 12]
         assert (await s.get_meta("a")).log_start == 7
         assert sorted(int(x) for x in await s.redis.hkeys(s.keys("a").log)) == list(range(7, 13))
         assert await s.snapshot_by_label("a", "L3") is None  # its label went with it
         assert (await s.snapshot_by_label("a", "L9")).step == 9
         with pytest.raises(LabelTakenError):
-            await s.commit_snapshot("a", 1, record(12, 10, label="L9", sid="y"), b"s" * 10, 3)
+            await s.commit_snapshot(a, record(12, 10, label="L9", sid="y"), b"s" * 10, 3)
         assert (await s.snapshot_at_or_before("a", 11)).step == 9
         assert await s.snapshot_at_or_before("a", 5) is None
         assert await s.snapshot_count_and_oldest("a") == (3, 6)
@@ -187,23 +232,22 @@ def test_retention_and_log_trim(store):
 
 def test_cut_history_and_close(store):
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
-        await s.create_session(meta("b"), LEASE_MS)
+        a = await new(s, "a")
+        b = await new(s, "b")
         for step in range(1, 9):
-            await s.append_logs([("a", 1, step, [b"x"])], 1.0)
+            await s.append_logs([(a, step, [b"x"])], 1.0)
             if step % 2 == 0:
-                await s.commit_snapshot("a", 1, record(step, 4, label=f"L{step}"), b"abcd", 10)
-        await s.cut_history("a", 1, 5, 8, 3.0)
-        assert [r.step for r in await s.list_snapshots("a")] == [2, 4]
+                await s.commit_snapshot(a, record(step, 4, label=f"L{step}"), b"abcd", 10)
+        await s.cut_history(a, 5, 8, 3.0)
+        assert [r.step for r in await s.list_snapshots("a")] == [0, 2, 4]
         assert (await s.get_meta("a")).step == 5
-        # the oldest snapshot is at 2, so only inputs after it are kept
-        assert sorted(int(x) for x in await s.redis.hkeys(s.keys("a").log)) == [3, 4, 5]
+        assert sorted(int(x) for x in await s.redis.hkeys(s.keys("a").log)) == [1, 2, 3, 4, 5]
         assert await s.snapshot_by_label("a", "L6") is None
         keep = (await s.list_snapshots("a"))[-1].snapshot_id
-        await s.close_session("a", 1, keep)
+        await s.close_session(a, keep)
         assert (await s.get_meta("a")).closed
         assert [r.snapshot_id for r in await s.list_snapshots("a")] == [keep]
-        await s.close_session("b", 1)
+        await s.close_session(b)
         assert await s.session_keys("b") == []
         assert await s.list_session_ids("", 10) == ["a"]
 
@@ -212,22 +256,25 @@ def test_cut_history_and_close(store):
 
 def test_every_key_carries_the_hash_tag(store):
     async def body(s: Store):
-        await s.create_session(meta("tag.1"), LEASE_MS)
-        await s.append_logs([("tag.1", 1, 1, [b"x", b"y"])], 1.0)
-        await s.commit_snapshot("tag.1", 1, record(1, 4, label="l"), b"abcd", 4)
+        t = await new(s, "tag.1")
+        await s.append_logs([(t, 1, [b"x", b"y"])], 1.0)
+        await s.commit_snapshot(t, record(1, 4, label="l"), b"abcd", 4)
         keys = [k.decode() for k in await s.redis.keys("*")]
         tagged = [k for k in keys if k != "ssm:sessions"]
-        assert len(tagged) == 7 and all("{tag.1}" in k for k in tagged)
+        assert len(tagged) == 9 and all("{tag.1}" in k for k in tagged)
 
     run(store, body)
 
 
-def test_unreachable_redis_is_unavailable(tmp_path: Path):
+def test_unreachable_redis_is_unavailable_and_writes_have_unknown_outcomes(tmp_path: Path):
     async def body():
         s = Store(StoreSettings(url="redis://127.0.0.1:1/0", socket_timeout_s=0.5))
         try:
-            with pytest.raises(StoreUnavailableError, match="unavailable"):
+            with pytest.raises(StoreUnavailableError, match="unavailable") as read:
                 await s.get_meta("a")
+            assert not isinstance(read.value, StoreOutcomeUnknownError)
+            with pytest.raises(StoreOutcomeUnknownError, match="may or may not"):
+                await s.append_logs([(SessionLease("a", "x.1", "w1"), 1, [b"x"])], 1.0)
         finally:
             await s.aclose()
 
@@ -235,29 +282,30 @@ def test_unreachable_redis_is_unavailable(tmp_path: Path):
 
 
 def test_acquire_fences_every_write_of_the_previous_owner(store):
-    """Each acquisition bumps the epoch; every write script refuses an old epoch."""
+    """Each acquisition makes a new token; every write script refuses an old one."""
 
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)  # w1 owns it at epoch 1
-        await s.append_logs([("a", 1, 1, [b"x1"])], 1.0)
+        w1 = await new(s, "a")
+        await s.append_logs([(w1, 1, [b"x1"])], 1.0)
         with pytest.raises(SessionMovedError) as held:
             await s.acquire("a", "w2", "addr:2", LEASE_MS)
         assert held.value.owner == "addr:1" and 0 < held.value.retry_after_ms <= LEASE_MS
         await s.redis.delete(s.keys("a").lease)  # w1's lease ran out
-        assert await s.acquire("a", "w2", "addr:2", LEASE_MS) == 2
+        w2 = await acquire(s, "a", "w2")
+        assert w2.epoch == 2 and w2.token.split(".")[0] == w1.token.split(".")[0]
         before = sorted(await s.session_keys("a")), await s.redis.hgetall(s.keys("a").meta)
 
-        (stale,) = await s.append_logs([("a", 1, 2, [b"x2"])], 9.0)
+        (stale,) = await s.append_logs([(w1, 2, [b"x2"])], 9.0)
         assert isinstance(stale, StaleEpochError) and stale.owner == "addr:2"
         with pytest.raises(StaleEpochError):
-            await s.commit_snapshot("a", 1, record(1, 4), b"abcd", 4)
+            await s.commit_snapshot(w1, record(1, 4), b"abcd", 4)
         with pytest.raises(StaleEpochError):
-            await s.cut_history("a", 1, 0, 1, 9.0)
+            await s.cut_history(w1, 0, 1, 9.0)
         with pytest.raises(StaleEpochError):
-            await s.close_session("a", 1)
+            await s.close_session(w1)
         with pytest.raises(StaleEpochError):
-            await s.release("a", "w1", 1)
-        (renewed,) = await s.renew_leases([("a", 1)], "w1", LEASE_MS)
+            await s.release(w1)
+        (renewed,) = await s.renew_leases([w1], LEASE_MS)
         assert isinstance(renewed, StaleEpochError)
         staged = [k for k in await s.session_keys("a") if ":stage:" in k]
         for k in staged:  # the refused commit's staged pieces are left to expire
@@ -266,43 +314,93 @@ def test_acquire_fences_every_write_of_the_previous_owner(store):
         assert (after, await s.redis.hgetall(s.keys("a").meta)) == before
         assert await s.read_log("a", 1, 1) == [b"x1"]
         # the new owner writes fine
-        assert await s.append_logs([("a", 2, 2, [b"y2"])], 9.0) == [None]
+        assert await s.append_logs([(w2, 2, [b"y2"])], 9.0) == [None]
 
     run(store, body)
 
 
-def test_lease_renew_release_and_handoff(store):
+def test_a_token_never_repeats_when_an_id_is_created_again(store):
+    """The ABA case: w1 owns X and freezes; w2 takes X over, closes it and creates X again
+    (its epoch is 1 again). w1's token still matches nothing: every write is refused."""
+
     async def body(s: Store):
-        await s.create_session(meta("a"), 200)
-        assert await s.renew_leases([("a", 1)], "w1", LEASE_MS) == [None]
-        lease = await s.lease("a")
-        assert lease.holder == "w1" and lease.owner_addr == "addr:1" and lease.ttl_ms > 1000
-        # a lease that ran out but was not taken is re-set by the next renewal (same epoch)
+        w1 = await new(s, "x")
+        await s.append_logs([(w1, 1, [b"a1"])], 1.0)
+        await s.redis.delete(s.keys("x").lease)  # w1 froze past its lease
+        w2 = await acquire(s, "x", "w2")
+        await s.close_session(w2)
+        again = await new(s, "x", owner="w2")
+        assert again.epoch == 1 == w1.epoch and again.token != w1.token
+        await s.append_logs([(again, 1, [b"b1"])], 1.0)
+        before = sorted(await s.session_keys("x")), await s.redis.hgetall(s.keys("x").meta)
+        (stale,) = await s.append_logs([(w1, 2, [b"a2"])], 9.0)
+        assert isinstance(stale, StaleEpochError)
+        (renewed,) = await s.renew_leases([w1], LEASE_MS)
+        assert isinstance(renewed, StaleEpochError)
+        for write in (
+            s.commit_snapshot(w1, record(1, 4), b"abcd", 4),
+            s.cut_history(w1, 0, 1, 9.0),
+            s.close_session(w1),
+            s.release(w1),
+            s.acquire("x", "w1", "addr:1", LEASE_MS, expect=w1.token),
+        ):
+            with pytest.raises(SessionMovedError):
+                await write
+        after = sorted(k for k in await s.session_keys("x") if ":stage:" not in k)
+        assert (after, await s.redis.hgetall(s.keys("x").meta)) == before
+        assert await s.read_log("x", 1, 1) == [b"b1"]
+
+    run(store, body)
+
+
+def test_renewal_extends_only_a_live_lease_of_the_caller(store):
+    async def body(s: Store):
+        a = await new(s, "a", lease_ms=200)
+        assert await s.renew_leases([a], LEASE_MS) == [None]
+        holder = await s.lease_holder("a")
+        assert holder.holder == "w1" and holder.owner_addr == "addr:1" and holder.ttl_ms > 1000
+        # a lease that ran out is not re-created by a renewal, even though nobody took it
         await s.redis.delete(s.keys("a").lease)
-        assert await s.renew_leases([("a", 1)], "w1", LEASE_MS) == [None]
-        assert (await s.lease("a")).holder == "w1"
-        # hand-off: reserved for w2 only
+        (expired,) = await s.renew_leases([a], LEASE_MS)
+        assert isinstance(expired, LeaseExpiredError)
+        assert await s.lease_holder("a") is None
+        # acquiring it again, only if nobody did meanwhile, makes a new token
+        again = await acquire(s, "a", "w1", expect=a.token)
+        assert again.token != a.token and again.epoch == 2
+        with pytest.raises(StaleEpochError):
+            await s.acquire("a", "w1", "addr:1", LEASE_MS, expect=a.token)
+        (stale,) = await s.renew_leases([a], LEASE_MS)
+        assert isinstance(stale, StaleEpochError)
+
+    run(store, body)
+
+
+def test_handoff_reserves_the_session_for_its_target(store):
+    async def body(s: Store):
+        a = await new(s, "a")
         target = WorkerRecord("w2", "addr:2", ("demo",), 0, 1.0, 1.0, False)
-        await s.handoff("a", "w1", 1, target, LEASE_MS)
-        assert await s.renew_leases([("a", 1)], "w1", LEASE_MS) == [None]  # left alone
-        assert (await s.lease("a")).holder == "handoff:w2"
+        await s.handoff(a, target, LEASE_MS)
+        assert await s.renew_leases([a], LEASE_MS) == [None]  # left alone
+        assert (await s.lease_holder("a")).holder == "handoff:w2"
         with pytest.raises(SessionMovedError) as moved:
             await s.acquire("a", "w3", "addr:3", LEASE_MS)
         assert moved.value.owner == "addr:2"
-        # cancelled: w1 keeps it at the same epoch
-        await s.cancel_handoff("a", "w1", 1, "addr:1", "w2", LEASE_MS)
-        assert (await s.lease("a")).holder == "w1" and (await s.get_meta("a")).epoch == 1
-        # done: w2 acquires epoch 2; a late cancel by w1 finds itself stale
-        await s.handoff("a", "w1", 1, target, LEASE_MS)
-        assert await s.acquire("a", "w2", "addr:2", LEASE_MS) == 2
+        # cancelled: w1 keeps it with the same token
+        await s.cancel_handoff(a, "addr:1", "w2", LEASE_MS)
+        assert (await s.lease_holder("a")).holder == "w1"
+        assert (await s.get_meta("a")).token == a.token
+        # done: w2 acquires a new token; a late cancel by w1 finds itself stale
+        await s.handoff(a, target, LEASE_MS)
+        b = await acquire(s, "a", "w2")
         with pytest.raises(StaleEpochError):
-            await s.cancel_handoff("a", "w1", 1, "addr:1", "w2", LEASE_MS)
+            await s.cancel_handoff(a, "addr:1", "w2", LEASE_MS)
         # release frees it for anyone
-        await s.release("a", "w2", 2)
-        assert await s.lease("a") is None
-        assert await s.acquire("a", "w3", "addr:3", LEASE_MS) == 3
-        await s.close_session("a", 3, "")
-        with pytest.raises(Exception, match="does not exist"):
+        await s.release(b)
+        assert await s.lease_holder("a") is None
+        c = await acquire(s, "a", "w3")
+        assert c.epoch == 3
+        await s.close_session(c)
+        with pytest.raises(SessionMissingError, match="does not exist"):
             await s.acquire("a", "w3", "addr:3", LEASE_MS)
 
     run(store, body)
@@ -310,21 +408,69 @@ def test_lease_renew_release_and_handoff(store):
 
 def test_closed_sessions_cannot_be_acquired(store):
     async def body(s: Store):
-        await s.create_session(meta("a"), LEASE_MS)
-        await s.commit_snapshot("a", 1, record(0, 4), b"abcd", 4)
+        a = await new(s, "a")
         keep = (await s.list_snapshots("a"))[0].snapshot_id
-        await s.close_session("a", 1, keep)
-        assert await s.lease("a") is None
+        await s.close_session(a, keep)
+        assert await s.lease_holder("a") is None
         with pytest.raises(SessionClosedError):
             await s.acquire("a", "w2", "addr:2", LEASE_MS)
 
     run(store, body)
 
 
+def test_sessions_stored_before_tokens_get_one_when_acquired(store):
+    async def body(s: Store):
+        k = s.keys("old")
+        await s.redis.hset(k.meta, mapping={
+            "model": "demo", "fingerprint": "f", "step": 0, "log_start": 1, "config": b"c",
+            "created_at": 1.0, "updated_at": 1.0, "closed": "0", "epoch": 3,
+        })  # fmt: skip
+        lease = await acquire(s, "old", "w1")
+        got = await s.get_meta("old")
+        assert lease.epoch == 4 and got.token == lease.token and len(got.token) == 34
+        assert got.numerics == ""  # acquire() without numerics records none
+
+    run(store, body)
+
+
+def test_step_numbers_stay_exact_integers_up_to_the_cap(store):
+    """Lua numbers are doubles whose tostring gives '1e+14': every step the scripts write
+    must still be the exact decimal integer, up to MAX_STEP."""
+
+    async def body(s: Store):
+        for start in (10**14 - 2, MAX_STEP - 4):
+            sid = f"s{start}"
+            lease = await new(s, sid, step=start)
+            await s.append_logs([(lease, start + 1, [b"a", b"b", b"c"])], 1.0)
+            await s.commit_snapshot(lease, record(start + 2, 4, sid="y"), b"abcd", 2)
+            await s.commit_snapshot(lease, record(start + 3, 4, sid="z"), b"abcd", 2)
+            raw = await s.redis.hgetall(s.keys(sid).meta)
+            assert raw[b"step"] == str(start + 3).encode()
+            assert raw[b"log_start"] == str(start + 3).encode()  # trimmed behind the oldest
+            fields = sorted(await s.redis.hkeys(s.keys(sid).log))
+            assert fields == [str(start + 3).encode()]
+            await s.cut_history(lease, start + 2, start + 3, 2.0)
+            meta_ = await s.get_meta(sid)
+            assert meta_.step == start + 2 and meta_.log_start == start + 3
+            assert [r.step for r in await s.list_snapshots(sid)] == [start + 2]
+
+    run(store, body)
+
+
+def test_unreadable_metadata_is_a_clear_data_error(store):
+    async def body(s: Store):
+        await new(s, "a")
+        await s.redis.hset(s.keys("a").meta, "step", "4.6116860184273879e+18")
+        with pytest.raises(StoreDataError, match="'step'"):
+            await s.get_meta("a")
+
+    run(store, body)
+
+
 def test_worker_registry_lists_live_workers_only(store):
     async def body(s: Store):
-        w1 = WorkerRecord("w1", "addr:1", ("demo", "lm"), 3, 1.0, 2.0, False)
-        w2 = WorkerRecord("w2", "addr:2", ("demo",), 0, 1.0, 2.0, True)
+        w1 = WorkerRecord("w1", "addr:1", ("demo", "lm"), 3, 1.0, 2.0, False, "sig1")
+        w2 = WorkerRecord("w2", "addr:2", ("demo",), 0, 1.0, 2.0, True, "sig2")
         await s.register_worker(w1, LEASE_MS)
         await s.register_worker(w2, 100)
         assert [w.worker_id for w in await s.live_workers()] == ["w1", "w2"]

@@ -27,10 +27,17 @@ numpy/OpenBLAS build and thread count give the same bits in every process.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import threading
+from pathlib import Path
 
+import llvmlite
+import llvmlite.binding as llvm
+import numba
 import numpy as np
+from numba.core import config as numba_config
 from threadpoolctl import threadpool_info, threadpool_limits
 
 #: Rows per BLAS call; see the module docstring for why exactly 16.
@@ -113,3 +120,41 @@ class RowStableLinear:
 def padded(rows: int) -> int:
     """``rows`` rounded up to whole tiles of :data:`TILE_ROWS` (at least one tile)."""
     return max(1, -(-rows // TILE_ROWS)) * TILE_ROWS
+
+
+#: Engine sources whose code decides the bits of a step (a change to any of them may
+#: change outputs, so workers running different versions must not share a session).
+_ENGINE_SOURCES = ("kernels.py", "mamba.py", "numerics.py")
+
+
+def numerics_description() -> str:
+    """Everything a step's bits depend on besides weights and inputs, one line.
+
+    The CPU the numba kernels were compiled for (its name and instruction-set features),
+    the BLAS build, kernel family and thread count, the numpy / numba / llvmlite versions,
+    and a hash of the engine's own source. Two workers with the same description give the
+    same bits for the same weights and inputs; with different ones, replay of a session's
+    history may not reproduce what was answered.
+    """
+    cpu = numba_config.CPU_NAME or llvm.get_host_cpu_name()
+    features = numba_config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    enabled = ",".join(sorted(f[1:] for f in features.split(",") if f.startswith("+")))
+    source = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in _ENGINE_SOURCES:
+        source.update((here / name).read_bytes())
+    return (
+        f"{platform.machine()} cpu={cpu} features={_short(enabled)}"
+        f" | {blas_signature()} | numpy {np.__version__} numba {numba.__version__}"
+        f" llvmlite {llvmlite.__version__} | engine {source.hexdigest()[:12]}"
+    )
+
+
+def numerics_signature(description: str | None = None) -> str:
+    """A short hash of :func:`numerics_description`: equal signatures, equal bits."""
+    text = numerics_description() if description is None else description
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _short(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -214,14 +214,18 @@ class SnapshotEvent(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepError(_message.Message):
-    __slots__ = ("code", "reason", "message")
+    __slots__ = ("code", "reason", "message", "owner", "retry_after_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     reason: str
     message: str
-    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    owner: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("session_id", "step", "output", "replayed", "guard_events", "snapshot_events", "error")
@@ -242,10 +246,12 @@ class StepResult(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., output: _Optional[_Union[Vector, _Mapping]] = ..., replayed: _Optional[bool] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ..., snapshot_events: _Optional[_Iterable[_Union[SnapshotEvent, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "continued")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+    continued: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("session_id", "label")

@@ -127,6 +127,9 @@ class SessionServiceServicer:
         """Inputs in, outputs out, in order per session. One stream may carry many sessions and
         many steps per message. A step whose number is already applied is answered with the
         recorded output (replayed = true) and not stepped again; a gap is an error.
+        Problems of one step (including "this session is served by another worker") are
+        answered in its StepResult; the stream goes on. Answers to one request may span
+        several responses (see StreamResponse.continued) so none exceeds the message limit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
