@@ -53,6 +53,8 @@ from client.retry import Backoff, RetryPolicy
 
 CHUNK_BYTES = 1 << 20
 _RECONNECT_MS = 2000
+# Reasons of UNAVAILABLE that mean "this worker cannot reach the store right now".
+_STORE_TROUBLE = frozenset({"STORE_UNAVAILABLE", "STORE_OUTCOME_UNKNOWN", "STORE"})
 DEFAULT_MAX_MESSAGE = 64 << 20
 T = TypeVar("T")
 # Codes a call may be retried on (elsewhere): the worker is gone, stopping or unreachable.
@@ -249,8 +251,12 @@ class AsyncClient:
                 await self.discover()
             await backoff.wait()
             return self._other(address)
-        await backoff.wait()  # e.g. the store is briefly unavailable: same worker
-        return address
+        await backoff.wait()
+        if error.reason in _STORE_TROUBLE:
+            # This worker cannot reach the store (a partition, or Redis is away): another
+            # worker may, and takes the session over once this one's lease runs out.
+            return self._other(address)
+        return address  # e.g. the session is being reloaded there: same worker
 
     async def _call(
         self,

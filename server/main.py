@@ -1,13 +1,16 @@
 """``ssmserve-server``: run one worker until SIGTERM or SIGINT.
 
     ssmserve-server --model NAME=DIR [--model ...] [--listen HOST:PORT] [--redis-url URL]
-                    [--data-dir DIR] [--advertise HOST:PORT] [--lease-ttl S] [--demo]
+                    [--data-dir DIR] [--advertise HOST:PORT] [--lease-ttl S]
+                    [--redis-timeout S] [--keepalive S] [--keepalive-timeout S] [--demo]
 
 Every flag has an environment variable, used when the flag is absent:
 ``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
-``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``, ``SSMSERVE_LEASE_TTL``. Without a Redis URL
-the worker starts a private redis-server (AOF on) in ``DATA_DIR/redis`` and stops it on
-exit. Workers that share one Redis form a cluster: sessions move between them.
+``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``, ``SSMSERVE_LEASE_TTL``,
+``SSMSERVE_REDIS_TIMEOUT``, ``SSMSERVE_KEEPALIVE``, ``SSMSERVE_KEEPALIVE_TIMEOUT``.
+Without a Redis URL the worker starts a private redis-server (AOF on) in
+``DATA_DIR/redis`` and stops it on exit. Workers that share one Redis form a cluster:
+sessions move between them.
 
 SIGTERM or SIGINT drains the worker (its sessions move to the other live workers, or are
 snapshotted for later pickup when none is left), then stops it.
@@ -80,6 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="session lease and worker heartbeat TTL in seconds: how long a crashed "
         "worker's sessions wait before another worker takes them over (default 5)",
     )
+    parser.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=float(env("SSMSERVE_REDIS_TIMEOUT", "2")),
+        metavar="S",
+        help="deadline of every Redis command in seconds; a write that gets no answer in "
+        "time has an unknown outcome and its session is reloaded from Redis (default 2)",
+    )
+    parser.add_argument(
+        "--keepalive",
+        type=float,
+        default=float(env("SSMSERVE_KEEPALIVE", "5")),
+        metavar="S",
+        help="gRPC keepalive: ping a client connection after S seconds without news and "
+        "close it (ending its streams) when no answer comes within --keepalive-timeout",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=float(env("SSMSERVE_KEEPALIVE_TIMEOUT", "3")),
+        metavar="S",
+        help="seconds a keepalive ping may go unanswered (default 3)",
+    )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -100,6 +126,13 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit(f"ssmserve-server: error: model names repeat: {', '.join(names)}")
     if not 0.1 <= args.lease_ttl <= 600:
         raise SystemExit("ssmserve-server: error: --lease-ttl must be between 0.1 and 600 s")
+    if not 0.05 <= args.redis_timeout <= 60:
+        raise SystemExit("ssmserve-server: error: --redis-timeout must be between 0.05 and 60 s")
+    if not (0.1 <= args.keepalive <= 3600 and 0.1 <= args.keepalive_timeout <= 600):
+        raise SystemExit(
+            "ssmserve-server: error: --keepalive must be 0.1..3600 s, --keepalive-timeout "
+            "0.1..600 s"
+        )
     return WorkerSettings(
         models=tuple(models),
         listen=args.listen,
@@ -107,6 +140,9 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         data_dir=args.data_dir,
         advertise=args.advertise,
         ownership=OwnershipSettings(lease_ttl_s=args.lease_ttl, worker_ttl_s=args.lease_ttl),
+        redis_timeout_s=args.redis_timeout,
+        keepalive_time_s=args.keepalive,
+        keepalive_timeout_s=args.keepalive_timeout,
     )
 
 

@@ -61,6 +61,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self.manager = manager
         self.settings = settings
         self.migrator = migrator  # places forks on other workers
+        self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
 
     # ------------------------------------------------------------------ sessions
 
@@ -121,6 +122,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         reader = _StreamReader(self.manager, self.settings)
         task = asyncio.create_task(reader.run(request_iterator), name="stream-reader")
         budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
+        self.open_streams += 1
         try:
             while (futures := await reader.answers.get()) is not None:
                 outcomes = [await f for f in futures]
@@ -131,6 +133,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
             if reader.failure is not None:  # e.g. a message that is not valid protobuf
                 await status.abort(context, reader.failure)
         finally:
+            self.open_streams -= 1
             task.cancel()  # never blocks: the reader waits only for a slot or a request
 
     # ------------------------------------------------------------------ snapshots, rollback

@@ -100,6 +100,7 @@ class Worker:
         self.manager: SessionManager | None = None
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
+        self.service: SessionService | None = None
         self.peers = Peers(settings.peers)
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -159,12 +160,10 @@ class Worker:
         )
         await manager.warm_up()  # ready means warm: no request compiles a kernel
         manager.start()
-        pb_grpc.add_SessionServiceServicer_to_server(
-            SessionService(
-                manager, replace(s.service, max_message_bytes=s.max_message_bytes), self.migrator
-            ),
-            self.server,
+        self.service = SessionService(
+            manager, replace(s.service, max_message_bytes=s.max_message_bytes), self.migrator
         )
+        pb_grpc.add_SessionServiceServicer_to_server(self.service, self.server)
         pb_grpc.add_ClusterServiceServicer_to_server(
             ClusterService(self.migrator, self.ownership), self.server
         )

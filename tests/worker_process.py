@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ class WorkerProcess:
         data_dir: Path,
         lease_ttl_s: float = 1.0,
         port: int = 0,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.models = models
         self.redis_url = redis_url
@@ -30,6 +33,8 @@ class WorkerProcess:
         self.address = f"127.0.0.1:{self.port}"
         self.log = data_dir / f"worker-{self.port}.log"
         self.proc: subprocess.Popen[str] | None = None
+        self.extra_args = extra_args
+        self.env = env
         self.starts = 0
         self.ready = False  # serving (started and not killed since)
 
@@ -40,12 +45,14 @@ class WorkerProcess:
         args += ["--lease-ttl", str(self.lease_ttl_s)]
         for name, directory in self.models.items():
             args += ["--model", f"{name}={directory}"]
+        args += self.extra_args
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
                 args,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
