@@ -161,6 +161,8 @@ class AsyncClient:
                     ("grpc.max_send_message_length", self._max_message),
                     ("grpc.keepalive_time_ms", int(policy.keepalive_time_s * 1000)),
                     ("grpc.keepalive_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
+                    # grpc >= 1.60 waits this long for a ping's answer (default 60 s).
+                    ("grpc.http2.ping_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0),
                     # A connection attempt to a frozen worker gives up within seconds (the

@@ -52,6 +52,7 @@ class Peers:
                 options=[
                     ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
                     ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+                    ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_s * 1000)),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0),
                 ],

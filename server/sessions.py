@@ -355,7 +355,10 @@ class SessionManager:
         (one round trip), or, if they ran out while nobody took the session, acquired
         again (a new token; memory is still exact, since no one else wrote meanwhile).
         Returns the errors of the sessions that could not be revalidated; those that are
-        not ours any more have been dropped. The caller holds the sessions.
+        not ours any more have been dropped. The others (Redis unreachable) stay in
+        memory, unanswered, until a renewal succeeds: a renewal changes no session data,
+        so even an unknown outcome leaves memory and store in agreement. The caller holds
+        the sessions.
         """
         stale = [s for s in sessions if s.gone is None and not s.lease.valid()]
         if not stale:
@@ -370,7 +373,8 @@ class SessionManager:
                     s.lease = result
                 continue
             errors[s.id] = result
-            self.lost(s, lease, result)
+            if isinstance(result, SessionMovedError | SessionMissingError | SessionClosedError):
+                self.lost(s, lease, result)
         return errors
 
     async def ensure_lease(self, s: Session) -> None:

@@ -99,6 +99,7 @@ class _SessionBatch:
     snapshots_due: list[tuple[int, SessionState]]
     guard_rollback: tuple[StepJob, StepOutcome] | None = None
     stopped: bool = False  # a REJECT or ROLLBACK: no further steps in this batch
+    appended: bool = False  # this batch's steps of the session are in the log now
 
 
 class Stepper:
@@ -270,6 +271,7 @@ class Stepper:
         except SsmserveError as exc:
             errors = [exc] * len(appends)
         for (w, lease, _entries), error in zip(pending, errors, strict=True):
+            w.appended = error is None
             if error is not None:
                 self._take_back(w, error)
                 # Dropped if another worker owns it now, or if Redis may hold more than
@@ -292,16 +294,19 @@ class Stepper:
         A session whose lease may have run out by this worker's clock (a freeze, a long
         stall, Redis unreachable) is revalidated first; if that fails, nothing of this
         batch is answered for it (not even what its log already holds: the next owner
-        answers a resend of those steps from the log) and it leaves memory, so the next
-        request finds its owner or reloads it from Redis.
+        answers a resend of those steps from the log). If this batch logged steps of it,
+        it also leaves memory (memory gives them back, Redis keeps them), so the next
+        request reloads it or finds its new owner.
         """
         errors = await self.hooks.revalidate([w.session for w in work if w.done])
         if not errors:
             return
         for w in work:
             error = errors.get(w.session.id)
-            if error is not None:
-                self._take_back(w, error)
+            if error is None:
+                continue
+            self._take_back(w, error)
+            if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.hooks.drop(w.session, error)
 
     def _take_back(self, w: _SessionBatch, error: SsmserveError) -> None:

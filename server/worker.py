@@ -85,6 +85,9 @@ def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", s.max_message_bytes),
         ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+        # Since grpc 1.60 an unanswered ping fails the connection after this (default 60 s,
+        # which would override the keepalive timeout).
+        ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),

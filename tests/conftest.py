@@ -128,8 +128,8 @@ def start_worker(
     """Start workers with custom settings; all are stopped after the test."""
     started: list[WorkerHarness] = []
 
-    def start(**overrides: Any) -> WorkerHarness:
-        harness = WorkerHarness(model_dirs, redis_url, **overrides)
+    def start(url: str | None = None, **overrides: Any) -> WorkerHarness:
+        harness = WorkerHarness(model_dirs, url or redis_url, **overrides)
         started.append(harness)
         return harness
 

@@ -3,91 +3,16 @@ a paused (SIGSTOP) owner, and SIGTERM drains. Loopback only, bounded in time."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
-from client.aio import AsyncClient
-from client.retry import RetryPolicy
 from client.sync import Client
+from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
 from tests.conftest import random_inputs
-from tests.test_service import assert_bit_equal, reference
-from tests.worker_process import WorkerProcess
-
-
-def start_workers(count, model_dirs, redis_url, tmp_path: Path, lease_ttl_s=1.0):
-    started = []
-    threads = []
-    for i in range(count):
-        w = WorkerProcess({"demo": model_dirs["demo"]}, redis_url, tmp_path / f"w{i}", lease_ttl_s)
-        started.append(w)
-        threads.append(threading.Thread(target=w.start))
-    for t in threads:  # in parallel: a worker takes about a second to start
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(w.alive for w in started)
-    return started
-
-
-def stream_in_background(
-    addresses, sids, xs, stop: threading.Event, pace_s=0.003, discover=True, **retry
-):
-    """Stream every session (one client each) until ``stop``; returns (thread, outputs)."""
-    outs: list[list] = [[] for _ in sids]
-
-    async def one(i: int) -> None:
-        policy = RetryPolicy(**retry)
-        async with AsyncClient(addresses, retry=policy, discover=discover) as client:
-
-            async def source():
-                for row in xs[i]:
-                    if stop.is_set():
-                        return
-                    await asyncio.sleep(pace_s)
-                    yield row
-
-            async for out in client.stream_steps(sids[i], source(), first_step=1):
-                outs[i].append(out)
-
-    async def main() -> None:
-        await asyncio.gather(*(one(i) for i in range(len(sids))))
-
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(main())
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outs, errors
-
-
-def wait_for(condition, errors, timeout_s=30.0, what="the streams"):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert not errors, errors
-        assert time.monotonic() < deadline, f"{what}: timed out"
-        time.sleep(0.01)
-
-
-def check_exact(model, sids, xs, outs, client):
-    for i, sid in enumerate(sids):
-        steps = [o.step for o in outs[i]]
-        assert steps == list(range(1, len(steps) + 1)), f"session {i}: a step is missing or doubled"
-        assert_bit_equal(
-            np.stack([o.output for o in outs[i]]), reference(model, xs[i][: len(steps)])
-        )
-        assert client.get_session(sid).step == len(steps)  # every acknowledged step is there
 
 
 @pytest.mark.slow

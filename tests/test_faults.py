@@ -1,0 +1,413 @@
+"""The fault matrix: what a client sees when a worker freezes, Redis stalls, the network
+between a worker and Redis black-holes, a worker is cut off from Redis, a client vanishes,
+or a worker is killed in the middle of a hand-off or a rollback.
+
+Every test streams through the fault with the real client and ends with the same check:
+every answered step is answered once, in order, bit-equal to an uninterrupted offline run,
+and every answered step is in Redis. Time bounds are bounds on a guarantee (lease TTL +
+keepalive + a stated allowance), never guesses about scheduling. Loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+from ssmserve.v1 import ssmserve_pb2 as pb
+
+from client.aio import AsyncClient, step_input
+from client.errors import SessionMoved, SsmserveClientError, step_redirect
+from client.retry import RetryPolicy
+from client.sync import Client
+from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from server.ownership import OwnershipSettings
+from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
+from tests.conftest import random_inputs
+from tests.tcp_proxy import TcpProxy
+from tests.test_service import assert_bit_equal, reference
+
+TTL_S = 1.0
+KEEPALIVE_S = 0.5  # time and timeout, server and client
+REDIS_TIMEOUT_S = 0.5
+
+# In-process workers with short fault timers.
+FAST = {
+    "ownership": OwnershipSettings(lease_ttl_s=TTL_S, worker_ttl_s=TTL_S),
+    "redis_timeout_s": REDIS_TIMEOUT_S,
+    "keepalive_time_s": KEEPALIVE_S,
+    "keepalive_timeout_s": KEEPALIVE_S,
+}
+# The same for worker processes.
+FAST_ARGS = (
+    "--redis-timeout", str(REDIS_TIMEOUT_S),
+    "--keepalive", str(KEEPALIVE_S),
+    "--keepalive-timeout", str(KEEPALIVE_S),
+)  # fmt: skip
+# Clients notice a frozen worker by keepalive; the stall timer is kept out of the way.
+POLICY = {
+    "keepalive_time_s": KEEPALIVE_S,
+    "keepalive_timeout_s": KEEPALIVE_S,
+    "stall_timeout_s": 30.0,
+    "call_timeout_s": 5.0,
+}
+
+
+def session_dump(url: str, sid: str) -> dict[bytes, bytes]:
+    """Every key of a session with its DUMP (the lease's TTL is not in a DUMP)."""
+    with redis.Redis.from_url(url) as r:
+        return {k: r.dump(k) for k in r.scan_iter(match=f"ssm:{{{sid}}}:*")}
+
+
+def moving_on(outs, errors, more: int = 20, timeout_s: float = 20.0, what: str = "") -> None:
+    counts = [len(o) for o in outs]
+    wait_for(
+        lambda: all(len(o) >= c + more for o, c in zip(outs, counts, strict=True)),
+        errors,
+        timeout_s,
+        what or "the streams after the fault",
+    )
+
+
+# ---------------------------------------------------------------------------- Redis stalls
+
+
+@pytest.mark.slow
+def test_a_stalled_redis_loses_no_acknowledged_step(start_worker, served_models, tmp_path):
+    """SIGSTOP Redis for three times the command timeout, three times, mid-stream: writes
+    whose answers never came are unknown outcomes; the sessions reload from Redis and
+    the streams go on. Nothing answered is lost, nothing differs, nothing is wedged."""
+    model = served_models["demo"]
+    with EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path / "redis")) as store:
+        w = start_worker(url=store.url, **FAST)
+        sids = [w.client.create_session("demo", snapshot_every=16).session_id for _ in range(2)]
+        xs = [random_inputs(model, 100_000, seed=600 + i) for i in range(2)]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background([w.address], sids, xs, stop, **POLICY)
+        try:
+            wait_for(lambda: min(len(o) for o in outs) >= 30, errors)
+            assert store.pid is not None
+            for _ in range(3):
+                os.kill(store.pid, signal.SIGSTOP)
+                time.sleep(3 * REDIS_TIMEOUT_S)
+                os.kill(store.pid, signal.SIGCONT)
+                moving_on(outs, errors, what="the streams after Redis came back")
+        finally:
+            stop.set()
+            thread.join(30)
+        assert not errors, errors
+        check_exact(model, sids, xs, outs, w.client)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deliver", [True, False], ids=["delivered-late", "dropped"])
+def test_a_black_holed_redis_connection_heals(start_worker, served_models, redis_url, deliver):
+    """Traffic between the worker and Redis vanishes mid-pipeline (nothing is closed), then
+    heals: either the held commands reach Redis late (after the worker gave up on them)
+    or the connections die with them. Either way the streams go on exactly."""
+    model = served_models["demo"]
+    with TcpProxy.to_url(redis_url) as proxy:
+        w = start_worker(url=proxy.url, **FAST)
+        sids = [w.client.create_session("demo", snapshot_every=8).session_id for _ in range(2)]
+        xs = [random_inputs(model, 100_000, seed=610 + i) for i in range(2)]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background([w.address], sids, xs, stop, **POLICY)
+        try:
+            wait_for(lambda: min(len(o) for o in outs) >= 30, errors)
+            for hole_s in (0.3, 1.5, 2.5):  # shorter and longer than the lease
+                proxy.black_hole()
+                time.sleep(hole_s)
+                proxy.heal(deliver=deliver)
+                moving_on(outs, errors, what="the streams after the network healed")
+        finally:
+            stop.set()
+            thread.join(30)
+        assert not errors, errors
+        check_exact(model, sids, xs, outs, w.client)
+
+
+# ---------------------------------------------------------------------------- partition
+
+
+@pytest.mark.slow
+def test_a_worker_cut_off_from_redis_stops_answering_and_another_serves(
+    start_worker, served_models, redis_url
+):
+    """Worker A loses Redis but not its clients. It answers nothing for its sessions once
+    its leases may have run out (its own clock), and B serves them exactly."""
+    model = served_models["demo"]
+    with TcpProxy.to_url(redis_url) as proxy:
+        a = start_worker(url=proxy.url, **FAST)
+        b = start_worker(**FAST)
+        logged = a.client.create_session("demo", snapshot_every=16).session_id
+        # No Redis write per step: only A's clock can stop it from answering.
+        memory = a.client.create_session(
+            "demo", snapshot_every=1 << 20, durability=pb.DURABILITY_SNAPSHOT
+        ).session_id
+        xs = [random_inputs(model, 100_000, seed=620 + i) for i in range(2)]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background(
+            [a.address, b.address], [logged], xs[:1], stop, **POLICY
+        )
+        stamps: list[list[float]] = [[]]
+        only_a, memory_outs, _ = stream_in_background(
+            [a.address], [memory], xs[1:], stop, discover=False, stamps=stamps,
+            raise_on_error=False, give_up_after_s=3600, **POLICY,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: len(outs[0]) >= 30 and len(memory_outs[0]) >= 30, errors)
+            cut = time.monotonic()
+            proxy.black_hole()
+            wait_for(
+                lambda: logged in b.manager.resident_ids() and len(outs[0]) > 0,
+                errors,
+                timeout_s=TTL_S + 10,
+                what="B taking the session over",
+            )
+            moving_on(outs, errors, what="the stream on B")
+            # A's last answer for the in-memory session came before its lease could run
+            # out (TTL after its last renewal, which was before the cut), allowing 0.5 s
+            # for the answer to reach the client.
+            answered = [
+                t for t, o in zip(stamps[0], memory_outs[0], strict=False) if o.error is None
+            ]
+            assert answered[-1] <= cut + TTL_S + 0.5, answered[-1] - cut
+            time.sleep(TTL_S)
+            quiet = len([o for o in memory_outs[0] if o.error is None])
+            time.sleep(TTL_S)
+            assert len([o for o in memory_outs[0] if o.error is None]) == quiet
+            # Asked directly, A does not answer from memory either.
+            with (
+                Client(a.address, retry=RetryPolicy(give_up_after_s=0.5)) as direct,
+                pytest.raises(SsmserveClientError) as refused,
+            ):
+                direct.forecast(memory, 1)
+            assert refused.value.code.name == "UNAVAILABLE"
+        finally:
+            proxy.heal(deliver=False)
+            stop.set()
+            thread.join(30)
+            only_a.join(30)
+        assert not errors, errors
+        check_exact(model, [logged], xs[:1], outs, b.client)
+        # Healed, A finds the session someone else's and lets go of it.
+        wait_for(lambda: logged not in a.manager.resident_ids(), [], 10, "A dropping it")
+
+
+# ---------------------------------------------------------------------------- clients
+
+
+def test_a_vanished_client_is_reaped(start_worker, served_models):
+    """A client whose network dies mid-stream (half-open: nothing is closed) is noticed by
+    the server's keepalive; its stream ends and the session stays consistent."""
+    model = served_models["demo"]
+    w = start_worker(keepalive_time_s=KEEPALIVE_S, keepalive_timeout_s=KEEPALIVE_S)
+    sid = w.client.create_session("demo").session_id
+    x = random_inputs(model, 40, seed=630)
+    host, port = w.address.rsplit(":", 1)
+    answered: list = []
+    release = asyncio.Event()
+    loop = asyncio.new_event_loop()
+
+    async def client(address: str) -> None:
+        # A client that does not notice the outage itself (no keepalive of its own).
+        policy = RetryPolicy(keepalive_time_s=3600, keepalive_timeout_s=3600)
+        async with AsyncClient(address, retry=policy, discover=False) as c:
+
+            async def source():
+                for row in x[:20]:
+                    yield row
+                await release.wait()  # keep the stream open
+
+            async for out in c.stream_steps(sid, source(), first_step=1):
+                answered.append(out)
+
+    with TcpProxy(host, int(port)).start() as proxy:
+        runner = threading.Thread(
+            target=lambda: loop.run_until_complete(client(proxy.address)), daemon=True
+        )
+        runner.start()
+        wait_for(lambda: len(answered) == 20, [], 10, "the first answers")
+        assert w.worker.service.open_streams == 1
+        started = time.monotonic()
+        proxy.black_hole()
+        wait_for(lambda: w.worker.service.open_streams == 0, [], 10, "the server reaping it")
+        # keepalive time + timeout, plus one ping interval of slack for timer granularity
+        assert time.monotonic() - started <= 3 * KEEPALIVE_S + 1.0
+        proxy.heal(deliver=False)
+        loop.call_soon_threadsafe(release.set)
+        runner.join(10)
+    loop.close()
+    info = w.client.get_session(sid)
+    assert info.step == 20
+    rest = [o.output for o in w.client.stream_steps(sid, list(x[20:]), first_step=21)]
+    assert_bit_equal(np.stack(rest), reference(model, x)[20:])
+
+
+# ---------------------------------------------------------------------------- frozen owner
+
+
+@pytest.mark.slow
+def test_a_frozen_owner_is_replaced_and_fenced_even_when_the_id_is_reused(
+    model_dirs, served_models, redis_url, tmp_path
+):
+    """SIGSTOP the owner mid-stream: the stream resumes on the other worker within
+    TTL + keepalive timeout + 1 s, bit-exact. Meanwhile the session is closed and created
+    again under the same id. After SIGCONT the old owner writes nothing: its token belongs
+    to an incarnation that is gone, so nothing it still holds in memory lands anywhere."""
+    model = served_models["demo"]
+    a, b = start_workers(2, model_dirs, redis_url, tmp_path, TTL_S, FAST_ARGS)
+    try:
+        sid = Client(a.address).create_session("demo").session_id
+        x = random_inputs(model, 100_000, seed=640)
+        stop = threading.Event()
+        stamps: list[list[float]] = [[]]
+        thread, outs, errors = stream_in_background(
+            [a.address, b.address], [sid], [x], stop, stamps=stamps, **POLICY
+        )
+        wait_for(lambda: len(outs[0]) >= 50, errors)
+        a.pause()
+        frozen_at, before = time.monotonic(), len(outs[0])
+        wait_for(lambda: len(outs[0]) > before, errors, 30, "the stream moving to B")
+        took = stamps[0][before] - frozen_at
+        assert took <= TTL_S + KEEPALIVE_S + 1.0, f"{took:.2f} s to resume on B"
+        moving_on(outs, errors, 50)
+        stop.set()
+        thread.join(30)
+        assert not errors, errors
+        with Client(b.address) as via_b:
+            check_exact(model, [sid], [x], outs, via_b)
+            old_steps = len(outs[0])
+            # The id is used again: closed, created anew, streamed.
+            via_b.close_session(sid)
+            again = via_b.create_session("demo", session_id=sid).session_id
+            y = random_inputs(model, 100, seed=641)
+            got = [o.output for o in via_b.stream_steps(again, list(y), first_step=1)]
+            assert_bit_equal(np.stack(got), reference(model, y))
+        snapshot = session_dump(redis_url, sid)
+        a.resume()
+        wait_for(lambda: "dropped from memory" in a.log_text(), [], 10, "A dropping X")
+        time.sleep(3 * TTL_S)  # A's renewals and whatever it had queued ran meanwhile
+        assert session_dump(redis_url, sid) == snapshot, "the resumed owner wrote to the new X"
+        # Steps sent straight to A, numbered for the old X and for the new one: redirected.
+        with Client(a.address) as raw:
+            for step in (old_steps + 1, 101):
+
+                async def one(w, step=step):
+                    request = pb.StreamRequest(steps=[step_input(sid, step, y[0])])
+                    return [r async for r in w.sessions.Stream(iter([request]))]
+
+                (response,) = raw._run(one(raw._aio._worker(a.address)))
+                moved = step_redirect(response.results[0].error)
+                assert isinstance(moved, SessionMoved) and moved.owner == b.address
+        assert session_dump(redis_url, sid) == snapshot
+        with Client([a.address, b.address]) as client:
+            got = [o.output for o in client.stream_steps(sid, list(y[:10]), first_step=101)]
+        z = np.concatenate([y, y[:10]])
+        assert_bit_equal(np.stack(got), reference(model, z)[100:])
+    finally:
+        a.kill()
+        b.kill()
+
+
+# ---------------------------------------------------------------------------- kill -9
+
+
+@pytest.mark.slow
+def test_kill_9_during_migration_hand_offs(model_dirs, served_models, redis_url, tmp_path):
+    """Migrations between three workers, each with the source or the target killed at a
+    random moment of the hand-off (and restarted): the stream never loses or doubles a
+    step, and the session ends up with exactly one owner."""
+    model = served_models["demo"]
+    workers = start_workers(3, model_dirs, redis_url, tmp_path, TTL_S, FAST_ARGS)
+    addresses = [w.address for w in workers]
+    by_address = {w.address: w for w in workers}
+    rng = random.Random(13)
+    try:
+        sid = Client(addresses[0]).create_session("demo", snapshot_every=16).session_id
+        x = random_inputs(model, 100_000, seed=650)
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background(addresses, [sid], [x], stop, **POLICY)
+        wait_for(lambda: len(outs[0]) >= 30, errors)
+        kills = 0
+        for _round in range(12):
+            with Client(addresses) as control:
+                owner = control.get_session(sid).owner
+                if owner not in by_address:
+                    time.sleep(TTL_S)
+                    continue
+                target = rng.choice([a for a in addresses if a != owner])
+                migrate = threading.Thread(
+                    target=lambda c=control, t=target: _ignore(lambda: c.migrate(sid, t))
+                )
+                migrate.start()
+                time.sleep(rng.uniform(0.0, 0.03))
+                victim = by_address[rng.choice([owner, target])]
+                victim.kill()
+                kills += 1
+                migrate.join(30)
+            victim.start()
+            moving_on(outs, errors, 10, timeout_s=30)
+        stop.set()
+        thread.join(30)
+        assert not errors, errors
+        assert kills >= 10
+        with Client(addresses) as client:
+            check_exact(model, [sid], [x], outs, client)
+            owner = client.get_session(sid).owner
+            assert sum(w.load for w in client.list_workers() if w.address != owner) == 0
+    finally:
+        for w in workers:
+            w.kill()
+
+
+@pytest.mark.slow
+def test_kill_9_during_rollbacks(model_dirs, served_models, redis_url, tmp_path):
+    """A rollback whose worker is killed at a random moment either happened or did not;
+    either way the session continues exactly from the step it reports."""
+    model = served_models["demo"]
+    workers = start_workers(2, model_dirs, redis_url, tmp_path, TTL_S, FAST_ARGS)
+    addresses = [w.address for w in workers]
+    by_address = {w.address: w for w in workers}
+    rng = random.Random(14)
+    try:
+        sid = Client(addresses[0]).create_session("demo", snapshot_every=8).session_id
+        history = random_inputs(model, 40, seed=660)
+        with Client(addresses, retry=RetryPolicy(**POLICY)) as client:
+            list(client.stream_steps(sid, list(history), first_step=1))
+            outcomes = set()
+            for r in range(10):
+                owner = client.get_session(sid).owner
+                target = rng.randint(max(1, len(history) - 30), len(history) - 1)
+                rollback = threading.Thread(
+                    target=lambda t=target: _ignore(lambda: client.rollback(sid, to_step=t))
+                )
+                rollback.start()
+                time.sleep(rng.uniform(0.0, 0.02))
+                by_address[owner].kill()
+                rollback.join(30)
+                by_address[owner].start()
+                step = client.get_session(sid).step
+                assert step in (target, len(history)), (step, target, len(history))
+                outcomes.add(step == target)
+                more = random_inputs(model, 30, seed=670 + r)
+                got = [o.output for o in client.stream_steps(sid, list(more), first_step=step + 1)]
+                history = np.concatenate([history[:step], more])
+                assert_bit_equal(np.stack(got), reference(model, history)[step:])
+        assert True in outcomes  # some rollbacks did happen before their worker died
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def _ignore(call) -> None:
+    # The worker doing it was killed: the outcome is read back from the cluster.
+    with contextlib.suppress(SsmserveClientError):
+        call()
