@@ -8,7 +8,14 @@ COPY client ./client
 COPY protos ./protos
 RUN pip install --no-cache-dir .
 
-RUN useradd --create-home ssmserve
+# numba compiles the engine's kernels on first use and caches them here; the image ships
+# them compiled (ready means warm) and the cache stays writable for the non-root user
+# (a CPU other than the build machine's recompiles into it once).
+ENV NUMBA_CACHE_DIR=/var/cache/ssmserve/numba
+RUN useradd --create-home ssmserve \
+    && mkdir -p "$NUMBA_CACHE_DIR" \
+    && cd / && python -m server.engine \
+    && chown -R ssmserve "$NUMBA_CACHE_DIR"
 USER ssmserve
 WORKDIR /home/ssmserve
 EXPOSE 50051

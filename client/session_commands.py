@@ -429,7 +429,10 @@ def _workers(client: Client, args: argparse.Namespace) -> None:
         return
     for w in workers:
         state = "draining" if w.draining else "serving"
-        print(f"{w.address}\t{w.worker_id}\t{state}\t{w.load} sessions\t{','.join(w.models)}")
+        print(
+            f"{w.address}\t{w.worker_id}\t{state}\t{w.load} sessions\t{','.join(w.models)}"
+            f"\tnumerics {w.numerics or '?'}"
+        )
 
 
 def _migrate(client: Client, args: argparse.Namespace) -> None:

@@ -82,4 +82,5 @@ def worker_to_pb(w: WorkerRecord) -> pb.WorkerInfo:
         started_at=w.started_at,
         heartbeat_at=w.heartbeat_at,
         draining=w.draining,
+        numerics=w.numerics,
     )

@@ -69,3 +69,18 @@ class EngineLane:
         self._call([state, state], [value, value])  # a batch
         self.model.run(np.stack([value, value]), state)  # a replay
         return time.perf_counter() - started
+
+
+def warm_demo_kernels() -> float:
+    """Compile the engine's kernels with a tiny in-memory model (numba caches them on disk,
+    keyed by types, not sizes); for images built ahead of time: ``python -m server.engine``."""
+    from server.model.demo import DemoSpec, demo_config, random_tensors
+    from server.model.loader import build_model
+
+    config = demo_config(DemoSpec())
+    model = build_model(config, random_tensors(config, 0), name="warm-up")
+    return EngineLane(model, offload_min_flop=float("inf")).warm_up()
+
+
+if __name__ == "__main__":
+    print(f"ssmserve kernels compiled in {warm_demo_kernels():.2f} s")

@@ -68,11 +68,14 @@ class Answer:
     code: grpc.StatusCode | None  # None: the request succeeded
     message: str
     detail_messages: list[str] = field(default_factory=list)
+    stream_ended: bool = False  # a step's problem ended its Stream instead of a StepError
 
     def problems(self, bad: str) -> list[str]:
         if self.code is None:
             return [f"no error; answered {self.message[:300]}"]
         out = []
+        if self.stream_ended:
+            out.append(f"the Stream ended with {self.code.name} instead of a StepError")
         if self.code not in CLEAR_CODES:
             out.append(
                 f"{self.code.name} (want INVALID_ARGUMENT or NOT_FOUND): {self.message[:300]}"
@@ -114,7 +117,7 @@ def step_error(stub: pb_grpc.SessionServiceStub, sid: str, step: int, value: Any
         responses = list(stub.Stream(iter([request]), timeout=TIMEOUT))
     except grpc.RpcError as exc:  # the stream itself failed: reported as such
         answer = answer_of(exc)
-        answer.message = f"(the stream ended, not a StepError) {answer.message}"
+        answer.stream_ended = True
         return answer
     results = [r for response in responses for r in response.results]
     assert len(results) == 1, responses

@@ -7,12 +7,16 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import redis
 
+from client.errors import FailedPrecondition, StepFailed
 from client.sync import Client
 from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
 from tests.conftest import random_inputs
+from tests.test_service import assert_bit_equal, reference
+from tests.worker_process import WorkerProcess
 
 
 @pytest.mark.slow
@@ -70,48 +74,6 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
 
 
 @pytest.mark.slow
-def test_a_paused_owner_is_fenced_when_it_resumes(model_dirs, served_models, redis_url, tmp_path):
-    model = served_models["demo"]
-    a, b = start_workers(2, model_dirs, redis_url, tmp_path)
-    try:
-        with Client(b.address) as warm:  # B's first steps load (or compile) its numba
-            scratch = warm.create_session("demo").session_id  # kernels: not in the window
-            list(warm.stream_steps(scratch, list(random_inputs(model, 3, seed=401))))
-            warm.close_session(scratch)
-        sid = Client(a.address).create_session("demo").session_id
-        x = random_inputs(model, 100_000, seed=400)
-        stop = threading.Event()
-        thread, outs, errors = stream_in_background(
-            [a.address, b.address], [sid], [x], stop, stall_timeout_s=0.5
-        )
-        wait_for(lambda: len(outs[0]) >= 50, errors)
-        a.pause()  # A still holds the session in memory, with its epoch
-        paused_at = len(outs[0])
-        time.sleep(3.0)  # the lease (1 s) runs out; the client fails over; B takes over
-        assert len(outs[0]) > paused_at + 50, "the stream did not move on while A was paused"
-        with redis.Redis.from_url(redis_url) as r:
-            assert int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) == 2
-        a.resume()
-        deadline = time.monotonic() + 5
-        while "dropped from memory" not in a.log_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "dropped from memory" in a.log_text()
-        assert "is stale" in a.log_text()  # its renewal (or a late write) was refused
-        time.sleep(0.5)
-        stop.set()
-        thread.join(30)
-        assert not errors, errors
-        with Client(a.address) as via_a:  # the resumed worker redirects to the new owner
-            assert via_a.get_session(sid).owner == b.address
-            check_exact(model, [sid], [x], outs, via_a)
-            load = {w.address: w.load for w in via_a.list_workers()}
-            assert load[a.address] == 0 and load[b.address] == 1
-    finally:
-        a.kill()
-        b.kill()
-
-
-@pytest.mark.slow
 def test_sigterm_drains_to_the_other_worker(model_dirs, served_models, redis_url, tmp_path):
     """SIGTERM: the sessions move to the other worker while their streams go on; clients
     that only knew the stopping worker follow the redirect."""
@@ -138,6 +100,47 @@ def test_sigterm_drains_to_the_other_worker(model_dirs, served_models, redis_url
             check_exact(model, sids, xs, outs, client)
             assert [w.address for w in client.list_workers()] == [b.address]
             assert {client.get_session(s).owner for s in sids} == {b.address}
+    finally:
+        a.kill()
+        b.kill()
+
+
+@pytest.mark.slow
+def test_workers_with_other_numerics_never_replay_a_session(
+    model_dirs, served_models, redis_url, tmp_path
+):
+    """B pins another BLAS thread count, so its bits may differ from A's: B never loads,
+    adopts or drains A's sessions; it sends clients to A, or says why it cannot serve."""
+    model = served_models["demo"]
+    a = WorkerProcess({"demo": model_dirs["demo"]}, redis_url, tmp_path / "a").start()
+    b = WorkerProcess(
+        {"demo": model_dirs["demo"]}, redis_url, tmp_path / "b", env={"SSMSERVE_BLAS_THREADS": "1"}
+    ).start()
+    try:
+        x = random_inputs(model, 30, seed=700)
+        with Client(a.address) as via_a:
+            sid = via_a.create_session("demo").session_id
+            list(via_a.stream_steps(sid, list(x[:10]), first_step=1))
+            numerics = {w.address: w.numerics for w in via_a.list_workers()}
+            assert len(set(numerics.values())) == 2 and all(numerics.values())
+            with pytest.raises(FailedPrecondition, match="numerics"):
+                via_a.migrate(sid, b.address)
+        with Client(b.address, discover=False) as via_b:  # B sends the client to A
+            got = [o.output for o in via_b.stream_steps(sid, list(x[10:15]), first_step=11)]
+            assert_bit_equal(np.stack(got), reference(model, x[:15])[10:])
+            assert via_b.get_session(sid).owner == a.address
+        assert a.terminate() == 0  # drained: nowhere to send it, so it is parked
+        assert "snapshotted" in a.log_text() or "parked" in a.log_text()
+        with Client(b.address, discover=False) as via_b:
+            with pytest.raises(StepFailed) as refused:
+                list(via_b.stream_steps(sid, list(x[15:16]), first_step=16))
+            assert refused.value.reason == "NUMERICS_MISMATCH"
+            assert "export it and import" in refused.value.message
+            assert via_b.get_session(sid).step == 15  # nothing changed
+        a.start()
+        with Client([b.address, a.address]) as client:
+            got = [o.output for o in client.stream_steps(sid, list(x[15:]), first_step=16)]
+        assert_bit_equal(np.stack(got), reference(model, x)[15:])
     finally:
         a.kill()
         b.kill()

@@ -24,8 +24,10 @@ from client.errors import (
 )
 from client.retry import RetryPolicy
 from client.sync import Client
+from server.model.demo import DemoSpec, demo_config
 from server.ownership import OwnershipSettings
-from tests.conftest import random_inputs
+from tests.conftest import random_inputs, write_model
+from tests.harness import WorkerHarness
 from tests.test_service import assert_bit_equal, reference, stream
 
 
@@ -260,3 +262,28 @@ def test_client_gives_up_on_a_cluster_it_cannot_reach():
         with pytest.raises(Unavailable):
             c.get_session("x")
         assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.slow
+def test_lease_renewals_keep_their_schedule_during_a_long_replay(model_dirs, redis_url, tmp_path):
+    """A rollback that replays thousands of steps runs on the engine thread: the event loop
+    keeps renewing leases on time meanwhile (none of its rounds starts a period late)."""
+    directory = tmp_path / "wide"
+    spec = DemoSpec(input_dim=8, output_dim=8, hidden=256, layers=8, state=16)
+    model = write_model(directory, demo_config(spec))
+    settings = OwnershipSettings(lease_ttl_s=1.5, worker_ttl_s=1.5)
+    w = WorkerHarness({"wide": directory}, redis_url, ownership=settings)
+    try:
+        sid = w.client.create_session("wide", snapshot_every=1 << 20).session_id
+        x = random_inputs(model, 2000, seed=5)
+        list(w.client.stream_steps(sid, list(x), steps_per_message=256))
+        ownership = w.worker.ownership
+        before, started = ownership.renewals, time.monotonic()
+        result = w.client.rollback(sid, to_step=1999)
+        took = time.monotonic() - started
+        assert result.replayed_steps == 1999
+        assert took > 2 * settings.period_s, f"the replay took only {took:.2f} s"
+        assert ownership.late_rounds == 0
+        assert ownership.renewals - before >= int(took / settings.period_s) - 1
+    finally:
+        w.stop()

@@ -418,7 +418,7 @@ class ForkResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., source_session_id: _Optional[str] = ..., step: _Optional[int] = ..., from_snapshot_id: _Optional[str] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining")
+    __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining", "numerics")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,7 @@ class WorkerInfo(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -433,7 +434,8 @@ class WorkerInfo(_message.Message):
     started_at: float
     heartbeat_at: float
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., load: _Optional[int] = ..., started_at: _Optional[float] = ..., heartbeat_at: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    numerics: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., load: _Optional[int] = ..., started_at: _Optional[float] = ..., heartbeat_at: _Optional[float] = ..., draining: _Optional[bool] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
