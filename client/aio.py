@@ -386,7 +386,9 @@ class AsyncClient:
             first_step = (await self.get_session(session_id)).step + 1
         if self._discover:
             await self.discover()
-        feed = _StepFeed(session_id, _aiter(inputs), first_step, self.retry.window)
+        # At least one message's worth may be outstanding, or a message would never fill.
+        window = max(self.retry.window, steps_per_message)
+        feed = _StepFeed(session_id, _aiter(inputs), first_step, window)
         backoff = Backoff(self.retry)
         address = self.owner_of(session_id)
         try:

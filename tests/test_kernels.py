@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -147,3 +151,41 @@ def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> N
     assert row.is_view
     own = row.copy()
     assert not own.is_view and own.bit_equal(row)
+
+
+WARM_CHECK = """
+import asyncio, json, sys
+from numba.core.registry import CPUDispatcher
+from server.model import kernels
+from server.worker import Worker, WorkerSettings
+
+async def main():
+    dispatchers = [
+        f for f in vars(kernels).values()
+        if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline") != "always"
+        and f.__name__ != "exp_f32"  # the tests' handle on the inlined exp; steps never call it
+    ]
+    cold_before = [f.__name__ for f in dispatchers if not f.signatures]
+    w = Worker(WorkerSettings(models=(("demo", sys.argv[1]),), listen="127.0.0.1:0",
+                              redis_url=sys.argv[2]))
+    await w.start()  # registered and SERVING when this returns
+    cold_after = [f.__name__ for f in dispatchers if not f.signatures]
+    await w.stop()
+    print(json.dumps([cold_before, cold_after]))
+
+asyncio.run(main())
+"""
+
+
+def test_a_worker_compiles_its_kernels_before_it_serves(model_dirs, redis_url, tmp_path) -> None:
+    """With an empty numba cache, every kernel is compiled by the time start() returns (the
+    worker is registered and reports SERVING then): no request pays for a compile, and no
+    compile holds up the event loop and its lease renewals."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    out = subprocess.run(
+        [sys.executable, "-c", WARM_CHECK, str(model_dirs["demo"]), redis_url],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    cold_before, cold_after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(cold_before) == 4  # the check sees the four kernels a step runs
+    assert cold_after == []
