@@ -239,8 +239,16 @@ class AsyncClient:
             if backoff.expired():
                 raise error
             if owner and owner in self._unreachable:
+                if backoff.waited_for == owner:
+                    # Its lease outlived our wait for it to run out: the owner renewed it,
+                    # so it is alive again (restarted, or back from a pause). Go there.
+                    self._unreachable.discard(owner)
+                    backoff.waited_for = ""
+                    backoff.redirects += 1
+                    return owner
                 # The owner died or froze: its lease runs out in retry_after_ms, then any
                 # worker (this one, or another reachable one) takes the session over.
+                backoff.waited_for = owner
                 await backoff.wait(at_least_s=min(error.retry_after_ms / 1000, 10.0) + 0.005)
                 return address if address not in self._unreachable else self._other(address)
             await backoff.wait()

@@ -48,6 +48,7 @@ class Backoff:
         self._delay = self.policy.initial_backoff_s
         self._since = time.monotonic()
         self.redirects = 0
+        self.waited_for = ""  # an unreachable owner whose lease we last waited out
 
     def expired(self) -> bool:
         return time.monotonic() - self._since > self.policy.give_up_after_s

@@ -1,0 +1,362 @@
+"""Failover after a freeze (SIGSTOP) of the owning worker, next to kill -9, in one run.
+
+Usage: ``.venv/bin/python bench/bench_failover.py [--quick] [--json OUT]``
+
+Processes: one private redis-server (AOF on, appendfsync everysec) and, per lease TTL
+(0.5 / 1 / 2 s), two ``python -m server.main --lease-ttl S`` workers on loopback
+(``tests/worker_process.WorkerProcess``: fixed ports, kept across restarts), all sharing
+that Redis; this process is the client (``client.aio.AsyncClient``).
+
+One round: a session is created on the victim worker and streamed by a client that knows
+both workers of the group: one step per message, the next one sent when the previous one
+is answered and at least ``PACE_S`` after the previous one was drawn
+(``RetryPolicy(window=1)``, inputs from an async generator); ``stall_timeout_s`` is 600 s
+so that only the client's gRPC keepalive (or a reset connection) notices a lost worker.
+After 3 answers and a random 0 .. TTL / 3 s (a random phase against the lease renewals,
+every TTL / 3) the victim gets SIGSTOP (``freeze``) or SIGKILL (``kill -9``). Takeover =
+arrival of the first answer from the other worker minus the signal; gap = the same
+answer minus the last answer before it. Then a frozen victim gets SIGCONT and its log
+should say that it dropped the session (it was fenced; a round where it does not within
+5 s is listed); a worker of another group is asked
+the session's owner (``GetSession``), which must be the other worker; the session is
+closed, so every round starts with two live, empty workers. The victim alternates within
+a group. Each repetition runs every configuration once: the six freezes (TTL x client
+keepalive) in a shuffled order, then the three kills (shuffled), after which the killed
+workers restart together; so the machine's drift spreads over all configurations.
+Every step is checked to be answered exactly once and in order. A round with no answer
+from the other worker within ``bench_migration.FOLLOW_TIMEOUT_S`` is counted as stuck
+(the victim is then resumed) and left out of the percentiles; rounds over TTL + keepalive
+timeout + 1 s (kill -9: TTL + 1 s) are listed with the workers' log lines of that round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_migration import FOLLOW_TIMEOUT_S, Stream, pct
+from common import table
+
+from client.aio import AsyncClient
+from client.retry import RetryPolicy
+from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from server.main import ensure_demo_model
+from tests.worker_process import WorkerProcess
+
+TTLS = (0.5, 1.0, 2.0)
+KEEPALIVES = ((0.5, 0.5), (2.0, 2.0))  # client keepalive_time_s / keepalive_timeout_s
+DEFAULT_KEEPALIVE = (RetryPolicy().keepalive_time_s, RetryPolicy().keepalive_timeout_s)
+PACE_S = 0.004  # at least this long between two steps drawn from the input generator
+STALL_S = 600.0  # the client's stall timer never fires here: keepalive must notice
+DROP_WAIT_S = 5.0  # how long a resumed victim may take to log that it dropped the session
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+async def paced(items: Iterable[Any], pace_s: float) -> AsyncIterator[Any]:
+    for item in items:
+        await asyncio.sleep(pace_s)
+        yield item
+
+
+class PacedClient(AsyncClient):
+    """An AsyncClient whose streams draw their inputs at most one per ``PACE_S``."""
+
+    def stream_steps(self, session_id: str, inputs: Any, **kwargs: Any) -> Any:
+        return super().stream_steps(session_id, paced(inputs, PACE_S), **kwargs)
+
+
+class FollowedStream(Stream):
+    """bench_migration's Stream; a waiter also wakes when the stream ends (with the
+    error that ended it, instead of waiting out the follow timeout)."""
+
+    async def _run(self, first_step: int) -> None:
+        try:
+            await super()._run(first_step)
+        finally:
+            self._new.set()
+
+
+# ---------------------------------------------------------------------------- one round
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    ttl: float
+    keepalive: tuple[float, float]
+    event: str  # "freeze" or "kill -9"
+
+    @property
+    def label(self) -> str:
+        return f"{self.keepalive[0]:g}/{self.keepalive[1]:g}"
+
+    @property
+    def bound_s(self) -> float:
+        """TTL + keepalive timeout + 1 s (kill -9: the reset is seen at once: TTL + 1 s)."""
+        return self.ttl + (self.keepalive[1] if self.event == "freeze" else 0.0) + 1.0
+
+
+@dataclasses.dataclass
+class Round:
+    config: Config
+    victim: str
+    successor: str
+    takeover_s: float | None  # None: stuck (no answer from the successor in time)
+    gap_s: float | None
+    steps: int
+    logs: str = ""  # both workers' log lines of this round (kept for slow or stuck rounds)
+
+
+class Group:
+    """The two workers of one lease TTL; the victim alternates between them."""
+
+    def __init__(self, ttl: float, models: dict[str, Path], redis_url: str, root: Path) -> None:
+        self.ttl = ttl
+        self.workers = [
+            WorkerProcess(models, redis_url, root / f"ttl{ttl:g}-{i}", lease_ttl_s=ttl)
+            for i in range(2)
+        ]
+        self.rounds = 0
+
+    def next_pair(self) -> tuple[WorkerProcess, WorkerProcess]:
+        self.rounds += 1
+        a, b = self.workers
+        return (a, b) if self.rounds % 2 else (b, a)
+
+
+def log_offsets(workers: Iterable[WorkerProcess]) -> dict[WorkerProcess, int]:
+    return {w: w.log.stat().st_size if w.log.exists() else 0 for w in workers}
+
+
+def log_since(offsets: dict[WorkerProcess, int]) -> str:
+    parts = []
+    for w, offset in offsets.items():
+        with w.log.open(errors="replace") as f:
+            f.seek(offset)
+            lines = f.read().splitlines()
+        parts.append(f"  [{w.address} {w.log}]")
+        parts += [f"    {line}" for line in lines[-20:]] or ["    (nothing)"]
+    return "\n".join(parts)
+
+
+async def wait_for_log(worker: WorkerProcess, offset: int, needle: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with worker.log.open(errors="replace") as f:
+            f.seek(offset)
+            if needle in f.read():
+                return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def takeover_round(
+    group: Group, config: Config, witness: WorkerProcess, rng: random.Random
+) -> Round:
+    """One freeze or kill -9; ``witness`` (a worker of another group) reports the owner."""
+    victim, successor = group.next_pair()
+    offsets = log_offsets([victim, successor])
+    policy = RetryPolicy(
+        window=1,
+        stall_timeout_s=STALL_S,
+        keepalive_time_s=config.keepalive[0],
+        keepalive_timeout_s=config.keepalive[1],
+    )
+    client = PacedClient([victim.address, successor.address], discover=False, retry=policy)
+    stuck = False
+    try:
+        info = await client.create_session("demo")
+        sid = info.session_id
+        assert info.owner == victim.address, (info.owner, victim.address)
+        stream = FollowedStream(client, sid, info.step + 1)
+        try:
+            await stream.wait_for(victim.address, 3, 0, "before the signal")
+            await asyncio.sleep(rng.uniform(0.0, config.ttl / 3))
+            mark = len(stream.answers)
+            assert victim.proc is not None
+            signalled = time.perf_counter()
+            os.kill(victim.proc.pid, signal.SIGSTOP if config.event == "freeze" else signal.SIGKILL)
+            try:
+                await stream.wait_for(successor.address, 3, mark, f"{config} takeover")
+            except RuntimeError:
+                if stream._task.done() or config.event != "freeze":
+                    raise  # the stream itself failed, or a dead owner was not replaced
+                stuck = True  # the client never left the frozen owner: resume it
+                victim.resume()
+                await asyncio.sleep(1.0)
+        finally:
+            await stream.stop()
+        stream.check_order(info.step + 1)
+    finally:
+        await client.close()
+    if stuck:
+        logs = log_since(offsets)
+        async with AsyncClient(witness.address, discover=False) as via_witness:
+            await via_witness.close_session(sid)
+        return Round(config, victim.address, successor.address, None, None, 0, logs)
+
+    answers = stream.answers
+    first = next(i for i in range(mark, len(answers)) if answers[i][2] == successor.address)
+    later = [by for _, _, by in answers[first:]]
+    assert set(later) == {successor.address}, f"answers from {set(later)} after the takeover"
+    takeover = answers[first][0] - signalled
+    gap = answers[first][0] - answers[first - 1][0]
+
+    # Put a frozen victim back (a killed one is restarted with the others at the end of
+    # the repetition): every round starts with two live, empty workers.
+    dropped = True
+    if config.event == "freeze":
+        victim.resume()
+        dropped = await wait_for_log(
+            victim, offsets[victim], f"session {sid} dropped from memory", DROP_WAIT_S
+        )
+    else:
+        victim.kill()  # reap it
+    async with AsyncClient(witness.address, discover=False) as via_witness:
+        owner = (await via_witness.get_session(sid)).owner
+        assert owner == successor.address, f"owner {owner}, expected {successor.address}"
+        await via_witness.close_session(sid)
+    logs = log_since(offsets) if takeover > config.bound_s or not dropped else ""
+    if not dropped:
+        logs = (
+            f"  (the resumed victim did not log dropping {sid} within {DROP_WAIT_S:g} s)\n" + logs
+        )
+    return Round(config, victim.address, successor.address, takeover, gap, len(answers), logs)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def start_all(workers: list[WorkerProcess]) -> None:
+    """In parallel: a worker takes about a second to start."""
+    threads = [threading.Thread(target=w.start) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    dead = [w.address for w in workers if not w.alive]
+    if dead:
+        raise SystemExit(f"workers did not start: {dead}")
+
+
+async def bench(groups: dict[float, Group], reps: int, seed: int) -> list[Round]:
+    freezes = [Config(ttl, ka, "freeze") for ttl in groups for ka in KEEPALIVES]
+    kills = [Config(ttl, DEFAULT_KEEPALIVE, "kill -9") for ttl in groups]
+    rng = random.Random(seed)
+    rounds: list[Round] = []
+    for rep in range(reps):
+        # Kills last, so that the killed workers restart together (in parallel).
+        order = rng.sample(freezes, len(freezes)) + rng.sample(kills, len(kills))
+        t0 = time.perf_counter()
+        for config in order:
+            group = groups[config.ttl]
+            witness = next(
+                w for g in groups.values() if g is not group for w in g.workers if w.alive
+            )
+            r = await takeover_round(group, config, witness, rng)
+            rounds.append(r)
+            if r.logs:
+                what = "stuck" if r.takeover_s is None else f"{r.takeover_s * 1e3:,.0f} ms"
+                print(f"slow round: TTL {config.ttl:g} s, keepalive {config.label}, "
+                      f"{config.event}: {what} (victim {r.victim})\n{r.logs}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        dead = [w for g in groups.values() for w in g.workers if not w.alive]
+        await asyncio.to_thread(start_all, dead)
+        print(f"(repetition {rep + 1}/{reps}: {time.perf_counter() - t0:.1f} s)", flush=True)
+    return rounds
+
+
+def report(rounds: list[Round]) -> tuple[str, list[dict[str, object]]]:
+    by_config: dict[Config, list[Round]] = {}
+    for r in rounds:
+        by_config.setdefault(r.config, []).append(r)
+    order = sorted(by_config, key=lambda c: (c.event != "freeze", c.keepalive, c.ttl))
+    rows: list[list[object]] = []
+    data: list[dict[str, object]] = []
+    for c in order:
+        done = [r for r in by_config[c] if r.takeover_s is not None]
+        ms = [r.takeover_s * 1e3 for r in done if r.takeover_s is not None]
+        gaps = [r.gap_s * 1e3 for r in done if r.gap_s is not None]
+        stuck = len(by_config[c]) - len(done)
+        over = sum(1 for v in ms if v > c.bound_s * 1e3)
+        p50 = pct(ms, 50) if ms else float("nan")
+        rows.append([c.ttl, c.label, c.event, len(ms), p50, pct(ms, 99) if ms else "-",
+                     max(ms) if ms else "-", p50 / (c.ttl * 1e3),
+                     pct(gaps, 50) if gaps else "-", f"{over + stuck}"])  # fmt: skip
+        data.append({
+            "ttl_s": c.ttl, "keepalive_s": list(c.keepalive), "event": c.event,
+            "n": len(ms), "stuck": stuck, "over_bound": over, "bound_ms": c.bound_s * 1e3,
+            "p50_ms": p50, "p99_ms": pct(ms, 99) if ms else None,
+            "max_ms": max(ms) if ms else None, "p50_over_ttl": p50 / (c.ttl * 1e3),
+            "gap_p50_ms": pct(gaps, 50) if gaps else None, "takeover_ms": ms,
+        })  # fmt: skip
+    headers = ["lease TTL s", "client keepalive s", "event", "n", "p50 ms", "p99 ms",
+               "max ms", "p50 / TTL", "gap p50 ms", "over bound"]  # fmt: skip
+    return table(headers, rows), data
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds each (smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
+    reps = 3 if args.quick else 20
+    started = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / "redis")) as redis_server,
+    ):
+        models = {"demo": ensure_demo_model(Path(tmp) / "models" / "demo")}
+        groups = {ttl: Group(ttl, models, redis_server.url, Path(tmp)) for ttl in TTLS}
+        workers = [w for g in groups.values() for w in g.workers]
+        try:
+            start_all(workers)
+            print(f"({len(workers)} workers started in {time.perf_counter() - started:.1f} s; "
+                  f"{reps} rounds per configuration)\n", flush=True)  # fmt: skip
+            rounds = asyncio.run(bench(groups, reps, seed=0))
+        finally:
+            for w in workers:
+                w.kill()
+    text, data = report(rounds)
+    print("\n# takeover after a freeze (SIGSTOP) or kill -9 of the owner, as a streaming "
+          "client sees it\n")  # fmt: skip
+    print(text)
+    print(
+        "\ntakeover: SIGSTOP / SIGKILL of the owner -> first answer from the other worker; "
+        "gap: last answer before it -> that answer; client stall timer off (600 s); over "
+        "bound: rounds above TTL + keepalive timeout + 1 s (kill -9: TTL + 1 s), stuck ones "
+        f"(no takeover within {FOLLOW_TIMEOUT_S:g} s) included"
+    )
+    elapsed = time.perf_counter() - started
+    print(f"\n(whole benchmark: {elapsed:.0f} s)")
+    if args.json:
+        slow = [
+            {"ttl_s": r.config.ttl, "keepalive_s": list(r.config.keepalive),
+             "event": r.config.event, "takeover_ms": None if r.takeover_s is None
+             else r.takeover_s * 1e3, "logs": r.logs}
+            for r in rounds if r.logs
+        ]  # fmt: skip
+        report_json = {"rows": data, "slow_rounds": slow, "rounds_per_config": reps,
+                       "seconds": elapsed}  # fmt: skip
+        args.json.write_text(json.dumps(report_json, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
