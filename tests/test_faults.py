@@ -17,6 +17,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -79,31 +80,43 @@ def moving_on(outs, errors, more: int = 20, timeout_s: float = 20.0, what: str =
 # ---------------------------------------------------------------------------- Redis stalls
 
 
+def stream_through(worker, model, faults, seed: int, snapshot_every: int) -> None:
+    """Two sessions stream on ``worker`` while each of ``faults`` happens in turn (each must
+    end with the fault repaired); then every answer is checked against the offline run."""
+    sids = [
+        worker.client.create_session("demo", snapshot_every=snapshot_every).session_id
+        for _ in range(2)
+    ]
+    xs = [random_inputs(model, 100_000, seed=seed + i) for i in range(2)]
+    stop = threading.Event()
+    thread, outs, errors = stream_in_background([worker.address], sids, xs, stop, **POLICY)
+    try:
+        wait_for(lambda: min(len(o) for o in outs) >= 30, errors)
+        for fault in faults:
+            fault()
+            moving_on(outs, errors, what="the streams after the fault was repaired")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors, errors
+    check_exact(model, sids, xs, outs, worker.client)
+
+
 @pytest.mark.slow
 def test_a_stalled_redis_loses_no_acknowledged_step(start_worker, served_models, tmp_path):
     """SIGSTOP Redis for three times the command timeout, three times, mid-stream: writes
     whose answers never came are unknown outcomes; the sessions reload from Redis and
     the streams go on. Nothing answered is lost, nothing differs, nothing is wedged."""
-    model = served_models["demo"]
     with EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path / "redis")) as store:
         w = start_worker(url=store.url, **FAST)
-        sids = [w.client.create_session("demo", snapshot_every=16).session_id for _ in range(2)]
-        xs = [random_inputs(model, 100_000, seed=600 + i) for i in range(2)]
-        stop = threading.Event()
-        thread, outs, errors = stream_in_background([w.address], sids, xs, stop, **POLICY)
-        try:
-            wait_for(lambda: min(len(o) for o in outs) >= 30, errors)
-            assert store.pid is not None
-            for _ in range(3):
-                os.kill(store.pid, signal.SIGSTOP)
-                time.sleep(3 * REDIS_TIMEOUT_S)
-                os.kill(store.pid, signal.SIGCONT)
-                moving_on(outs, errors, what="the streams after Redis came back")
-        finally:
-            stop.set()
-            thread.join(30)
-        assert not errors, errors
-        check_exact(model, sids, xs, outs, w.client)
+        assert store.pid is not None
+
+        def stall() -> None:
+            os.kill(store.pid, signal.SIGSTOP)
+            time.sleep(3 * REDIS_TIMEOUT_S)
+            os.kill(store.pid, signal.SIGCONT)
+
+        stream_through(w, served_models["demo"], [stall] * 3, seed=600, snapshot_every=16)
 
 
 @pytest.mark.slow
@@ -112,25 +125,20 @@ def test_a_black_holed_redis_connection_heals(start_worker, served_models, redis
     """Traffic between the worker and Redis vanishes mid-pipeline (nothing is closed), then
     heals: either the held commands reach Redis late (after the worker gave up on them)
     or the connections die with them. Either way the streams go on exactly."""
-    model = served_models["demo"]
     with TcpProxy.to_url(redis_url) as proxy:
         w = start_worker(url=proxy.url, **FAST)
-        sids = [w.client.create_session("demo", snapshot_every=8).session_id for _ in range(2)]
-        xs = [random_inputs(model, 100_000, seed=610 + i) for i in range(2)]
-        stop = threading.Event()
-        thread, outs, errors = stream_in_background([w.address], sids, xs, stop, **POLICY)
-        try:
-            wait_for(lambda: min(len(o) for o in outs) >= 30, errors)
-            for hole_s in (0.3, 1.5, 2.5):  # shorter and longer than the lease
+
+        def hole(seconds: float) -> Callable[[], None]:
+            def fault() -> None:
                 proxy.black_hole()
-                time.sleep(hole_s)
+                time.sleep(seconds)
                 proxy.heal(deliver=deliver)
-                moving_on(outs, errors, what="the streams after the network healed")
-        finally:
-            stop.set()
-            thread.join(30)
-        assert not errors, errors
-        check_exact(model, sids, xs, outs, w.client)
+
+            return fault
+
+        # shorter and longer than the lease
+        faults = [hole(0.3), hole(1.5), hole(2.5)]
+        stream_through(w, served_models["demo"], faults, seed=610, snapshot_every=8)
 
 
 # ---------------------------------------------------------------------------- partition
