@@ -15,21 +15,24 @@ so that only the client's gRPC keepalive (or a reset connection) notices a lost 
 After 3 answers and a random 0 .. TTL / 3 s (a random phase against the lease renewals,
 every TTL / 3) the victim gets SIGSTOP (``freeze``) or SIGKILL (``kill -9``). Takeover =
 arrival of the first answer from the other worker minus the signal; gap = the same
-answer minus the last answer before it. Then a frozen victim gets SIGCONT and its log
-should say that it dropped the session (it was fenced; a round where it does not within
-5 s is listed); a worker of another group is asked
-the session's owner (``GetSession``), which must be the other worker; the session is
-closed, so every round starts with two live, empty workers. The victim alternates within
-a group. Each repetition runs every configuration once, in a shuffled order; each kill
--9 is followed by a freeze with the slow (2/2 s) client keepalive in another group, and
-the killed worker is started again (about 1 s of CPU) from that round's SIGSTOP on,
-while its client waits at least the 2 s keepalive timeout (the report says how many
-restarts were still running 0.25 s before that round's takeover: none should be). So the
-machine's drift spreads over all configurations, and no extra time goes to restarts.
-Every step is checked to be answered exactly once and in order. A round with no answer
-from the other worker within ``bench_migration.FOLLOW_TIMEOUT_S`` is counted as stuck
-(the victim is then resumed) and left out of the percentiles; rounds over TTL + keepalive
-timeout + 1 s (kill -9: TTL + 1 s) are listed with the workers' log lines of that round.
+answer minus the last answer before it. Every step is checked to be answered exactly
+once and in order, and none by the victim after the takeover. Then a frozen victim gets
+SIGCONT and its log should say that it dropped the session (it was fenced; a round where
+it does not within 5 s is listed); a worker of another group is asked the session's
+owner (``GetSession``), which must be the other worker; the session is closed, so every
+round starts with two live, empty workers. The victim alternates within a group.
+
+Each repetition runs every configuration once, in a shuffled order. Each kill -9 is
+followed by a freeze with the slow (2/2 s) client keepalive in another group, and the
+killed worker starts again (about 1 s of CPU) from that round's SIGSTOP on, while that
+round's client waits out its 2 s keepalive timeout; the report says how many restarts
+were still running 0.25 s before that round's takeover (none should be). So the
+machine's drift spreads over all configurations, and no time goes to restarts alone.
+
+A round with no answer from the other worker within ``bench_migration.FOLLOW_TIMEOUT_S``
+is counted as stuck (the victim is then resumed) and left out of the percentiles; rounds
+over TTL + keepalive timeout + 1 s (kill -9: TTL + 1 s) are listed with the workers' log
+lines of that round (stderr, and the JSON).
 """
 
 from __future__ import annotations
