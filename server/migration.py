@@ -2,7 +2,7 @@
 
 A migration is a hand-off (``SessionManager.hand_off``): the owner stops the session
 between two steps, snapshots it, reserves its lease for the target, and the target
-acquires it (epoch + 1) and loads it from that snapshot. Streams that were talking to the
+acquires it (a new fencing token) and loads it from that snapshot. Streams that were talking to the
 source get a redirect and resume on the target; nothing is lost or applied twice, because
 every step carries its number and a resend of an applied step is answered, not re-run.
 

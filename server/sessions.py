@@ -3,8 +3,9 @@
 Everything that changes a session goes through here, and every change is all-or-nothing:
 a request that fails leaves the session exactly as it was. The pieces:
 
-- **create / import** write the session's metadata and a first snapshot (step 0, or the
-  imported step), so every step from there on can be rebuilt.
+- **create / import / fork** write the session's metadata, lease and first snapshot (step
+  0, or the imported or forked step) in one script, so every step from there on can be
+  rebuilt and a session never exists without its base.
 - **snapshots** are checkpoints (``server/checkpoint.py``) committed through the store.
 - **rollback to t**: restore the newest snapshot at or before t, replay the logged inputs
   up to t (batch invariance makes this bit-exact), then cut history after t in Redis.
@@ -12,10 +13,14 @@ a request that fails leaves the session exactly as it was. The pieces:
   the same way, up to its durable step.
 - **idle eviction**: an idle session is snapshotted and dropped from memory.
 - **ownership**: a session is resident on at most one worker, the holder of its lease
-  (``server/ownership.py``). Creating or loading a session acquires the lease, and every
-  write carries the epoch it got; a write refused as stale means another worker took the
-  session over, and it is dropped from memory at once. Loading a session that another
-  live worker holds raises :class:`SessionMovedError` with that worker's address.
+  (``server/lease.py``, renewed by ``server/ownership.py``). Creating or loading a
+  session acquires the lease, and every write carries its fencing token; a write refused
+  as stale means another worker took the session over, and it is dropped from memory at
+  once. Nothing is answered for a session while this worker's clock says its lease may
+  have run out (``revalidate``). A write whose outcome is unknown drops the session too:
+  the next request reloads it from Redis. Loading a session that another live worker
+  holds raises :class:`SessionMovedError` with that worker's address; one computed with
+  other numerics is sent to a worker that has them, or refused.
 - **hand-off** (migration): between two steps, snapshot, reserve the session for the
   target, let the target acquire and load it, then drop it here; the steps queued
   meanwhile are answered with a redirect to the target.
