@@ -33,6 +33,7 @@ from client.retry import RetryPolicy
 from client.sync import Client
 from server.checkpoint import Checkpoint
 from server.ownership import OwnershipSettings
+from server.service import ServiceSettings
 from server.sessions import ManagerSettings
 from tests.conftest import random_inputs
 
@@ -226,8 +227,6 @@ def test_oversize_message_is_resource_exhausted(start_worker):
 
 
 def test_too_many_steps_in_one_message(start_worker):
-    from server.service import ServiceSettings
-
     worker = start_worker(service=ServiceSettings(max_steps_per_message=8))
     sid = worker.client.create_session("demo").session_id
     msg = pb.StreamRequest(steps=[step_input(sid, i + 1, np.zeros(4)) for i in range(9)])
@@ -737,3 +736,48 @@ def test_redis_restart_during_streaming_loses_no_acknowledged_step(
         impatient.close()
         worker.stop()
         redis_server.stop()
+
+
+def test_a_cancelled_stream_leaves_no_reader_behind(start_worker, served_models):
+    """A client that goes away while its read-ahead is full (its steps wait behind a held
+    session) ends the Stream: the reader task ends with it, and the session serves on."""
+    model = served_models["demo"]
+    w = start_worker(service=ServiceSettings(max_inflight_messages=2))
+    sid = w.client.create_session("demo").session_id
+    x = random_inputs(model, 12, seed=40)
+    release = asyncio.Event()
+    held = asyncio.Event()
+
+    async def hold() -> None:
+        s = w.manager._sessions[sid]
+        async with s.exclusive():
+            held.set()
+            await release.wait()
+
+    holder = asyncio.run_coroutine_threadsafe(hold(), w.loop)
+    w.call(held.wait())
+
+    def readers() -> int:
+        async def count() -> int:
+            return sum(t.get_name() == "stream-reader" for t in asyncio.all_tasks())
+
+        return w.call(count())
+
+    with Client(w.address) as raw:
+
+        async def send_and_leave(worker) -> None:
+            requests = [pb.StreamRequest(steps=[step_input(sid, i + 1, x[i])]) for i in range(10)]
+            call = worker.sessions.Stream(iter(requests))
+            await asyncio.sleep(0.3)  # the server reads 2 messages ahead, then waits
+            call.cancel()
+
+        raw._run(send_and_leave(raw._aio._worker(w.address)))
+    deadline = time.monotonic() + 10
+    while (readers() or w.worker.service.open_streams) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert readers() == 0 and w.worker.service.open_streams == 0
+    w.loop.call_soon_threadsafe(release.set)
+    holder.result(10)
+    step = w.client.get_session(sid).step  # the steps it had read may have been applied
+    got = [o.output for o in w.client.stream_steps(sid, list(x[step:]), first_step=step + 1)]
+    assert_bit_equal(np.stack(got), reference(model, x)[step:])
