@@ -125,7 +125,6 @@ class Round:
     successor: str
     takeover_s: float | None  # None: stuck (no answer from the successor in time)
     gap_s: float | None
-    steps: int
     logs: str = ""  # both workers' log lines of this round (kept for slow or stuck rounds)
     restart_s: float | None = None  # a killed worker was started again meanwhile: up after
 
@@ -251,7 +250,7 @@ async def takeover_round(
         logs = log_since(offsets)
         async with AsyncClient(witness.address, discover=False) as via_witness:
             await via_witness.close_session(sid)
-        return Round(config, victim.address, successor.address, None, None, 0, logs, restart_s)
+        return Round(config, victim.address, successor.address, None, None, logs, restart_s)
 
     answers = stream.answers
     first = next(i for i in range(mark, len(answers)) if answers[i][2] == successor.address)
@@ -260,8 +259,8 @@ async def takeover_round(
     takeover = answers[first][0] - signalled
     gap = answers[first][0] - answers[first - 1][0]
 
-    # Put a frozen victim back (a killed one is restarted with the others at the end of
-    # the repetition): every round starts with two live, empty workers.
+    # Put a frozen victim back (a killed one starts again during the next round, in
+    # another group): every round starts with two live, empty workers.
     dropped = True
     if config.event == "freeze":
         victim.resume()
@@ -279,9 +278,7 @@ async def takeover_round(
         logs = (
             f"  (the resumed victim did not log dropping {sid} within {DROP_WAIT_S:g} s)\n" + logs
         )
-    return Round(
-        config, victim.address, successor.address, takeover, gap, len(answers), logs, restart_s
-    )
+    return Round(config, victim.address, successor.address, takeover, gap, logs, restart_s)
 
 
 # ---------------------------------------------------------------------------- main

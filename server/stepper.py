@@ -11,7 +11,9 @@ If a session's log write fails, that session is put back exactly where the batch
 (states are values, so this is keeping a reference) and its applied steps are answered
 with the error: a step is either durable and answered, or not applied at all.
 
-Then, in order, still holding the sessions: due periodic snapshots are handed to each
+Then the batch makes sure each session is still this worker's (self-fencing: a lease that
+may have run out by this worker's clock is revalidated, see ``_check_leases``), and, in
+order, still holding the sessions: due periodic snapshots are handed to each
 session's background writer (copied state; encoded and written after the answers, see
 ``snapshot_writer.py``), guard rollbacks run, outputs of resent steps that fell out of
 memory are recomputed by replay. Only then are the futures resolved, so an answer always
@@ -100,6 +102,7 @@ class _SessionBatch:
     guard_rollback: tuple[StepJob, StepOutcome] | None = None
     stopped: bool = False  # a REJECT or ROLLBACK: no further steps in this batch
     appended: bool = False  # this batch's steps of the session are in the log now
+    fenced: bool = False  # not surely ours any more: nothing of this batch is answered
 
 
 class Stepper:
@@ -169,11 +172,13 @@ class Stepper:
                 if not await self._tick(work, recompute):
                     break
             await self._commit_logs(work)
+            # Before anything else is written or answered for a session: is it still ours?
+            await self._check_leases(work)
             self._snapshots(work)
             await self._guard_rollbacks(work)
             for w, job, outcome in recompute:
-                await self._recompute(w, job, outcome)
-            await self._check_leases(work)
+                if not w.fenced:
+                    await self._recompute(w, job, outcome)
         except BaseException as exc:
             error = exc if isinstance(exc, SsmserveError) else None
             for w in work:
@@ -306,6 +311,10 @@ class Stepper:
             if error is None:
                 continue
             self._take_back(w, error)
+            w.fenced = True
+            for _job, outcome in w.done:  # resends too: a new owner may have rolled back
+                outcome.output, outcome.replayed, outcome.error = None, False, error
+                outcome.guard_events.clear()
             if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.hooks.drop(w.session, error)
 
