@@ -28,6 +28,7 @@ from server.model.demo import DemoSpec, demo_config
 from server.ownership import OwnershipSettings
 from tests.conftest import random_inputs, write_model
 from tests.harness import WorkerHarness
+from tests.test_faults import session_dump
 from tests.test_service import assert_bit_equal, reference, stream
 
 
@@ -287,3 +288,60 @@ def test_lease_renewals_keep_their_schedule_during_a_long_replay(model_dirs, red
         assert ownership.renewals - before >= int(took / settings.period_s) - 1
     finally:
         w.stop()
+
+
+def test_a_lease_that_ran_out_is_acquired_again_before_the_next_answer(
+    start_worker, served_models, redis_url
+):
+    """A stops renewing (as if its loop stalled) past its TTL; nobody takes the session.
+    Its next answer waits for a renewal, which finds the lease gone and acquires the
+    session again with a new token (memory is still exact: nobody else wrote)."""
+    model = served_models["demo"]
+    x = random_inputs(model, 10, seed=7)
+    ttl = OwnershipSettings(lease_ttl_s=0.5, worker_ttl_s=5.0, renew_every_s=3600)
+    a = start_worker(ownership=ttl)
+    sid = a.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
+    got, _ = stream(a, sid, x[:5])
+    time.sleep(0.8)  # the lease ran out, in Redis and by A's clock
+    with redis.Redis.from_url(redis_url) as r:
+        assert r.get(f"ssm:{{{sid}}}:lease") is None
+        rest, _ = stream(a, sid, x[5:], first_step=6)
+        assert int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) == 2  # a new token
+        assert r.get(f"ssm:{{{sid}}}:lease") is not None
+    assert_bit_equal(np.concatenate([got, rest]), reference(model, x))
+
+
+def test_an_owner_whose_lease_may_have_run_out_answers_nothing_from_memory(
+    start_worker, served_models, redis_url
+):
+    """With no Redis write per step (snapshot durability) only A's own clock can stop it:
+    once its lease ran out and B took the session over, A's next step, forecast, export
+    and GetSession are not answered from A's memory."""
+    model = served_models["demo"]
+    x = random_inputs(model, 10, seed=8)
+    ttl = OwnershipSettings(lease_ttl_s=0.5, worker_ttl_s=5.0, renew_every_s=3600)
+    a = start_worker(ownership=ttl)
+    b = start_worker()
+    sid = a.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
+    stream(a, sid, x[:5])  # in A's memory only
+    time.sleep(0.8)
+    with Client(b.address, discover=False) as via_b:  # B takes over at the base snapshot
+        assert via_b.get_session(sid).step == 0
+        got = [o.output for o in via_b.stream_steps(sid, list(x[:3]), first_step=1)]
+    assert_bit_equal(np.stack(got), reference(model, x[:3]))
+    before = session_dump(redis_url, sid)
+
+    async def stale_step(w):
+        call = w.sessions.Stream(iter([pb.StreamRequest(steps=[step_input(sid, 6, x[5])])]))
+        return [r async for r in call]
+
+    with Client(a.address, discover=False) as raw:
+        (response,) = raw._run(stale_step(raw._aio._worker(a.address)))
+        moved = step_redirect(response.results[0].error)
+        assert isinstance(moved, SessionMoved) and moved.owner == b.address
+        info = raw.get_session(sid)  # from the store (durable step 0), not A's step 5
+        assert (info.step, info.owner) == (0, b.address)
+        assert raw.forecast(sid, 2).outputs.shape == (2, 4)  # B's, from step 3
+        assert raw.export_checkpoint(sid)  # B's too
+    assert session_dump(redis_url, sid) == before
+    assert sid not in a.manager.resident_ids()
