@@ -395,8 +395,13 @@ class Store:
         keys = [k.meta, self._index, k.lease, k.snaps, k.labels, k.log]
         try:
             reply = await _guarded(lambda: self._create(keys=keys, args=args), write=True)
-        except StoreOutcomeUnknownError:
-            current = await self.get_meta(meta.session_id)  # may raise: still unknown
+        except StoreOutcomeUnknownError as unknown:
+            try:  # ask again: did it run?
+                current = await self.get_meta(meta.session_id)
+            except StoreUnavailableError:
+                raise StoreOutcomeUnknownError(
+                    f"session {meta.session_id!r} may or may not have been created: {unknown}"
+                ) from None
             if current is not None and current.token == meta.token:
                 return  # it was applied
             if current is not None:
