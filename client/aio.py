@@ -277,6 +277,8 @@ class AsyncClient:
         """One request, following redirects; retried elsewhere only if ``idempotent``."""
         backoff = Backoff(self.retry)
         address = self.owner_of(session_id) if session_id else self.address
+        if address in self._unreachable:  # never start with a worker given up on
+            address = self._other(address)
         while True:
             try:
                 result = await invoke(self._worker(address))
