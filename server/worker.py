@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from server.peers import Peers, PeerSettings
 from server.service import ServiceSettings, SessionService
 from server.sessions import ManagerSettings, SessionManager
 from server.status import UndecodableRequests
-from server.store import Store, StoreSettings
+from server.store import Store, StoreSettings, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class WorkerSettings:
     keepalive_time_s: float = 5.0
     keepalive_timeout_s: float = 3.0
     redis_timeout_s: float = 2.0  # every Redis command's deadline (StoreSettings)
+    startup_timeout_s: float = 30.0  # how long a starting worker waits for Redis
     shutdown_grace_s: float = 5.0
     blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
     drain_on_stop: bool = True  # hand sessions to other workers on stop (else snapshot them)
@@ -135,7 +138,7 @@ class Worker:
         self.store = Store(
             StoreSettings(url=url, key_prefix=s.key_prefix, socket_timeout_s=s.redis_timeout_s)
         )
-        await self.store.ping()
+        await self._patiently("reach Redis", self.store.ping)
         self.numerics = numerics_description()
         log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
 
@@ -176,10 +179,25 @@ class Worker:
             self.server,
         )
         await self.server.start()
-        await self.ownership.start()
+        await self._patiently("register in Redis", self.ownership.start)
         for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.address
+
+    async def _patiently(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+        """Retry ``call`` while Redis is unavailable, up to ``startup_timeout_s``: a store
+        that is restarting, or slow for a moment, does not stop a worker from starting."""
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except StoreUnavailableError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("could not %s yet (%s); retrying", what, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _not_serving(self) -> None:
         for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
