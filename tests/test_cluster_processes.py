@@ -90,8 +90,13 @@ def test_sigterm_drains_to_the_other_worker(model_dirs, served_models, redis_url
         assert a.terminate() == 0
         assert time.monotonic() - t0 < 10
         counts = [len(o) for o in outs]
-        time.sleep(0.5)
-        assert all(len(o) > c for o, c in zip(outs, counts, strict=True))  # still streaming
+        # They go on (bounded; under a CPU hog one took over 0.5 s once).
+        wait_for(
+            lambda: all(len(o) > c for o, c in zip(outs, counts, strict=True)),
+            errors,
+            20,
+            "the streams after the drain",
+        )
         stop.set()
         thread.join(30)
         assert not errors, errors
