@@ -14,11 +14,11 @@ RUN pip install --no-cache-dir .
 ENV NUMBA_CACHE_DIR=/var/cache/ssmserve/numba
 RUN useradd --create-home ssmserve \
     && mkdir -p "$NUMBA_CACHE_DIR" \
-    && cd / && python -m server.engine \
+    && cd / && python -m ssmserve.server.engine.lane \
     && chown -R ssmserve "$NUMBA_CACHE_DIR"
 USER ssmserve
 WORKDIR /home/ssmserve
 EXPOSE 50051
 # The main job: a server on an embedded Redis plus the demo client (see README). To serve:
 #   docker run -p 50051:50051 ssmserve ssmserve-server --demo --listen 0.0.0.0:50051
-CMD ["python", "-m", "client.demo"]
+CMD ["python", "-m", "ssmserve.client.demo"]

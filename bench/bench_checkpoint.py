@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median_seconds, table
 
-from server.checkpoint import Checkpoint, InputHistory
-from server.state import LayerState, SessionState
+from ssmserve.server.engine.recurrent_state import LayerState, SessionState
+from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
 
 
 def mamba130m_checkpoint() -> Checkpoint:

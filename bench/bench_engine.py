@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median_seconds, table
 
-from server.model.config import Architecture, MambaConfig
-from server.model.demo import DemoSpec, demo_config, random_tensors
-from server.model.loader import build_model
-from server.model.mamba import MambaModel
-from server.model.numerics import RowStableLinear, blas_signature
-from server.state import BatchState
+from ssmserve.server.engine.config import Architecture, MambaConfig
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import build_model
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.numerics import RowStableLinear, blas_signature
+from ssmserve.server.engine.recurrent_state import BatchState
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 

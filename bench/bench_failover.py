@@ -3,9 +3,9 @@
 Usage: ``.venv/bin/python bench/bench_failover.py [--quick] [--json OUT]``
 
 Processes: one private redis-server (AOF on, appendfsync everysec) and, per lease TTL
-(0.5 / 1 / 2 s), two ``python -m server.main --lease-ttl S`` workers on loopback
+(0.5 / 1 / 2 s), two ``python -m ssmserve.server.main --lease-ttl S`` workers on loopback
 (``tests/worker_process.WorkerProcess``: fixed ports, kept across restarts), all sharing
-that Redis; this process is the client (``client.aio.AsyncClient``).
+that Redis; this process is the client (``ssmserve.client.aio.AsyncClient``).
 
 One session per TTL group, created once; a round streams it through a new client that
 knows both workers of the group: one step per message, the next one sent when the
@@ -59,10 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_migration import FOLLOW_TIMEOUT_S, Stream, pct
 from common import table
 
-from client.aio import AsyncClient
-from client.retry import RetryPolicy
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.main import ensure_demo_model
+from ssmserve.client.aio import AsyncClient
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.main import ensure_demo_model
 from tests.worker_process import WorkerProcess
 
 TTLS = (0.5, 1.0, 2.0)

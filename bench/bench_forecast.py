@@ -4,7 +4,7 @@ Usage: ``.venv/bin/python bench/bench_forecast.py [--quick] [--skip-130m] [--jso
 
 Processes: one private redis-server (AOF on, appendfsync everysec) and two
 ``ssmserve-server`` workers on loopback sharing it; this process is the client
-(``client.aio.AsyncClient``). Models: the demo model (4 -> 4 signal) and a token model
+(``ssmserve.client.aio.AsyncClient``). Models: the demo model (4 -> 4 signal) and a token model
 with mamba-130m's shape (``bench_engine.mamba_130m_model()``: vocab 50,280, so every
 forecast step returns 201 KB of logits), saved to a temp dir for the workers.
 
@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import mamba_130m_config
 from bench_migration import Workers, server_cmd
 from common import table
-from ssmserve.v1 import ssmserve_pb2 as pb
 
-from client.aio import AsyncClient
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.main import ensure_demo_model
-from server.model.demo import random_tensors
-from server.model.loader import load_model, save_model
-from server.model.mamba import MambaModel
-from server.state import BatchState
+from ssmserve.client.aio import AsyncClient
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.engine.demo import random_tensors
+from ssmserve.server.engine.loader import load_model, save_model
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import BatchState
+from ssmserve.server.main import ensure_demo_model
+from ssmserve.v1 import ssmserve_pb2 as pb
 
 
 def save_130m(directory: Path) -> Path:

@@ -70,8 +70,8 @@ def percentiles_ms(samples: list[float]) -> tuple[float, float]:
 def child_ours(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
     from bench_engine import mamba_130m_model
 
-    from server.model.numerics import blas_signature, pin_blas_threads
-    from server.state import BatchState
+    from ssmserve.server.engine.numerics import blas_signature, pin_blas_threads
+    from ssmserve.server.engine.recurrent_state import BatchState
 
     threads = pin_blas_threads()
     model = mamba_130m_model()
@@ -112,7 +112,7 @@ def child_torch(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
     from transformers import DynamicCache, MambaForCausalLM
     from transformers import MambaConfig as HFMambaConfig
 
-    from server.model.demo import random_tensors
+    from ssmserve.server.engine.demo import random_tensors
 
     torch.set_num_threads(TORCH_THREADS)
     c = mamba_130m_model().config

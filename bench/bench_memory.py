@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import table
 
-from server.model.mamba import MambaModel
+from ssmserve.server.engine.mamba import MambaModel
 
 SESSIONS = {"demo": 256, "130m": 32}
 PATTERNS = ("batched", "alone")
@@ -81,8 +81,8 @@ def build(which: str) -> MambaModel:
         from bench_engine import mamba_130m_model
 
         return mamba_130m_model()
-    from server.model.demo import DemoSpec, demo_config, random_tensors
-    from server.model.loader import build_model
+    from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+    from ssmserve.server.engine.loader import build_model
 
     spec = DemoSpec()
     config = demo_config(spec)
@@ -99,14 +99,14 @@ def root(arr: np.ndarray) -> np.ndarray:
 
 
 def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
-    from server.guards import check_output
-    from server.input_log import RecentSteps
-    from server.model.numerics import pin_blas_threads
-    from server.session import Session
-    from server.session_config import SessionConfig
-    from server.sessions import ManagerSettings
-    from server.state import BatchState
-    from server.stepper import Stepper
+    from ssmserve.server.engine.numerics import pin_blas_threads
+    from ssmserve.server.engine.recurrent_state import BatchState
+    from ssmserve.server.sessions.config import SessionConfig
+    from ssmserve.server.sessions.guards import check_output
+    from ssmserve.server.sessions.manager import ManagerSettings
+    from ssmserve.server.sessions.session import Session
+    from ssmserve.server.sessions.stepper import Stepper
+    from ssmserve.server.state.input_log import RecentSteps
 
     pin_blas_threads()
     model = build(which)

@@ -4,7 +4,7 @@ Usage: ``.venv/bin/python bench/bench_migration.py [--quick]``
 
 Processes: one private redis-server (AOF on, appendfsync everysec) and ssmserve workers,
 each its own process on loopback, all sharing that Redis; this process is the client
-(``client.aio.AsyncClient``). Every stream is ping-pong: one step per message, the next
+(``ssmserve.client.aio.AsyncClient``). Every stream is ping-pong: one step per message, the next
 step sent when the previous one is answered (``RetryPolicy(window=1)``), and every answer
 is timestamped on arrival together with the worker that answered it.
 
@@ -52,12 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import mamba130m_checkpoint
 from common import table
 
-from client.aio import AsyncClient
-from client.retry import RetryPolicy
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.main import ensure_demo_model
-from server.model.demo import DemoSpec, demo_config, random_tensors
-from server.model.loader import save_model
+from ssmserve.client.aio import AsyncClient
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import save_model
+from ssmserve.server.main import ensure_demo_model
 
 BIG = DemoSpec(hidden=768, layers=24, state=16, expand=2, conv_kernel=4)
 PING_PONG = RetryPolicy(window=1)
@@ -109,7 +109,7 @@ def server_cmd(
     models: list[tuple[str, Path]], redis_url: str, data_dir: Path, lease_ttl: float = 5.0
 ) -> list[str]:
     """``ssmserve-server`` (server/main.py) on a free loopback port."""
-    cmd = ["-m", "server.main", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
+    cmd = ["-m", "ssmserve.server.main", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
     cmd += ["--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl)]
     for name, directory in models:
         cmd += ["--model", f"{name}={directory}"]

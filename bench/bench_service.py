@@ -38,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc
 from bench_checkpoint import mamba130m_checkpoint
 from common import table
+
+from ssmserve.client.aio import step_input
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.main import ensure_demo_model
+from ssmserve.server.state.store import SnapshotRecord, Store, StoreSettings
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
-
-from client.aio import step_input
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.main import ensure_demo_model
-from server.store import SnapshotRecord, Store, StoreSettings
 
 ECHO = Path(__file__).resolve().parent / "echo_server.py"
 
@@ -234,8 +234,8 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     ckpt = mamba130m_checkpoint()
     blob = ckpt.encode()
     out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
-    from server.lease import SessionLease, new_incarnation
-    from server.store import SessionMeta
+    from ssmserve.server.state.lease import SessionLease, new_incarnation
+    from ssmserve.server.state.store import SessionMeta
 
     lease = SessionLease("big", f"{new_incarnation()}.1", "bench")
     meta = SessionMeta(
@@ -415,7 +415,7 @@ def main() -> int:
     ):
         model_dir = ensure_demo_model(Path(tmp) / "demo")
         server, address = start(
-            [sys.executable, "-m", "server.main", "--model", f"demo={model_dir}",
+            [sys.executable, "-m", "ssmserve.server.main", "--model", f"demo={model_dir}",
              "--listen", "127.0.0.1:0", "--redis-url", redis_server.url]
         )  # fmt: skip
         echo, echo_address = start([sys.executable, str(ECHO)])

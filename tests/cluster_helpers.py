@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from client.aio import AsyncClient
-from client.retry import RetryPolicy
+from ssmserve.client.aio import AsyncClient
+from ssmserve.client.retry import RetryPolicy
 from tests.test_service import assert_bit_equal, reference
 from tests.worker_process import WorkerProcess
 

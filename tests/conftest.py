@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import redis
 
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.model.config import Architecture, MambaConfig
-from server.model.demo import DemoSpec, demo_config, random_tensors
-from server.model.loader import load_model, save_model
-from server.model.mamba import MambaModel
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.engine.config import Architecture, MambaConfig
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import load_model, save_model
+from ssmserve.server.engine.mamba import MambaModel
 from tests.harness import WorkerHarness
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -15,9 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from client.sync import Client
-from server.sessions import ManagerSettings
-from server.worker import Worker, WorkerSettings
+from ssmserve.client.sync import Client
+from ssmserve.server.sessions.manager import ManagerSettings
+from ssmserve.server.worker import Worker, WorkerSettings
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 
-from server.embedded_redis import free_port
+from ssmserve.server.embedded_redis import free_port
 
 
 class TcpProxy:

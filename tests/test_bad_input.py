@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import redis
 from google.rpc import status_pb2
+
+from ssmserve.client.aio import AsyncClient, step_input
+from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.server.engine.loader import load_model
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
-
-from client.aio import AsyncClient, step_input
-from server.checkpoint import Checkpoint, InputHistory
-from server.model.demo import DemoSpec, demo_config
-from server.model.loader import load_model
-from server.model.mamba import MambaModel
 from tests.conftest import random_inputs, write_model
 from tests.harness import WorkerHarness
 
@@ -447,11 +447,13 @@ def test_client_stream_steps_with_4096_steps_per_message(wide_worker, wide_model
         outs: list[Any] = []
         async with AsyncClient(wide_worker.address) as client:  # the default retry policy
             try:
-                async with asyncio.timeout(10):  # a stall fails the test instead of hanging it
+                # The bug this guards against was a deadlock (no answer ever), so the bound is
+                # far above the ~2 s this takes; 10 s failed once beside two CPU hogs.
+                async with asyncio.timeout(60):
                     async for out in client.stream_steps(sid, list(x), steps_per_message=4096):
                         outs.append(out)
             except TimeoutError:
-                pytest.fail(f"stream_steps stalled: {len(outs)} of 4096 answers after 10 s")
+                pytest.fail(f"stream_steps stalled: {len(outs)} of 4096 answers after 60 s")
         return outs
 
     outs = asyncio.run(body())
@@ -566,7 +568,7 @@ def test_undecodable_requests_get_invalid_argument(worker, served_models, caplog
         with pytest.raises(grpc.RpcError) as err:
             _garbage_call(channel, sid, x, kind, got)
         time.sleep(0.2)  # a late log line still counts
-        records = [r for r in caplog.records if r.name.startswith("server")]
+        records = [r for r in caplog.records if r.name.startswith("ssmserve.server")]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     message = err.value.details() or ""
     assert not _CLASS_NAME.search(message), message

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.model.mamba import MambaModel
-from server.model.numerics import TILE_ROWS, RowStableLinear
-from server.state import BatchState, SessionState
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.numerics import TILE_ROWS, RowStableLinear
+from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 from tests.conftest import random_inputs
 
 

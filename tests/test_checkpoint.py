@@ -9,8 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from server.checkpoint import MAGIC, Checkpoint, CheckpointMeta, InputHistory
-from server.errors import (
+from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.errors import (
     CheckpointChecksumError,
     CheckpointError,
     CheckpointLayoutError,
@@ -20,8 +21,7 @@ from server.errors import (
     CheckpointVersionError,
     ErrorKind,
 )
-from server.model.demo import DemoSpec, demo_config
-from server.model.mamba import MambaModel
+from ssmserve.server.state.checkpoint import MAGIC, Checkpoint, CheckpointMeta, InputHistory
 from tests.conftest import random_inputs, write_model
 
 

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.checkpoint import MAGIC
-from server.checkpoint import _decode as decode_strict
-from server.errors import CheckpointError
-from server.model.mamba import MambaModel
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.errors import CheckpointError
+from ssmserve.server.state.checkpoint import MAGIC
+from ssmserve.server.state.checkpoint import _decode as decode_strict
 from tests.test_checkpoint import header_of, make_checkpoint, reseal
 
 FUZZ = settings(

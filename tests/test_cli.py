@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.model.loader import load_model
+from ssmserve.server.engine.loader import load_model
 from tests.conftest import HF_FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ DEMO_ARGS = (
 
 def ssmserve(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "client.cli", *map(str, args)],
+        [sys.executable, "-m", "ssmserve.client.cli", *map(str, args)],
         cwd=REPO,
         capture_output=True,
         text=True,

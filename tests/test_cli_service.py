@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.cli import main
-from server.checkpoint import Checkpoint
+from ssmserve.client.cli import main
+from ssmserve.server.state.checkpoint import Checkpoint
 from tests.conftest import random_inputs
 
 
@@ -140,7 +140,7 @@ def test_cli_errors_are_one_line(worker, tmp_path, capsys):
 
 def test_server_process_starts_serves_and_stops_on_sigterm(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.main", "--demo", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "ssmserve.server.main", "--demo", "--listen", "127.0.0.1:0",
          "--data-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"},
@@ -178,7 +178,7 @@ def _redis_running_in(data_dir: Path) -> bool:
 
 def test_server_refuses_to_start_without_models(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "server.main", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "ssmserve.server.main", "--data-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
         env={k: v for k, v in os.environ.items() if k != "SSMSERVE_MODELS"},
     )  # fmt: skip

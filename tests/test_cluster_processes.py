@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import redis
 
-from client.errors import FailedPrecondition, StepFailed
-from client.sync import Client
+from ssmserve.client.errors import FailedPrecondition, StepFailed
+from ssmserve.client.sync import Client
 from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
 from tests.conftest import random_inputs
 from tests.test_service import assert_bit_equal, reference

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.model.loader import load_model
+from ssmserve.server.engine.loader import load_model
 from tests.conftest import HF_FIXTURES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 _SCRIPT = """
 import hashlib, sys
 import numpy as np
-from server.model.loader import load_model
-from server.model.demo import DemoSpec, demo_config, random_tensors
-from server.model.loader import save_model
+from ssmserve.server.engine.loader import load_model
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import save_model
 m = load_model(sys.argv[1])
 ids = np.load(sys.argv[1] + "/ids.npy")
 out, state = m.run(ids)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from server.embedded_redis import (
+from ssmserve.server.embedded_redis import (
     EmbeddedRedis,
     EmbeddedRedisError,
     EmbeddedRedisSettings,

@@ -22,14 +22,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import redis
-from ssmserve.v1 import ssmserve_pb2 as pb
 
-from client.aio import AsyncClient, step_input
-from client.errors import SessionMoved, SsmserveClientError, step_redirect
-from client.retry import RetryPolicy
-from client.sync import Client
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.ownership import OwnershipSettings
+from ssmserve.client.aio import AsyncClient, step_input
+from ssmserve.client.errors import SessionMoved, SsmserveClientError, step_redirect
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.sync import Client
+from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
 from tests.conftest import random_inputs
 from tests.tcp_proxy import TcpProxy

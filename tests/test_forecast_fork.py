@@ -9,25 +9,25 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import redis
-from ssmserve.v1 import ssmserve_pb2 as pb
 
-from client.errors import (
+from ssmserve.client.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from server.checkpoint import Checkpoint, InputHistory
-from server.engine import EngineLane
-from server.forecaster import (
+from ssmserve.server.engine.lane import EngineLane
+from ssmserve.server.sessions.forecaster import (
     Forecaster,
     ForecastJob,
     ForecastSettings,
     OutputNotFiniteError,
     feedback,
 )
-from server.sessions import ManagerSettings
+from ssmserve.server.sessions.manager import ManagerSettings
+from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
+from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.conftest import random_inputs
 from tests.test_service import as_inputs, assert_bit_equal, reference, stream
 

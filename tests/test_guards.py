@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.guards import GuardAction, GuardCheck, GuardRule, GuardRuleError, check_output
+from ssmserve.server.sessions.guards import (
+    GuardAction,
+    GuardCheck,
+    GuardRule,
+    GuardRuleError,
+    check_output,
+)
 
 
 def rule(check, action, **kw):

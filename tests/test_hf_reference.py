@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from server.model.loader import load_model
+from ssmserve.server.engine.loader import load_model
 from tests.conftest import HF_CASES, HF_FIXTURES
 
 TOLERANCE = 1e-5

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from server.model.kernels import exp_f32
-from server.model.mamba import MambaModel
-from server.snapshot_writer import MAX_WAITING, SnapshotWriter
-from server.state import BatchState
+from ssmserve.server.engine.kernels import exp_f32
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import BatchState
+from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter
 from tests.conftest import random_inputs
 
 
@@ -156,8 +156,8 @@ def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> N
 WARM_CHECK = """
 import asyncio, json, sys
 from numba.core.registry import CPUDispatcher
-from server.model import kernels
-from server.worker import Worker, WorkerSettings
+from ssmserve.server.engine import kernels
+from ssmserve.server.worker import Worker, WorkerSettings
 
 async def main():
     dispatchers = [

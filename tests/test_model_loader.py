@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from server.errors import ModelFormatError, ModelInputError
-from server.model.config import MambaConfig
-from server.model.demo import DemoSpec, demo_config, random_tensors
-from server.model.loader import fingerprint, load_model, save_model
-from server.model.mamba import MambaModel
+from ssmserve.server.engine.config import MambaConfig
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import fingerprint, load_model, save_model
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.errors import ModelFormatError, ModelInputError
 from tests.conftest import HF_FIXTURES, token_config, write_model
 
 # Pinned so that a change to the fingerprint scheme (which would orphan every stored

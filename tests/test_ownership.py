@@ -11,10 +11,9 @@ import grpc
 import numpy as np
 import pytest
 import redis
-from ssmserve.v1 import ssmserve_pb2 as pb
 
-from client.aio import step_input
-from client.errors import (
+from ssmserve.client.aio import step_input
+from ssmserve.client.errors import (
     FailedPrecondition,
     NotFound,
     SessionMoved,
@@ -22,10 +21,11 @@ from client.errors import (
     from_rpc_error,
     step_redirect,
 )
-from client.retry import RetryPolicy
-from client.sync import Client
-from server.model.demo import DemoSpec, demo_config
-from server.ownership import OwnershipSettings
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.sync import Client
+from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.conftest import random_inputs, write_model
 from tests.harness import WorkerHarness
 from tests.test_faults import session_dump

@@ -17,11 +17,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from ssmserve.v1 import ssmserve_pb2 as pb
-from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
-from client.aio import step_input
-from client.errors import (
+from ssmserve.client.aio import step_input
+from ssmserve.client.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -29,12 +27,14 @@ from client.errors import (
     StepFailed,
     Unavailable,
 )
-from client.retry import RetryPolicy
-from client.sync import Client
-from server.checkpoint import Checkpoint
-from server.ownership import OwnershipSettings
-from server.service import ServiceSettings
-from server.sessions import ManagerSettings
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.sync import Client
+from ssmserve.server.api.service import ServiceSettings
+from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.sessions.manager import ManagerSettings
+from ssmserve.server.state.checkpoint import Checkpoint
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 from tests.conftest import random_inputs
 
 
@@ -648,7 +648,7 @@ def test_async_client_and_no_durability_mode(worker, served_models, redis_url):
     is exact (from memory) and a snapshot writes the inputs it needs."""
     import asyncio
 
-    from client.aio import AsyncClient
+    from ssmserve.client.aio import AsyncClient
 
     model = served_models["odd"]
     x = random_inputs(model, 12, seed=30)
@@ -693,7 +693,7 @@ def test_redis_restart_during_streaming_loses_no_acknowledged_step(
     """Redis goes away mid-stream (a clean restart, or kill -9 with appendfsync always):
     steps meanwhile are not applied (UNAVAILABLE, which a client that gives up quickly
     sees), the streaming client retries with backoff and continues, bit-exact."""
-    from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+    from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
     from tests.harness import WorkerHarness
 
     model = served_models["demo"]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-from server.errors import SessionMovedError
-from server.lease import SessionLease, new_incarnation
-from server.store import (
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.errors import SessionMovedError
+from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.store import (
     BadSessionIdError,
     LabelTakenError,
     LeaseExpiredError,
@@ -32,7 +32,7 @@ from server.store import (
     StoreUnavailableError,
     WorkerRecord,
 )
-from server.store_layout import MAX_STEP
+from ssmserve.server.state.store_layout import MAX_STEP
 
 
 def _binaries() -> list[object]:

@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from server.embedded_redis import free_port
+from ssmserve.server.embedded_redis import free_port
 
 
 class WorkerProcess:
-    """``python -m server.main`` on a fixed loopback port (kept across restarts)."""
+    """``python -m ssmserve.server.main`` on a fixed loopback port (kept across restarts)."""
 
     def __init__(
         self,
@@ -40,7 +40,7 @@ class WorkerProcess:
 
     def start(self, timeout_s: float = 30.0) -> WorkerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "server.main", "--listen", self.address]
+        args = [sys.executable, "-m", "ssmserve.server.main", "--listen", self.address]
         args += ["--redis-url", self.redis_url, "--data-dir", str(self.data_dir)]
         args += ["--lease-ttl", str(self.lease_ttl_s)]
         for name, directory in self.models.items():

@@ -1,0 +1,67 @@
+"""``ssmserve``: the user and operator command line.
+
+The service commands (``--server HOST:PORT`` goes before the command) live in
+``session_commands``. Other installed distributions add commands through the
+``ssmserve.cli`` entry-point group: each entry is a callable that gets the CLI's
+subparsers and adds its commands there, each with a ``handler(args)`` default. The
+server adds ``ssmserve model ...`` that way, so a client-only install never imports it.
+
+Any failure prints one line ``ssmserve: error: ...`` on stderr and exits with code 2;
+nothing is written unless the command succeeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from ssmserve.client import session_commands
+from ssmserve.client.errors import CliError, SsmserveClientError
+
+EXIT_USAGE = 2
+PLUGIN_GROUP = "ssmserve.cli"
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ssmserve", description="Streaming inference-state server for SSM models."
+    )
+    parser.add_argument(
+        "--server", metavar="HOST:PORT", help="worker to talk to (service commands)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    session_commands.add_parsers(commands)
+    for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        try:
+            add_commands = entry.load()
+        except Exception as exc:  # a broken plugin must not take the service commands down
+            log.warning("ssmserve: commands %r unavailable: %s", entry.name, exc)
+            continue
+        add_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            handler(args)
+        else:
+            session_commands.run(args)
+        return 0
+    except (SsmserveClientError, CliError) as exc:
+        print(f"ssmserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

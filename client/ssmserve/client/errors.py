@@ -1,0 +1,144 @@
+"""Typed exceptions for clients, rebuilt from the server's status details.
+
+The server sends a ``google.rpc.Status`` with an ``ErrorInfo`` (reason, domain) in the
+trailing metadata of every error (``server/status.py``). :func:`from_rpc_error` turns
+that back into one exception class per status code, carrying the reason, so callers can
+``except NotFound`` or look at ``err.reason == "STEP_GAP"``.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from ssmserve.v1 import ssmserve_pb2 as pb
+
+DETAILS_KEY = "grpc-status-details-bin"
+OWNER_KEY = "ssmserve-owner"
+RETRY_AFTER_KEY = "ssmserve-retry-after-ms"
+
+
+class CliError(Exception):
+    """A user-facing failure of the CLI itself (bad file, bad flag, refused overwrite)."""
+
+
+class SsmserveClientError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, reason: str = "", code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(SsmserveClientError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(SsmserveClientError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(SsmserveClientError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(SsmserveClientError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(SsmserveClientError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SsmserveClientError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SsmserveClientError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class DataLoss(SsmserveClientError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class SessionMoved(Unavailable):
+    """The session is served by another worker: ``owner`` (may be empty when unknown).
+
+    ``retry_after_ms`` is how long the owner's lease still runs: if the owner cannot be
+    reached (it died), any worker can take the session over after that.
+    """
+
+    def __init__(
+        self, message: str, reason: str = "", owner: str = "", retry_after_ms: int = 0
+    ) -> None:
+        super().__init__(message, reason, grpc.StatusCode.UNAVAILABLE)
+        self.owner = owner
+        self.retry_after_ms = retry_after_ms
+
+
+_BY_CODE: dict[grpc.StatusCode, type[SsmserveClientError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        DataLoss,
+    )
+}
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+REDIRECT_REASONS = frozenset({"SESSION_MOVED", "STALE_EPOCH"})
+
+
+def step_redirect(error: pb.StepError) -> SessionMoved | None:
+    """The redirect a step's error carries (reason SESSION_MOVED / STALE_EPOCH), if any."""
+    if error.reason not in REDIRECT_REASONS:
+        return None
+    return SessionMoved(error.message, error.reason, error.owner, error.retry_after_ms)
+
+
+class StepFailed(SsmserveClientError):
+    """A step in a stream was answered with an error (the stream itself goes on)."""
+
+    def __init__(self, result: pb.StepResult) -> None:
+        code = _BY_NUMBER.get(result.error.code, grpc.StatusCode.UNKNOWN)
+        super().__init__(result.error.message, result.error.reason, code)
+        self.session_id = result.session_id
+        self.step = result.step
+        self.result = result
+
+
+def from_rpc_error(error: grpc.RpcError) -> SsmserveClientError:
+    code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
+    message: str = error.details() or code.name  # type: ignore[attr-defined]
+    reason = ""
+    metadata: dict[str, str] = {}
+    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == DETAILS_KEY:
+            status = status_pb2.Status.FromString(value)
+            for detail in status.details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    reason = info.reason
+                    metadata.update(info.metadata)
+        elif key in (OWNER_KEY, RETRY_AFTER_KEY) and isinstance(value, str):
+            metadata[key] = value
+    if reason in REDIRECT_REASONS:
+        retry_after = metadata.get(RETRY_AFTER_KEY, "0")
+        return SessionMoved(
+            message,
+            reason,
+            owner=metadata.get(OWNER_KEY, ""),
+            retry_after_ms=int(retry_after) if retry_after.isdigit() else 0,
+        )
+    return _BY_CODE.get(code, SsmserveClientError)(message, reason, code)

@@ -1,0 +1,59 @@
+"""How the client rides out moves, crashes and outages: redirects, retries, backoff.
+
+A request for a session another worker owns comes back as
+:class:`~ssmserve.client.errors.SessionMoved` with the owner's address: the client goes there at
+once. A worker that cannot be reached, or a store outage (UNAVAILABLE), is retried with
+exponential backoff and jitter, trying the other known workers in turn, until
+``give_up_after_s`` passes without progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry settings of a client (documented defaults)."""
+
+    initial_backoff_s: float = 0.01
+    max_backoff_s: float = 0.2  # small: a dead owner's sessions return after its lease TTL
+    multiplier: float = 2.0
+    give_up_after_s: float = 60.0  # without any progress (an answered step, a reply)
+    max_redirects: int = 8  # hops in a row before backing off (a hand-off in progress)
+    stall_timeout_s: float = 30.0  # no answer for this long with steps pending: reconnect
+    window: int = 256  # steps sent but not yet answered, per stream (kept for resending)
+    # Deadline of every unary call (a rollback or fork may replay a snapshot interval).
+    call_timeout_s: float = 30.0
+    # Deadline of an import (the whole checkpoint goes up in one call).
+    import_timeout_s: float = 600.0
+    # gRPC keepalive: a ping after this long without news from a worker, and the
+    # connection is given up when no answer comes within the timeout. A frozen or
+    # vanished worker is noticed within about their sum, even mid-stream.
+    keepalive_time_s: float = 2.0
+    keepalive_timeout_s: float = 2.0
+
+
+class Backoff:
+    """Delays for one operation; :meth:`progress` resets them."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.progress()
+
+    def progress(self) -> None:
+        self._delay = self.policy.initial_backoff_s
+        self._since = time.monotonic()
+        self.redirects = 0
+        self.waited_for = ""  # an unreachable owner whose lease we last waited out
+
+    def expired(self) -> bool:
+        return time.monotonic() - self._since > self.policy.give_up_after_s
+
+    async def wait(self, at_least_s: float = 0.0) -> None:
+        delay = max(at_least_s, self._delay * (0.5 + random.random() / 2))
+        self._delay = min(self._delay * self.policy.multiplier, self.policy.max_backoff_s)
+        await asyncio.sleep(delay)

@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for the ssmserve contract (see protos/ssmserve/v1/ssmserve.proto)."""

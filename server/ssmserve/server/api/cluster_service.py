@@ -1,0 +1,86 @@
+"""The gRPC edge of the cluster operations: ListWorkers, Migrate, Drain, AdoptSession."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from ssmserve.server.api import status
+from ssmserve.server.api.service import RequestError
+from ssmserve.server.cluster.migration import Migrator, UnknownWorkerError
+from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.errors import clip
+from ssmserve.server.state.store import WorkerRecord
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+
+class ClusterService(pb_grpc.ClusterServiceServicer):
+    def __init__(self, migrator: Migrator, ownership: Ownership) -> None:
+        self.migrator = migrator
+        self.ownership = ownership
+
+    async def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        async with status.edge(context):
+            workers = await self.ownership.live_workers()
+            return pb.ListWorkersResponse(workers=[worker_to_pb(w) for w in workers])
+
+    async def Migrate(
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        async with status.edge(context):
+            if not request.session_id or not request.target:
+                raise RequestError("migrate needs a session_id and a target (HOST:PORT)")
+            result = await self.migrator.migrate(request.session_id, request.target)
+            return pb.MigrateResponse(
+                session_id=result.session_id,
+                source=result.source,
+                target=result.target,
+                step=result.step,
+                snapshot_id=result.snapshot_id,
+                elapsed_ms=result.elapsed_ms,
+            )
+
+    async def Drain(
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DrainProgress]:
+        async with status.edge(context):
+            if request.worker and request.worker != self.ownership.address:
+                if await self.ownership.worker_at(request.worker) is None:
+                    raise UnknownWorkerError(
+                        f"no live worker is registered at {clip(request.worker)}"
+                    )
+                async for progress in self.migrator.peers.drain(request.worker):
+                    yield progress
+                return
+            async for p in self.migrator.drain():
+                yield pb.DrainProgress(
+                    session_id=p.session_id,
+                    target=p.target,
+                    done=p.done,
+                    total=p.total,
+                    error=p.error,
+                )
+
+    async def AdoptSession(
+        self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdoptSessionResponse:
+        async with status.edge(context):
+            step, epoch = await self.migrator.adopt(request.session_id)
+            return pb.AdoptSessionResponse(step=step, epoch=epoch)
+
+
+def worker_to_pb(w: WorkerRecord) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        worker_id=w.worker_id,
+        address=w.address,
+        models=list(w.models),
+        load=w.load,
+        started_at=w.started_at,
+        heartbeat_at=w.heartbeat_at,
+        draining=w.draining,
+        numerics=w.numerics,
+    )

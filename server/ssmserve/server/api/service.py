@@ -1,0 +1,537 @@
+"""The gRPC edge: requests in, validated and converted; typed errors out as statuses.
+
+The servicer holds no session logic: it turns protobuf messages into calls on the
+:class:`~ssmserve.server.sessions.manager.SessionManager` and results back into messages.
+Errors raised below map to status codes in ``ssmserve.server.api.status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ssmserve.server.api import status
+from ssmserve.server.cluster.migration import Migrator
+from ssmserve.server.errors import ErrorKind, SsmserveError, clip
+from ssmserve.server.sessions.config import Durability, SessionConfig
+from ssmserve.server.sessions.forecaster import ForecastStep
+from ssmserve.server.sessions.guards import (
+    GuardAction,
+    GuardCheck,
+    GuardEvent,
+    GuardRule,
+    GuardRuleError,
+)
+from ssmserve.server.sessions.manager import RollbackTarget, SessionManager, SessionView
+from ssmserve.server.sessions.session import SnapshotEvent, StepOutcome
+from ssmserve.server.state.store import SnapshotRecord
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # checkpoint chunks are at most 1 MiB (the contract)
+
+
+class RequestError(SsmserveError):
+    """A request that is malformed as a message (INVALID_ARGUMENT)."""
+
+
+class StreamLimitError(SsmserveError):
+    """A stream message carries more steps than a message may."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class ImportTooLargeError(SsmserveError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    max_message_bytes: int = 4 << 20  # answers are split to stay below this
+    max_steps_per_message: int = 4096
+    max_inflight_messages: int = 64  # per stream: messages read ahead of their answers
+    max_import_bytes: int = 1 << 30  # largest checkpoint ImportCheckpoint accepts
+
+
+class SessionService(pb_grpc.SessionServiceServicer):
+    def __init__(
+        self, manager: SessionManager, settings: ServiceSettings, migrator: Migrator
+    ) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.migrator = migrator  # places forks on other workers
+        self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
+
+    # ------------------------------------------------------------------ sessions
+
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionInfo:
+        async with status.edge(context):
+            config = config_from_pb(request.config)
+            view = await self.manager.create(request.model, request.session_id, config)
+            return info_to_pb(view)
+
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionInfo:
+        async with status.edge(context):
+            return info_to_pb(await self.manager.view(request.session_id))
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        async with status.edge(context):
+            views, token = await self.manager.list(
+                request.page_size, request.page_token, request.model
+            )
+            # A page holds at most page_size sessions and fits in one message: sessions
+            # with many labels and guards are large, so the page may end early.
+            budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
+            infos: list[pb.SessionInfo] = []
+            size = 0
+            for view in views:
+                info = info_to_pb(view)
+                n = info.ByteSize() + 8
+                if infos and size + n > budget:
+                    token = infos[-1].session_id
+                    break
+                infos.append(info)
+                size += n
+            return pb.ListSessionsResponse(sessions=infos, next_page_token=token)
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        async with status.edge(context):
+            step, snapshot_id = await self.manager.close(request.session_id, request.final_snapshot)
+            return pb.CloseSessionResponse(step=step, snapshot_id=snapshot_id)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[pb.StreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.StreamResponse]:
+        # Requests are read ahead (up to max_inflight_messages) while earlier ones are
+        # being stepped; answers go out in request order. Every problem of a step, a
+        # redirect included, is answered in its StepResult: ending a bidi call while the
+        # client still writes can reach the client as INTERNAL with the real status lost.
+        reader = _StreamReader(self.manager, self.settings)
+        task = asyncio.create_task(reader.run(request_iterator), name="stream-reader")
+        budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
+        self.open_streams += 1
+        try:
+            while (futures := await reader.answers.get()) is not None:
+                outcomes = [await f for f in futures]
+                for response in split_results([result_to_pb(o) for o in outcomes], budget):
+                    yield response
+                reader.slots.release()
+            await task
+            if reader.failure is not None:  # e.g. a message that is not valid protobuf
+                await status.abort(context, reader.failure)
+        finally:
+            self.open_streams -= 1
+            task.cancel()  # never blocks: the reader waits only for a slot or a request
+
+    # ------------------------------------------------------------------ snapshots, rollback
+
+    async def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SnapshotInfo:
+        async with status.edge(context):
+            record = await self.manager.snapshot(request.session_id, request.label)
+            return snapshot_to_pb(request.session_id, record)
+
+    async def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSnapshotsResponse:
+        async with status.edge(context):
+            records = await self.manager.list_snapshots(request.session_id)
+            return pb.ListSnapshotsResponse(
+                snapshots=[snapshot_to_pb(request.session_id, r) for r in records]
+            )
+
+    async def Rollback(
+        self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RollbackResponse:
+        async with status.edge(context):
+            which = request.WhichOneof("target")
+            if which is None:
+                raise RequestError(
+                    "rollback needs a target: snapshot_id, label, step or steps_back"
+                )
+            target = RollbackTarget(**{which: getattr(request, which)})
+            result = await self.manager.rollback(request.session_id, target)
+            return pb.RollbackResponse(
+                step=result.step,
+                from_snapshot_id=result.from_snapshot_id,
+                replayed_steps=result.replayed_steps,
+            )
+
+    # ------------------------------------------------------------------ forecast, fork
+
+    async def Forecast(
+        self, request: pb.ForecastRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ForecastResponse]:
+        async with status.edge(context):
+            job = await self.manager.forecast(
+                request.session_id,
+                request.horizon,
+                request.at_step if request.HasField("at_step") else None,
+            )
+        try:
+            async for steps in job.batches(self.manager.settings.forecast.message_bytes):
+                yield pb.ForecastResponse(
+                    from_step=job.from_step, steps=[forecast_step_to_pb(x) for x in steps]
+                )
+            if job.stopped is not None:
+                if job.stopped.kind is ErrorKind.UNAVAILABLE:  # the worker stopped: retry
+                    await status.abort(context, job.stopped)
+                yield pb.ForecastResponse(
+                    from_step=job.from_step, stopped=status.step_error(job.stopped)
+                )
+        finally:
+            job.cancelled = True  # the client went away: stop computing for it
+
+    async def Fork(
+        self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForkResponse:
+        async with status.edge(context):
+            which = request.WhichOneof("at")
+            at = RollbackTarget(**{which: getattr(request, which)}) if which else RollbackTarget()
+            result = await self.manager.fork(request.session_id, at, request.new_session_id)
+            view = result.view
+            if request.target or self.manager.ownership.draining:
+                await self.migrator.place(view.session_id, request.target)
+                view = await self.manager.view(view.session_id)
+            return pb.ForkResponse(
+                session=info_to_pb(view),
+                source_session_id=result.source_session_id,
+                step=result.step,
+                from_snapshot_id=result.from_snapshot_id,
+                replayed_steps=result.replayed_steps,
+            )
+
+    # ------------------------------------------------------------------ export, import
+
+    async def ExportCheckpoint(
+        self, request: pb.ExportCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CheckpointChunk]:
+        async with status.edge(context):
+            blob = await self.manager.export(request.session_id, request.snapshot_id)
+        view = memoryview(blob)
+        count = max(1, -(-len(blob) // CHUNK_BYTES))
+        for i in range(count):
+            yield pb.CheckpointChunk(
+                index=i,
+                data=bytes(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]),
+                total_size=len(blob),
+                last=i == count - 1,
+            )
+
+    async def ImportCheckpoint(
+        self,
+        request_iterator: AsyncIterator[pb.ImportCheckpointRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.SessionInfo:
+        async with status.edge(context):
+            header, blob = await self._receive_checkpoint(request_iterator)
+            view = await self.manager.import_checkpoint(
+                blob,
+                header.session_id,
+                header.model,
+                config_from_pb(header.config),
+                header.replace,
+            )
+            return info_to_pb(view)
+
+    async def _receive_checkpoint(
+        self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest]
+    ) -> tuple[pb.ImportHeader, bytes]:
+        header: pb.ImportHeader | None = None
+        parts: list[bytes] = []
+        received = 0
+        total = -1
+        done = False
+        async for request in request_iterator:
+            which = request.WhichOneof("part")
+            if which == "header":
+                if header is not None:
+                    raise RequestError("import: the header was sent twice")
+                header = request.header
+                continue
+            if which != "chunk":
+                raise RequestError("import: a message carries neither a header nor a chunk")
+            if header is None:
+                raise RequestError("import: the first message must be the header")
+            chunk = request.chunk
+            if done:
+                raise RequestError(f"import: chunk {chunk.index} arrived after the last chunk")
+            if chunk.index != len(parts):
+                raise RequestError(
+                    f"import: chunk {chunk.index} arrived where chunk {len(parts)} was expected"
+                )
+            if total < 0:
+                total = chunk.total_size
+                if total > self.settings.max_import_bytes:
+                    raise ImportTooLargeError(
+                        f"import: a checkpoint of {total} bytes is over the limit of "
+                        f"{self.settings.max_import_bytes}"
+                    )
+            elif chunk.total_size != total:
+                raise RequestError(
+                    f"import: chunk {chunk.index} says the total is {chunk.total_size} bytes, "
+                    f"chunk 0 said {total}"
+                )
+            if len(chunk.data) > CHUNK_BYTES:
+                raise RequestError(
+                    f"import: chunk {chunk.index} holds {len(chunk.data)} bytes, over 1 MiB"
+                )
+            received += len(chunk.data)
+            if received > total:
+                raise RequestError(f"import: the chunks hold more than the {total} bytes declared")
+            parts.append(chunk.data)
+            done = chunk.last
+        if header is None:
+            raise RequestError("import: the stream ended before the header")
+        if not done:
+            raise RequestError(
+                f"import: the stream ended after chunk {len(parts) - 1} without the last chunk"
+            )
+        if received != total:
+            raise RequestError(f"import: got {received} bytes, the chunks declared {total}")
+        return header, b"".join(parts)
+
+
+class _StreamReader:
+    """Reads one Stream's requests and queues the futures of their steps.
+
+    The queue is unbounded; ``slots`` bounds how many messages are read ahead of their
+    answers, so cancelling the stream (the client went away) never leaves the reader
+    blocked on a full queue.
+    """
+
+    def __init__(self, manager: SessionManager, settings: ServiceSettings) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(settings.max_inflight_messages)
+        self.failure: SsmserveError | None = None
+
+    async def run(self, request_iterator: AsyncIterator[pb.StreamRequest]) -> None:
+        requests = request_iterator.__aiter__()
+        try:
+            while True:
+                await self.slots.acquire()
+                try:
+                    request = await requests.__anext__()
+                except StopAsyncIteration:
+                    return
+                self.answers.put_nowait(await self._submit(request))
+        except SsmserveError as exc:
+            self.failure = exc
+        finally:
+            self.answers.put_nowait(None)
+
+    async def _submit(self, request: pb.StreamRequest) -> list[asyncio.Future[StepOutcome]]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[StepOutcome]] = []
+        limit = self.settings.max_steps_per_message
+        too_many = len(request.steps) > limit
+        for step in request.steps:
+            try:
+                if too_many:
+                    raise StreamLimitError(
+                        f"a message may carry at most {limit} steps, this one has "
+                        f"{len(request.steps)}; none of them was applied"
+                    )
+                future = await self.manager.submit(step.session_id, step.step, step_value(step))
+            except SsmserveError as exc:
+                future = loop.create_future()
+                future.set_result(StepOutcome(step.session_id, step.step, error=exc))
+            futures.append(future)
+        return futures
+
+
+#: Room left in a message for what is not results (framing, the continued flag).
+_RESPONSE_MARGIN = 64 << 10
+
+
+def split_results(results: list[pb.StepResult], budget: int) -> Iterator[pb.StreamResponse]:
+    """The answers to one request, in responses of at most ``budget`` bytes each (all but
+    the last marked ``continued``). One result always fits: the worker refuses models
+    whose single output could not (``Worker.start``)."""
+    batch: list[pb.StepResult] = []
+    size = 0
+    for result in results:
+        n = result.ByteSize() + 8  # tag and length prefix
+        if batch and size + n > budget:
+            yield pb.StreamResponse(results=batch, continued=True)
+            batch, size = [], 0
+        batch.append(result)
+        size += n
+    yield pb.StreamResponse(results=batch)
+
+
+# ---------------------------------------------------------------------------- conversions
+
+
+def step_value(step: pb.StepInput) -> int | np.ndarray:
+    which = step.WhichOneof("value")
+    if which == "token":
+        return int(step.token)
+    if which == "vector":
+        return np.asarray(step.vector.values, np.float32)
+    raise RequestError(f"step {step.step} of session {step.session_id!r} carries no input")
+
+
+_ACTIONS = {
+    pb.GuardRule.ACTION_UNSPECIFIED: GuardAction.REPORT,
+    pb.GuardRule.ACTION_REPORT: GuardAction.REPORT,
+    pb.GuardRule.ACTION_CLAMP: GuardAction.CLAMP,
+    pb.GuardRule.ACTION_REJECT: GuardAction.REJECT,
+    pb.GuardRule.ACTION_ROLLBACK: GuardAction.ROLLBACK,
+}
+_CHECKS = {pb.GuardRule.CHECK_FINITE: GuardCheck.FINITE, pb.GuardRule.CHECK_RANGE: GuardCheck.RANGE}
+_DURABILITY = {
+    pb.DURABILITY_UNSPECIFIED: Durability.LOG,
+    pb.DURABILITY_LOG: Durability.LOG,
+    pb.DURABILITY_SNAPSHOT: Durability.SNAPSHOT,
+    pb.DURABILITY_NONE: Durability.NONE,
+}
+
+
+def config_from_pb(config: pb.SessionConfig) -> SessionConfig:
+    guards = []
+    for rule in config.guards:
+        if rule.check not in _CHECKS:
+            raise GuardRuleError(
+                f"guard {clip(rule.name)}: check must be CHECK_FINITE or CHECK_RANGE"
+            )
+        if rule.action not in _ACTIONS:
+            raise GuardRuleError(f"guard {clip(rule.name)}: unknown action {rule.action}")
+        guards.append(
+            GuardRule(
+                name=rule.name,
+                check=_CHECKS[rule.check],
+                action=_ACTIONS[rule.action],
+                min=rule.min if rule.HasField("min") else None,
+                max=rule.max if rule.HasField("max") else None,
+                dims=tuple(rule.dims),
+            )
+        )
+    if config.durability not in _DURABILITY:
+        raise RequestError(f"unknown durability mode {config.durability}")
+    return SessionConfig(
+        snapshot_every=config.snapshot_every,
+        max_snapshots=config.max_snapshots,
+        history_window=config.history_window,
+        guards=tuple(guards),
+        durability=_DURABILITY[config.durability],
+        idle_ttl_s=config.idle_ttl_s,
+        labels=dict(config.labels),
+    )
+
+
+def config_to_pb(config: SessionConfig) -> pb.SessionConfig:
+    return pb.SessionConfig(
+        snapshot_every=config.snapshot_every,
+        max_snapshots=config.max_snapshots,
+        history_window=config.history_window,
+        guards=[
+            pb.GuardRule(
+                name=g.name,
+                check=int(g.check),
+                action=int(g.action),
+                min=g.min,
+                max=g.max,
+                dims=list(g.dims),
+            )
+            for g in config.guards
+        ],
+        durability=int(config.durability),
+        idle_ttl_s=config.idle_ttl_s,
+        labels=dict(config.labels),
+    )
+
+
+def info_to_pb(view: SessionView) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=view.session_id,
+        model=view.model,
+        model_fingerprint=view.fingerprint,
+        step=view.step,
+        config=config_to_pb(view.config),
+        created_at=view.created_at,
+        updated_at=view.updated_at,
+        snapshot_count=view.snapshot_count,
+        oldest_rollback_step=view.oldest_rollback_step,
+        owner=view.owner,
+        resident=view.resident,
+        input_dim=view.input_dim,
+        output_dim=view.output_dim,
+        token_input=view.token_input,
+        closed=view.closed,
+    )
+
+
+def snapshot_to_pb(session_id: str, record: SnapshotRecord) -> pb.SnapshotInfo:
+    return pb.SnapshotInfo(
+        snapshot_id=record.snapshot_id,
+        session_id=session_id,
+        step=record.step,
+        label=record.label,
+        reason=record.reason,
+        created_at=record.created_at,
+        size_bytes=record.size,
+    )
+
+
+def _guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:
+    return pb.GuardEvent(
+        guard=event.guard,
+        action=int(event.action),
+        step=event.step,
+        dims=list(event.dims),
+        detail=event.detail,
+        rolled_back_to=event.rolled_back_to or 0,
+    )
+
+
+def _snapshot_event_to_pb(event: SnapshotEvent) -> pb.SnapshotEvent:
+    return pb.SnapshotEvent(snapshot_id=event.snapshot_id, step=event.step, reason=event.reason)
+
+
+def forecast_step_to_pb(item: ForecastStep) -> pb.ForecastStep:
+    out = pb.ForecastStep(
+        step=item.step, guard_events=[_guard_event_to_pb(e) for e in item.guard_events]
+    )
+    if item.output is not None:
+        out.output.values.extend(item.output.tolist())
+    if item.token is not None:
+        out.token = item.token
+    return out
+
+
+def result_to_pb(outcome: StepOutcome) -> pb.StepResult:
+    result = pb.StepResult(
+        session_id=outcome.session_id,
+        step=outcome.step,
+        replayed=outcome.replayed,
+        guard_events=[_guard_event_to_pb(e) for e in outcome.guard_events],
+        snapshot_events=[_snapshot_event_to_pb(e) for e in outcome.snapshot_events],
+    )
+    if outcome.output is not None:
+        result.output.values.extend(outcome.output.tolist())
+    if outcome.error is not None:
+        result.error.CopyFrom(status.step_error(outcome.error))
+    return result

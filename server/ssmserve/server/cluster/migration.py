@@ -1,0 +1,207 @@
+"""Moving sessions between workers: Migrate one, or Drain a whole worker.
+
+A migration is a hand-off (``SessionManager.hand_off``): the owner stops the session
+between two steps, snapshots it, reserves its lease for the target, and the target
+acquires it (a new fencing token) and loads it from that snapshot. Streams that were talking to the
+source get a redirect and resume on the target; nothing is lost or applied twice, because
+every step carries its number and a resend of an applied step is answered, not re-run.
+
+A drain marks the worker as draining (no new sessions, no loads; the registry shows it),
+then hands every resident session to the least loaded other live worker that serves its
+model, or, with none left, snapshots and releases it so any worker can pick it up later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.cluster.peers import Peers
+from ssmserve.server.errors import ErrorKind, SsmserveError, clip
+from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.state.store import SessionMissingError, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+
+class UnknownWorkerError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class BadTargetError(SsmserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class MigrationSettings:
+    drain_parallel: int = 8  # sessions handed off at once during a drain
+    drain_rounds: int = 3  # passes over resident sessions (loads racing a drain)
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    session_id: str
+    source: str
+    target: str
+    step: int
+    snapshot_id: str
+    elapsed_ms: float
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    session_id: str
+    target: str  # '' when parked in Redis
+    done: int
+    total: int
+    error: str = ""
+
+
+class Migrator:
+    def __init__(
+        self,
+        manager: SessionManager,
+        ownership: Ownership,
+        peers: Peers,
+        settings: MigrationSettings,
+        on_drain: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.manager = manager
+        self.ownership = ownership
+        self.peers = peers
+        self.settings = settings
+        self._on_drain = on_drain
+
+    @property
+    def address(self) -> str:
+        return self.ownership.address
+
+    async def adopt(self, session_id: str) -> tuple[int, int]:
+        """Target side of a hand-off: acquire the reserved session and load it."""
+        s = await self.manager.session(session_id)
+        return s.step, s.lease.epoch
+
+    async def migrate(self, session_id: str, target_address: str) -> MigrationResult:
+        started = time.perf_counter()
+        if session_id in self.manager.resident_ids():
+            if target_address == self.address:
+                s = await self.manager.session(session_id)
+                return MigrationResult(session_id, self.address, self.address, s.step, "", 0.0)
+            s = await self.manager.session(session_id)
+            target = await self._target(target_address, s.model_name, self.ownership.numerics)
+            step, snapshot_id = await self.manager.hand_off(
+                session_id, target, lambda sid: self.peers.adopt(target.address, sid)
+            )
+            elapsed = (time.perf_counter() - started) * 1000
+            log.info("session %s migrated to %s in %.1f ms", session_id, target_address, elapsed)
+            return MigrationResult(
+                session_id, self.address, target.address, step, snapshot_id, elapsed
+            )
+        meta = await self.manager.store.get_meta(session_id)
+        if meta is None:
+            raise SessionMissingError(f"session {session_id!r} does not exist")
+        lease = await self.manager.store.lease_holder(session_id)
+        if lease is not None and lease.owner_addr and lease.owner_addr != self.address:
+            raise lease.redirect(session_id)
+        # Nobody holds it (evicted, parked, or its worker died): the target just loads it.
+        if target_address == self.address:
+            step, _epoch = await self.adopt(session_id)
+        else:
+            target = await self._target(target_address, meta.model, meta.numerics)
+            step = (await self.peers.adopt(target.address, session_id)).step
+        elapsed = (time.perf_counter() - started) * 1000
+        return MigrationResult(session_id, "", target_address, step, "", elapsed)
+
+    async def place(self, session_id: str, target_address: str) -> None:
+        """Move a session just made here (a fork) to ``target_address``.
+
+        An empty target means any other live worker, for a draining worker (with none
+        left, the session stays and is parked with the others). If the session cannot
+        move it is deleted again, so the request that made it fails as a whole.
+        """
+        try:
+            if not target_address:
+                s = await self.manager.session(session_id)
+                targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
+                if not targets:
+                    return
+                target_address = targets[0].address
+            await self.migrate(session_id, target_address)
+        except BaseException:
+            try:
+                await self.manager.close(session_id, final_snapshot=False)
+            except SsmserveError as exc:
+                log.warning("session %s could not be placed nor deleted: %s", session_id, exc)
+            raise
+
+    async def _target(self, address: str, model: str, numerics: str) -> WorkerRecord:
+        target = await self.ownership.worker_at(address)
+        if target is None:
+            raise UnknownWorkerError(f"no live worker is registered at {clip(address)}")
+        if target.draining:
+            raise BadTargetError(f"worker {address} is draining; pick another target")
+        if model not in target.models:
+            raise BadTargetError(
+                f"worker {address} does not serve model {model!r} "
+                f"(it serves {', '.join(target.models) or 'nothing'})"
+            )
+        if numerics and target.numerics != numerics:
+            raise BadTargetError(
+                f"worker {address} computes with other numerics ({target.numerics or 'unknown'}"
+                f"; the session's are {numerics}: CPU, BLAS build and threads, engine code), "
+                f"so it could not replay the session's history exactly; pick a worker with "
+                f"the same numerics"
+            )
+        return target
+
+    # ------------------------------------------------------------------ drain
+
+    async def drain(self) -> AsyncIterator[DrainProgress]:
+        """Move every resident session away; yields one progress entry per session."""
+        await self._on_drain()
+        await self.ownership.set_draining()
+        done = 0
+        for _round in range(self.settings.drain_rounds):
+            ids = self.manager.resident_ids()
+            if not ids:
+                break
+            planned: dict[str, int] = {}  # target address -> sessions sent there by us
+            gate = asyncio.Semaphore(self.settings.drain_parallel)
+            total = done + len(ids)
+            moves = [self._drain_one(i, planned, gate) for i in ids]
+            for next_done in asyncio.as_completed(moves):
+                session_id, target, error = await next_done
+                done += 1
+                yield DrainProgress(session_id, target, done, total, error)
+        log.info("drained: %d sessions moved or parked", done)
+
+    async def _drain_one(
+        self, session_id: str, planned: dict[str, int], gate: asyncio.Semaphore
+    ) -> tuple[str, str, str]:
+        async with gate:
+            return await self._move_or_park(session_id, planned)
+
+    async def _move_or_park(self, session_id: str, planned: dict[str, int]) -> tuple[str, str, str]:
+        error = ""
+        try:
+            s = await self.manager.session(session_id)
+            targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
+            if targets:
+                target = min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))
+                planned[target.address] = planned.get(target.address, 0) + 1
+                await self.manager.hand_off(
+                    session_id, target, lambda sid: self.peers.adopt(target.address, sid)
+                )
+                return session_id, target.address, ""
+        except SsmserveError as exc:
+            error = str(exc)
+            log.warning("drain: session %s not moved: %s", session_id, exc)
+        try:
+            await self.manager.park(session_id, "drain")
+        except SsmserveError as exc:
+            error = f"{error}; parking failed too: {exc}" if error else str(exc)
+        return session_id, "", error

@@ -1,0 +1,243 @@
+"""Who serves what: this worker's entry in the registry, and the leases of its sessions.
+
+A worker registers itself (id, advertised address, models, load, numerics signature)
+under a key that expires ``worker_ttl_s`` after its last heartbeat, so the registry lists
+live workers only. Each resident session is held by a :class:`SessionLease`
+that expires ``lease_ttl_s`` after its last renewal; one background task renews the
+worker's entry and all of its leases (one pipeline) every ``renew_every_s``.
+
+A renewal that finds the session someone else's (its fencing token moved on) means this
+worker lost it: ``on_lost`` drops it at once. A renewal that finds the lease ran out
+(nobody took the session yet) never re-creates it: ``on_expired`` has the session manager
+acquire it again, which makes a new token. Between renewals each lease knows, by this
+worker's monotonic clock, until when it certainly still runs; past that the session
+answers nothing until it is revalidated (``server/lease.py``).
+
+The fencing itself is in Redis (``server/store_layout.py``): every write carries the
+owner's token, so even a worker that has not noticed yet cannot change a session it lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.state.store import LeaseExpiredError, Store, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OwnershipSettings:
+    """Lease and heartbeat timing (documented defaults)."""
+
+    # A session's lease runs this long after its last renewal: the longest a crashed or
+    # frozen worker's sessions wait before another worker may take them over.
+    lease_ttl_s: float = 5.0
+    # The registry entry of a worker that stopped heartbeating disappears after this.
+    worker_ttl_s: float = 5.0
+    # How often the heartbeat and the lease renewal run; 0: a third of the shorter TTL.
+    renew_every_s: float = 0.0
+    # A worker trusts a lease for the TTL minus this share of it after the renewal was
+    # sent (clock rate differences between this host and Redis's, scheduling delays).
+    lease_margin: float = 0.1
+
+    @property
+    def lease_ms(self) -> int:
+        return int(self.lease_ttl_s * 1000)
+
+    @property
+    def period_s(self) -> float:
+        return self.renew_every_s or min(self.lease_ttl_s, self.worker_ttl_s) / 3
+
+    @property
+    def margin_s(self) -> float:
+        return self.lease_ttl_s * self.lease_margin
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()[:32]}-{secrets.token_hex(4)}"
+
+
+class Ownership:
+    """This worker's identity and its leases.
+
+    ``held`` returns the lease of every resident session; ``on_lost`` is called with a
+    lease and the error when it turned out to be someone else's, and ``on_expired`` with a
+    lease that ran out before it was renewed (a session re-acquired meanwhile has a new
+    lease object, which the callbacks leave alone).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        settings: OwnershipSettings,
+        address: str,
+        models: Sequence[str],
+        numerics: str,
+        held: Callable[[], list[SessionLease]],
+        on_lost: Callable[[SessionLease, SsmserveError], None],
+        on_expired: Callable[[SessionLease], None],
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.worker_id = new_worker_id()
+        self.address = address
+        self.models = tuple(models)
+        self.numerics = numerics
+        self.draining = False
+        self.started_at = time.time()
+        self.renewals = 0  # rounds that reached Redis (tests, operators)
+        self.late_rounds = 0  # rounds that started over a period late (a blocked loop)
+        self._held = held
+        self._on_lost = on_lost
+        self._on_expired = on_expired
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def lease_ms(self) -> int:
+        return self.settings.lease_ms
+
+    def new_lease(self, session_id: str, token: str, sent_at: float) -> SessionLease:
+        """The lease a create or acquire sent at ``sent_at`` (monotonic) just gave us."""
+        lease = SessionLease(session_id, token, self.worker_id)
+        lease.extend(sent_at, self.settings.lease_ttl_s, self.settings.margin_s)
+        return lease
+
+    async def start(self) -> None:
+        await self.heartbeat()
+        self._task = asyncio.create_task(self._keep(), name="ownership")
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Stop renewing; ``deregister`` removes the registry entry (a crash leaves it)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if deregister:
+            with contextlib.suppress(SsmserveError):
+                await self.store.deregister_worker(self.worker_id)
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            address=self.address,
+            models=self.models,
+            load=len(self._held()),
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+            draining=self.draining,
+            numerics=self.numerics,
+        )
+
+    async def heartbeat(self) -> None:
+        await self.store.register_worker(self.record(), int(self.settings.worker_ttl_s * 1000))
+
+    async def set_draining(self) -> None:
+        self.draining = True
+        await self.heartbeat()
+
+    async def renew(self, leases: Sequence[SessionLease] | None = None) -> None:
+        """Extend ``leases`` (default: every held one); report the ones lost or expired."""
+        held = list(self._held() if leases is None else leases)
+        if not held:
+            return
+        sent_at = time.monotonic()
+        results = await self.store.renew_leases(held, self.lease_ms)
+        for lease, error in zip(held, results, strict=True):
+            if error is None:
+                lease.extend(sent_at, self.settings.lease_ttl_s, self.settings.margin_s)
+            elif isinstance(error, LeaseExpiredError):
+                log.warning("session %s: lease ran out before its renewal", lease.session_id)
+                lease.expire()
+                self._on_expired(lease)
+            else:
+                log.warning("session %s: lease not renewed: %s", lease.session_id, error)
+                lease.expire()
+                self._on_lost(lease, error)
+
+    async def revalidate(
+        self, leases: Sequence[SessionLease]
+    ) -> list[SessionLease | SsmserveError]:
+        """Renew ``leases`` now; one that ran out while nobody took the session is acquired
+        again, only if its token is still the session's (which proves nobody else owned
+        it meanwhile). One entry per lease: the lease to use from now on (the same one,
+        extended, or a new one), or the error that stands in the way."""
+        sent_at = time.monotonic()
+        try:
+            results = await self.store.renew_leases(leases, self.lease_ms)
+        except SsmserveError as exc:
+            return [exc] * len(leases)
+        out: list[SessionLease | SsmserveError] = []
+        for lease, error in zip(leases, results, strict=True):
+            if error is None:
+                lease.extend(sent_at, self.settings.lease_ttl_s, self.settings.margin_s)
+                out.append(lease)
+            elif isinstance(error, LeaseExpiredError):
+                lease.expire()
+                again = time.monotonic()
+                try:
+                    token = await self.store.acquire(
+                        lease.session_id, self.worker_id, self.address, self.lease_ms,
+                        expect=lease.token, numerics=self.numerics,
+                    )  # fmt: skip
+                except SsmserveError as exc:
+                    out.append(exc)
+                    continue
+                log.info("session %s: lease acquired again after it ran out", lease.session_id)
+                out.append(self.new_lease(lease.session_id, token, again))
+            else:
+                lease.expire()
+                out.append(error)
+        return out
+
+    async def _keep(self) -> None:
+        """Heartbeat and renew on a fixed schedule (monotonic, so it does not drift)."""
+        period = self.settings.period_s
+        due = time.monotonic() + period
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            if now - due > period:
+                self.late_rounds += 1
+                log.warning("lease renewal ran %.2f s late (the event loop was blocked)", now - due)
+            due = max(due + period, now)
+            try:
+                await asyncio.gather(self.heartbeat(), self.renew())
+                self.renewals += 1
+            except SsmserveError as exc:  # Redis away: keep trying; leases self-fence
+                log.warning("heartbeat/lease renewal failed: %s", exc)
+
+    # ------------------------------------------------------------------ peers
+
+    async def live_workers(self) -> list[WorkerRecord]:
+        return await self.store.live_workers()
+
+    async def worker_at(self, address: str) -> WorkerRecord | None:
+        for record in await self.live_workers():
+            if record.address == address:
+                return record
+        return None
+
+    async def targets(self, model: str, numerics: str = "") -> list[WorkerRecord]:
+        """Other live, non-draining workers serving ``model``, least loaded first; with
+        ``numerics``, only those whose engine gives the same bits."""
+        return sorted(
+            (
+                w
+                for w in await self.live_workers()
+                if w.worker_id != self.worker_id
+                and not w.draining
+                and model in w.models
+                and (not numerics or w.numerics == numerics)
+            ),
+            key=lambda w: (w.load, w.address),
+        )

@@ -1,0 +1,93 @@
+"""gRPC channels from this worker to the other workers (migration hand-off, drain relay).
+
+Every call has a deadline and every channel gRPC keepalive, so a peer that froze or
+vanished behind a half-open connection fails the call within seconds instead of holding
+a hand-off (and the session it holds) forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+
+class PeerError(SsmserveError):
+    """Another worker could not be reached, or refused what this one asked of it."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """Deadlines and keepalive of worker-to-worker calls (documented defaults)."""
+
+    # AdoptSession: the target acquires and loads the session (restore + replay of up to
+    # one snapshot interval; a 130m-shaped model replays ~20 steps/s).
+    adopt_timeout_s: float = 30.0
+    # A relayed Drain streams until the other worker has moved all of its sessions.
+    drain_timeout_s: float = 600.0
+    keepalive_time_s: float = 2.0
+    keepalive_timeout_s: float = 2.0
+
+
+class Peers:
+    """One channel per peer address, opened on first use and closed with :meth:`close`."""
+
+    def __init__(self, settings: PeerSettings | None = None) -> None:
+        self.settings = settings or PeerSettings()
+        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterServiceStub]] = {}
+
+    def _stub(self, address: str) -> pb_grpc.ClusterServiceStub:
+        if address not in self._stubs:
+            s = self.settings
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
+                    ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+                    ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_pings_without_data", 0),
+                ],
+            )
+            self._stubs[address] = (channel, pb_grpc.ClusterServiceStub(channel))
+        return self._stubs[address][1]
+
+    async def adopt(self, address: str, session_id: str) -> pb.AdoptSessionResponse:
+        try:
+            return await self._stub(address).AdoptSession(
+                pb.AdoptSessionRequest(session_id=session_id),
+                timeout=self.settings.adopt_timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise PeerError(f"worker {address}: {_describe(exc)}") from None
+
+    async def drain(self, address: str) -> AsyncIterator[pb.DrainProgress]:
+        call = self._stub(address).Drain(
+            pb.DrainRequest(worker=address), timeout=self.settings.drain_timeout_s
+        )
+        try:
+            async for progress in call:
+                yield progress
+        except grpc.RpcError as exc:
+            raise PeerError(f"worker {address}: {_describe(exc)}") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        channels = [channel for channel, _ in self._stubs.values()]
+        self._stubs.clear()
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = exc.code()  # type: ignore[attr-defined]
+    details = (exc.details() or "")[:300]  # type: ignore[attr-defined]
+    return f"{code.name if code else 'UNKNOWN'}: {details}"

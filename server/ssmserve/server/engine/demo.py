@@ -1,0 +1,97 @@
+"""A deterministic random signal Mamba, for demos, tests and benchmarks.
+
+The weights are random but shaped like a trained Mamba's (S4D-real ``A``, Δ biases that
+give step sizes in [1e-3, 1e-1], unit-ish norms) and perturbed away from special values
+(``D`` = 1, zero conv bias) so tests exercise every parameter. The same arguments always
+give the same bytes, hence the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ssmserve.server.engine.config import Architecture, MambaConfig
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """Dims of the demo model; defaults run comfortably on a laptop."""
+
+    input_dim: int = 4
+    output_dim: int = 4
+    hidden: int = 64
+    layers: int = 2
+    state: int = 16
+    expand: int = 2
+    conv_kernel: int = 4
+    seed: int = 0
+
+
+def demo_config(spec: DemoSpec) -> MambaConfig:
+    return MambaConfig(
+        architecture=Architecture.SIGNAL,
+        hidden_size=spec.hidden,
+        state_size=spec.state,
+        num_hidden_layers=spec.layers,
+        intermediate_size=spec.expand * spec.hidden,
+        conv_kernel=spec.conv_kernel,
+        time_step_rank=math.ceil(spec.hidden / 16),
+        use_bias=False,
+        use_conv_bias=True,
+        layer_norm_epsilon=1e-5,
+        input_dim=spec.input_dim,
+        signal_output_dim=spec.output_dim,
+    )
+
+
+def random_tensors(config: MambaConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random weights for any ``config`` (signal or token), reproducible from ``seed``."""
+    rng = np.random.default_rng(seed)
+    d, e, n, k, r = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.state_size,
+        config.conv_kernel,
+        config.time_step_rank,
+    )
+
+    def linear(out_f: int, in_f: int) -> np.ndarray:
+        return (rng.standard_normal((out_f, in_f)) / math.sqrt(in_f)).astype(np.float32)
+
+    def vec(size: int, mean: float, std: float) -> np.ndarray:
+        return (mean + std * rng.standard_normal(size)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {}
+    if config.is_token_model:
+        t["backbone.embeddings.weight"] = vec(config.vocab_size * d, 0.0, 1.0).reshape(-1, d)
+        if not config.tie_word_embeddings:
+            t["lm_head.weight"] = linear(config.vocab_size, d)
+    else:
+        t["input_proj.weight"] = linear(d, config.input_dim)
+        t["input_proj.bias"] = vec(d, 0.0, 0.1)
+        t["output_head.weight"] = linear(config.output_dim, d)
+        t["output_head.bias"] = vec(config.output_dim, 0.0, 0.1)
+    for layer in range(config.num_hidden_layers):
+        p = f"backbone.layers.{layer}."
+        t[p + "norm.weight"] = vec(d, 1.0, 0.1)
+        t[p + "mixer.in_proj.weight"] = linear(2 * e, d)
+        t[p + "mixer.conv1d.weight"] = (rng.standard_normal((e, 1, k)) * 0.4).astype(np.float32)
+        t[p + "mixer.x_proj.weight"] = linear(r + 2 * n, e)
+        t[p + "mixer.dt_proj.weight"] = (rng.standard_normal((e, r)) * r**-0.5).astype(np.float32)
+        # Δ = softplus(bias) log-uniform in [1e-3, 1e-1]: bias = softplus^-1(Δ) = log(expm1(Δ)).
+        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), e))
+        t[p + "mixer.dt_proj.bias"] = np.log(np.expm1(dt)).astype(np.float32)
+        a = np.arange(1, n + 1, dtype=np.float64)[None, :] * rng.uniform(0.8, 1.25, (e, n))
+        t[p + "mixer.A_log"] = np.log(a).astype(np.float32)  # S4D-real, perturbed
+        t[p + "mixer.D"] = vec(e, 1.0, 0.3)
+        t[p + "mixer.out_proj.weight"] = linear(d, e)
+        if config.use_bias:
+            t[p + "mixer.in_proj.bias"] = vec(2 * e, 0.0, 0.1)
+            t[p + "mixer.out_proj.bias"] = vec(d, 0.0, 0.1)
+        if config.use_conv_bias:
+            t[p + "mixer.conv1d.bias"] = vec(e, 0.0, 0.1)
+    t["backbone.norm_f.weight"] = vec(d, 1.0, 0.1)
+    return t

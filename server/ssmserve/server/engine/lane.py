@@ -1,0 +1,87 @@
+"""The engine lane: batched model steps of one model, on the event loop or off it.
+
+Steps (``server/stepper.py``), forecasts (``server/forecaster.py``) and replays
+(rollback, load, fork: ``SessionManager._rebuild``) of a model share one lane, so their
+engine calls take turns on one engine thread instead of competing for the cores. A call
+of at least ``offload_min_flop`` FLOPs runs on that thread (BLAS and the numba kernels
+release the GIL, so the loop goes on serving streams meanwhile); a smaller one runs
+inline, where it costs less than the thread hop. Batch invariance makes the bits of a
+row the same either way, whatever else shares the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import BatchState, SessionState
+
+
+class EngineLane:
+    def __init__(self, model: MambaModel, offload_min_flop: float) -> None:
+        self.model = model
+        self.offload_min_flop = offload_min_flop
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
+
+    async def step(
+        self, states: Sequence[SessionState], values: Sequence[np.ndarray]
+    ) -> tuple[BatchState, np.ndarray]:
+        """One step of each state with its input: (new states, outputs ``(b, o)``)."""
+        if len(states) * self.model.flops_per_step >= self.offload_min_flop:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._call, states, values)
+        return self._call(states, values)
+
+    async def run(self, inputs: np.ndarray, state: SessionState) -> tuple[np.ndarray, SessionState]:
+        """One session stepped through ``inputs`` (a replay): (outputs ``(T, o)``, state)."""
+        if len(inputs) * self.model.flops_per_step >= self.offload_min_flop:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self.model.run, inputs, state)
+        return self.model.run(inputs, state)
+
+    def _call(
+        self, states: Sequence[SessionState], values: Sequence[np.ndarray]
+    ) -> tuple[BatchState, np.ndarray]:
+        batch = BatchState.stack(states)
+        inputs = np.stack(values)  # (b,) ids or (b, i)
+        return self.model.step(batch, inputs)  # (b, o)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def warm_up(self) -> float:
+        """Compile (or load from numba's on-disk cache) every kernel that steps, forecasts
+        and replays use, so no request pays for it; returns the seconds it took.
+
+        A worker calls this before it registers and reports SERVING: a first compile takes
+        seconds, and on the event loop it would also hold up lease renewals.
+        """
+        started = time.perf_counter()
+        c = self.model.config
+        value = np.asarray(0, np.int64) if c.is_token_model else np.zeros(c.input_dim, np.float32)
+        state = self.model.new_state()
+        self._call([state], [value])  # batch of one
+        self._call([state, state], [value, value])  # a batch
+        self.model.run(np.stack([value, value]), state)  # a replay
+        return time.perf_counter() - started
+
+
+def warm_demo_kernels() -> float:
+    """Compile the engine's kernels with a tiny in-memory model (numba caches them on disk,
+    keyed by types, not sizes); for images built ahead of time:
+    ``python -m ssmserve.server.engine.lane``."""
+    from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+    from ssmserve.server.engine.loader import build_model
+
+    config = demo_config(DemoSpec())
+    model = build_model(config, random_tensors(config, 0), name="warm-up")
+    return EngineLane(model, offload_min_flop=float("inf")).warm_up()
+
+
+if __name__ == "__main__":
+    print(f"ssmserve kernels compiled in {warm_demo_kernels():.2f} s")

@@ -1,0 +1,311 @@
+"""One recurrent step of a Mamba stack, batched over sessions, in float32 numpy.
+
+Read alongside:
+    [1] Mamba: Linear-Time Sequence Modeling with Selective State Spaces (Gu and Dao, 2023),
+        https://arxiv.org/abs/2312.00752 — Section 2 (discretization, Eq. 2 and 4),
+        Algorithm 2 (selective SSM), Section 3.4 and Figure 3 (the block).
+    [2] Hugging Face ``transformers`` ``MambaMixer.slow_forward`` (cache path), whose
+        per-step logits this module matches within 1e-5 (``tests/test_hf_reference.py``).
+
+Glossary of shape letters:
+    b: sessions stepped together (batch)
+    d: hidden size (``hidden_size``)
+    e: inner size (``intermediate_size``, d_inner; ``D`` in [1] Algorithm 2)
+    n: SSM state size (``state_size``; ``N`` in [1])
+    k: conv kernel width (``conv_kernel``)
+    r: rank of Δ (``time_step_rank``)
+    v: vocabulary size (token models);  i / o: signal input / output width
+
+Every product goes through :class:`~ssmserve.server.engine.numerics.RowStableLinear`, so a row's
+result does not depend on the other rows; everything else is elementwise or a last-axis
+reduction, which numpy computes per row. Hence batch invariance (see ``numerics.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ssmserve.server.engine import kernels
+from ssmserve.server.engine.config import MambaConfig
+from ssmserve.server.engine.numerics import RowStableLinear, padded
+from ssmserve.server.engine.recurrent_state import BatchState, SessionState
+from ssmserve.server.errors import ModelInputError
+
+
+@dataclass(frozen=True)
+class MambaBlockWeights:
+    """Weights of one residual block: RMSNorm then the Mamba mixer ([1] Figure 3)."""
+
+    norm: np.ndarray  # (d,)
+    in_proj: RowStableLinear  # d -> 2e (x branch, z gate)
+    conv_weight: np.ndarray  # (e, k) depthwise causal conv, tap k-1 is the newest input
+    conv_bias: np.ndarray | None  # (e,)
+    x_proj: RowStableLinear  # e -> r + 2n (Δ low-rank, B, C)
+    dt_proj: RowStableLinear  # r -> e, with bias
+    A: np.ndarray  # (e, n) = -exp(A_log), precomputed once
+    D: np.ndarray  # (e,) skip connection
+    out_proj: RowStableLinear  # e -> d
+
+    @cached_property
+    def conv_bias_or_zero(self) -> np.ndarray:
+        """The conv bias, or zeros (the kernel takes an array either way)."""
+        if self.conv_bias is not None:
+            return self.conv_bias
+        return np.zeros(self.conv_weight.shape[0], np.float32)
+
+
+@dataclass
+class StepWorkspace:
+    """Preallocated activations for one padded batch size: a step allocates only its results.
+
+    Every array has ``rows`` rows (a whole number of 16-row tiles, see ``numerics.py``);
+    rows past the batch hold leftovers that nothing reads.
+    """
+
+    rows: int
+    signal: np.ndarray  # (rows, i) signal inputs
+    h: np.ndarray  # (rows, d) residual stream
+    xn: np.ndarray  # (rows, d) normalised block input
+    xz: np.ndarray  # (rows, 2e) in_proj output: x branch and gate z
+    xs: np.ndarray  # (rows, e) conv branch after SiLU
+    x_dbl: np.ndarray  # (rows, r + 2n) Δ low rank, B, C
+    dt_low: np.ndarray  # (rows, r) contiguous copy of Δ low rank
+    dt_raw: np.ndarray  # (rows, e) dt_proj output
+    y: np.ndarray  # (rows, e) mixer output
+    delta: np.ndarray  # (rows, d) out_proj output
+    scratch: np.ndarray  # (2e + e n,) float32 per-row scratch of the kernels
+    scratch_bits: np.ndarray  # (e n,) int32
+
+    @classmethod
+    def allocate(cls, c: MambaConfig, rows: int, block: MambaBlockWeights) -> StepWorkspace:
+        d, e, n = c.hidden_size, c.intermediate_size, c.state_size
+        r = block.dt_proj.in_features
+
+        def zeros(*shape: int) -> np.ndarray:
+            return np.zeros(shape, np.float32)
+
+        return cls(
+            rows=rows,
+            signal=zeros(rows, max(c.input_dim, 1)),
+            h=zeros(rows, d),
+            xn=zeros(rows, d),
+            xz=zeros(rows, 2 * e),
+            xs=zeros(rows, e),
+            x_dbl=zeros(rows, r + 2 * n),
+            dt_low=zeros(rows, r),
+            dt_raw=zeros(rows, e),
+            y=zeros(rows, e),
+            delta=zeros(rows, d),
+            scratch=zeros(2 * e + e * n),
+            scratch_bits=np.zeros(max(e * n, e), np.int32),
+        )
+
+
+class MambaModel:
+    """Read-only weights plus the pure, batched :meth:`step`.
+
+    Token models (``mamba-lm``) take int token ids ``(b,)`` and return logits ``(b, v)``;
+    signal models take float32 ``(b, i)`` and return ``(b, o)``.
+    """
+
+    def __init__(
+        self,
+        config: MambaConfig,
+        blocks: Sequence[MambaBlockWeights],
+        norm_f: np.ndarray,
+        head: RowStableLinear,
+        *,
+        embeddings: np.ndarray | None = None,
+        input_proj: RowStableLinear | None = None,
+        fingerprint: str = "",
+        name: str = "",
+    ) -> None:
+        if config.is_token_model and embeddings is None:
+            raise ValueError("a token model needs embeddings")
+        if not config.is_token_model and input_proj is None:
+            raise ValueError("a signal model needs an input projection")
+        self.config = config
+        self.blocks = tuple(blocks)
+        self.norm_f = norm_f  # (d,)
+        self.head = head  # d -> v | o
+        self.embeddings = embeddings  # (v, d)
+        self.input_proj = input_proj  # i -> d
+        self.fingerprint = fingerprint
+        self.name = name
+        self._buffers = threading.local()  # StepWorkspace per thread and padded batch size
+
+    @property
+    def linears(self) -> list[RowStableLinear]:
+        """Every product of a step: the blocks' four, the head, the signal input projection."""
+        out = [lin for b in self.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
+        out.append(self.head)
+        if self.input_proj is not None:
+            out.append(self.input_proj)
+        return out
+
+    @property
+    def flops_per_step(self) -> int:
+        """FLOPs of the products for one session-step (the elementwise work is extra)."""
+        return sum(2 * lin.in_features * lin.out_features for lin in self.linears)
+
+    # ------------------------------------------------------------------ state and inputs
+
+    def new_state(self) -> SessionState:
+        """The state of a session that has seen no input (step 0): all zeros."""
+        c = self.config
+        return SessionState.zeros(
+            c.num_hidden_layers, c.intermediate_size, c.conv_kernel, c.state_size
+        )
+
+    def check_state(self, state: SessionState) -> None:
+        """Raise ``ModelInputError`` unless ``state`` has this model's layers, dtypes, shapes."""
+        c = self.config
+        if len(state.layers) != c.num_hidden_layers:
+            raise ModelInputError(
+                f"state has {len(state.layers)} layers, model has {c.num_hidden_layers}"
+            )
+        want_conv = (c.intermediate_size, c.conv_kernel)
+        want_ssm = (c.intermediate_size, c.state_size)
+        for i, layer in enumerate(state.layers):
+            for what, arr, want in (("conv", layer.conv, want_conv), ("ssm", layer.ssm, want_ssm)):
+                if arr.dtype != np.float32 or arr.shape != want:
+                    raise ModelInputError(
+                        f"layer {i} {what} state is {arr.dtype}{list(arr.shape)}, "
+                        f"model needs float32{list(want)}"
+                    )
+
+    def check_inputs(self, inputs: np.ndarray, batch: int | None = None) -> np.ndarray:
+        """Validate one step's inputs for ``batch`` sessions; return them in engine dtype.
+
+        Token models: integer ids ``(b,)`` in ``[0, vocab)``. Signal models: finite floats
+        ``(b, input_dim)``. Anything else raises :class:`ModelInputError` naming the problem.
+        """
+        c = self.config
+        arr = np.asarray(inputs)
+        if c.is_token_model:
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise ModelInputError(
+                    f"token model expects integer token ids of shape (batch,), "
+                    f"got {arr.dtype}{list(arr.shape)}"
+                )
+            if arr.size and (arr.min() < 0 or arr.max() >= c.vocab_size):
+                bad = arr[(arr < 0) | (arr >= c.vocab_size)][0]
+                raise ModelInputError(f"token id {int(bad)} is outside [0, {c.vocab_size})")
+            arr = arr.astype(np.int64, copy=False)
+        else:
+            if arr.ndim != 2 or arr.shape[1] != c.input_dim:
+                raise ModelInputError(
+                    f"signal model expects float inputs of shape (batch, {c.input_dim}), "
+                    f"got {arr.dtype}{list(arr.shape)}"
+                )
+            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+                raise ModelInputError(f"signal inputs must be numbers, got {arr.dtype}")
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            if not np.isfinite(arr).all():
+                raise ModelInputError("signal inputs contain NaN or Inf")
+        if batch is not None and arr.shape[0] != batch:
+            raise ModelInputError(f"got inputs for {arr.shape[0]} sessions, state has {batch}")
+        return arr
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, state: BatchState, inputs: np.ndarray) -> tuple[BatchState, np.ndarray]:
+        """Advance ``b`` sessions by one input each; returns (new state, outputs).
+
+        ``state`` is not modified. Outputs are logits ``(b, v)`` or signal ``(b, o)``.
+        Inputs must already satisfy :meth:`check_inputs` (the hot path does not re-check).
+        Safe to call from several threads at once (each thread has its own buffers).
+        """
+        c = self.config
+        b = state.batch_size
+        ws = self._workspace(b)
+        eps = np.float32(c.layer_norm_epsilon)
+        if self.embeddings is not None:
+            ws.h[:b] = self.embeddings[inputs]  # (b, d)
+        else:
+            assert self.input_proj is not None
+            ws.signal[:b] = inputs  # (b, i)
+            self.input_proj.into(ws.signal, ws.h)  # (rows, i) -> (rows, d)
+        new_conv: list[np.ndarray] = []
+        new_ssm: list[np.ndarray] = []
+        blocks = self.blocks
+        kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
+        for i, (block, conv, ssm) in enumerate(zip(blocks, state.conv, state.ssm, strict=True)):
+            conv_next = np.empty_like(conv)  # (b, e, k): states are values, never updated
+            ssm_next = np.empty_like(ssm)  # (b, e, n)
+            self._mixer(block, ws, conv, ssm, conv_next, ssm_next)  # -> ws.y (rows, e)
+            block.out_proj.into(ws.y, ws.delta)  # (rows, e) -> (rows, d)
+            # Residual around the block, then the next block's norm (or the final norm).
+            norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
+            kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)
+            new_conv.append(conv_next)
+            new_ssm.append(ssm_next)
+        out = np.empty((ws.rows, self.head.out_features), np.float32)  # the caller keeps it
+        self.head.into(ws.xn, out)  # (rows, d) -> (rows, v | o)
+        return BatchState(tuple(new_conv), tuple(new_ssm)), out[:b]
+
+    def _mixer(
+        self,
+        w: MambaBlockWeights,
+        ws: StepWorkspace,
+        conv: np.ndarray,
+        ssm: np.ndarray,
+        conv_next: np.ndarray,
+        ssm_next: np.ndarray,
+    ) -> None:
+        """The Mamba mixer for one time step ([1] Figure 3, Algorithm 2 with L = 1).
+
+        Reads ``ws.xn`` (rows, d), the normalised block input; conv (b, e, k) holds the last
+        k conv inputs and ssm (b, e, n) the hidden state h_{t-1}. Writes the new window to
+        ``conv_next``, h_t to ``ssm_next`` and y (before out_proj) to ``ws.y`` (rows, e).
+        """
+        w.in_proj.into(ws.xn, ws.xz)  # (rows, d) -> (rows, 2e): x branch, gate z
+        # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
+        kernels.conv_silu(
+            conv, ws.xz, w.conv_weight, w.conv_bias_or_zero, w.conv_bias is not None,
+            conv_next, ws.xs, ws.scratch, ws.scratch_bits,
+        )  # fmt: skip
+        # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
+        w.x_proj.into(ws.xs, ws.x_dbl)  # (rows, e) -> (rows, r + 2n)
+        ws.dt_low[:] = ws.x_dbl[:, : w.dt_proj.in_features]  # (rows, r), contiguous
+        w.dt_proj.into(ws.dt_low, ws.dt_raw)  # (rows, r) -> (rows, e), with bias
+        # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
+        kernels.selective_scan(
+            ws.dt_raw, ws.xs, ws.x_dbl, ws.xz, w.A, w.D, ssm, ssm_next, ws.y,
+            ws.scratch, ws.scratch_bits,
+        )  # fmt: skip
+
+    def _workspace(self, batch: int) -> StepWorkspace:
+        """This thread's buffers for ``batch`` sessions (rows padded to whole tiles)."""
+        cache: dict[int, StepWorkspace] | None = getattr(self._buffers, "by_rows", None)
+        if cache is None:
+            cache = self._buffers.by_rows = {}
+        rows = padded(batch)
+        ws = cache.get(rows)
+        if ws is None:
+            ws = cache[rows] = StepWorkspace.allocate(self.config, rows, self.blocks[0])
+        return ws
+
+    # ------------------------------------------------------------------ conveniences
+
+    def run(
+        self, inputs: np.ndarray, state: SessionState | None = None
+    ) -> tuple[np.ndarray, SessionState]:
+        """Step one session through a whole sequence, one input at a time.
+
+        ``inputs``: token ids ``(T,)`` or signal ``(T, input_dim)``. Returns outputs
+        ``(T, output_dim)`` float32 and the final state. Starts from a fresh state unless
+        ``state`` is given.
+        """
+        seq = self.check_inputs(inputs)  # (T,) ids or (T, i): the sequence is a "batch" of T
+        batch = BatchState.stack([state if state is not None else self.new_state()])
+        outputs = np.empty((seq.shape[0], self.config.output_dim), np.float32)  # (T, o)
+        for t in range(seq.shape[0]):
+            batch, out = self.step(batch, seq[t : t + 1])
+            outputs[t] = out[0]
+        return outputs, batch.session(0)

@@ -1,0 +1,188 @@
+"""``ssmserve-server``: run one worker until SIGTERM or SIGINT.
+
+    ssmserve-server --model NAME=DIR [--model ...] [--listen HOST:PORT] [--redis-url URL]
+                    [--data-dir DIR] [--advertise HOST:PORT] [--lease-ttl S]
+                    [--redis-timeout S] [--keepalive S] [--keepalive-timeout S] [--demo]
+
+Every flag has an environment variable, used when the flag is absent:
+``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
+``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``, ``SSMSERVE_LEASE_TTL``,
+``SSMSERVE_REDIS_TIMEOUT``, ``SSMSERVE_KEEPALIVE``, ``SSMSERVE_KEEPALIVE_TIMEOUT``.
+Without a Redis URL the worker starts a private redis-server (AOF on) in
+``DATA_DIR/redis`` and stops it on exit. Workers that share one Redis form a cluster:
+sessions move between them.
+
+SIGTERM or SIGINT drains the worker (its sessions move to the other live workers, or are
+snapshotted for later pickup when none is left), then stops it.
+
+``--demo`` also serves the demo signal model as ``demo`` (written once to
+``DATA_DIR/models/demo``). When the server is ready it prints one line,
+``ssmserve-server listening on HOST:PORT``, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import CONFIG_FILE, save_model
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.worker import Worker, WorkerSettings
+
+log = logging.getLogger("ssmserve.server")
+
+
+def _model_arg(text: str) -> tuple[str, Path]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, Path(directory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="ssmserve-server", description="Serve stateful SSM sessions over gRPC."
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        type=_model_arg,
+        default=[],
+        metavar="NAME=DIR",
+        help="a model to serve (repeatable); env SSMSERVE_MODELS=name=dir,name=dir",
+    )
+    parser.add_argument("--listen", default=env("SSMSERVE_LISTEN", "127.0.0.1:50051"))
+    parser.add_argument(
+        "--redis-url",
+        default=env("SSMSERVE_REDIS_URL"),
+        help="external Redis; default: start a private redis-server",
+    )
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path(env("SSMSERVE_DATA_DIR", "ssmserve-data"))
+    )
+    parser.add_argument(
+        "--advertise",
+        default=env("SSMSERVE_ADVERTISE", ""),
+        help="address other workers and clients reach this one at (default: the bound one)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(env("SSMSERVE_LEASE_TTL", "5")),
+        metavar="S",
+        help="session lease and worker heartbeat TTL in seconds: how long a crashed "
+        "worker's sessions wait before another worker takes them over (default 5)",
+    )
+    parser.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=float(env("SSMSERVE_REDIS_TIMEOUT", "2")),
+        metavar="S",
+        help="deadline of every Redis command in seconds; a write that gets no answer in "
+        "time has an unknown outcome and its session is reloaded from Redis (default 2)",
+    )
+    parser.add_argument(
+        "--keepalive",
+        type=float,
+        default=float(env("SSMSERVE_KEEPALIVE", "5")),
+        metavar="S",
+        help="gRPC keepalive: ping a client connection after S seconds without news and "
+        "close it (ending its streams) when no answer comes within --keepalive-timeout",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=float(env("SSMSERVE_KEEPALIVE_TIMEOUT", "3")),
+        metavar="S",
+        help="seconds a keepalive ping may go unanswered (default 3)",
+    )
+    parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
+    parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    models: list[tuple[str, Path]] = list(args.model)
+    if not models and os.environ.get("SSMSERVE_MODELS"):
+        models = [_model_arg(item.strip()) for item in os.environ["SSMSERVE_MODELS"].split(",")]
+    if args.demo:
+        models.append(("demo", ensure_demo_model(args.data_dir / "models" / "demo")))
+    names = [name for name, _ in models]
+    if not models:
+        raise SystemExit(
+            "ssmserve-server: error: no model to serve (use --model NAME=DIR or --demo)"
+        )
+    if len(set(names)) != len(names):
+        raise SystemExit(f"ssmserve-server: error: model names repeat: {', '.join(names)}")
+    if not 0.1 <= args.lease_ttl <= 600:
+        raise SystemExit("ssmserve-server: error: --lease-ttl must be between 0.1 and 600 s")
+    if not 0.05 <= args.redis_timeout <= 60:
+        raise SystemExit("ssmserve-server: error: --redis-timeout must be between 0.05 and 60 s")
+    if not (0.1 <= args.keepalive <= 3600 and 0.1 <= args.keepalive_timeout <= 600):
+        raise SystemExit(
+            "ssmserve-server: error: --keepalive must be 0.1..3600 s, --keepalive-timeout "
+            "0.1..600 s"
+        )
+    return WorkerSettings(
+        models=tuple(models),
+        listen=args.listen,
+        redis_url=args.redis_url or None,
+        data_dir=args.data_dir,
+        advertise=args.advertise,
+        ownership=OwnershipSettings(lease_ttl_s=args.lease_ttl, worker_ttl_s=args.lease_ttl),
+        redis_timeout_s=args.redis_timeout,
+        keepalive_time_s=args.keepalive,
+        keepalive_timeout_s=args.keepalive_timeout,
+    )
+
+
+def ensure_demo_model(directory: Path) -> Path:
+    if not (directory / CONFIG_FILE).exists():
+        config = demo_config(DemoSpec())
+        save_model(directory, config, random_tensors(config, DemoSpec().seed))
+    return directory
+
+
+async def serve(settings: WorkerSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker = Worker(settings)
+    try:
+        address = await worker.start()
+        print(f"ssmserve-server listening on {address}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(serve(settings_from_args(args)))
+    except (SsmserveError, OSError) as exc:
+        print(f"ssmserve-server: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Per-session settings: snapshot policy, retention, guards, durability, idle TTL, labels.
+
+Stored with the session (msgpack in its metadata hash) so a session restored on any worker
+keeps behaving the same way. Zero in a request means "the worker's default"
+(:class:`SessionDefaults`); :meth:`SessionConfig.resolve` fills those in and validates.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import msgpack
+
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.guards import MAX_RULES, GuardRule
+
+
+class Durability(enum.IntEnum):
+    LOG = 1  # answer a step only after its input is recorded in Redis (default)
+    SNAPSHOT = 2  # periodic snapshots only: a crash loses the steps since the last one
+    NONE = 3  # write only when asked (Snapshot, Close with a final snapshot, eviction)
+
+
+class SessionConfigError(SsmserveError):
+    """A session setting is out of range (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class SessionDefaults:
+    """Worker-wide defaults and limits for session settings."""
+
+    snapshot_every: int = 64  # steps between periodic snapshots
+    max_snapshots: int = 16  # snapshots kept per session (retention)
+    history_window: int = 256  # inputs carried in each checkpoint's history
+    idle_ttl_s: float = 0.0  # 0: sessions stay in memory until closed
+    max_snapshot_every: int = 1 << 20
+    max_snapshots_limit: int = 1024
+    max_history_window: int = 1 << 16
+    max_labels: int = 32
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    snapshot_every: int = 0
+    max_snapshots: int = 0
+    history_window: int = 0
+    guards: tuple[GuardRule, ...] = ()
+    durability: Durability = Durability.LOG
+    idle_ttl_s: float = 0.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def resolve(self, defaults: SessionDefaults, output_dim: int) -> SessionConfig:
+        """Fill defaults in for zeros; raise SessionConfigError on anything out of range."""
+        d = defaults
+        out = replace(
+            self,
+            snapshot_every=self.snapshot_every or d.snapshot_every,
+            max_snapshots=self.max_snapshots or d.max_snapshots,
+            history_window=self.history_window or d.history_window,
+            idle_ttl_s=self.idle_ttl_s or d.idle_ttl_s,
+            labels=dict(self.labels),
+        )
+        _at_most("snapshot_every", out.snapshot_every, d.max_snapshot_every)
+        _at_most("max_snapshots", out.max_snapshots, d.max_snapshots_limit)
+        _at_most("history_window", out.history_window, d.max_history_window)
+        if not (math.isfinite(out.idle_ttl_s) and out.idle_ttl_s >= 0):
+            raise SessionConfigError(f"idle_ttl_s must be >= 0 seconds, got {out.idle_ttl_s}")
+        if len(out.labels) > d.max_labels or any(
+            len(k) > 64 or len(v) > 256 for k, v in out.labels.items()
+        ):
+            raise SessionConfigError(
+                f"at most {d.max_labels} labels, keys up to 64 and values up to 256 characters"
+            )
+        if len(out.guards) > MAX_RULES:
+            raise SessionConfigError(f"at most {MAX_RULES} guard rules per session")
+        names = [g.name for g in out.guards]
+        if len(set(names)) != len(names):
+            raise SessionConfigError("guard names must be unique within a session")
+        for rule in out.guards:
+            rule.validate(output_dim)
+        return out
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {
+                "snapshot_every": self.snapshot_every,
+                "max_snapshots": self.max_snapshots,
+                "history_window": self.history_window,
+                "guards": [g.to_dict() for g in self.guards],
+                "durability": int(self.durability),
+                "idle_ttl_s": self.idle_ttl_s,
+                "labels": dict(self.labels),
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> SessionConfig:
+        d = msgpack.unpackb(raw, raw=False)
+        return cls(
+            snapshot_every=int(d["snapshot_every"]),
+            max_snapshots=int(d["max_snapshots"]),
+            history_window=int(d["history_window"]),
+            guards=tuple(GuardRule.from_dict(g) for g in d["guards"]),
+            durability=Durability(d["durability"]),
+            idle_ttl_s=float(d["idle_ttl_s"]),
+            labels=dict(d["labels"]),
+        )
+
+
+def _at_most(name: str, value: int, limit: int) -> None:
+    if not 1 <= value <= limit:
+        raise SessionConfigError(f"{name} must be between 1 and {limit}, got {value}")

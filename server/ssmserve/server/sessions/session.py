@@ -1,0 +1,184 @@
+"""A resident session: its state in memory, and the queue that orders everything done to it.
+
+Steps and control operations (rollback, snapshot, export, close, eviction) of a session go
+through one FIFO queue, so a rollback that arrives while a stream is open is ordered with
+that session's steps: it runs after the steps queued before it and before those queued
+after it. The stepper takes :class:`StepJob`s from the head; a control operation waits
+in :meth:`Session.exclusive` until its gate reaches the head and no batch holds the
+session, and holds the session until it leaves the ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.guards import GuardEvent
+from ssmserve.server.sessions.snapshot_writer import SnapshotWriter
+from ssmserve.server.state.input_log import InputCodec, RecentSteps
+from ssmserve.server.state.lease import SessionLease
+
+
+class StepGapError(SsmserveError):
+    """A step number beyond the next one: an input is missing in between."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class GuardRejectedError(SsmserveError):
+    """A guard with action REJECT refused the step's output; the step was not applied."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class GuardRolledBackError(SsmserveError):
+    """A guard with action ROLLBACK returned the session to an earlier snapshot."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class SessionGoneError(SsmserveError):
+    """The session was closed or evicted while this request waited for it."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class SnapshotEvent:
+    snapshot_id: str
+    step: int
+    reason: str
+
+
+@dataclass
+class StepOutcome:
+    session_id: str
+    step: int
+    output: np.ndarray | None = None  # (o,)
+    replayed: bool = False
+    guard_events: list[GuardEvent] = field(default_factory=list)
+    snapshot_events: list[SnapshotEvent] = field(default_factory=list)
+    error: SsmserveError | None = None
+
+
+@dataclass(eq=False)
+class StepJob:
+    step: int
+    value: np.ndarray  # () int64 token id or (i,) float32, already validated
+    raw: bytes  # the value as the log stores it
+    future: asyncio.Future[StepOutcome]
+
+
+@dataclass(eq=False)
+class _Gate:
+    opened: asyncio.Future[None]
+
+
+class Session:
+    def __init__(
+        self,
+        session_id: str,
+        model: MambaModel,
+        model_name: str,
+        config: SessionConfig,
+        state: SessionState,
+        step: int,
+        created_at: float,
+        recent: RecentSteps,
+        lease: SessionLease,
+        on_release: Callable[[Session], None],
+    ) -> None:
+        self.id = session_id
+        self.model = model
+        self.model_name = model_name
+        self.codec = InputCodec(model.config)
+        self.config = config
+        self.state = state
+        self.step = step
+        self.created_at = created_at
+        self.updated_at = time.time()
+        self.last_active = time.monotonic()
+        self.recent = recent
+        self.queue: deque[StepJob | _Gate] = deque()
+        self.busy = False  # a stepper batch or a control operation holds the session
+        self.lease = lease  # this worker's ownership: every store write carries it
+        self.lease_check = asyncio.Lock()  # one revalidation of the lease at a time
+        self.last_snapshot_step = -1  # step of the newest snapshot this worker knows of
+        self.gone: SsmserveError | None = None  # set once closed or evicted
+        self.snapshots = SnapshotWriter(session_id)  # periodic snapshots, in the background
+        self.snapshot_events: list[SnapshotEvent] = []  # committed, not yet in an answer
+        self.flush_lock = asyncio.Lock()  # one log flush at a time (stepper or snapshot)
+        self._on_release = on_release  # tells the stepper the head of the queue moved
+
+    @property
+    def head_is_step(self) -> bool:
+        return bool(self.queue) and isinstance(self.queue[0], StepJob)
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+        self.updated_at = time.time()
+
+    def open_gate(self) -> None:
+        """Let the control operation at the head of the queue run, if nothing holds us."""
+        head = self.queue[0] if self.queue else None
+        if not self.busy and isinstance(head, _Gate) and not head.opened.done():
+            self.busy = True
+            head.opened.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, read_only: bool = False) -> AsyncIterator[None]:
+        """Hold the session between two steps: queued steps before us run first.
+
+        ``read_only``: the holder changes nothing (forecast, fork), so ``updated_at``
+        stays; the session still counts as active for idle eviction.
+        """
+        if self.gone is not None:
+            raise self.gone
+        gate = _Gate(asyncio.get_running_loop().create_future())
+        self.queue.append(gate)
+        self.open_gate()
+        try:
+            await gate.opened
+        except BaseException:
+            if gate.opened.done() and not gate.opened.cancelled():
+                self.busy = False  # opened just as we were cancelled
+            self.queue.remove(gate)
+            self._after_release()
+            raise
+        try:
+            if self.gone is not None:
+                raise self.gone
+            await self.snapshots.settled()  # no background write lands under our feet
+            yield
+        finally:
+            self.queue.remove(gate)
+            self.busy = False
+            if read_only:
+                self.last_active = time.monotonic()
+            else:
+                self.touch()
+            self._after_release()
+
+    def _after_release(self) -> None:
+        self.open_gate()
+        self._on_release(self)
+
+    def fail_queued(self, error: SsmserveError) -> None:
+        """The session is leaving memory: everything still queued gets ``error``."""
+        self.gone = error
+        self.snapshots.cancel()
+        for item in list(self.queue):
+            if isinstance(item, StepJob):
+                self.queue.remove(item)
+                if not item.future.done():
+                    item.future.set_result(StepOutcome(self.id, item.step, error=error))

@@ -1,0 +1,374 @@
+"""The stepper: queued steps of all sessions of one model run as batched engine steps.
+
+One :class:`Stepper` per model per worker. A batch takes every session whose queue starts
+with a step (up to ``max_batch`` sessions) and runs ticks: each tick is one engine call
+that advances each of those sessions by one input. A session with several queued steps
+(several steps in one message) advances once per tick, up to ``max_ticks`` ticks. Then
+the batch ends with one group commit: the inputs of every ``log``-durability session go to
+Redis in one pipeline, and only then are the steps answered (durable before acknowledged).
+
+If a session's log write fails, that session is put back exactly where the batch found it
+(states are values, so this is keeping a reference) and its applied steps are answered
+with the error: a step is either durable and answered, or not applied at all.
+
+Then the batch makes sure each session is still this worker's (self-fencing: a lease that
+may have run out by this worker's clock is revalidated, see ``_check_leases``), and, in
+order, still holding the sessions: due periodic snapshots are handed to each
+session's background writer (copied state; encoded and written after the answers, see
+``snapshot_writer.py``), guard rollbacks run, outputs of resent steps that fell out of
+memory are recomputed by replay. Only then are the futures resolved, so an answer always
+reports what happened to its step; a snapshot is reported in the session's first answer
+after it is committed.
+
+Engine calls go through the model's :class:`~ssmserve.server.engine.lane.EngineLane` (shared with
+forecasts): large ones on its engine thread, so the event loop keeps serving streams
+while a batch computes, small ones inline (``offload_min_flop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ssmserve.server.engine.lane import EngineLane
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.config import Durability
+from ssmserve.server.sessions.guards import GuardAction, GuardEvent, check_output
+from ssmserve.server.sessions.session import (
+    GuardRejectedError,
+    GuardRolledBackError,
+    Session,
+    SessionGoneError,
+    StepGapError,
+    StepJob,
+    StepOutcome,
+)
+from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.state.store import SnapshotRecord, Store
+
+log = logging.getLogger(__name__)
+
+
+class BatchHooks(Protocol):
+    """What the stepper asks of the session manager while it holds a batch."""
+
+    def schedule_snapshot(self, session: Session, step: int, state: SessionState) -> None: ...
+
+    async def restore_to(
+        self, session: Session, target: int, record: SnapshotRecord | None = None
+    ) -> tuple[int, str, int]: ...
+
+    async def newest_snapshot(self, session: Session, at_most: int) -> SnapshotRecord | None: ...
+
+    async def output_at(self, session: Session, step: int) -> np.ndarray: ...
+
+    async def flush_unflushed(self, session: Session, upto: int) -> None: ...
+
+    def lost(self, session: Session, lease: SessionLease, error: SsmserveError) -> None: ...
+
+    async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]: ...
+
+    def drop(self, session: Session, error: SsmserveError) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepperSettings:
+    max_batch: int = 256  # sessions per engine call
+    max_ticks: int = 16  # engine calls per group commit (several steps per session)
+    max_unflushed: int = 1 << 16  # non-log sessions: inputs held in memory before a flush
+    # Engine calls of at least this many FLOPs (batch x model FLOPs per step) run on the
+    # model's engine thread (steps and forecasts); smaller ones run on the loop, where
+    # they cost less than the hop. 5 MFLOP is roughly half a millisecond of step here
+    # (signal 256x4 at batch 2, the demo model at batch ~40; bench/bench_engine.py).
+    offload_min_flop: float = 5e6
+
+
+@dataclass
+class _SessionBatch:
+    """What one batch did to one session, to answer it or take it back."""
+
+    session: Session
+    start_state: SessionState
+    start_step: int
+    done: list[tuple[StepJob, StepOutcome]]
+    snapshots_due: list[tuple[int, SessionState]]
+    guard_rollback: tuple[StepJob, StepOutcome] | None = None
+    stopped: bool = False  # a REJECT or ROLLBACK: no further steps in this batch
+    appended: bool = False  # this batch's steps of the session are in the log now
+    fenced: bool = False  # not surely ours any more: nothing of this batch is answered
+
+
+class Stepper:
+    def __init__(
+        self, model: MambaModel, store: Store, hooks: BatchHooks, settings: StepperSettings
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.hooks = hooks
+        self.settings = settings
+        self._ready: dict[str, Session] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.engine = EngineLane(model, settings.offload_min_flop)
+        self.batches = 0
+        self.steps = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"stepper[{self.model.name}]")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.engine.shutdown()
+
+    def submit(self, session: Session, job: StepJob) -> None:
+        session.queue.append(job)
+        self.notify(session)
+
+    def notify(self, session: Session) -> None:
+        """Called whenever a session's queue head may have become a runnable step."""
+        if session.head_is_step and not session.busy and session.gone is None:
+            self._ready[session.id] = session
+            self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._ready:
+                take = list(self._ready.values())[: self.settings.max_batch]
+                for s in take:
+                    del self._ready[s.id]
+                sessions = [s for s in take if s.head_is_step and not s.busy and s.gone is None]
+                if not sessions:
+                    continue
+                for s in sessions:
+                    s.busy = True
+                try:
+                    await self._batch(sessions)
+                except Exception:  # a bug must not kill the stepper: fail this batch's steps
+                    log.exception("stepper batch failed")
+                finally:
+                    for s in sessions:
+                        s.busy = False
+                        s.touch()
+                        s.open_gate()
+                        self.notify(s)
+
+    async def _batch(self, sessions: list[Session]) -> None:
+        work = [_SessionBatch(s, s.state, s.step, [], []) for s in sessions]
+        recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]] = []
+        try:
+            for _ in range(self.settings.max_ticks):
+                if not await self._tick(work, recompute):
+                    break
+            await self._commit_logs(work)
+            # Before anything else is written or answered for a session: is it still ours?
+            await self._check_leases(work)
+            self._snapshots(work)
+            await self._guard_rollbacks(work)
+            for w, job, outcome in recompute:
+                if not w.fenced:
+                    await self._recompute(w, job, outcome)
+        except BaseException as exc:
+            error = exc if isinstance(exc, SsmserveError) else None
+            for w in work:
+                self._take_back(w, error or SessionGoneError(f"step failed: {exc!r}"))
+            raise
+        finally:
+            for w in work:
+                if w.done and w.session.snapshot_events:  # committed since the last answer
+                    w.done[-1][1].snapshot_events.extend(w.session.snapshot_events)
+                    w.session.snapshot_events.clear()
+                for job, outcome in w.done:
+                    if not job.future.done():
+                        job.future.set_result(outcome)
+
+    # ------------------------------------------------------------------ compute
+
+    async def _tick(
+        self,
+        work: list[_SessionBatch],
+        recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]],
+    ) -> bool:
+        """One engine call for every session with a step at its head; False if none had."""
+        apply: list[tuple[_SessionBatch, StepJob]] = []
+        for w in work:
+            s = w.session
+            if w.stopped or not s.head_is_step:
+                continue
+            job = s.queue.popleft()
+            assert isinstance(job, StepJob)
+            outcome = StepOutcome(s.id, job.step)
+            w.done.append((job, outcome))
+            if job.step <= s.step:  # a resend: answer with the recorded output
+                outcome.replayed = True
+                outcome.output = s.recent.output_at(job.step)
+                if outcome.output is None:
+                    recompute.append((w, job, outcome))
+            elif job.step > s.step + 1:
+                outcome.error = StepGapError(
+                    f"step {job.step} of session {s.id!r} skips ahead: the session is at "
+                    f"step {s.step}, so the next input is step {s.step + 1}"
+                )
+            else:
+                apply.append((w, job))
+        if not apply:
+            return any(not w.stopped and w.session.head_is_step for w in work)
+        new_batch, outputs = await self.engine.step(
+            [w.session.state for w, _ in apply], [job.value for _, job in apply]
+        )
+        self.steps += len(apply)
+        for row, (w, job) in enumerate(apply):
+            # A copy: kept in the session's recent outputs, a view would pin the whole
+            # (16-row padded) output buffer of this step (~3 MB per token for 130m logits).
+            self._settle(w, job, new_batch.session(row), outputs[row].copy())
+        return True
+
+    def _settle(
+        self, w: _SessionBatch, job: StepJob, state: SessionState, output: np.ndarray
+    ) -> None:
+        s = w.session
+        outcome = w.done[-1][1]
+        verdict = check_output(s.config.guards, job.step, output)
+        outcome.guard_events.extend(verdict.events)
+        outcome.output = verdict.output
+        if verdict.applies_step:
+            s.state, s.step = state, job.step
+            s.recent.record(job.step, job.raw, verdict.output)
+            if job.step % s.config.snapshot_every == 0 and s.config.durability != Durability.NONE:
+                w.snapshots_due.append((job.step, state))
+            return
+        w.stopped = True
+        if verdict.action == GuardAction.REJECT:
+            outcome.error = GuardRejectedError(
+                f"step {job.step} was not applied: guard {verdict.events[0].guard!r} "
+                f"rejected its output ({verdict.events[0].detail}); the session stays at "
+                f"step {s.step}"
+            )
+        else:
+            w.guard_rollback = (job, outcome)
+
+    # ------------------------------------------------------------------ durability
+
+    async def _commit_logs(self, work: list[_SessionBatch]) -> None:
+        """Group commit: one pipeline for the new inputs of every log-durability session."""
+        durable = [
+            w
+            for w in work
+            if w.session.config.durability == Durability.LOG and w.session.recent.unflushed
+        ]
+        pending = [(w, w.session.lease, w.session.recent.take_unflushed()) for w in durable]
+        appends = [
+            (lease, entries[0][0], [raw for _, raw in entries]) for _w, lease, entries in pending
+        ]
+        try:
+            errors: list[SsmserveError | None] = await self.store.append_logs(appends, time.time())
+        except SsmserveError as exc:
+            errors = [exc] * len(appends)
+        for (w, lease, _entries), error in zip(pending, errors, strict=True):
+            w.appended = error is None
+            if error is not None:
+                self._take_back(w, error)
+                # Dropped if another worker owns it now, or if Redis may hold more than
+                # memory now (an unknown outcome): the next request reloads it.
+                self.hooks.lost(w.session, lease, error)
+        for w in work:
+            s = w.session
+            if (
+                s.config.durability != Durability.LOG
+                and len(s.recent.unflushed) > self.settings.max_unflushed
+            ):
+                try:  # bound memory: a session that is never snapshotted still gets logged
+                    await self.hooks.flush_unflushed(s, s.step)
+                except SsmserveError as exc:
+                    log.warning("session %s: log flush failed: %s", s.id, exc)
+
+    async def _check_leases(self, work: list[_SessionBatch]) -> None:
+        """Answer only for sessions this worker surely still owns (self-fencing).
+
+        A session whose lease may have run out by this worker's clock (a freeze, a long
+        stall, Redis unreachable) is revalidated first; if that fails, nothing of this
+        batch is answered for it (not even what its log already holds: the next owner
+        answers a resend of those steps from the log). If this batch logged steps of it,
+        it also leaves memory (memory gives them back, Redis keeps them), so the next
+        request reloads it or finds its new owner.
+        """
+        errors = await self.hooks.revalidate([w.session for w in work if w.done])
+        if not errors:
+            return
+        for w in work:
+            error = errors.get(w.session.id)
+            if error is None:
+                continue
+            self._take_back(w, error)
+            w.fenced = True
+            for _job, outcome in w.done:  # resends too: a new owner may have rolled back
+                outcome.output, outcome.replayed, outcome.error = None, False, error
+                outcome.guard_events.clear()
+            if w.appended:  # Redis holds steps that memory just gave back: reload
+                self.hooks.drop(w.session, error)
+
+    def _take_back(self, w: _SessionBatch, error: SsmserveError) -> None:
+        """Undo every step this batch applied to the session; answer them with ``error``."""
+        s = w.session
+        if s.step != w.start_step:
+            s.state, s.step = w.start_state, w.start_step
+            s.recent.cut_after(w.start_step)
+        w.snapshots_due.clear()
+        w.guard_rollback = None
+        for job, outcome in w.done:
+            if not outcome.replayed or job.step > w.start_step:
+                outcome.output, outcome.replayed, outcome.error = None, False, error
+                outcome.guard_events.clear()
+
+    def _snapshots(self, work: list[_SessionBatch]) -> None:
+        """Hand due snapshots to the sessions' background writers."""
+        for w in work:
+            for step, state in w.snapshots_due:
+                self.hooks.schedule_snapshot(w.session, step, state)
+
+    async def _guard_rollbacks(self, work: list[_SessionBatch]) -> None:
+        for w in work:
+            if w.guard_rollback is None:
+                continue
+            job, outcome = w.guard_rollback
+            s = w.session
+            events = [e for e in outcome.guard_events if e.action == GuardAction.ROLLBACK]
+            try:
+                record = await self.hooks.newest_snapshot(s, job.step - 1)
+                if record is None:
+                    raise GuardRolledBackError("no snapshot before the violation to return to")
+                step, _snapshot_id, _replayed = await self.hooks.restore_to(s, record.step, record)
+            except SsmserveError as exc:
+                outcome.error = GuardRolledBackError(
+                    f"step {job.step} was not applied: guard {events[0].guard!r} asked for a "
+                    f"rollback that failed ({exc}); the session stays at step {s.step}"
+                )
+                continue
+            outcome.guard_events[:] = [
+                GuardEvent(e.guard, e.action, e.step, e.dims, e.detail, step)
+                if e.action == GuardAction.ROLLBACK
+                else e
+                for e in outcome.guard_events
+            ]
+            outcome.error = GuardRolledBackError(
+                f"step {job.step} was not applied: guard {events[0].guard!r} found its output "
+                f"{events[0].detail}; the session returned to step {step}, so the next input "
+                f"is step {step + 1}"
+            )
+
+    async def _recompute(self, w: _SessionBatch, job: StepJob, outcome: StepOutcome) -> None:
+        try:
+            outcome.output = await self.hooks.output_at(w.session, job.step)
+        except SsmserveError as exc:
+            outcome.output, outcome.replayed, outcome.error = None, False, exc

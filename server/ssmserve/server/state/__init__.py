@@ -1,0 +1,11 @@
+"""What a session is made of, at rest: the checkpoint codec, the input log, and Redis.
+
+``checkpoint``    immutable, versioned, checksummed binary record of a session at a step
+``input_log``     the encoding of logged inputs and the history window a checkpoint carries
+``lease``         the fencing token every store write carries (``SessionLease``)
+``store_layout``  every Redis key and Lua script, in one place
+``store_errors``  the typed error replies of those scripts, and the exceptions they map to
+``store``         the Redis I/O itself (``Store``), one method per script
+
+Imports: ``engine`` only (never gRPC, never the session manager).
+"""

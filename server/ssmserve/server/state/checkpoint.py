@@ -1,0 +1,383 @@
+"""Checkpoint: an immutable, versioned, checksummed binary record of a session at step s.
+
+Layout (all integers little-endian)::
+
+    offset  size  field
+    0       8     magic  b"\\x89SSMCKP\\n"  (high bit and newline catch text-mode mangling)
+    8       2     format version (u16) = 1
+    10      2     flags (u16) = 0; any other value is refused
+    12      4     header length H (u32), at most 16 MiB
+    16      8     payload length P (u64)
+    24      H     header: msgpack map (session, step, model, array table, history, meta)
+    24+H    P     payload: raw little-endian array bytes, each array at a 64-byte offset
+
+The header may also hold ``output``: the (guarded) output of step s, float32 ``(o,)``, so
+a session restored at s can answer a resend of s and start a forecast there without a
+replay. It is optional (older checkpoints lack it; readers that predate it ignore it).
+    24+H+P  32    sha256 over bytes [0, 24+H+P)
+
+Decoding trusts nothing: lengths, checksum, every header field's type and range, dtypes
+from a closed list, shape x itemsize = nbytes, arrays inside the payload and not
+overlapping. Any failure is a typed :class:`~ssmserve.server.errors.CheckpointError`; no other
+exception escapes (``tests/test_checkpoint_fuzz.py``). Arrays are decoded as read-only
+``np.frombuffer`` views into the blob, so a 2.8 MiB state is not copied. No pickle.
+
+Step numbering: step s is the state after s inputs. The input history holds the inputs
+that produced steps ``first_step .. step`` (empty: ``first_step = step + 1``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import (
+    CheckpointChecksumError,
+    CheckpointError,
+    CheckpointLayoutError,
+    CheckpointMagicError,
+    CheckpointModelMismatchError,
+    CheckpointTruncatedError,
+    CheckpointVersionError,
+    ModelInputError,
+    clip,
+)
+
+MAGIC = b"\x89SSMCKP\n"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sHHIQ")  # magic, version, flags, header length, payload length
+_DIGEST_SIZE = 32
+_ALIGN = 64
+_MAX_HEADER = 16 << 20
+_MAX_TEXT = 256
+_MAX_TAGS = 64
+_MAX_DIMS = 4
+
+#: dtype codes allowed in a checkpoint: state arrays are float32; token history is int64.
+STATE_DTYPE = "<f4"
+HISTORY_DTYPES = ("<f4", "<i8")
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    created_at: float = field(default_factory=time.time)  # unix seconds
+    reason: str = "manual"  # why it was taken: manual, periodic, close, migrate, ...
+    label: str | None = None  # user label, unique per session by convention
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InputHistory:
+    """Inputs that produced steps ``first_step .. first_step + len(inputs) - 1``."""
+
+    first_step: int
+    inputs: np.ndarray  # (T,) int64 token ids or (T, i) float32 signal
+
+    @property
+    def last_step(self) -> int:
+        return self.first_step + len(self.inputs) - 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    session_id: str
+    step: int
+    model_id: str
+    fingerprint: str
+    state: SessionState
+    history: InputHistory
+    meta: CheckpointMeta = field(default_factory=CheckpointMeta)
+    output: np.ndarray | None = None  # (o,) float32, the output of ``step``, if known
+
+    # ------------------------------------------------------------------ model checks
+
+    def check_model(self, model: MambaModel) -> None:
+        """Raise :class:`CheckpointModelMismatchError` unless this fits ``model`` exactly."""
+        if self.fingerprint != model.fingerprint:
+            raise CheckpointModelMismatchError(
+                f"checkpoint of session {self.session_id!r} is for model {self.model_id!r} "
+                f"(fingerprint {self.fingerprint[:16]}), not {model.name!r} "
+                f"(fingerprint {model.fingerprint[:16]})"
+            )
+        try:
+            model.check_state(self.state)
+        except ModelInputError as exc:
+            raise CheckpointModelMismatchError(f"checkpoint state does not fit: {exc}") from None
+        c = model.config
+        hist = self.history.inputs
+        want = "int64 (T,)" if c.is_token_model else f"float32 (T, {c.input_dim})"
+        ok = (
+            (hist.dtype == np.int64 and hist.ndim == 1)
+            if c.is_token_model
+            else (hist.dtype == np.float32 and hist.ndim == 2 and hist.shape[1] == c.input_dim)
+        )
+        if not ok:
+            raise CheckpointModelMismatchError(
+                f"checkpoint input history is {hist.dtype}{list(hist.shape)}, model needs {want}"
+            )
+        if self.output is not None and self.output.shape != (c.output_dim,):
+            raise CheckpointModelMismatchError(
+                f"checkpoint output has shape {list(self.output.shape)}, model outputs "
+                f"{c.output_dim} values"
+            )
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(self) -> bytes:
+        """Serialise; the arrays are copied once, into the returned bytes."""
+        _check_fields(self)
+        table: list[list[Any]] = []
+        chunks: list[Any] = []
+        offset = 0
+
+        def place(arr: np.ndarray, dtype: str) -> list[Any]:
+            nonlocal offset
+            data = np.ascontiguousarray(arr, dtype=dtype)
+            pad = -offset % _ALIGN
+            if pad:
+                chunks.append(b"\0" * pad)
+                offset += pad
+            entry = [data.dtype.str, list(data.shape), offset, data.nbytes]
+            chunks.append(data.reshape(-1).view(np.uint8))  # raw bytes, no copy
+            offset += data.nbytes
+            return entry
+
+        for name, arr in self.state.named_arrays():
+            table.append([name, *place(arr, STATE_DTYPE)])
+        hist = self.history.inputs
+        hist_dtype = "<i8" if np.issubdtype(hist.dtype, np.integer) else "<f4"
+        history = [self.history.first_step, *place(hist, hist_dtype)]
+        fields: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step": self.step,
+            "model": {"id": self.model_id, "fingerprint": self.fingerprint},
+            "arrays": table,
+            "history": history,
+            "meta": {
+                "created_at": float(self.meta.created_at),
+                "reason": self.meta.reason,
+                "label": self.meta.label,
+                "tags": dict(self.meta.tags),
+            },
+        }
+        if self.output is not None:
+            fields["output"] = place(self.output, STATE_DTYPE)
+        header = msgpack.packb(fields, use_bin_type=True)
+        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), offset)
+        digest = hashlib.sha256(prefix)
+        digest.update(header)
+        for chunk in chunks:
+            digest.update(chunk)
+        return b"".join([prefix, header, *chunks, digest.digest()])
+
+    # ------------------------------------------------------------------ decode
+
+    @classmethod
+    def decode(cls, blob: bytes | bytearray | memoryview) -> Checkpoint:
+        """Parse and validate; raises only :class:`~ssmserve.server.errors.CheckpointError`s."""
+        try:
+            return _decode(memoryview(blob).cast("B") if not isinstance(blob, bytes) else blob)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a validation gap must still surface as a typed error
+            raise CheckpointLayoutError(f"checkpoint is malformed: {clip(repr(exc), 200)}") from exc
+
+
+def _decode(blob: bytes | memoryview) -> Checkpoint:
+    size = len(blob)
+    head = bytes(blob[: _PREFIX.size])
+    if head[: len(MAGIC)] != MAGIC[: min(len(head), len(MAGIC))]:
+        raise CheckpointMagicError("not an ssmserve checkpoint (bad magic bytes)")
+    if size < _PREFIX.size + _DIGEST_SIZE:
+        raise CheckpointTruncatedError(f"checkpoint is truncated: only {size} bytes")
+    _magic, version, flags, header_len, payload_len = _PREFIX.unpack(head)
+    if version != FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"checkpoint format version {version} is not supported (this build reads "
+            f"version {FORMAT_VERSION})"
+        )
+    if flags != 0:
+        raise CheckpointVersionError(f"checkpoint uses unknown feature flags {flags:#06x}")
+    if header_len > _MAX_HEADER:
+        raise CheckpointLayoutError(f"checkpoint header of {header_len} bytes is too large")
+    expected = _PREFIX.size + header_len + payload_len + _DIGEST_SIZE
+    if size != expected:
+        what = "truncated" if size < expected else "followed by extra bytes"
+        raise CheckpointTruncatedError(
+            f"checkpoint is {what}: header says {expected} bytes, got {size}"
+        )
+    body_end = size - _DIGEST_SIZE
+    # memoryview: slicing bytes would copy the whole blob just to hash it
+    if hashlib.sha256(memoryview(blob)[:body_end]).digest() != bytes(blob[body_end:]):
+        raise CheckpointChecksumError("checkpoint checksum mismatch: the data is corrupted")
+
+    header_end = _PREFIX.size + header_len
+    try:
+        header = msgpack.unpackb(
+            blob[_PREFIX.size : header_end], raw=False, strict_map_key=True, use_list=True
+        )
+    except Exception as exc:
+        raise CheckpointLayoutError(f"checkpoint header is not valid msgpack: {exc}") from None
+    h = _Fields(header, "header")
+    session_id = h.text("session_id", allow_empty=False)
+    step = h.integer("step")
+    model = _Fields(h.get("model", dict), "model")
+    model_id = model.text("id")
+    fp = model.text("fingerprint")
+    meta_f = _Fields(h.get("meta", dict), "meta")
+    created_at = meta_f.get("created_at", float)
+    if not math.isfinite(created_at):
+        raise CheckpointLayoutError("meta.created_at must be a finite number")
+    tags = meta_f.get("tags", dict)
+    if len(tags) > _MAX_TAGS or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= _MAX_TEXT and len(v) <= _MAX_TEXT
+        for k, v in tags.items()
+    ):
+        raise CheckpointLayoutError(f"meta.tags must map at most {_MAX_TAGS} short strings")
+    label = meta_f.get("label", (str, type(None)))
+    if label is not None and len(label) > _MAX_TEXT:
+        raise CheckpointLayoutError("meta.label is too long")
+    meta = CheckpointMeta(created_at, meta_f.text("reason"), label, tags)
+
+    payload = _Payload(blob, header_end, payload_len)
+    arrays_raw = h.get("arrays", list)
+    named: list[tuple[str, np.ndarray]] = []
+    for i, entry in enumerate(arrays_raw):
+        if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[0], str):
+            raise CheckpointLayoutError(f"arrays[{i}] must be [name, dtype, shape, offset, nbytes]")
+        arr = payload.array(f"array {clip(entry[0])}", entry[1:], (STATE_DTYPE,))
+        if arr.ndim != 2:
+            raise CheckpointLayoutError(
+                f"array {clip(entry[0])} must be 2-D, got shape {arr.shape}"
+            )
+        named.append((entry[0], arr))
+    try:
+        state = SessionState.from_named_arrays(named)
+    except ValueError as exc:
+        raise CheckpointLayoutError(f"checkpoint state arrays: {exc}") from None
+    if not state.layers:
+        raise CheckpointLayoutError("checkpoint holds no layers")
+    for i, layer in enumerate(state.layers):
+        if (
+            layer.conv.shape[0] != layer.ssm.shape[0]
+            or layer.conv.shape != state.layers[0].conv.shape
+        ):
+            raise CheckpointLayoutError(f"layer {i} state shapes disagree with each other")
+        if layer.ssm.shape != state.layers[0].ssm.shape:
+            raise CheckpointLayoutError(f"layer {i} ssm state shape differs from layer 0")
+
+    hist_raw = h.get("history", list)
+    if len(hist_raw) != 5 or isinstance(hist_raw[0], bool) or not isinstance(hist_raw[0], int):
+        raise CheckpointLayoutError("history must be [first_step, dtype, shape, offset, nbytes]")
+    inputs = payload.array("history", hist_raw[1:], HISTORY_DTYPES)
+    if inputs.ndim != (1 if inputs.dtype == np.int64 else 2):
+        raise CheckpointLayoutError(f"history of dtype {inputs.dtype} has shape {inputs.shape}")
+    history = InputHistory(hist_raw[0], inputs)
+    output = None
+    if "output" in header:
+        output = payload.array("output", h.get("output", list), (STATE_DTYPE,))
+        if output.ndim != 1:
+            raise CheckpointLayoutError(f"output must be 1-D, got shape {output.shape}")
+    payload.check_disjoint()
+    ckpt = Checkpoint(session_id, step, model_id, fp, state, history, meta, output)
+    _check_fields(ckpt, error=CheckpointLayoutError)
+    return ckpt
+
+
+def _check_fields(ckpt: Checkpoint, error: type[CheckpointError] = CheckpointLayoutError) -> None:
+    """Invariants that encode and decode both enforce."""
+    if not 0 <= ckpt.step < 1 << 62:
+        raise error(f"step {ckpt.step} is out of range")
+    hist = ckpt.history
+    if len(hist.inputs) and not (hist.first_step >= 1 and hist.last_step == ckpt.step):
+        raise error(
+            f"input history covers steps {hist.first_step}..{hist.last_step} "
+            f"but the checkpoint is at step {ckpt.step}"
+        )
+    if not len(hist.inputs) and hist.first_step != ckpt.step + 1:
+        raise error(f"empty input history must start at step {ckpt.step + 1}")
+    for what, text in (("session_id", ckpt.session_id), ("model id", ckpt.model_id)):
+        if len(text) > _MAX_TEXT:
+            raise error(f"{what} is longer than {_MAX_TEXT} characters")
+
+
+class _Fields:
+    """Typed access to one msgpack map, raising CheckpointLayoutError on any mismatch."""
+
+    def __init__(self, raw: Any, where: str) -> None:
+        if not isinstance(raw, dict):
+            raise CheckpointLayoutError(f"checkpoint {where} must be a map")
+        self.raw, self.where = raw, where
+
+    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in self.raw:
+            raise CheckpointLayoutError(f"checkpoint {self.where} lacks {clip(key)}")
+        value = self.raw[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise CheckpointLayoutError(f"checkpoint {self.where}.{key} has the wrong type")
+        return value
+
+    def text(self, key: str, allow_empty: bool = True) -> str:
+        value: str = self.get(key, str)
+        if len(value) > _MAX_TEXT or (not allow_empty and not value):
+            raise CheckpointLayoutError(f"checkpoint {self.where}.{key} is empty or too long")
+        return value
+
+    def integer(self, key: str) -> int:
+        value: int = self.get(key, int)
+        if value < 0:
+            raise CheckpointLayoutError(f"checkpoint {self.where}.{key} is negative")
+        return value
+
+
+class _Payload:
+    """Bounds-checked, zero-copy array views into the payload section."""
+
+    def __init__(self, blob: bytes | memoryview, start: int, length: int) -> None:
+        self.blob, self.start, self.length = blob, start, length
+        self.spans: list[tuple[int, int, str]] = []
+
+    def array(self, what: str, desc: list[Any], dtypes: tuple[str, ...]) -> np.ndarray:
+        dtype, shape, offset, nbytes = desc
+        if dtype not in dtypes:
+            raise CheckpointLayoutError(f"{what} has dtype {clip(dtype)}; allowed: {dtypes}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_DIMS
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        ):
+            raise CheckpointLayoutError(f"{what} has an invalid shape {clip(shape)}")
+        for v in (offset, nbytes):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CheckpointLayoutError(f"{what} has an invalid offset or size")
+        itemsize = np.dtype(dtype).itemsize
+        if math.prod(shape) * itemsize != nbytes:
+            raise CheckpointLayoutError(
+                f"{what}: shape {shape} of {dtype} needs {math.prod(shape) * itemsize} bytes, "
+                f"table says {nbytes}"
+            )
+        if offset + nbytes > self.length:
+            raise CheckpointLayoutError(f"{what} lies outside the payload")
+        self.spans.append((offset, offset + nbytes, what))
+        count = nbytes // itemsize
+        arr = np.frombuffer(self.blob, dtype=dtype, count=count, offset=self.start + offset)
+        return arr.reshape(shape)
+
+    def check_disjoint(self) -> None:
+        spans = sorted(s for s in self.spans if s[1] > s[0])
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise CheckpointLayoutError(f"{a} and {b} overlap in the payload")

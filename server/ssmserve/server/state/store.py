@@ -1,0 +1,745 @@
+"""Redis I/O for sessions: the only module that talks to Redis.
+
+Key names and Lua scripts live in ``server/store_layout.py``; this module runs them and
+turns their replies into records and typed errors.
+
+Writing a snapshot is two phases (DESIGN.md, "Redis over loopback"): plain ``SET``s put the
+blob into staging keys in pieces of at most ``piece_bytes``; a small script then renames
+the pieces into place and updates the index. Big payloads never pass through Lua, where
+they would block Redis for the whole copy. The writer picks the snapshot id before the
+first attempt, so a commit sent again finds its id already committed and does nothing.
+
+**Ownership and fencing.** Every write of a session carries its owner's
+:class:`~ssmserve.server.state.lease.SessionLease`; the scripts compare its fencing token with the
+session's current one and change nothing when they differ (:class:`StaleEpochError`). A
+new session's token comes from :meth:`Store.create_session`, every later one from
+:meth:`Store.acquire`; :meth:`Store.renew_leases` only extends live leases.
+
+**Unknown outcomes.** redis-py does not retry here (``retry`` off), and a write whose
+answer never came (a timeout, a connection cut after the command left) may or may not
+have run: it raises :class:`StoreOutcomeUnknownError`, and the session manager reloads the
+session from Redis before it answers anything else about it. Reads that fail raise
+:class:`StoreUnavailableError`.
+
+``meta.step`` is the durable step: the step a session comes back at after its worker is
+gone. Logged inputs cover ``log_start .. step``; ``log_start - 1`` is the step of the
+oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
+from ssmserve.server.state import store_layout as layout
+from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.store_layout import Keys
+
+T = TypeVar("T")
+
+#: session ids: safe in key names (no braces, which would break the hash tag) and URLs.
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class BadSessionIdError(SsmserveError):
+    """A session id that is not 1-128 letters, digits, '.', '_' or '-'."""
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise BadSessionIdError(
+            f"session id {clip(session_id)} is invalid: use 1-128 letters, digits, '.', "
+            f"'_' or '-', starting with a letter or digit"
+        )
+    return session_id
+
+
+class StoreError(SsmserveError):
+    """Redis said no in a way that is not the caller's fault."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class StoreUnavailableError(StoreError):
+    """Redis cannot be reached (or timed out); nothing was written; retry."""
+
+
+class StoreOutcomeUnknownError(StoreUnavailableError):
+    """A write was sent but its answer never came: it may or may not have run.
+
+    Never guessed at: the session is reloaded from Redis before anything else about it
+    is answered.
+    """
+
+
+class StoreDataError(SsmserveError):
+    """What Redis holds for a session cannot be read back (a field is not what it must be)."""
+
+    kind = ErrorKind.DATA_LOSS
+
+
+class SessionMissingError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class SessionExistsError(SsmserveError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+class SessionClosedError(SsmserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class LabelTakenError(SsmserveError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+class StaleEpochError(SessionMovedError):
+    """A write carried a fencing token that is no longer the session's: another worker (or
+    another incarnation of the id) owns it now. For the client a redirect like any other
+    (``owner`` says where to go); the reason code keeps its historic name."""
+
+
+class LeaseExpiredError(StoreError):
+    """This worker's lease ran out before it was renewed (nobody took the session yet)."""
+
+
+class LogDivergedError(StoreError):
+    """A write does not continue what Redis holds: memory and store diverged. The session
+    is reloaded from Redis (the source of truth); the request may be retried."""
+
+
+def _int(raw: dict[bytes, bytes], name: str, what: str, default: bytes | None = None) -> int:
+    value = raw.get(name.encode(), default)
+    if value is None or not value.isdigit():
+        raise StoreDataError(f"{what}: field {name!r} holds {value!r:.40}, not a step number")
+    return int(value)
+
+
+def _float(raw: dict[bytes, bytes], name: str, what: str, default: bytes = b"0") -> float:
+    try:
+        return float(raw.get(name.encode(), default))
+    except ValueError:
+        raise StoreDataError(f"{what}: field {name!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class SessionMeta:
+    session_id: str
+    model: str
+    fingerprint: str
+    step: int  # durable step
+    log_start: int  # first step with a logged input
+    config: bytes  # SessionConfig.to_bytes()
+    created_at: float
+    updated_at: float
+    closed: bool
+    epoch: int = 0  # acquisitions within this incarnation (for people; fencing uses token)
+    owner: str = ""  # worker id of the last acquirer ('' after a release)
+    owner_addr: str = ""
+    token: str = ""  # the current owner's fencing token ("<incarnation>.<epoch>")
+    numerics: str = ""  # the numerics signature its history was computed with
+
+    def to_fields(self) -> list[Any]:
+        fields: list[Any] = [
+            "model", self.model, "fingerprint", self.fingerprint, "step", self.step,
+            "log_start", self.log_start, "config", self.config, "created_at", self.created_at,
+            "updated_at", self.updated_at, "closed", "1" if self.closed else "0",
+            "incarnation", self.token.rpartition(".")[0], "epoch", self.epoch,
+            "token", self.token, "owner", self.owner, "owner_addr", self.owner_addr,
+            "numerics", self.numerics,
+        ]  # fmt: skip
+        return fields
+
+    @classmethod
+    def from_hash(cls, session_id: str, raw: dict[bytes, bytes]) -> SessionMeta:
+        what = f"session {session_id!r}"
+        try:
+            return cls(
+                session_id=session_id,
+                model=raw[b"model"].decode(),
+                fingerprint=raw[b"fingerprint"].decode(),
+                step=_int(raw, "step", what),
+                log_start=_int(raw, "log_start", what),
+                config=raw[b"config"],
+                created_at=_float(raw, "created_at", what),
+                updated_at=_float(raw, "updated_at", what),
+                closed=raw.get(b"closed", b"0") == b"1",
+                epoch=_int(raw, "epoch", what, b"0"),
+                owner=raw.get(b"owner", b"").decode(),
+                owner_addr=raw.get(b"owner_addr", b"").decode(),
+                token=raw.get(b"token", b"").decode(),
+                numerics=raw.get(b"numerics", b"").decode(),
+            )
+        except (KeyError, UnicodeDecodeError) as exc:
+            raise StoreDataError(f"{what}: its metadata is incomplete ({exc})") from None
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """Who holds a session's lease right now (``holder`` may be ``handoff:<worker id>``)."""
+
+    holder: str
+    owner_addr: str
+    ttl_ms: int
+
+    def redirect(self, session_id: str) -> SessionMovedError:
+        """The error that sends a caller to this lease's holder."""
+        return SessionMovedError(
+            f"session {session_id!r} is served by worker {self.owner_addr or '(unknown)'}",
+            owner=self.owner_addr,
+            retry_after_ms=self.ttl_ms,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One live worker as registered in Redis."""
+
+    worker_id: str
+    address: str
+    models: tuple[str, ...]
+    load: int  # resident sessions
+    started_at: float
+    heartbeat_at: float
+    draining: bool
+    numerics: str = ""  # what its engine's bits depend on (server/model/numerics.py)
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "address": self.address,
+            "models": ",".join(self.models),
+            "load": str(self.load),
+            "started_at": repr(self.started_at),
+            "heartbeat_at": repr(self.heartbeat_at),
+            "draining": "1" if self.draining else "0",
+            "numerics": self.numerics,
+        }
+
+    @classmethod
+    def from_hash(cls, worker_id: str, raw: dict[bytes, bytes]) -> WorkerRecord:
+        models = raw.get(b"models", b"").decode()
+        return cls(
+            worker_id=worker_id,
+            address=raw[b"address"].decode(),
+            models=tuple(m for m in models.split(",") if m),
+            load=int(raw.get(b"load", b"0")),
+            started_at=float(raw.get(b"started_at", b"0")),
+            heartbeat_at=float(raw.get(b"heartbeat_at", b"0")),
+            draining=raw.get(b"draining", b"0") == b"1",
+            numerics=raw.get(b"numerics", b"").decode(),
+        )
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    snapshot_id: str
+    step: int
+    label: str
+    reason: str
+    created_at: float
+    size: int
+    pieces: int
+
+    @classmethod
+    def from_hash(cls, snapshot_id: str, raw: dict[bytes, bytes]) -> SnapshotRecord:
+        what = f"snapshot {snapshot_id!r}"
+        return cls(
+            snapshot_id=snapshot_id,
+            step=_int(raw, "step", what),
+            label=raw[b"label"].decode(),
+            reason=raw[b"reason"].decode(),
+            created_at=_float(raw, "created_at", what),
+            size=_int(raw, "size", what),
+            pieces=_int(raw, "pieces", what),
+        )
+
+
+# ---------------------------------------------------------------------------- replies
+
+
+def _reply(raw: Any) -> list[str]:
+    if isinstance(raw, list) and raw:
+        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in raw]
+    raise StoreError(f"unexpected reply from the session store: {raw!r:.200}")
+
+
+def _raise_script_error(raw: Any) -> list[str]:
+    """A script's reply as a list of strings; raises the typed error an ERR_ code stands for."""
+    reply = _reply(raw)
+    code, rest = reply[0], reply[1:]
+    if code in ("OK", "HANDOFF"):
+        return reply
+    message = rest[0] if rest else code
+    if code == "ERR_STALE":
+        owner = rest[1] if len(rest) > 1 else ""
+        raise StaleEpochError(f"{message} by {owner or 'no live worker'}", owner=owner)
+    error: type[SsmserveError] = {
+        "ERR_EXISTS": SessionExistsError,
+        "ERR_MISSING": SessionMissingError,
+        "ERR_CLOSED": SessionClosedError,
+        "ERR_LABEL": LabelTakenError,
+        "ERR_EXPIRED": LeaseExpiredError,
+        "ERR_GAP": LogDivergedError,
+    }.get(code, StoreError)
+    raise error(message)
+
+
+def _script_outcome(raw: Any) -> SsmserveError | None:
+    """A pipelined script reply as None (success) or the typed error it stands for."""
+    if isinstance(raw, Exception):
+        return StoreError(f"the session store (Redis) failed: {raw}")
+    try:
+        _raise_script_error(raw)
+    except SsmserveError as exc:
+        return exc
+    return None
+
+
+async def _guarded(call: Callable[[], Awaitable[T]], write: bool = False) -> T:
+    """Run one Redis call; connection trouble becomes StoreUnavailableError, or, for a
+    write whose answer may have been lost, StoreOutcomeUnknownError."""
+    try:
+        return await call()
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        if write:
+            raise StoreOutcomeUnknownError(
+                f"the session store (Redis) did not answer a write, which may or may not "
+                f"have been applied: {exc}"
+            ) from None
+        raise StoreUnavailableError(f"the session store (Redis) is unavailable: {exc}") from None
+    except redis_errors.RedisError as exc:
+        raise StoreError(f"the session store (Redis) failed: {exc}") from None
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    url: str
+    key_prefix: str = "ssm"
+    piece_bytes: int = 4 << 20  # snapshot blobs are SET in pieces of at most this size
+    stage_ttl_s: int = 600  # staged pieces of a commit that never came expire after this
+    # Every Redis command gets this long to answer; then its outcome is unknown (a write)
+    # or it failed (a read). Small enough that a stalled Redis is noticed well within a
+    # lease TTL, large enough for a 4 MiB piece on a busy loopback.
+    socket_timeout_s: float = 2.0
+
+
+class Store:
+    """Async access to the session store. One per worker; safe to share between tasks."""
+
+    def __init__(self, settings: StoreSettings) -> None:
+        if not 1 << 20 <= settings.piece_bytes <= 4 << 20:
+            raise ValueError("piece_bytes must be between 1 MiB and 4 MiB")
+        self.settings = settings
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(
+            settings.url,
+            decode_responses=False,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # a lost answer is an unknown outcome, not a retry
+        )
+        self._index = f"{settings.key_prefix}:sessions"
+        self._workers = f"{settings.key_prefix}:workers"
+        self._create = self.redis.register_script(layout.CREATE)
+        self._acquire = self.redis.register_script(layout.ACQUIRE)
+        self._renew = self.redis.register_script(layout.RENEW)
+        self._release = self.redis.register_script(layout.RELEASE)
+        self._handoff = self.redis.register_script(layout.HANDOFF)
+        self._cancel_handoff = self.redis.register_script(layout.CANCEL_HANDOFF)
+        self._log_append = self.redis.register_script(layout.LOG_APPEND)
+        self._commit = self.redis.register_script(layout.COMMIT_SNAPSHOT)
+        self._cut = self.redis.register_script(layout.ROLLBACK_CUT)
+        self._close = self.redis.register_script(layout.CLOSE)
+
+    def keys(self, session_id: str) -> Keys:
+        return Keys(self.settings.key_prefix, check_session_id(session_id))
+
+    async def ping(self) -> None:
+        await _guarded(self.redis.ping)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ sessions
+
+    async def create_session(
+        self,
+        meta: SessionMeta,
+        lease_ms: int,
+        record: SnapshotRecord,
+        blob: bytes,
+        max_snapshots: int,
+    ) -> None:
+        """Write a new session and its first snapshot at once; ``meta.owner`` holds it.
+
+        ``meta.token`` is the creator's fencing token (a fresh incarnation, epoch 1). If
+        the answer is lost, the store is asked again whether this token's session exists,
+        so the outcome is known when this returns or raises anything but
+        :class:`StoreOutcomeUnknownError`.
+        """
+        k = self.keys(meta.session_id)
+        await self._stage(k, record, blob)
+        args = [
+            meta.session_id, meta.owner, lease_ms, meta.token, k.base, record.snapshot_id,
+            record.step, record.pieces, record.reason, record.created_at, record.size,
+            max_snapshots, *meta.to_fields(),
+        ]  # fmt: skip
+        keys = [k.meta, self._index, k.lease, k.snaps, k.labels, k.log]
+        try:
+            reply = await _guarded(lambda: self._create(keys=keys, args=args), write=True)
+        except StoreOutcomeUnknownError as unknown:
+            try:  # ask again: did it run?
+                current = await self.get_meta(meta.session_id)
+            except StoreUnavailableError:
+                raise StoreOutcomeUnknownError(
+                    f"session {meta.session_id!r} may or may not have been created: {unknown}"
+                ) from None
+            if current is not None and current.token == meta.token:
+                return  # it was applied
+            if current is not None:
+                raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
+            raise StoreUnavailableError(
+                "the session store (Redis) did not answer; the session was not created"
+            ) from None
+        try:
+            _raise_script_error(reply)
+        except SessionExistsError:
+            raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
+
+    async def get_meta(self, session_id: str) -> SessionMeta | None:
+        raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
+        return SessionMeta.from_hash(session_id, raw) if raw else None
+
+    async def list_session_ids(self, after: str, count: int) -> list[str]:
+        start = f"({after}" if after else "-"
+        ids = await _guarded(
+            lambda: self.redis.zrangebylex(self._index, start, "+", start=0, num=count)
+        )
+        return [i.decode(errors="replace") for i in ids]
+
+    async def close_session(self, lease: SessionLease, keep_snapshot: str = "") -> None:
+        k = self.keys(lease.session_id)
+        reply = await _guarded(
+            lambda: self._close(
+                keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease],
+                args=[k.base, lease.session_id, keep_snapshot, lease.token],
+            ),
+            write=True,
+        )
+        _raise_script_error(reply)
+
+    # ------------------------------------------------------------------ ownership
+
+    async def acquire(
+        self,
+        session_id: str,
+        worker_id: str,
+        address: str,
+        lease_ms: int,
+        expect: str = "",
+        numerics: str = "",
+    ) -> str:
+        """Take the session's lease; returns the new fencing token.
+
+        ``expect``: only if the session's token is still this one (nobody acquired it
+        since). ``numerics``: recorded for a session stored without a signature. Raises
+        :class:`SessionMovedError` (with the owner's address and how long its lease still
+        runs) when another worker holds it.
+        """
+        k = self.keys(session_id)
+        args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics]
+        raw = await _guarded(lambda: self._acquire(keys=[k.meta, k.lease], args=args), write=True)
+        reply = _reply(raw)
+        if reply[0] == "ERR_OWNED":
+            owner, ttl = reply[2], reply[3]
+            raise LeaseHolder("", owner, max(0, int(ttl) if ttl.isdigit() else 0)).redirect(
+                session_id
+            )
+        _raise_script_error(raw)
+        return reply[1]
+
+    async def renew_leases(
+        self, leases: Sequence[SessionLease], lease_ms: int
+    ) -> list[SsmserveError | None]:
+        """Extend live leases in one round trip; one entry per lease: None when renewed
+        (or being handed off), else the error (:class:`StaleEpochError` when the session
+        is someone else's, :class:`LeaseExpiredError` when the lease ran out)."""
+        if not leases:
+            return []
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for lease in leases:
+                    k = self.keys(lease.session_id)
+                    await self._renew(
+                        keys=[k.meta, k.lease],
+                        args=[lease.holder, lease.token, lease_ms],
+                        client=pipe,
+                    )
+                return await pipe.execute(raise_on_error=False)
+
+        return [_script_outcome(r) for r in await _guarded(run, write=True)]
+
+    async def release(self, lease: SessionLease) -> None:
+        k = self.keys(lease.session_id)
+        reply = await _guarded(
+            lambda: self._release(keys=[k.meta, k.lease], args=[lease.holder, lease.token]),
+            write=True,
+        )
+        _raise_script_error(reply)
+
+    async def handoff(self, lease: SessionLease, target: WorkerRecord, lease_ms: int) -> None:
+        """Reserve the session for ``target``: only it may acquire it next."""
+        k = self.keys(lease.session_id)
+        args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
+        reply = await _guarded(lambda: self._handoff(keys=[k.meta, k.lease], args=args), write=True)
+        _raise_script_error(reply)
+
+    async def cancel_handoff(
+        self, lease: SessionLease, address: str, target_id: str, lease_ms: int
+    ) -> None:
+        """Take back a reservation the target never used; raises StaleEpochError if it did."""
+        k = self.keys(lease.session_id)
+        args = [lease.holder, lease.token, address, lease_ms, target_id]
+        reply = await _guarded(
+            lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args), write=True
+        )
+        _raise_script_error(reply)
+
+    async def lease_holder(self, session_id: str) -> LeaseHolder | None:
+        """The session's current lease holder, or None when nobody holds it."""
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(k.lease)
+                pipe.pttl(k.lease)
+                pipe.hget(k.meta, "owner_addr")
+                return await pipe.execute()
+
+        holder, ttl, addr = await _guarded(run)
+        if holder is None:
+            return None
+        return LeaseHolder(holder.decode(), (addr or b"").decode(), max(0, int(ttl)))
+
+    # ------------------------------------------------------------------ worker registry
+
+    async def register_worker(self, record: WorkerRecord, ttl_ms: int) -> None:
+        """Write (or refresh) a worker's entry; it disappears ``ttl_ms`` after the last one."""
+        key = f"{self.settings.key_prefix}:worker:{record.worker_id}"
+
+        async def run() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping=record.to_fields())
+                pipe.pexpire(key, ttl_ms)
+                pipe.sadd(self._workers, record.worker_id)
+                await pipe.execute()
+
+        await _guarded(run)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        async def run() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(f"{self.settings.key_prefix}:worker:{worker_id}")
+                pipe.srem(self._workers, worker_id)
+                await pipe.execute()
+
+        await _guarded(run)
+
+    async def live_workers(self) -> list[WorkerRecord]:
+        """Every worker whose entry has not expired, by address; forgets expired ones."""
+        ids = [i.decode() for i in await _guarded(lambda: self.redis.smembers(self._workers))]
+        if not ids:
+            return []
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for worker_id in ids:
+                    pipe.hgetall(f"{self.settings.key_prefix}:worker:{worker_id}")
+                return await pipe.execute()
+
+        raws = await _guarded(run)
+        gone = [i for i, raw in zip(ids, raws, strict=True) if not raw]
+        if gone:
+            await _guarded(lambda: self.redis.srem(self._workers, *gone))
+        live = [WorkerRecord.from_hash(i, raw) for i, raw in zip(ids, raws, strict=True) if raw]
+        return sorted(live, key=lambda w: w.address)
+
+    # ------------------------------------------------------------------ input log
+
+    async def append_logs(
+        self,
+        appends: Sequence[tuple[SessionLease, int, Sequence[bytes]]],
+        updated_at: float,
+    ) -> list[SsmserveError | None]:
+        """Group commit: ``(lease, first step, inputs)`` for many sessions, one round trip.
+
+        Returns one entry per append: None when it was recorded, else the error. A lost
+        answer raises :class:`StoreOutcomeUnknownError` for all of them.
+        """
+        if not appends:
+            return []
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for lease, first, inputs in appends:
+                    k = self.keys(lease.session_id)
+                    await self._log_append(
+                        keys=[k.meta, k.log],
+                        args=[lease.token, first, updated_at, *inputs],
+                        client=pipe,
+                    )
+                return await pipe.execute(raise_on_error=False)
+
+        return [_script_outcome(reply) for reply in await _guarded(run, write=True)]
+
+    async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
+        """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
+        if last < first:
+            return []
+        fields = [str(s) for s in range(first, last + 1)]
+        values = await _guarded(lambda: self.redis.hmget(self.keys(session_id).log, fields))
+        missing = [f for f, v in zip(fields, values, strict=True) if v is None]
+        if missing:
+            raise StoreError(
+                f"input log of session {session_id!r} lacks steps {missing[0]}..{missing[-1]}"
+            )
+        return list(values)
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _stage(self, k: Keys, record: SnapshotRecord, blob: bytes) -> None:
+        """Put ``blob`` into the record's staging keys with plain SETs (they expire)."""
+        piece = self.settings.piece_bytes
+        view = memoryview(blob)
+        pieces = max(1, -(-len(blob) // piece))
+        if record.pieces != pieces:
+            raise ValueError(f"record says {record.pieces} pieces, blob needs {pieces}")
+
+        async def stage() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in range(pieces):
+                    pipe.set(
+                        k.stage(record.snapshot_id, i),
+                        view[i * piece : (i + 1) * piece],
+                        ex=self.settings.stage_ttl_s,
+                    )
+                await pipe.execute()
+
+        # Staging keys are private to this commit (its id is new): a lost answer here is
+        # harmless, the commit that follows finds out whether every piece arrived.
+        await _guarded(stage)
+
+    async def commit_snapshot(
+        self,
+        lease: SessionLease,
+        record: SnapshotRecord,
+        blob: bytes,
+        max_snapshots: int,
+    ) -> None:
+        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script."""
+        k = self.keys(lease.session_id)
+        await self._stage(k, record, blob)
+        args = [
+            k.base, record.snapshot_id, record.step, record.pieces, record.label, record.reason,
+            record.created_at, record.size, max_snapshots, lease.token,
+        ]  # fmt: skip
+        reply = await _guarded(
+            lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args),
+            write=True,
+        )
+        _raise_script_error(reply)
+
+    async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
+        k = self.keys(session_id)
+        ids = [i.decode() for i in await _guarded(lambda: self.redis.zrange(k.snaps, 0, -1))]
+        return await self._records(session_id, ids)
+
+    async def _records(self, session_id: str, ids: list[str]) -> list[SnapshotRecord]:
+        if not ids:
+            return []
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for snapshot_id in ids:
+                    pipe.hgetall(k.snap(snapshot_id))
+                return await pipe.execute()
+
+        raws = await _guarded(run)
+        return [SnapshotRecord.from_hash(i, raw) for i, raw in zip(ids, raws, strict=True) if raw]
+
+    async def snapshot_at_or_before(self, session_id: str, step: int) -> SnapshotRecord | None:
+        """The newest snapshot whose step is <= ``step``."""
+        k = self.keys(session_id)
+        ids = await _guarded(
+            lambda: self.redis.zrevrangebyscore(k.snaps, step, "-inf", start=0, num=1)
+        )
+        records = await self._records(session_id, [i.decode() for i in ids])
+        return records[0] if records else None
+
+    async def snapshot_by_id(self, session_id: str, snapshot_id: str) -> SnapshotRecord | None:
+        records = await self._records(session_id, [snapshot_id])
+        return records[0] if records else None
+
+    async def snapshot_by_label(self, session_id: str, label: str) -> SnapshotRecord | None:
+        snapshot_id = await _guarded(lambda: self.redis.hget(self.keys(session_id).labels, label))
+        if snapshot_id is None:
+            return None
+        return await self.snapshot_by_id(session_id, snapshot_id.decode())
+
+    async def read_blob(self, session_id: str, record: SnapshotRecord) -> bytes:
+        k = self.keys(session_id)
+        names = [k.blob(record.snapshot_id, i) for i in range(record.pieces)]
+        pieces = await _guarded(lambda: self.redis.mget(names))
+        if any(p is None for p in pieces):
+            raise StoreError(f"snapshot {record.snapshot_id} of {session_id!r} has lost pieces")
+        blob = b"".join(pieces)
+        if len(blob) != record.size:
+            raise StoreError(
+                f"snapshot {record.snapshot_id} is {len(blob)} bytes, index says {record.size}"
+            )
+        return blob
+
+    async def snapshot_count_and_oldest(self, session_id: str) -> tuple[int, int | None]:
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zcard(k.snaps)
+                pipe.zrange(k.snaps, 0, 0, withscores=True)
+                return await pipe.execute()
+
+        count, head = await _guarded(run)
+        return int(count), (int(head[0][1]) if head else None)
+
+    # ------------------------------------------------------------------ rollback
+
+    async def cut_history(
+        self, lease: SessionLease, step: int, upto: int, updated_at: float
+    ) -> None:
+        """Delete snapshots and logged inputs after ``step``; the durable step drops to it."""
+        k = self.keys(lease.session_id)
+        reply = await _guarded(
+            lambda: self._cut(
+                keys=[k.meta, k.snaps, k.labels, k.log],
+                args=[k.base, step, upto, updated_at, lease.token],
+            ),
+            write=True,
+        )
+        _raise_script_error(reply)
+
+    async def session_keys(self, session_id: str) -> list[str]:
+        """Every key of a session (tests and operators; SCAN, so not for hot paths)."""
+        pattern = f"{self.settings.key_prefix}:{{{check_session_id(session_id)}}}:*"
+        return sorted(
+            [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
+        )

@@ -1,0 +1,257 @@
+"""One worker process: models, the store, ownership, the session manager and gRPC.
+
+:class:`Worker` starts them in order and stops them in reverse. Stopping is a drain:
+health turns NOT_SERVING, every resident session is handed to another live worker (or,
+with none left, snapshotted and released for later pickup) while the gRPC server still
+answers, so open streams get redirects; then the server stops taking calls and gives
+running ones ``shutdown_grace_s`` to finish, the worker leaves the registry, and the
+embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ssmserve.server.api.cluster_service import ClusterService
+from ssmserve.server.api.service import ServiceSettings, SessionService
+from ssmserve.server.api.status import UndecodableRequests
+from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, Migrator
+from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings
+from ssmserve.server.cluster.peers import Peers, PeerSettings
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.engine.loader import load_model
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.numerics import (
+    numerics_description,
+    numerics_signature,
+    pin_blas_threads,
+)
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
+from ssmserve.server.state.store import Store, StoreSettings, StoreUnavailableError
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ModelTooLargeError(SsmserveError):
+    """A model whose one answer cannot fit in a gRPC message of the configured size."""
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
+CLUSTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ClusterService"].full_name
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a worker needs; ``server/main.py`` fills it from flags and environment."""
+
+    models: tuple[tuple[str, Path], ...]  # (name, model directory) pairs
+    listen: str = "127.0.0.1:50051"  # host:port; port 0 picks a free one
+    redis_url: str | None = None  # None: start a private redis-server (embedded)
+    data_dir: Path = Path("ssmserve-data")  # the embedded Redis keeps its AOF here
+    advertise: str = ""  # address shown as a session's owner; default: the bound address
+    key_prefix: str = "ssm"
+    max_message_bytes: int = 4 << 20  # gRPC receive/send limit per message
+    # gRPC keepalive: the server pings each client connection this long after it last
+    # heard from it and closes it when no answer comes within the timeout, so the streams
+    # of a client that vanished (crashed host, half-open connection) end within about
+    # the sum. Clients may ping as often as they like (no "too many pings" strikes).
+    keepalive_time_s: float = 5.0
+    keepalive_timeout_s: float = 3.0
+    redis_timeout_s: float = 2.0  # every Redis command's deadline (StoreSettings)
+    startup_timeout_s: float = 30.0  # how long a starting worker waits for Redis
+    shutdown_grace_s: float = 5.0
+    blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
+    drain_on_stop: bool = True  # hand sessions to other workers on stop (else snapshot them)
+    # After a drain moved sessions away, keep answering (with redirects) this long before
+    # refusing calls: a client whose redirect was lost in flight, and that knows no other
+    # worker, can still ask this one where its session went.
+    lame_duck_s: float = 1.0
+    manager: ManagerSettings = field(default_factory=ManagerSettings)
+    service: ServiceSettings = field(default_factory=ServiceSettings)
+    ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
+    migration: MigrationSettings = field(default_factory=MigrationSettings)
+    peers: PeerSettings = field(default_factory=PeerSettings)
+
+
+def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
+    """gRPC server channel arguments: message limits and keepalive (both directions)."""
+    return [
+        ("grpc.max_receive_message_length", s.max_message_bytes),
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+        # Since grpc 1.60 an unanswered ping fails the connection after this (default 60 s,
+        # which would override the keepalive timeout).
+        ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.embedded: EmbeddedRedis | None = None
+        self.store: Store | None = None
+        self.manager: SessionManager | None = None
+        self.ownership: Ownership | None = None
+        self.migrator: Migrator | None = None
+        self.service: SessionService | None = None
+        self.peers = Peers(settings.peers)
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.address = ""
+        self.numerics = ""
+
+    async def start(self) -> str:
+        """Start everything; returns the address the server listens on (host:port)."""
+        s = self.settings
+        pin_blas_threads(s.blas_threads)
+        models: dict[str, MambaModel] = {}
+        for name, directory in s.models:
+            models[name] = await asyncio.to_thread(load_model, directory, name)
+            log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
+        for name, model in models.items():
+            # One step's answer (float32 outputs, packed) must fit in one message.
+            one = model.config.output_dim * 4 + 4096
+            if one > s.max_message_bytes // 2:
+                raise ModelTooLargeError(
+                    f"model {name}: one output of {model.config.output_dim} values does not fit "
+                    f"in half a {s.max_message_bytes}-byte message; raise max_message_bytes"
+                )
+        url = s.redis_url
+        if url is None:
+            self.embedded = EmbeddedRedis(EmbeddedRedisSettings(data_dir=s.data_dir / "redis"))
+            await asyncio.to_thread(self.embedded.start)
+            url = self.embedded.url
+            log.info("embedded redis-server on %s (data in %s)", url, s.data_dir / "redis")
+        self.store = Store(
+            StoreSettings(url=url, key_prefix=s.key_prefix, socket_timeout_s=s.redis_timeout_s)
+        )
+        await self._patiently("reach Redis", self.store.ping)
+        self.numerics = numerics_description()
+        log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
+
+        self.server = grpc.aio.server(
+            options=server_options(s), interceptors=[UndecodableRequests()]
+        )
+        port = self.server.add_insecure_port(s.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {s.listen}")
+        host = s.listen.rsplit(":", 1)[0]
+        self.address = f"{host}:{port}"
+        self.ownership = Ownership(
+            self.store,
+            s.ownership,
+            s.advertise or self.address,
+            sorted(models),
+            numerics_signature(self.numerics),
+            held=lambda: manager.held(),
+            on_lost=lambda lease, error: manager.lost_lease(lease, error),
+            on_expired=lambda lease: manager.expired_lease(lease),
+        )
+        manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
+        self.migrator = Migrator(
+            manager, self.ownership, self.peers, s.migration, on_drain=self._not_serving
+        )
+        await manager.warm_up()  # ready means warm: no request compiles a kernel
+        manager.start()
+        self.service = SessionService(
+            manager, replace(s.service, max_message_bytes=s.max_message_bytes), self.migrator
+        )
+        pb_grpc.add_SessionServiceServicer_to_server(self.service, self.server)
+        pb_grpc.add_ClusterServiceServicer_to_server(
+            ClusterService(self.migrator, self.ownership), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, CLUSTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
+        )
+        await self.server.start()
+        await self._patiently("register in Redis", self.ownership.start)
+        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.address
+
+    async def _patiently(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+        """Retry ``call`` while Redis is unavailable, up to ``startup_timeout_s``: a store
+        that is restarting, or slow for a moment, does not stop a worker from starting."""
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except StoreUnavailableError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("could not %s yet (%s); retrying", what, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _not_serving(self) -> None:
+        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def drain(self) -> list[DrainProgress]:
+        """Move every session to other workers (or park it); the worker keeps running."""
+        assert self.migrator is not None, "start() first"
+        return [p async for p in self.migrator.drain()]
+
+    async def stop(self) -> None:
+        await self._not_serving()
+        if self.migrator is not None and self.settings.drain_on_stop:
+            try:
+                progress = await self.drain()
+                for p in progress:
+                    log.info(
+                        "drain %d/%d: session %s -> %s%s",
+                        p.done,
+                        p.total,
+                        p.session_id,
+                        p.target or "parked in Redis",
+                        f" ({p.error})" if p.error else "",
+                    )
+                if any(p.target for p in progress):
+                    await asyncio.sleep(self.settings.lame_duck_s)
+            except Exception:  # never let a failed drain keep the worker from stopping
+                log.exception("drain failed; the remaining sessions are snapshotted instead")
+        if self.server is not None:
+            await self.server.stop(self.settings.shutdown_grace_s)
+        if self.manager is not None:
+            await self.manager.stop()
+        if self.ownership is not None:
+            await self.ownership.stop()
+        await self.peers.close()
+        if self.store is not None:
+            await self.store.aclose()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+
+    async def abort(self) -> None:
+        """Stop serving at once, without the shutdown snapshots (as a crash would)."""
+        if self.ownership is not None:
+            await self.ownership.stop(deregister=False)
+        if self.server is not None:
+            await self.server.stop(0)
+        if self.manager is not None:
+            await self.manager.abandon()
+        await self.peers.close()
+        if self.store is not None:
+            await self.store.aclose()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.kill)
