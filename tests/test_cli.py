@@ -168,3 +168,12 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert ssmserve("model", "init-demo", tmp_path / "x", "--hidden", "0").returncode == 2
     assert ssmserve("model").returncode == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_help_lists_service_and_server_side_commands():
+    result = ssmserve("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("session", "rollback", "migrate", "drain", "model"):
+        assert f"\n    {command} " in result.stdout, result.stdout
+    model_help = ssmserve("model", "init-demo", "--help").stdout
+    assert "--input-dim" in model_help and "directory" in model_help
