@@ -99,6 +99,7 @@ def root(arr: np.ndarray) -> np.ndarray:
 
 
 def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
+    from ssmserve.server.engine.lane import EngineLane
     from ssmserve.server.engine.numerics import pin_blas_threads
     from ssmserve.server.engine.recurrent_state import BatchState
     from ssmserve.server.sessions.config import SessionConfig
@@ -112,7 +113,10 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
     model = build(which)
     c = model.config
     settings = ManagerSettings()
-    stepper = Stepper(model, None, None, settings.stepper)  # type: ignore[arg-type]
+    stepper = Stepper(
+        model, None, None, settings.stepper,  # type: ignore[arg-type]
+        EngineLane(model, settings.stepper.offload_min_flop),
+    )  # fmt: skip
     rng = np.random.default_rng(0)
 
     def value() -> np.ndarray:

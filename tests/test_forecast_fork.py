@@ -103,7 +103,7 @@ def test_forecast_leaves_the_session_bit_identical(worker, served_models, redis_
     sid = worker.client.create_session("demo", snapshot_every=4, max_snapshots=16).session_id
     stream(worker, sid, as_inputs(model, x[:18]))
     worker.client.snapshot(sid, label="mark")
-    resident = worker.manager._sessions[sid]
+    resident = worker.manager.residents.by_id[sid]
     state_before, step_before = resident.state.copy(), resident.step
     info_before = worker.client.get_session(sid)
     snaps_before = worker.client.list_snapshots(sid)

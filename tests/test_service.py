@@ -749,7 +749,7 @@ def test_a_cancelled_stream_leaves_no_reader_behind(start_worker, served_models)
     held = asyncio.Event()
 
     async def hold() -> None:
-        s = w.manager._sessions[sid]
+        s = w.manager.residents.by_id[sid]
         async with s.exclusive():
             held.set()
             await release.wait()

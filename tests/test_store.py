@@ -15,22 +15,24 @@ from ssmserve.server.errors import SessionMovedError
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import (
     BadSessionIdError,
+    SessionMeta,
+    SnapshotRecord,
+    Store,
+    StoreSettings,
+    WorkerRecord,
+)
+from ssmserve.server.state.store_errors import (
     LabelTakenError,
     LeaseExpiredError,
     LogDivergedError,
     SessionClosedError,
     SessionExistsError,
-    SessionMeta,
     SessionMissingError,
-    SnapshotRecord,
     StaleEpochError,
-    Store,
     StoreDataError,
     StoreError,
     StoreOutcomeUnknownError,
-    StoreSettings,
     StoreUnavailableError,
-    WorkerRecord,
 )
 from ssmserve.server.state.store_layout import MAX_STEP
 

@@ -20,6 +20,7 @@ class ErrorKind(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
     DATA_LOSS = "data_loss"
+    INTERNAL = "internal"  # a bug or a version mismatch: retrying cannot help
 
 
 #: Characters of a client's string that an error message may repeat back.

@@ -37,7 +37,8 @@ from ssmserve.server.engine.numerics import (
 )
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
-from ssmserve.server.state.store import Store, StoreSettings, StoreUnavailableError
+from ssmserve.server.state.store import Store, StoreSettings
+from ssmserve.server.state.store_errors import StoreUnavailableError
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 

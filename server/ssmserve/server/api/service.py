@@ -27,7 +27,8 @@ from ssmserve.server.sessions.guards import (
     GuardRule,
     GuardRuleError,
 )
-from ssmserve.server.sessions.manager import RollbackTarget, SessionManager, SessionView
+from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.records import RollbackTarget, SessionView
 from ssmserve.server.sessions.session import SnapshotEvent, StepOutcome
 from ssmserve.server.state.store import SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb

@@ -44,6 +44,7 @@ GRPC_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
 

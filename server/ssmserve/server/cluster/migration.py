@@ -23,7 +23,8 @@ from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.cluster.peers import Peers
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.sessions.manager import SessionManager
-from ssmserve.server.state.store import SessionMissingError, WorkerRecord
+from ssmserve.server.state.store import WorkerRecord
+from ssmserve.server.state.store_errors import SessionMissingError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.state.lease import SessionLease
-from ssmserve.server.state.store import LeaseExpiredError, Store, WorkerRecord
+from ssmserve.server.state.store import Store, WorkerRecord
+from ssmserve.server.state.store_errors import LeaseExpiredError
 
 log = logging.getLogger(__name__)
 

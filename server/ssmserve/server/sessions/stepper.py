@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 
 class BatchHooks(Protocol):
-    """What the stepper asks of the session manager while it holds a batch."""
+    """What the stepper asks of the session components while it holds a batch
+    (``manager.StepperHooks`` serves it from residency, checkpoints and replay)."""
 
     def schedule_snapshot(self, session: Session, step: int, state: SessionState) -> None: ...
 
@@ -107,7 +108,12 @@ class _SessionBatch:
 
 class Stepper:
     def __init__(
-        self, model: MambaModel, store: Store, hooks: BatchHooks, settings: StepperSettings
+        self,
+        model: MambaModel,
+        store: Store,
+        hooks: BatchHooks,
+        settings: StepperSettings,
+        engine: EngineLane,
     ) -> None:
         self.model = model
         self.store = store
@@ -116,7 +122,7 @@ class Stepper:
         self._ready: dict[str, Session] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.engine = EngineLane(model, settings.offload_min_flop)
+        self.engine = engine  # the model's lane, shared with forecasts and replays
         self.batches = 0
         self.steps = 0
 

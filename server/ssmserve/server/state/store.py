@@ -1,7 +1,7 @@
 """Redis I/O for sessions: the only module that talks to Redis.
 
-Key names and Lua scripts live in ``server/store_layout.py``; this module runs them and
-turns their replies into records and typed errors.
+Key names and Lua scripts live in ``store_layout``; this module runs them and turns their
+replies into records, and into the typed errors of ``store_errors``.
 
 Writing a snapshot is two phases (DESIGN.md, "Redis over loopback"): plain ``SET``s put the
 blob into staging keys in pieces of at most ``piece_bytes``; a small script then renames
@@ -38,9 +38,19 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
+from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
 from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.store_errors import (
+    SessionExistsError,
+    StoreDataError,
+    StoreError,
+    StoreOutcomeUnknownError,
+    StoreUnavailableError,
+    check_reply,
+    reply_fields,
+    reply_outcome,
+)
 from ssmserve.server.state.store_layout import Keys
 
 T = TypeVar("T")
@@ -60,61 +70,6 @@ def check_session_id(session_id: str) -> str:
             f"'_' or '-', starting with a letter or digit"
         )
     return session_id
-
-
-class StoreError(SsmserveError):
-    """Redis said no in a way that is not the caller's fault."""
-
-    kind = ErrorKind.UNAVAILABLE
-
-
-class StoreUnavailableError(StoreError):
-    """Redis cannot be reached (or timed out); nothing was written; retry."""
-
-
-class StoreOutcomeUnknownError(StoreUnavailableError):
-    """A write was sent but its answer never came: it may or may not have run.
-
-    Never guessed at: the session is reloaded from Redis before anything else about it
-    is answered.
-    """
-
-
-class StoreDataError(SsmserveError):
-    """What Redis holds for a session cannot be read back (a field is not what it must be)."""
-
-    kind = ErrorKind.DATA_LOSS
-
-
-class SessionMissingError(SsmserveError):
-    kind = ErrorKind.NOT_FOUND
-
-
-class SessionExistsError(SsmserveError):
-    kind = ErrorKind.ALREADY_EXISTS
-
-
-class SessionClosedError(SsmserveError):
-    kind = ErrorKind.FAILED_PRECONDITION
-
-
-class LabelTakenError(SsmserveError):
-    kind = ErrorKind.ALREADY_EXISTS
-
-
-class StaleEpochError(SessionMovedError):
-    """A write carried a fencing token that is no longer the session's: another worker (or
-    another incarnation of the id) owns it now. For the client a redirect like any other
-    (``owner`` says where to go); the reason code keeps its historic name."""
-
-
-class LeaseExpiredError(StoreError):
-    """This worker's lease ran out before it was renewed (nobody took the session yet)."""
-
-
-class LogDivergedError(StoreError):
-    """A write does not continue what Redis holds: memory and store diverged. The session
-    is reloaded from Redis (the source of truth); the request may be retried."""
 
 
 def _int(raw: dict[bytes, bytes], name: str, what: str, default: bytes | None = None) -> int:
@@ -263,47 +218,6 @@ class SnapshotRecord:
         )
 
 
-# ---------------------------------------------------------------------------- replies
-
-
-def _reply(raw: Any) -> list[str]:
-    if isinstance(raw, list) and raw:
-        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in raw]
-    raise StoreError(f"unexpected reply from the session store: {raw!r:.200}")
-
-
-def _raise_script_error(raw: Any) -> list[str]:
-    """A script's reply as a list of strings; raises the typed error an ERR_ code stands for."""
-    reply = _reply(raw)
-    code, rest = reply[0], reply[1:]
-    if code in ("OK", "HANDOFF"):
-        return reply
-    message = rest[0] if rest else code
-    if code == "ERR_STALE":
-        owner = rest[1] if len(rest) > 1 else ""
-        raise StaleEpochError(f"{message} by {owner or 'no live worker'}", owner=owner)
-    error: type[SsmserveError] = {
-        "ERR_EXISTS": SessionExistsError,
-        "ERR_MISSING": SessionMissingError,
-        "ERR_CLOSED": SessionClosedError,
-        "ERR_LABEL": LabelTakenError,
-        "ERR_EXPIRED": LeaseExpiredError,
-        "ERR_GAP": LogDivergedError,
-    }.get(code, StoreError)
-    raise error(message)
-
-
-def _script_outcome(raw: Any) -> SsmserveError | None:
-    """A pipelined script reply as None (success) or the typed error it stands for."""
-    if isinstance(raw, Exception):
-        return StoreError(f"the session store (Redis) failed: {raw}")
-    try:
-        _raise_script_error(raw)
-    except SsmserveError as exc:
-        return exc
-    return None
-
-
 async def _guarded(call: Callable[[], Awaitable[T]], write: bool = False) -> T:
     """Run one Redis call; connection trouble becomes StoreUnavailableError, or, for a
     write whose answer may have been lost, StoreOutcomeUnknownError."""
@@ -410,7 +324,7 @@ class Store:
                 "the session store (Redis) did not answer; the session was not created"
             ) from None
         try:
-            _raise_script_error(reply)
+            check_reply(reply)
         except SessionExistsError:
             raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
 
@@ -434,7 +348,7 @@ class Store:
             ),
             write=True,
         )
-        _raise_script_error(reply)
+        check_reply(reply)
 
     # ------------------------------------------------------------------ ownership
 
@@ -457,13 +371,13 @@ class Store:
         k = self.keys(session_id)
         args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics]
         raw = await _guarded(lambda: self._acquire(keys=[k.meta, k.lease], args=args), write=True)
-        reply = _reply(raw)
+        reply = reply_fields(raw)
         if reply[0] == "ERR_OWNED":
             owner, ttl = reply[2], reply[3]
             raise LeaseHolder("", owner, max(0, int(ttl) if ttl.isdigit() else 0)).redirect(
                 session_id
             )
-        _raise_script_error(raw)
+        check_reply(raw)
         return reply[1]
 
     async def renew_leases(
@@ -486,7 +400,7 @@ class Store:
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        return [_script_outcome(r) for r in await _guarded(run, write=True)]
+        return [reply_outcome(r) for r in await _guarded(run, write=True)]
 
     async def release(self, lease: SessionLease) -> None:
         k = self.keys(lease.session_id)
@@ -494,14 +408,14 @@ class Store:
             lambda: self._release(keys=[k.meta, k.lease], args=[lease.holder, lease.token]),
             write=True,
         )
-        _raise_script_error(reply)
+        check_reply(reply)
 
     async def handoff(self, lease: SessionLease, target: WorkerRecord, lease_ms: int) -> None:
         """Reserve the session for ``target``: only it may acquire it next."""
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
         reply = await _guarded(lambda: self._handoff(keys=[k.meta, k.lease], args=args), write=True)
-        _raise_script_error(reply)
+        check_reply(reply)
 
     async def cancel_handoff(
         self, lease: SessionLease, address: str, target_id: str, lease_ms: int
@@ -512,7 +426,7 @@ class Store:
         reply = await _guarded(
             lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args), write=True
         )
-        _raise_script_error(reply)
+        check_reply(reply)
 
     async def lease_holder(self, session_id: str) -> LeaseHolder | None:
         """The session's current lease holder, or None when nobody holds it."""
@@ -599,7 +513,7 @@ class Store:
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        return [_script_outcome(reply) for reply in await _guarded(run, write=True)]
+        return [reply_outcome(reply) for reply in await _guarded(run, write=True)]
 
     async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
         """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
@@ -656,7 +570,7 @@ class Store:
             lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args),
             write=True,
         )
-        _raise_script_error(reply)
+        check_reply(reply)
 
     async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
         k = self.keys(session_id)
@@ -735,7 +649,7 @@ class Store:
             ),
             write=True,
         )
-        _raise_script_error(reply)
+        check_reply(reply)
 
     async def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session (tests and operators; SCAN, so not for hot paths)."""

@@ -1,0 +1,150 @@
+"""Snapshots of resident sessions: checkpoints encoded and committed through the store.
+
+A checkpoint (``state.checkpoint``) is written after the inputs up to its step are in
+the log, so every step between two snapshots can be replayed. Periodic snapshots are
+taken between two steps (the state is copied) and written in the background
+(``snapshot_writer``): the stepper answers at once, at most one write per session is in
+flight, and ``snapshot_writes_in_flight`` bounds them per worker. Everything that reads
+snapshots first waits for the writes already due (:meth:`Checkpoints.settled`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.session import Session, SnapshotEvent
+from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
+from ssmserve.server.state.store import SnapshotRecord, Store
+
+# Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
+# keeps the event loop answering meanwhile; smaller ones cost less than the hop.
+_ENCODE_IN_THREAD_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    def __init__(self, store: Store, residents: ResidentSessions, writes_in_flight: int) -> None:
+        self.store = store
+        self.residents = residents
+        self._slots = asyncio.Semaphore(writes_in_flight)
+
+    async def settled(self, session_id: str) -> None:
+        """Read your writes: snapshots already due here are committed before we answer."""
+        s = self.residents.by_id.get(session_id)
+        if s is not None:
+            await s.snapshots.settled()
+
+    async def newest(self, s: Session, at_most: int) -> SnapshotRecord | None:
+        """The newest snapshot of ``s`` at or before step ``at_most``."""
+        # A guard rollback asks while a periodic snapshot it should return to may still be
+        # on its way to Redis: wait for the writes already due (read your writes).
+        await s.snapshots.settled()
+        return await self.store.snapshot_at_or_before(s.id, at_most)
+
+    async def write(
+        self, s: Session, step: int, state: SessionState, reason: str, label: str = ""
+    ) -> SnapshotRecord:
+        """Flush the inputs up to ``step``, then commit a checkpoint of ``state`` at ``step``.
+
+        The caller holds the session (a stepper batch or :meth:`Session.exclusive`).
+        """
+        return await self._commit(s, self.checkpoint(s, step, state, reason, label))
+
+    def schedule(self, s: Session, step: int, state: SessionState) -> None:
+        """A periodic snapshot is due: copy what it needs now, write it in the background.
+
+        Called by the stepper while it holds the session; the write itself runs after the
+        steps are answered (see ``snapshot_writer``).
+        """
+        ckpt = self.checkpoint(s, step, state.copy(), "periodic")  # own the arrays
+
+        async def write() -> None:
+            try:
+                async with self._slots:
+                    record = await self._commit(s, ckpt)
+            except SsmserveError as exc:  # the log still holds every input: only speed is lost
+                log.warning("session %s: periodic snapshot at %d failed: %s", s.id, step, exc)
+                return
+            s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
+
+        s.snapshots.schedule(write)
+
+    async def _commit(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:
+        step = ckpt.step
+        await self.flush_unflushed(s, step)
+        blob, record = await self.encode(ckpt)
+        await self.residents.write(
+            s, lambda lease: self.store.commit_snapshot(lease, record, blob, s.config.max_snapshots)
+        )
+        s.last_snapshot_step = max(s.last_snapshot_step, step)
+        return record
+
+    async def encode(self, ckpt: Checkpoint) -> tuple[bytes, SnapshotRecord]:
+        """A checkpoint's bytes and the record that indexes them under a new snapshot id."""
+        if ckpt.state.nbytes >= _ENCODE_IN_THREAD_BYTES:  # sha256 releases the GIL
+            blob = await asyncio.to_thread(ckpt.encode)
+        else:
+            blob = ckpt.encode()
+        piece = self.store.settings.piece_bytes
+        step = ckpt.step
+        record = SnapshotRecord(
+            # The writer picks the id (a retried commit is then harmless). Ids sort by step,
+            # then by time: retention drops the oldest of equal steps first.
+            snapshot_id=f"{step:012d}-{time.time_ns() // 1000:014x}-{secrets.token_hex(2)}",
+            step=step,
+            label=ckpt.meta.label or "",
+            reason=ckpt.meta.reason,
+            created_at=time.time(),
+            size=len(blob),
+            pieces=max(1, -(-len(blob) // piece)),
+        )
+        return blob, record
+
+    @staticmethod
+    def checkpoint(
+        s: Session, step: int, state: SessionState, reason: str, label: str = ""
+    ) -> Checkpoint:
+        """A checkpoint of ``s`` at ``step`` with ``state``; its history window and output
+        come from what the session holds in memory."""
+        return Checkpoint(
+            session_id=s.id,
+            step=step,
+            model_id=s.model_name,
+            fingerprint=s.model.fingerprint,
+            state=state,
+            history=recent_history(s, step),
+            meta=CheckpointMeta(reason=reason, label=label or None),
+            output=s.recent.output_at(step),
+        )
+
+    async def flush_unflushed(self, s: Session, upto: int) -> None:
+        """Write the session's unflushed inputs with step <= ``upto`` to the log."""
+        async with s.flush_lock:  # the stepper and a background snapshot may both flush
+            entries = [(step, raw) for step, raw in s.recent.unflushed if step <= upto]
+            if not entries:
+                return
+            lease = s.lease
+            try:
+                (error,) = await self.store.append_logs(
+                    [(lease, entries[0][0], [raw for _, raw in entries])], time.time()
+                )
+            except SsmserveError as exc:
+                error = exc
+            if error is not None:
+                self.residents.lost(s, lease, error)
+                raise error
+            # Steps recorded meanwhile were appended behind these: drop just the written.
+            s.recent.unflushed = s.recent.unflushed[len(entries) :]
+
+
+def recent_history(s: Session, step: int) -> InputHistory:
+    """The history window ending at ``step``, from the inputs the session holds."""
+    first, raw = s.recent.history(step, s.config.history_window)
+    return InputHistory(first, s.codec.decode_many(raw) if raw else s.codec.empty())

@@ -1,0 +1,70 @@
+"""Typed errors of session operations (each kind maps to a gRPC code in ``api.status``)."""
+
+from __future__ import annotations
+
+from ssmserve.server.errors import ErrorKind, SsmserveError
+
+
+class UnknownModelError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class BadStepInputError(SsmserveError):
+    pass
+
+
+class SnapshotMissingError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class RollbackRangeError(SsmserveError):
+    """A rollback target outside the steps the session can still reach."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class ModelMismatchError(SsmserveError):
+    """A stored session or checkpoint belongs to another model than the one loaded."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class CapacityError(SsmserveError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class WorkerDrainingError(SsmserveError):
+    """This worker is draining and no other live worker can take the request."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class BadLabelError(SsmserveError):
+    pass
+
+
+class BadPageTokenError(SsmserveError):
+    pass
+
+
+class StepRangeError(SsmserveError):
+    """A step number beyond what the store can represent exactly (``MAX_STEP``)."""
+
+
+class NumericsMismatchError(SsmserveError):
+    """The session's history was computed with other numerics than this worker's."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class ReloadingError(SsmserveError):
+    """The session left memory to be reloaded from the store (an unknown write outcome,
+    or memory and store diverged); retrying the request reloads it."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class HandOffError(SsmserveError):
+    """A migration's target did not take the session; the source keeps serving it."""
+
+    kind = ErrorKind.UNAVAILABLE

@@ -1,0 +1,250 @@
+"""Sessions coming into memory and leaving it: load (acquire + rebuild), unload, eviction.
+
+A session that is not resident (evicted, parked by a drain, or its worker died and the
+lease ran out) is loaded by the worker that receives a request for it: acquire its
+lease (a new fencing token), then rebuild it up to its durable step (``replay``). A
+session another live worker holds is redirected there; one computed with other numerics
+is sent to a worker that has them, or refused. Unloading snapshots what moved since the
+last snapshot and releases the lease, so any worker can load it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import SessionMovedError, SsmserveError
+from ssmserve.server.sessions.checkpoints import Checkpoints
+from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.errors import (
+    CapacityError,
+    ModelMismatchError,
+    NumericsMismatchError,
+    UnknownModelError,
+    WorkerDrainingError,
+)
+from ssmserve.server.sessions.replay import Replay
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.session import Session, SessionGoneError
+from ssmserve.server.state.checkpoint import InputHistory
+from ssmserve.server.state.input_log import RecentSteps
+from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.state.store import SessionMeta
+from ssmserve.server.state.store_errors import (
+    SessionClosedError,
+    SessionMissingError,
+    StoreDataError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SessionLoader:
+    def __init__(
+        self,
+        models: Mapping[str, MambaModel],
+        residents: ResidentSessions,
+        checkpoints: Checkpoints,
+        replay: Replay,
+        notifiers: Mapping[str, Callable[[], None]],
+        max_sessions: int,
+        output_window: int,
+    ) -> None:
+        self.models = models
+        self.residents = residents
+        self.store = residents.store
+        self.ownership = residents.ownership
+        self.checkpoints = checkpoints
+        self.replay = replay
+        self.notifiers = notifiers  # per model: wakes its stepper when a step is queued
+        self.max_sessions = max_sessions
+        self.output_window = output_window
+        self._loading: dict[str, asyncio.Future[Session]] = {}
+
+    async def session(self, session_id: str) -> Session:
+        """The resident session, loading it from the store if it is not in memory."""
+        s = self.residents.get(session_id)
+        if s is not None:
+            return s
+        pending = self._loading.get(session_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
+        self._loading[session_id] = future
+        try:
+            s = await self._load(session_id)
+            future.set_result(s)
+            return s
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters get it via shield
+            raise
+        finally:
+            del self._loading[session_id]
+
+    async def meta(self, session_id: str, allow_closed: bool = False) -> SessionMeta:
+        meta = await self.store.get_meta(session_id)
+        if meta is None:
+            raise SessionMissingError(f"session {session_id!r} does not exist")
+        if meta.closed and not allow_closed:
+            raise SessionClosedError(
+                f"session {session_id!r} is closed; its final snapshot can still be exported"
+            )
+        return meta
+
+    def check_capacity(self) -> None:
+        count = len(self.residents.by_id)
+        if count >= self.max_sessions:
+            raise CapacityError(
+                f"this worker already holds {count} sessions (max_sessions {self.max_sessions})"
+            )
+
+    async def elsewhere(self, model: str, what: str) -> SessionMovedError:
+        """This worker is draining: point the caller at the least loaded other worker."""
+        targets = await self.ownership.targets(model)
+        if not targets:
+            raise WorkerDrainingError(f"this worker is draining and no other worker can {what}")
+        return SessionMovedError(
+            f"this worker is draining; {targets[0].address} can {what}", owner=targets[0].address
+        )
+
+    def resident(
+        self,
+        session_id: str,
+        model: MambaModel,
+        model_name: str,
+        config: SessionConfig,
+        state: SessionState,
+        step: int,
+        created_at: float,
+        lease: SessionLease,
+        history: InputHistory | None = None,
+    ) -> Session:
+        """A new in-memory session (not yet in the table), with ``history`` remembered."""
+        recent = RecentSteps(max(config.history_window, 1), self.output_window)
+        s = Session(
+            session_id, model, model_name, config, state, step, created_at, recent, lease,
+            self.notifiers[model_name],
+        )  # fmt: skip
+        if history is not None:
+            remember_history(s, history)
+        return s
+
+    async def _load(self, session_id: str) -> Session:
+        meta = await self.meta(session_id)
+        model = self.models.get(meta.model)
+        if model is None:
+            raise UnknownModelError(
+                f"session {session_id!r} runs model {meta.model!r}, which this worker does not "
+                f"serve (it serves {', '.join(sorted(self.models))})"
+            )
+        if model.fingerprint != meta.fingerprint:
+            raise ModelMismatchError(
+                f"session {session_id!r} was made with other weights of model {meta.model!r} "
+                f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]})"
+            )
+        self.check_capacity()
+        if self.ownership.draining:
+            holder = await self.store.lease_holder(session_id)
+            if holder is not None and holder.owner_addr:
+                raise holder.redirect(session_id)
+            raise await self.elsewhere(meta.model, f"serve session {session_id!r}")
+        if meta.numerics and meta.numerics != self.ownership.numerics:
+            raise await self._other_numerics(meta)
+        sent_at = time.monotonic()
+        token = await self.store.acquire(
+            session_id, self.ownership.worker_id, self.ownership.address,
+            self.ownership.lease_ms, numerics=self.ownership.numerics,
+        )  # fmt: skip
+        lease = self.ownership.new_lease(session_id, token, sent_at)
+        try:
+            return await self._restore(session_id, model, meta.model, lease)
+        except BaseException:
+            with contextlib.suppress(SsmserveError):
+                await self.store.release(lease)
+            raise
+
+    async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
+        """A session whose history was computed with numerics this worker does not have:
+        replaying it here might not reproduce what was answered. Send the caller to a
+        worker with the same numerics, or say why nobody can serve it."""
+        for worker in await self.ownership.targets(meta.model, numerics=meta.numerics):
+            return SessionMovedError(
+                f"session {meta.session_id!r} was computed with numerics {meta.numerics}, "
+                f"which worker {worker.address} has and this one ({self.ownership.numerics}) "
+                f"has not",
+                owner=worker.address,
+            )
+        return NumericsMismatchError(
+            f"session {meta.session_id!r} was computed with numerics {meta.numerics} (CPU, "
+            f"BLAS build and threads, engine code), and no live worker has them; this worker "
+            f"has {self.ownership.numerics}, so replaying its history here might not give "
+            f"the bits that were answered. Serve it from a worker with the same numerics, or "
+            f"export it and import the checkpoint here (its history then starts there)"
+        )
+
+    async def _restore(
+        self, session_id: str, model: MambaModel, model_name: str, lease: SessionLease
+    ) -> Session:
+        """Rebuild an acquired session from its newest snapshot and its log."""
+        meta = await self.meta(session_id)  # read after acquiring: the last owner is done
+        config = SessionConfig.from_bytes(meta.config)
+        record = await self.store.snapshot_at_or_before(session_id, meta.step)
+        if record is None:
+            raise StoreDataError(f"session {session_id!r} has no snapshot to restore from")
+        s = self.resident(
+            session_id, model, model_name, config, model.new_state(), record.step,
+            meta.created_at, lease,
+        )  # fmt: skip
+        rebuilt = await self.replay.rebuild(s, meta.step, record)
+        remember_history(s, rebuilt.checkpoint.history)
+        if rebuilt.checkpoint.output is not None:
+            s.recent.remember_output(record.step, rebuilt.checkpoint.output)
+        s.recent.remember(record.step + 1, rebuilt.inputs, rebuilt.outputs)
+        s.state, s.step, s.last_snapshot_step = rebuilt.state, meta.step, record.step
+        self.residents.add(s)
+        log.info(
+            "session %s restored at step %d, token %s (snapshot %d + %d replayed)",
+            session_id, meta.step, lease.token, record.step, rebuilt.replayed,
+        )  # fmt: skip
+        return s
+
+    async def unload(self, s: Session, reason: str) -> None:
+        """Snapshot ``s`` if it moved since its last snapshot, release it, drop it from memory.
+
+        Any worker may load it again from there.
+        """
+        async with self.residents.hold(s):
+            if s.step != s.last_snapshot_step or s.recent.unflushed:
+                await self.checkpoints.write(s, s.step, s.state, reason)
+            await self.residents.write(s, self.store.release)
+            s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
+            self.residents.by_id.pop(s.id, None)
+
+    async def evict_idle(self, check_every_s: float) -> None:
+        """Forever: unload sessions idle past their ``idle_ttl_s``."""
+        while True:
+            await asyncio.sleep(check_every_s)
+            now = time.monotonic()
+            for s in list(self.residents.by_id.values()):
+                if not s.busy and s.state.is_view and now - s.last_active > 1.0:
+                    # A batch row keeps its whole batch array alive: a session that stopped
+                    # stepping gets arrays of its own, so its memory is its state's size.
+                    s.state = s.state.copy()
+                ttl = s.config.idle_ttl_s
+                if ttl and not s.queue and not s.busy and now - s.last_active > ttl:
+                    try:
+                        await self.unload(s, "idle")
+                    except SsmserveError as exc:
+                        log.warning("session %s: idle eviction failed: %s", s.id, exc)
+
+
+def remember_history(s: Session, history: InputHistory) -> None:
+    """Put a checkpoint's input history window into the session's memory of recent steps."""
+    for i in range(len(history.inputs)):
+        s.recent.inputs.append((history.first_step + i, s.codec.encode(history.inputs[i])))

@@ -1,0 +1,224 @@
+"""Rebuilding a session's state at a step: the newest snapshot at or before it, plus replay.
+
+:meth:`Replay.rebuild` is the one primitive behind every way back to a past step: load
+(an evicted session, or one whose worker died), rollback (by a monitor or a guard), fork
+and forecast from a past step, and the output of a resent step that memory no longer
+holds. Batch invariance makes replay bit-exact: a row's bits do not depend on the other
+rows of an engine call, so the replayed state equals the state the session had.
+Replays run on the model's engine lane, so a long one never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ssmserve.server.engine.lane import EngineLane
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import CheckpointError, clip
+from ssmserve.server.sessions.checkpoints import Checkpoints, recent_history
+from ssmserve.server.sessions.errors import (
+    BadStepInputError,
+    ModelMismatchError,
+    RollbackRangeError,
+    SnapshotMissingError,
+)
+from ssmserve.server.sessions.guards import check_output
+from ssmserve.server.sessions.records import RollbackTarget, StatePoint
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.session import Session
+from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
+from ssmserve.server.state.store import SnapshotRecord, Store
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A session's state at ``step``, rebuilt from snapshot ``record`` plus replay."""
+
+    step: int
+    record: SnapshotRecord
+    checkpoint: Checkpoint  # the snapshot as read (its history window, its step's output)
+    state: SessionState
+    outputs: list[np.ndarray]  # guarded outputs of the replayed steps record.step+1..step
+    inputs: list[bytes]  # their encoded inputs
+
+    @property
+    def replayed(self) -> int:
+        return self.step - self.record.step
+
+
+class Replay:
+    def __init__(
+        self,
+        store: Store,
+        residents: ResidentSessions,
+        checkpoints: Checkpoints,
+        engines: Mapping[str, EngineLane],
+    ) -> None:
+        self.store = store
+        self.residents = residents
+        self.checkpoints = checkpoints
+        self.engines = engines
+
+    async def rebuild(self, s: Session, step: int, record: SnapshotRecord | None = None) -> Rebuilt:
+        """The state of ``s`` at ``step``: snapshot ``record`` (default: the newest at or
+        before ``step``) plus the logged inputs after it, replayed. Changes nothing."""
+        if record is None:
+            record = await self.store.snapshot_at_or_before(s.id, step)
+            if record is None:
+                raise await self.out_of_range(s, step)
+        ckpt = await self._read_checkpoint(s.id, record, s.model)
+        raw = await self._inputs(s, record.step + 1, step)
+        if not raw:
+            return Rebuilt(step, record, ckpt, ckpt.state, [], [])
+        # A long replay (a 130m model replays ~20 steps/s) must not stall the event loop.
+        outputs, state = await self.engines[s.model_name].run(s.codec.decode_many(raw), ckpt.state)
+        guarded = [
+            check_output(s.config.guards, record.step + 1 + i, out).output
+            for i, out in enumerate(outputs)
+        ]
+        return Rebuilt(step, record, ckpt, state, guarded, raw)
+
+    async def restore_to(
+        self, s: Session, target: int, record: SnapshotRecord | None = None
+    ) -> tuple[int, str, int]:
+        """Put ``s`` exactly at step ``target``; returns (step, snapshot used, replayed).
+
+        Computes everything first and changes Redis (the history cut) last, so a failure
+        anywhere leaves the session as it was. The caller holds the session.
+        """
+        await s.snapshots.settled()  # a guard rollback holds a batch, not the gate
+        if record is None and target == s.step:
+            return target, "", 0  # already there; nothing after the current step to cut
+        rebuilt = await self.rebuild(s, target, record)
+        await self.residents.write(
+            s, lambda lease: self.store.cut_history(lease, target, s.step, time.time())
+        )
+        s.state, s.step = rebuilt.state, target
+        s.recent.cut_after(target)
+        if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
+            s.recent.remember(rebuilt.record.step + 1, rebuilt.inputs, rebuilt.outputs)
+        s.last_snapshot_step = rebuilt.record.step
+        return target, rebuilt.record.snapshot_id, rebuilt.replayed
+
+    async def resolve(
+        self, s: Session, target: RollbackTarget, what: str
+    ) -> tuple[int, SnapshotRecord | None]:
+        """The step a target names, and its snapshot if it names one. The caller holds ``s``."""
+        record: SnapshotRecord | None = None
+        if target.snapshot_id is not None:
+            record = await self.store.snapshot_by_id(s.id, target.snapshot_id)
+            if record is None:
+                raise SnapshotMissingError(
+                    f"session {s.id!r} has no snapshot {clip(target.snapshot_id)}"
+                )
+            t = record.step
+        elif target.label is not None:
+            record = await self.store.snapshot_by_label(s.id, target.label)
+            if record is None:
+                raise SnapshotMissingError(
+                    f"session {s.id!r} has no snapshot labelled {clip(target.label)}"
+                )
+            t = record.step
+        elif target.steps_back is not None:
+            if target.steps_back > s.step:
+                raise RollbackRangeError(
+                    f"cannot go {target.steps_back} steps back: session {s.id!r} is at "
+                    f"step {s.step}"
+                )
+            t = s.step - target.steps_back
+        elif target.step is not None:
+            t = target.step
+        else:
+            raise BadStepInputError(f"{what} needs a snapshot id, a label, a step or steps back")
+        if t > s.step:
+            raise RollbackRangeError(
+                f"cannot {what} session {s.id!r} at step {t}: it is at step {s.step}"
+                if what != "roll back"
+                else f"cannot roll session {s.id!r} forward to step {t}: it is at step {s.step}"
+            )
+        return t, record
+
+    async def point(
+        self, s: Session, target: RollbackTarget, what: str, need_output: bool
+    ) -> StatePoint:
+        """The session at ``target`` as rollback would reach it, without changing it.
+
+        A target of ``step=None`` is the current step. Holds the session only while it
+        reads: between two steps, with no background write in flight.
+        """
+        async with self.residents.hold(s, read_only=True):
+            if target == RollbackTarget(step=None):
+                t, record = s.step, None
+            else:
+                t, record = await self.resolve(s, target, what)
+            if record is None and t == s.step:
+                history = recent_history(s, t)
+                state, output, snapshot_id, replayed = s.state, s.recent.output_at(t), "", 0
+            else:
+                rebuilt = await self.rebuild(s, t, record)
+                state = rebuilt.state
+                history = _history_at(s, rebuilt.checkpoint.history, rebuilt.inputs, t)
+                output = rebuilt.outputs[-1] if rebuilt.outputs else s.recent.output_at(t)
+                if output is None:
+                    output = rebuilt.checkpoint.output
+                snapshot_id, replayed = rebuilt.record.snapshot_id, rebuilt.replayed
+            if output is None and need_output and t > 0:
+                with contextlib.suppress(RollbackRangeError):  # the caller says what is missing
+                    output = await self.output_at(s, t)
+            return StatePoint(t, state, output, history, snapshot_id, replayed)
+
+    async def output_at(self, s: Session, step: int) -> np.ndarray:
+        """The (guarded) output of an applied step that is no longer in memory: replay it."""
+        record = await self.store.snapshot_at_or_before(s.id, step - 1)
+        if record is None:
+            raise RollbackRangeError(
+                f"step {step} of session {s.id!r} is older than its kept history, so "
+                f"its output cannot be sent again"
+            )
+        return (await self.rebuild(s, step, record)).outputs[-1]
+
+    async def out_of_range(self, s: Session, step: int) -> RollbackRangeError:
+        _count, oldest = await self.store.snapshot_count_and_oldest(s.id)
+        return RollbackRangeError(
+            f"session {s.id!r} cannot reach step {step}: its oldest kept snapshot is at step "
+            f"{oldest} (retention keeps {s.config.max_snapshots})"
+        )
+
+    async def _read_checkpoint(
+        self, session_id: str, record: SnapshotRecord, model: MambaModel
+    ) -> Checkpoint:
+        blob = await self.store.read_blob(session_id, record)
+        try:
+            ckpt = Checkpoint.decode(blob)
+            ckpt.check_model(model)
+        except CheckpointError as exc:
+            raise ModelMismatchError(
+                f"snapshot {record.snapshot_id} of session {session_id!r} is unusable: {exc}"
+            ) from None
+        return ckpt
+
+    async def _inputs(self, s: Session, first: int, last: int) -> list[bytes]:
+        """Inputs of steps first..last: from memory when it has them, else the log."""
+        if last < first:
+            return []
+        ring = [s.recent.input_at(step) for step in range(first, last + 1)]
+        if all(raw is not None for raw in ring):
+            return ring  # type: ignore[return-value]
+        split = s.recent.unflushed[0][0] if s.recent.unflushed else last + 1
+        stored = await self.store.read_log(s.id, first, min(last, split - 1))
+        memory = [raw for step, raw in s.recent.unflushed if first <= step <= last]
+        return stored + memory
+
+
+def _history_at(s: Session, base: InputHistory, raw: list[bytes], t: int) -> InputHistory:
+    """The history window ending at ``t``: a checkpoint's history plus replayed inputs."""
+    inputs = np.concatenate([base.inputs, s.codec.decode_many(raw)]) if raw else base.inputs
+    window = s.config.history_window
+    kept = inputs[len(inputs) - window :] if window else inputs[:0]
+    return InputHistory(t - len(kept) + 1, kept)

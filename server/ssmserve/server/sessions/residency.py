@@ -1,0 +1,178 @@
+"""The sessions resident on this worker, and whether each is still ours to answer for.
+
+A session is resident on at most one worker: the holder of its lease
+(``state.lease.SessionLease``, renewed by ``cluster.ownership``). Every store write of a
+session carries its lease's fencing token (:meth:`ResidentSessions.write`); a write
+refused as stale means another worker took the session over, and it leaves memory at
+once. Nothing is answered for a session while this worker's clock says its lease may
+have run out (:meth:`ResidentSessions.hold` revalidates first). A write whose outcome is
+unknown, or a log that does not continue what Redis holds, drops the session too: the
+next request reloads it from Redis, the source of truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.errors import SessionMovedError, SsmserveError
+from ssmserve.server.sessions.errors import ReloadingError
+from ssmserve.server.sessions.session import Session
+from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_errors import (
+    LogDivergedError,
+    SessionClosedError,
+    SessionMissingError,
+    StaleEpochError,
+    StoreOutcomeUnknownError,
+)
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: Errors that mean a session is not this worker's any more.
+_NOT_OURS = (SessionMovedError, SessionMissingError, SessionClosedError)
+
+
+class ResidentSessions:
+    """The table of resident sessions (``by_id``) and the fencing of their writes."""
+
+    def __init__(self, store: Store, ownership: Ownership) -> None:
+        self.store = store
+        self.ownership = ownership
+        self.by_id: dict[str, Session] = {}
+        self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
+
+    def get(self, session_id: str) -> Session | None:
+        """The resident session ``session_id`` unless it is gone (being dropped)."""
+        s = self.by_id.get(session_id)
+        return s if s is not None and s.gone is None else None
+
+    def add(self, s: Session) -> None:
+        self.by_id[s.id] = s
+
+    def held(self) -> list[SessionLease]:
+        """The lease of every resident session not known to have run out (renewed by
+        ``Ownership``; one known to have run out is acquired again on its next use)."""
+        return [s.lease for s in self.by_id.values() if s.gone is None and s.lease.valid_until]
+
+    def drop(self, s: Session, error: SsmserveError) -> None:
+        """Forget ``s`` at once; what is queued for it is answered with ``error``."""
+        log.info("session %s dropped from memory: %s", s.id, error)
+        s.fail_queued(error)
+        if self.by_id.get(s.id) is s:
+            del self.by_id[s.id]
+
+    def lost(self, s: Session, lease: SessionLease, error: SsmserveError) -> None:
+        """A write or lease renewal with ``lease`` failed with ``error``: if it means the
+        session is not ours any more, or that memory and Redis may differ (an unknown
+        outcome, a log that does not continue), drop ``s`` from memory. The next request
+        loads it again from Redis, the source of truth, or is sent to its new owner.
+
+        A lease that is no longer the session's (it was acquired again since) proves
+        nothing about the session as it is now, so it is left alone."""
+        if s.lease is not lease or self.by_id.get(s.id) is not s:
+            return
+        if isinstance(error, _NOT_OURS):
+            self.drop(s, error)
+        elif isinstance(error, StoreOutcomeUnknownError | LogDivergedError):
+            self.drop(
+                s,
+                ReloadingError(
+                    f"session {s.id!r} is being reloaded from the store ({error}); retry"
+                ),
+            )
+
+    def lost_lease(self, lease: SessionLease, error: SsmserveError) -> None:
+        """``Ownership`` found ``lease`` someone else's."""
+        s = self.by_id.get(lease.session_id)
+        if s is not None:
+            self.lost(s, lease, error)
+
+    def expired_lease(self, lease: SessionLease) -> None:
+        """``Ownership`` found ``lease`` ran out unrenewed: acquire it again, between steps."""
+        s = self.by_id.get(lease.session_id)
+        if s is None or s.lease is not lease or s.gone is not None:
+            return
+
+        async def reacquire() -> None:
+            with contextlib.suppress(SsmserveError):
+                async with self.hold(s, read_only=True):
+                    pass  # holding it revalidates the lease
+
+        task = asyncio.create_task(reacquire(), name=f"reacquire[{s.id}]")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]:
+        """Make sure this worker still owns each of ``sessions`` before it answers for them.
+
+        A lease still valid by this worker's clock needs nothing. The others are renewed
+        (one round trip), or, if they ran out while nobody took the session, acquired
+        again (a new token; memory is still exact, since no one else wrote meanwhile).
+        Returns the errors of the sessions that could not be revalidated; those that are
+        not ours any more have been dropped. The others (Redis unreachable) stay in
+        memory, unanswered, until a renewal succeeds: a renewal changes no session data,
+        so even an unknown outcome leaves memory and store in agreement. The caller holds
+        the sessions.
+        """
+        stale = [s for s in sessions if s.gone is None and not s.lease.valid()]
+        if not stale:
+            return {}
+        errors: dict[str, SsmserveError] = {}
+        leases = [s.lease for s in stale]
+        for s, lease, result in zip(
+            stale, leases, await self.ownership.revalidate(leases), strict=True
+        ):
+            if isinstance(result, SessionLease):
+                if s.lease is lease:
+                    s.lease = result
+                continue
+            errors[s.id] = result
+            if isinstance(result, _NOT_OURS):
+                self.lost(s, lease, result)
+        return errors
+
+    async def ensure_lease(self, s: Session) -> None:
+        """:meth:`revalidate` for one session; raises what stands in the way."""
+        if s.lease.valid():
+            return
+        async with s.lease_check:
+            error = (await self.revalidate([s])).get(s.id)
+        if error is not None:
+            if isinstance(error, StaleEpochError | SessionMissingError | SessionClosedError):
+                raise await self.redirect(s.id, error)
+            raise error
+        if s.gone is not None:
+            raise s.gone
+
+    async def redirect(self, session_id: str, error: SsmserveError) -> SsmserveError:
+        """Where a caller should go for a session this worker just lost (best effort)."""
+        with contextlib.suppress(SsmserveError):
+            holder = await self.store.lease_holder(session_id)
+            if holder is not None and holder.owner_addr:
+                return holder.redirect(session_id)
+        return error
+
+    @contextlib.asynccontextmanager
+    async def hold(self, s: Session, read_only: bool = False) -> AsyncIterator[None]:
+        """Hold ``s`` between two steps (``Session.exclusive``), its lease revalidated."""
+        async with s.exclusive(read_only=read_only):
+            await self.ensure_lease(s)
+            yield
+
+    async def write(self, s: Session, write: Callable[[SessionLease], Awaitable[T]]) -> T:
+        """Run a store write of ``s`` with its lease; on an error that means the session
+        is not ours any more, or that its outcome is unknown, drop ``s`` and re-raise."""
+        lease = s.lease
+        try:
+            return await write(lease)
+        except SsmserveError as exc:
+            self.lost(s, lease, exc)
+            raise

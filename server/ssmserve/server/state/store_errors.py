@@ -1,0 +1,133 @@
+"""Typed errors of the session store, and the one place script replies become them.
+
+Every Lua script in ``store_layout`` answers a table: ``{'OK', ...}``, ``{'HANDOFF'}``,
+or ``{'ERR_<CODE>', message, ...}``. :data:`SCRIPT_ERRORS` maps each code to its exception
+class; a code missing from it is a store/worker version mismatch or a bug, and raises
+:class:`UnknownReplyError` (INTERNAL), never a transient error that a client would retry
+forever. ``tests/test_store.py`` checks that every code the scripts can send is mapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError
+
+
+class StoreError(SsmserveError):
+    """Redis said no in a way that is not the caller's fault."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class StoreUnavailableError(StoreError):
+    """Redis cannot be reached (or timed out); nothing was written; retry."""
+
+
+class StoreOutcomeUnknownError(StoreUnavailableError):
+    """A write was sent but its answer never came: it may or may not have run.
+
+    Never guessed at: the session is reloaded from Redis before anything else about it
+    is answered.
+    """
+
+
+class StoreDataError(SsmserveError):
+    """What Redis holds for a session cannot be read back (a field is not what it must be)."""
+
+    kind = ErrorKind.DATA_LOSS
+
+
+class SessionMissingError(SsmserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class SessionExistsError(SsmserveError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+class SessionClosedError(SsmserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class LabelTakenError(SsmserveError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+class StaleEpochError(SessionMovedError):
+    """A write carried a fencing token that is no longer the session's: another worker (or
+    another incarnation of the id) owns it now. For the client a redirect like any other
+    (``owner`` says where to go); the reason code keeps its historic name."""
+
+
+class LeaseExpiredError(StoreError):
+    """This worker's lease ran out before it was renewed (nobody took the session yet)."""
+
+
+class LogDivergedError(StoreError):
+    """A write does not continue what Redis holds: memory and store diverged. The session
+    is reloaded from Redis (the source of truth); the request may be retried."""
+
+
+class StagedPiecesMissingError(StoreError):
+    """A snapshot commit found its staged pieces gone (they expired before the commit):
+    nothing was committed; the snapshot is staged again on the next try."""
+
+
+class UnknownReplyError(SsmserveError):
+    """A script answered something this worker does not know: a bug, or a worker and a
+    store of different versions. Not transient: retrying cannot help."""
+
+    kind = ErrorKind.INTERNAL
+
+
+#: Each error code a script can answer -> the exception it stands for. ``ERR_STALE``
+#: (a redirect with the owner) and ``ERR_OWNED`` (``Store.acquire``) carry more fields.
+SCRIPT_ERRORS: dict[str, type[SsmserveError]] = {
+    "ERR_EXISTS": SessionExistsError,
+    "ERR_MISSING": SessionMissingError,
+    "ERR_CLOSED": SessionClosedError,
+    "ERR_LABEL": LabelTakenError,
+    "ERR_EXPIRED": LeaseExpiredError,
+    "ERR_GAP": LogDivergedError,
+    "ERR_STAGE": StagedPiecesMissingError,
+    "ERR_STALE": StaleEpochError,
+    "ERR_OWNED": SessionMovedError,
+}
+SUCCESS_CODES = frozenset({"OK", "HANDOFF"})
+
+
+def reply_fields(raw: Any) -> list[str]:
+    """A script's reply as a list of strings."""
+    if isinstance(raw, list) and raw:
+        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in raw]
+    raise UnknownReplyError(f"unexpected reply from the session store: {raw!r:.200}")
+
+
+def check_reply(raw: Any) -> list[str]:
+    """A script's reply as a list of strings; raises the typed error its code stands for."""
+    reply = reply_fields(raw)
+    code, rest = reply[0], reply[1:]
+    if code in SUCCESS_CODES:
+        return reply
+    message = rest[0] if rest else code
+    if code == "ERR_STALE":
+        owner = rest[1] if len(rest) > 1 else ""
+        raise StaleEpochError(f"{message} by {owner or 'no live worker'}", owner=owner)
+    error = SCRIPT_ERRORS.get(code)
+    if error is None:
+        raise UnknownReplyError(
+            f"the session store answered an unknown code {code[:40]!r}: {message[:200]}"
+        )
+    raise error(message)
+
+
+def reply_outcome(raw: Any) -> SsmserveError | None:
+    """A pipelined script reply as None (success) or the typed error it stands for."""
+    if isinstance(raw, Exception):
+        return StoreError(f"the session store (Redis) failed: {raw}")
+    try:
+        check_reply(raw)
+    except SsmserveError as exc:
+        return exc
+    return None
