@@ -312,7 +312,7 @@ def test_a_frozen_owner_is_replaced_and_fenced_even_when_the_id_is_reused(
                     request = pb.StreamRequest(steps=[step_input(sid, step, y[0])])
                     return [r async for r in w.sessions.Stream(iter([request]))]
 
-                (response,) = raw._run(one(raw._aio._worker(a.address)))
+                (response,) = raw._run(one(raw._aio.router.worker(a.address)))
                 moved = step_redirect(response.results[0].error)
                 assert isinstance(moved, SessionMoved) and moved.owner == b.address
         assert session_dump(redis_url, sid) == snapshot

@@ -41,7 +41,7 @@ def raw_error(client: Client, address: str, invoke) -> grpc.RpcError:
 
     async def call():
         try:
-            await invoke(client._aio._worker(address))
+            await invoke(client._aio.router.worker(address))
         except grpc.RpcError as exc:
             return exc
         raise AssertionError("the call did not fail")
@@ -112,7 +112,7 @@ def test_a_stale_owner_is_fenced_and_drops_the_session(start_worker, served_mode
             return [r async for r in call]
 
         with Client(a.address) as raw_client:
-            (response,) = raw_client._run(stale_step(raw_client._aio._worker(a.address)))
+            (response,) = raw_client._run(stale_step(raw_client._aio.router.worker(a.address)))
         (result,) = response.results  # the redirect is the step's answer; no abort
         moved = step_redirect(result.error)
         assert isinstance(moved, SessionMoved) and moved.reason == "STALE_EPOCH"
@@ -343,7 +343,7 @@ def test_an_owner_whose_lease_may_have_run_out_answers_nothing_from_memory(
         return [r async for r in call]
 
     with Client(a.address, discover=False) as raw:
-        (response,) = raw._run(stale_step(raw._aio._worker(a.address)))
+        (response,) = raw._run(stale_step(raw._aio.router.worker(a.address)))
         moved = step_redirect(response.results[0].error)
         assert isinstance(moved, SessionMoved) and moved.owner == b.address
         info = raw.get_session(sid)  # from the store (durable step 0), not A's step 5

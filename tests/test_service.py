@@ -771,7 +771,7 @@ def test_a_cancelled_stream_leaves_no_reader_behind(start_worker, served_models)
             await asyncio.sleep(0.3)  # the server reads 2 messages ahead, then waits
             call.cancel()
 
-        raw._run(send_and_leave(raw._aio._worker(w.address)))
+        raw._run(send_and_leave(raw._aio.router.worker(w.address)))
     deadline = time.monotonic() + 10
     while (readers() or w.worker.service.open_streams) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -1,10 +1,11 @@
 """Moving sessions between workers: Migrate one, or Drain a whole worker.
 
-A migration is a hand-off (``SessionManager.hand_off``): the owner stops the session
-between two steps, snapshots it, reserves its lease for the target, and the target
-acquires it (a new fencing token) and loads it from that snapshot. Streams that were talking to the
-source get a redirect and resume on the target; nothing is lost or applied twice, because
-every step carries its number and a resend of an applied step is answered, not re-run.
+A migration is a hand-off (``HandOffs.hand_off``, which the session manager implements):
+the owner stops the session between two steps, snapshots it, reserves its lease for the
+target, and the target acquires it (a new fencing token) and loads it from that snapshot.
+Streams that were talking to the source get a redirect and resume on the target; nothing
+is lost or applied twice, because every step carries its number and a resend of an
+applied step is answered, not re-run.
 
 A drain marks the worker as draining (no new sessions, no loads; the registry shows it),
 then hands every resident session to the least loaded other live worker that serves its
@@ -18,12 +19,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.cluster.peers import Peers
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
-from ssmserve.server.sessions.manager import SessionManager
-from ssmserve.server.state.store import WorkerRecord
+from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.state.store import Store, WorkerRecord
 from ssmserve.server.state.store_errors import SessionMissingError
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,33 @@ class UnknownWorkerError(SsmserveError):
 
 class BadTargetError(SsmserveError):
     kind = ErrorKind.FAILED_PRECONDITION
+
+
+class Resident(Protocol):
+    """A session resident on this worker, as migration sees it."""
+
+    step: int
+    model_name: str
+    lease: SessionLease
+
+
+class HandOffs(Protocol):
+    """What migration asks of the session manager (``sessions.manager.SessionManager``
+    implements it), so this package never imports ``sessions``."""
+
+    store: Store
+
+    def resident_ids(self) -> list[str]: ...
+
+    async def session(self, session_id: str) -> Resident: ...
+
+    async def hand_off(
+        self, session_id: str, target: WorkerRecord, adopt: Callable[[str], Awaitable[object]]
+    ) -> tuple[int, str]: ...
+
+    async def park(self, session_id: str, reason: str) -> None: ...
+
+    async def close(self, session_id: str, final_snapshot: bool) -> tuple[int, str]: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +94,7 @@ class DrainProgress:
 class Migrator:
     def __init__(
         self,
-        manager: SessionManager,
+        manager: HandOffs,
         ownership: Ownership,
         peers: Peers,
         settings: MigrationSettings,

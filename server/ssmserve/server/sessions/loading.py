@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
@@ -23,6 +23,7 @@ from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import SessionConfig
 from ssmserve.server.sessions.errors import (
     CapacityError,
+    HandOffError,
     ModelMismatchError,
     NumericsMismatchError,
     UnknownModelError,
@@ -34,10 +35,11 @@ from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.state.checkpoint import InputHistory
 from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease
-from ssmserve.server.state.store import SessionMeta
+from ssmserve.server.state.store import SessionMeta, WorkerRecord
 from ssmserve.server.state.store_errors import (
     SessionClosedError,
     SessionMissingError,
+    StaleEpochError,
     StoreDataError,
 )
 
@@ -225,6 +227,63 @@ class SessionLoader:
             await self.residents.write(s, self.store.release)
             s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
             self.residents.by_id.pop(s.id, None)
+
+    async def park(self, session_id: str, reason: str) -> None:
+        """Snapshot and release a resident session (a drain with nowhere to send it)."""
+        s = self.residents.by_id.get(session_id)
+        if s is not None:
+            await self.unload(s, reason)
+
+    async def hand_off(
+        self,
+        session_id: str,
+        target: WorkerRecord,
+        adopt: Callable[[str], Awaitable[object]],
+    ) -> tuple[int, str]:
+        """Move a resident session to ``target``; returns (step, snapshot id it moved at).
+
+        Between two steps: snapshot (which flushes the log), reserve the lease for the
+        target, and let it acquire and load the session (``adopt``). If the target fails,
+        the reservation is taken back and the session goes on here as if nothing happened.
+        """
+        s = self.residents.by_id.get(session_id)
+        if s is None or s.gone is not None:
+            raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
+        async with self.residents.hold(s):
+            if s.step != s.last_snapshot_step or s.recent.unflushed:
+                record = await self.checkpoints.write(s, s.step, s.state, "migrate")
+            else:
+                record = await self.store.snapshot_at_or_before(s.id, s.step)
+            snapshot_id = record.snapshot_id if record else ""
+            lease = s.lease
+            await self.residents.write(
+                s, lambda lease: self.store.handoff(lease, target, self.ownership.lease_ms)
+            )
+            try:
+                await adopt(session_id)
+            except Exception as exc:
+                try:
+                    await self.store.cancel_handoff(
+                        lease, self.ownership.address, target.worker_id, self.ownership.lease_ms
+                    )
+                except StaleEpochError:
+                    pass  # the target did acquire it (only its answer was lost): moved
+                except SsmserveError as cancel_error:  # unknown: reload before answering
+                    self.residents.lost(s, lease, cancel_error)
+                    raise
+                else:
+                    raise HandOffError(
+                        f"worker {target.address} did not take session {session_id!r} ({exc}); "
+                        f"it stays on {self.ownership.address}"
+                    ) from None
+            self.residents.drop(
+                s,
+                SessionMovedError(
+                    f"session {session_id!r} moved to worker {target.address}",
+                    owner=target.address,
+                ),
+            )
+            return s.step, snapshot_id
 
     async def evict_idle(self, check_every_s: float) -> None:
         """Forever: unload sessions idle past their ``idle_ttl_s``."""

@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,13 +43,9 @@ from ssmserve.server.sessions.errors import (
     BadPageTokenError,
     BadStepInputError,
     CapacityError,
-    HandOffError,
-    ModelMismatchError,
     ReloadingError,
     RollbackRangeError,
-    SnapshotMissingError,
     StepRangeError,
-    UnknownModelError,
 )
 from ssmserve.server.sessions.forecaster import (
     BadHorizonError,
@@ -62,6 +56,7 @@ from ssmserve.server.sessions.forecaster import (
     ForecastUnsupportedError,
     feedback,
 )
+from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader
 from ssmserve.server.sessions.records import (
     ForkResult,
@@ -73,21 +68,16 @@ from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError, StepJob, StepOutcome
 from ssmserve.server.sessions.stepper import Stepper, StepperSettings
-from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
-from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import (
     BadSessionIdError,
-    SessionMeta,
     SnapshotRecord,
     Store,
     WorkerRecord,
-    check_session_id,
 )
 from ssmserve.server.state.store_errors import (
     LabelTakenError,
-    SessionClosedError,
     SessionMissingError,
-    StaleEpochError,
     StoreDataError,
 )
 from ssmserve.server.state.store_layout import MAX_STEP
@@ -183,6 +173,10 @@ class SessionManager:
             {name: stepper.notify for name, stepper in self.steppers.items()},
             settings.max_sessions, settings.output_window,
         )  # fmt: skip
+        self.lifecycle = Lifecycle(
+            self.models, self.residents, self.checkpoints, self.replay, self.loader,
+            settings.defaults,
+        )  # fmt: skip
         self._reaper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -255,57 +249,7 @@ class SessionManager:
     # ------------------------------------------------------------------ create / get / list
 
     async def create(self, model_name: str, session_id: str, config: SessionConfig) -> SessionView:
-        model = self._model(model_name)
-        session_id = self._new_id(session_id)
-        config = config.resolve(self.settings.defaults, model.config.output_dim)
-        self.loader.check_capacity()
-        if self.ownership.draining:
-            raise await self.loader.elsewhere(model_name, "create sessions")
-        await self._create(session_id, model, model_name, config, model.new_state(), 0, "create")
-        return await self.view(session_id)
-
-    async def _create(
-        self,
-        session_id: str,
-        model: MambaModel,
-        model_name: str,
-        config: SessionConfig,
-        state: SessionState,
-        step: int,
-        reason: str,
-        history: InputHistory | None = None,
-        output: np.ndarray | None = None,
-    ) -> Session:
-        """A new session at ``step``, owned here: its metadata, lease and first snapshot
-        (``state``, the ``history`` window, the ``output`` of ``step``) written at once.
-
-        The fencing token starts a new incarnation, so nothing a worker did with an
-        earlier session of the same id can touch this one.
-        """
-        now = time.time()
-        lease = SessionLease(session_id, f"{new_incarnation()}.1", self.ownership.worker_id)
-        s = self.loader.resident(
-            session_id, model, model_name, config, state, step, now, lease, history
-        )
-        if output is not None:  # a resend of ``step`` is answered, as by the source
-            s.recent.remember_output(step, output)
-        blob, record = await self.checkpoints.encode(
-            self.checkpoints.checkpoint(s, step, state, reason)
-        )
-        meta = SessionMeta(
-            session_id, model_name, model.fingerprint, step, step + 1, config.to_bytes(), now,
-            now, False, epoch=1, owner=self.ownership.worker_id,
-            owner_addr=self.ownership.address, token=lease.token,
-            numerics=self.ownership.numerics,
-        )  # fmt: skip
-        sent_at = time.monotonic()
-        await self.store.create_session(
-            meta, self.ownership.lease_ms, record, blob, config.max_snapshots
-        )
-        s.lease = self.ownership.new_lease(session_id, lease.token, sent_at)
-        s.last_snapshot_step = step
-        self.residents.add(s)
-        return s
+        return await self.view(await self.lifecycle.create(model_name, session_id, config))
 
     async def view(self, session_id: str) -> SessionView:
         await self.checkpoints.settled(session_id)
@@ -500,182 +444,35 @@ class SessionManager:
     async def fork(
         self, session_id: str, target: RollbackTarget, new_session_id: str = ""
     ) -> ForkResult:
-        """A new session at the source's state at ``target`` (default: its current step).
-
-        The fork gets a first snapshot of its own at the fork point, carrying the source's
-        input history window up to there; nothing else is shared with the source, so the
-        two never touch each other's keys (see the proto's ForkRequest).
-        """
-        new_id = self._new_id(new_session_id)
-        s = await self.loader.session(session_id)
-        self.loader.check_capacity()
-        point = await self.replay.point(s, target, "fork", need_output=False)
-        await self._create(
-            new_id, s.model, s.model_name, s.config, point.state, point.step, "fork",
-            point.history, point.output,
-        )  # fmt: skip
-        log.info(
-            "session %s forked from %s at step %d (snapshot %s + %d replayed)",
-            new_id, s.id, point.step, point.from_snapshot_id or "-", point.replayed_steps,
-        )  # fmt: skip
+        new_id, point = await self.lifecycle.fork(session_id, target, new_session_id)
         return ForkResult(
-            await self.view(new_id), s.id, point.step, point.from_snapshot_id, point.replayed_steps
-        )
+            await self.view(new_id), session_id, point.step, point.from_snapshot_id,
+            point.replayed_steps,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ close, export, import
 
     async def close(self, session_id: str, final_snapshot: bool) -> tuple[int, str]:
-        s = await self.loader.session(session_id)
-        async with self.residents.hold(s):
-            snapshot_id = ""
-            if final_snapshot:
-                record = await self.checkpoints.write(s, s.step, s.state, "close")
-                snapshot_id = record.snapshot_id
-            await self.residents.write(
-                s, lambda lease: self.store.close_session(lease, snapshot_id)
-            )
-            s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
-            self.residents.by_id.pop(s.id, None)
-            return s.step, snapshot_id
+        return await self.lifecycle.close(session_id, final_snapshot)
 
     async def export(self, session_id: str, snapshot_id: str) -> bytes:
-        meta = await self.loader.meta(session_id, allow_closed=True)
-        if snapshot_id or meta.closed:
-            record = (
-                await self.store.snapshot_by_id(session_id, snapshot_id)
-                if snapshot_id
-                else await self.store.snapshot_at_or_before(session_id, meta.step)
-            )
-            if record is None:
-                raise SnapshotMissingError(
-                    f"session {session_id!r} has no snapshot {clip(snapshot_id)}"
-                )
-            return await self.store.read_blob(session_id, record)
-        s = await self.loader.session(session_id)
-        async with self.residents.hold(s):
-            return self.checkpoints.checkpoint(s, s.step, s.state, "export").encode()
+        return await self.lifecycle.export(session_id, snapshot_id)
 
     async def import_checkpoint(
-        self,
-        blob: bytes,
-        session_id: str,
-        model_name: str,
-        config: SessionConfig,
-        replace: bool,
+        self, blob: bytes, session_id: str, model_name: str, config: SessionConfig, replace: bool
     ) -> SessionView:
-        ckpt = Checkpoint.decode(blob)
-        if model_name:
-            model = self._model(model_name)
-        else:
-            found = [n for n, m in self.models.items() if m.fingerprint == ckpt.fingerprint]
-            if not found:
-                raise ModelMismatchError(
-                    f"no model on this worker has the checkpoint's fingerprint "
-                    f"{ckpt.fingerprint[:16]} (model {ckpt.model_id!r}); loaded: "
-                    f"{', '.join(sorted(self.models))}"
-                )
-            model_name, model = found[0], self.models[found[0]]
-        ckpt.check_model(model)
-        if ckpt.step > MAX_STEP:
-            raise StepRangeError(
-                f"the checkpoint is at step {ckpt.step}, beyond the last step a session can "
-                f"take ({MAX_STEP})"
-            )
-        session_id = self._new_id(session_id or ckpt.session_id)
-        config = config.resolve(self.settings.defaults, model.config.output_dim)
-        self.loader.check_capacity()
-        if replace:
-            await self._drop_for_replace(session_id)
-        if self.ownership.draining:
-            raise await self.loader.elsewhere(model_name, "import sessions")
-        await self._create(
-            session_id, model, model_name, config, ckpt.state, ckpt.step, "import",
-            ckpt.history, ckpt.output,
-        )  # fmt: skip
-        return await self.view(session_id)
-
-    async def _drop_for_replace(self, session_id: str) -> None:
-        meta = await self.store.get_meta(session_id)
-        if meta is None:
-            return
-        if meta.closed:  # nobody owns a closed session: its last token still fences
-            await self.store.close_session(SessionLease(session_id, meta.token, ""))
-            return
-        s = await self.loader.session(session_id)  # take it over (or be redirected to its owner)
-        async with self.residents.hold(s):
-            await self.residents.write(s, lambda lease: self.store.close_session(lease))
-            s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
-            self.residents.by_id.pop(session_id, None)
+        return await self.view(
+            await self.lifecycle.import_checkpoint(blob, session_id, model_name, config, replace)
+        )
 
     # ------------------------------------------------------------------ hand-off
 
     async def park(self, session_id: str, reason: str) -> None:
         """Snapshot and release a resident session (a drain with nowhere to send it)."""
-        s = self.residents.by_id.get(session_id)
-        if s is not None:
-            await self.loader.unload(s, reason)
+        await self.loader.park(session_id, reason)
 
     async def hand_off(
-        self,
-        session_id: str,
-        target: WorkerRecord,
-        adopt: Callable[[str], Awaitable[object]],
+        self, session_id: str, target: WorkerRecord, adopt: Callable[[str], Awaitable[object]]
     ) -> tuple[int, str]:
-        """Move a resident session to ``target``; returns (step, snapshot id it moved at).
-
-        Between two steps: snapshot (which flushes the log), reserve the lease for the
-        target, and let it acquire and load the session (``adopt``). If the target fails,
-        the reservation is taken back and the session goes on here as if nothing happened.
-        """
-        s = self.residents.by_id.get(session_id)
-        if s is None or s.gone is not None:
-            raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
-        async with self.residents.hold(s):
-            if s.step != s.last_snapshot_step or s.recent.unflushed:
-                record = await self.checkpoints.write(s, s.step, s.state, "migrate")
-            else:
-                record = await self.store.snapshot_at_or_before(s.id, s.step)
-            snapshot_id = record.snapshot_id if record else ""
-            lease = s.lease
-            await self.residents.write(
-                s, lambda lease: self.store.handoff(lease, target, self.ownership.lease_ms)
-            )
-            try:
-                await adopt(session_id)
-            except Exception as exc:
-                try:
-                    await self.store.cancel_handoff(
-                        lease, self.ownership.address, target.worker_id, self.ownership.lease_ms
-                    )
-                except StaleEpochError:
-                    pass  # the target did acquire it (only its answer was lost): moved
-                except SsmserveError as cancel_error:  # unknown: reload before answering
-                    self.residents.lost(s, lease, cancel_error)
-                    raise
-                else:
-                    raise HandOffError(
-                        f"worker {target.address} did not take session {session_id!r} ({exc}); "
-                        f"it stays on {self.ownership.address}"
-                    ) from None
-            self.residents.drop(
-                s,
-                SessionMovedError(
-                    f"session {session_id!r} moved to worker {target.address}",
-                    owner=target.address,
-                ),
-            )
-            return s.step, snapshot_id
-
-    # ------------------------------------------------------------------ helpers
-
-    def _model(self, name: str) -> MambaModel:
-        model = self.models.get(name)
-        if model is None:
-            raise UnknownModelError(
-                f"model {clip(name)} is not served here (models: {', '.join(sorted(self.models))})"
-            )
-        return model
-
-    @staticmethod
-    def _new_id(session_id: str) -> str:
-        return check_session_id(session_id) if session_id else secrets.token_hex(8)
+        """Move a resident session to ``target`` (``SessionLoader.hand_off``)."""
+        return await self.loader.hand_off(session_id, target, adopt)

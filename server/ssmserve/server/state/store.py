@@ -247,7 +247,13 @@ class StoreSettings:
 
 
 class Store:
-    """Async access to the session store. One per worker; safe to share between tasks."""
+    """Async access to the session store. One per worker; safe to share between tasks.
+
+    Why this class is long: it is the only code that talks to Redis, one short method per
+    script or read, all sharing one connection pool, one deadline and one rule for
+    unknown outcomes (``_guarded``); splitting it by concern would scatter that rule.
+    Keys and scripts live in ``store_layout``, reply codes in ``store_errors``.
+    """
 
     def __init__(self, settings: StoreSettings) -> None:
         if not 1 << 20 <= settings.piece_bytes <= 4 << 20:

@@ -1,0 +1,252 @@
+"""Which worker to ask: the client's channels, owner cache and retry/redirect rules.
+
+A request goes to the worker that last served its session (or the first address). A
+redirect (``SessionMoved``) sends it to the owner at once; a worker that cannot be
+reached is marked unreachable and replaced by another known worker (the client also
+learns the live ones from ``ListWorkers``); a call never starts at a worker marked
+unreachable. An owner that froze or died keeps its lease until it runs out, so the
+client waits that long (``retry_after_ms``) and then lets any worker take the session
+over. How long all this may go on is the ``RetryPolicy``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from ssmserve.client.errors import SessionMoved, SsmserveClientError, from_rpc_error
+from ssmserve.client.retry import Backoff, RetryPolicy
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+_RECONNECT_MS = 2000
+# Reasons of UNAVAILABLE that mean "this worker cannot reach the store right now".
+_STORE_TROUBLE = frozenset({"STORE_UNAVAILABLE", "STORE_OUTCOME_UNKNOWN", "STORE"})
+# Codes a call may be retried on (elsewhere): the worker is gone, stopping or unreachable.
+TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+TRANSIENT_NUMBERS = frozenset(code.value[0] for code in TRANSIENT)
+
+
+@dataclass
+class WorkerStubs:
+    """One worker's channel and stubs."""
+
+    channel: grpc.aio.Channel
+    sessions: pb_grpc.SessionServiceStub
+    cluster: pb_grpc.ClusterServiceStub
+
+
+class WorkerRouter:
+    """The workers this client knows, where each session was last served, and the rules
+    for going elsewhere after an error."""
+
+    def __init__(
+        self, addresses: list[str], retry: RetryPolicy, max_message_bytes: int, discover: bool
+    ) -> None:
+        self.firstes = addresses
+        self.retry = retry
+        self._max_message = max_message_bytes
+        self._workers: dict[str, WorkerStubs] = {}
+        self._owners: dict[str, str] = {}  # session id -> where it was last served
+        self._unreachable: set[str] = set()
+        self.discover_pending = discover
+
+    @property
+    def first(self) -> str:
+        return self.firstes[0]
+
+    def worker(self, address: str) -> WorkerStubs:
+        worker = self._workers.get(address)
+        if worker is None:
+            policy = self.retry
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", self._max_message),
+                    ("grpc.max_send_message_length", self._max_message),
+                    ("grpc.keepalive_time_ms", int(policy.keepalive_time_s * 1000)),
+                    ("grpc.keepalive_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
+                    # grpc >= 1.60 waits this long for a ping's answer (default 60 s).
+                    ("grpc.http2.ping_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.max_pings_without_data", 0),
+                    # A connection attempt to a frozen worker gives up within seconds (the
+                    # default waits 20 s), and one that restarted is retried soon.
+                    ("grpc.min_reconnect_backoff_ms", _RECONNECT_MS),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
+                ],
+                interceptors=[_DefaultDeadline(policy.call_timeout_s)],
+            )
+            worker = WorkerStubs(
+                channel, pb_grpc.SessionServiceStub(channel), pb_grpc.ClusterServiceStub(channel)
+            )
+            self._workers[address] = worker
+        return worker
+
+    def owner_of(self, session_id: str) -> str:
+        """The worker this client last saw serving the session (or its first address)."""
+        return self._owners.get(session_id, self.first)
+
+    def remember_owner(self, session_id: str, address: str) -> None:
+        """A worker said ``address`` serves ``session_id``."""
+        self._owners[session_id] = address
+
+    def served(self, session_id: str, address: str) -> None:
+        """``address`` just answered for ``session_id``: it is reachable and the owner."""
+        self._unreachable.discard(address)
+        if session_id:
+            self._owners[session_id] = address
+
+    async def close(self) -> None:
+        workers = list(self._workers.values())
+        self._workers.clear()
+        await asyncio.gather(*(w.channel.close() for w in workers), return_exceptions=True)
+
+    def learn(self, address: str) -> None:
+        if address and address not in self.firstes:
+            self.firstes.append(address)
+
+    def other(self, address: str) -> str:
+        """The next known worker after ``address``, preferring reachable ones."""
+        ring = self.firstes
+        start = ring.index(address) + 1 if address in ring else 0
+        ordered = ring[start:] + ring[:start]
+        return next((a for a in ordered if a not in self._unreachable), ordered[0])
+
+    def reachable(self, prefer: str = "") -> list[str]:
+        """Known workers not marked unreachable, ``prefer`` first (all, if none is left)."""
+        ordered = [prefer] if prefer in self.firstes else []
+        ordered += [a for a in self.firstes if a != prefer]
+        return [a for a in ordered if a not in self._unreachable] or ordered
+
+    async def discover(self) -> None:
+        """Learn the live workers' addresses from the cluster (best effort)."""
+        self.discover_pending = False
+        for address in self.reachable(self.first)[:2]:
+            try:
+                reply = await self.worker(address).cluster.ListWorkers(
+                    pb.ListWorkersRequest(), timeout=2.0
+                )
+            except grpc.RpcError:
+                continue
+            for w in reply.workers:
+                self.learn(w.address)
+            return
+
+    async def next_address(self, address: str, error: SsmserveClientError, backoff: Backoff) -> str:
+        """Where to try after ``error`` at ``address``; raises it when retrying is over."""
+        if isinstance(error, SessionMoved):
+            owner = error.owner
+            if (
+                owner
+                and owner != address
+                and owner not in self._unreachable
+                and backoff.redirects < self.retry.max_redirects
+            ):
+                backoff.redirects += 1
+                self.learn(owner)
+                return owner  # go there at once
+            if backoff.expired():
+                raise error
+            if owner and owner in self._unreachable:
+                if backoff.waited_for == owner:
+                    # Its lease outlived our wait for it to run out: the owner renewed it,
+                    # so it is alive again (restarted, or back from a pause). Go there.
+                    self._unreachable.discard(owner)
+                    backoff.waited_for = ""
+                    backoff.redirects += 1
+                    return owner
+                # The owner died or froze: its lease runs out in retry_after_ms, then any
+                # worker (this one, or another reachable one) takes the session over.
+                backoff.waited_for = owner
+                await backoff.wait(at_least_s=min(error.retry_after_ms / 1000, 10.0) + 0.005)
+                return address if address not in self._unreachable else self.other(address)
+            await backoff.wait()
+            return address
+        if error.code not in TRANSIENT or backoff.expired():
+            raise error
+        if not error.reason:  # the worker itself is unreachable or stopping
+            self._unreachable.add(address)
+            if self.discover_pending:
+                await self.discover()
+            await backoff.wait()
+            return self.other(address)
+        await backoff.wait()
+        if error.reason in _STORE_TROUBLE:
+            # This worker cannot reach the store (a partition, or Redis is away): another
+            # worker may, and takes the session over once this one's lease runs out.
+            return self.other(address)
+        return address  # e.g. the session is being reloaded there: same worker
+
+    async def call(
+        self,
+        invoke: Callable[[WorkerStubs], Awaitable[T]],
+        session_id: str = "",
+        idempotent: bool = True,
+    ) -> T:
+        """One request, following redirects; retried elsewhere only if ``idempotent``."""
+        backoff = Backoff(self.retry)
+        address = self.owner_of(session_id) if session_id else self.first
+        if address in self._unreachable:  # never start with a worker given up on
+            address = self.other(address)
+        while True:
+            try:
+                result = await invoke(self.worker(address))
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+                if not idempotent and not isinstance(error, SessionMoved):
+                    raise error from None
+                address = await self.next_address(address, error, backoff)
+                continue
+            self.served(session_id, address)
+            return result
+
+    async def locate(self, session_id: str, address: str) -> str:
+        """The session's owner as the cluster reports it (``address`` if nobody holds it).
+
+        Asks reachable workers only, each with a deadline: the one that just failed may
+        be frozen, and a question to it would wait as long as it does.
+        """
+        request = pb.GetSessionRequest(session_id=session_id)
+        for candidate in self.reachable()[:3]:
+            try:
+                info = await self.worker(candidate).sessions.GetSession(
+                    request, timeout=min(self.retry.call_timeout_s, 5.0)
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in TRANSIENT:  # type: ignore[attr-defined]
+                    self._unreachable.add(candidate)
+                    continue
+                return address
+            self._unreachable.discard(candidate)
+            if info.owner and info.owner not in self._unreachable:
+                return info.owner
+            # Nobody holds it, or its owner is unreachable: this worker takes it over
+            # (once the owner's lease runs out; its redirect says when).
+            return candidate
+        return self.other(address)
+
+
+class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Gives every unary call without a deadline of its own the policy's deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: Any,
+        request: Any,
+    ) -> Any:
+        if client_call_details.timeout is None:
+            client_call_details = client_call_details._replace(timeout=self.timeout_s)
+        return await continuation(client_call_details, request)

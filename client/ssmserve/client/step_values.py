@@ -1,0 +1,59 @@
+"""What a step and a forecast answer, as Python values; and a value as a ``StepInput``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ssmserve.v1 import ssmserve_pb2 as pb
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    session_id: str
+    step: int
+    output: np.ndarray  # (o,) float32; empty when the step failed
+    replayed: bool
+    guard_events: Sequence[pb.GuardEvent]
+    snapshot_events: Sequence[pb.SnapshotEvent]
+    error: pb.StepError | None
+
+    @classmethod
+    def from_pb(cls, result: pb.StepResult) -> StepOutput:
+        return cls(
+            session_id=result.session_id,
+            step=result.step,
+            output=np.asarray(result.output.values, np.float32),
+            replayed=result.replayed,
+            guard_events=list(result.guard_events),
+            snapshot_events=list(result.snapshot_events),
+            error=result.error if result.HasField("error") else None,
+        )
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A forecast: the outputs of steps ``from_step + 1 ..``, as stepping a copy would give."""
+
+    session_id: str
+    from_step: int
+    outputs: np.ndarray  # (h, o) float32; h < horizon when ``stopped`` is set
+    tokens: np.ndarray | None  # (h,) int64 for token models: the argmax fed back next
+    guard_events: Sequence[pb.GuardEvent]
+    stopped: pb.StepError | None  # why it ended early (a guard, an output with NaN/Inf)
+
+    @property
+    def steps(self) -> np.ndarray:
+        """(h,) the step number of each output."""
+        return np.arange(self.from_step + 1, self.from_step + 1 + len(self.outputs))
+
+
+def step_input(session_id: str, step: int, value: Any) -> pb.StepInput:
+    """A token id (int) or a vector (anything numpy turns into floats) as a StepInput."""
+    if isinstance(value, int | np.integer):
+        return pb.StepInput(session_id=session_id, step=step, token=int(value))
+    values = np.asarray(value, np.float32).reshape(-1).tolist()
+    return pb.StepInput(session_id=session_id, step=step, vector=pb.Vector(values=values))

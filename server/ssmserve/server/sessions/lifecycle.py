@@ -1,0 +1,237 @@
+"""Sessions born and ended: create, fork, import, close, export.
+
+Creating a session (also by fork or import) writes its metadata, lease and first
+snapshot (step 0, or the forked or imported step, with its history window and output)
+in one script, so every later step can be rebuilt and a session never exists without
+its base. The fencing token starts a new incarnation, so nothing a worker did with an
+earlier session of the same id can touch the new one. A fork is copied, not shared: it
+has its own first snapshot and nothing else of the source's.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import clip
+from ssmserve.server.sessions.checkpoints import Checkpoints
+from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
+from ssmserve.server.sessions.errors import (
+    ModelMismatchError,
+    SnapshotMissingError,
+    StepRangeError,
+    UnknownModelError,
+)
+from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.records import RollbackTarget, StatePoint
+from ssmserve.server.sessions.replay import Replay
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.session import Session, SessionGoneError
+from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
+from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.store import SessionMeta, check_session_id
+from ssmserve.server.state.store_errors import SessionClosedError
+from ssmserve.server.state.store_layout import MAX_STEP
+
+log = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        models: Mapping[str, MambaModel],
+        residents: ResidentSessions,
+        checkpoints: Checkpoints,
+        replay: Replay,
+        loader: SessionLoader,
+        defaults: SessionDefaults,
+    ) -> None:
+        self.models = models
+        self.residents = residents
+        self.store = residents.store
+        self.ownership = residents.ownership
+        self.checkpoints = checkpoints
+        self.replay = replay
+        self.loader = loader
+        self.defaults = defaults
+
+    async def create(self, model_name: str, session_id: str, config: SessionConfig) -> str:
+        """A new session at step 0; returns its id."""
+        model = self._model(model_name)
+        session_id = self._new_id(session_id)
+        config = config.resolve(self.defaults, model.config.output_dim)
+        self.loader.check_capacity()
+        if self.ownership.draining:
+            raise await self.loader.elsewhere(model_name, "create sessions")
+        await self._create(session_id, model, model_name, config, model.new_state(), 0, "create")
+        return session_id
+
+    async def _create(
+        self,
+        session_id: str,
+        model: MambaModel,
+        model_name: str,
+        config: SessionConfig,
+        state: SessionState,
+        step: int,
+        reason: str,
+        history: InputHistory | None = None,
+        output: np.ndarray | None = None,
+    ) -> Session:
+        """A new session at ``step``, owned here: its metadata, lease and first snapshot
+        (``state``, the ``history`` window, the ``output`` of ``step``) written at once.
+
+        The fencing token starts a new incarnation, so nothing a worker did with an
+        earlier session of the same id can touch this one.
+        """
+        now = time.time()
+        lease = SessionLease(session_id, f"{new_incarnation()}.1", self.ownership.worker_id)
+        s = self.loader.resident(
+            session_id, model, model_name, config, state, step, now, lease, history
+        )
+        if output is not None:  # a resend of ``step`` is answered, as by the source
+            s.recent.remember_output(step, output)
+        blob, record = await self.checkpoints.encode(
+            self.checkpoints.checkpoint(s, step, state, reason)
+        )
+        meta = SessionMeta(
+            session_id, model_name, model.fingerprint, step, step + 1, config.to_bytes(), now,
+            now, False, epoch=1, owner=self.ownership.worker_id,
+            owner_addr=self.ownership.address, token=lease.token,
+            numerics=self.ownership.numerics,
+        )  # fmt: skip
+        sent_at = time.monotonic()
+        await self.store.create_session(
+            meta, self.ownership.lease_ms, record, blob, config.max_snapshots
+        )
+        s.lease = self.ownership.new_lease(session_id, lease.token, sent_at)
+        s.last_snapshot_step = step
+        self.residents.add(s)
+        return s
+
+    async def fork(
+        self, session_id: str, target: RollbackTarget, new_session_id: str = ""
+    ) -> tuple[str, StatePoint]:
+        """A new session at the source's state at ``target`` (default: its current step).
+
+        The fork gets a first snapshot of its own at the fork point, carrying the source's
+        input history window up to there; nothing else is shared with the source, so the
+        two never touch each other's keys (see the proto's ForkRequest).
+        """
+        new_id = self._new_id(new_session_id)
+        s = await self.loader.session(session_id)
+        self.loader.check_capacity()
+        point = await self.replay.point(s, target, "fork", need_output=False)
+        await self._create(
+            new_id, s.model, s.model_name, s.config, point.state, point.step, "fork",
+            point.history, point.output,
+        )  # fmt: skip
+        log.info(
+            "session %s forked from %s at step %d (snapshot %s + %d replayed)",
+            new_id, s.id, point.step, point.from_snapshot_id or "-", point.replayed_steps,
+        )  # fmt: skip
+        return new_id, point
+
+    async def close(self, session_id: str, final_snapshot: bool) -> tuple[int, str]:
+        s = await self.loader.session(session_id)
+        async with self.residents.hold(s):
+            snapshot_id = ""
+            if final_snapshot:
+                record = await self.checkpoints.write(s, s.step, s.state, "close")
+                snapshot_id = record.snapshot_id
+            await self.residents.write(
+                s, lambda lease: self.store.close_session(lease, snapshot_id)
+            )
+            s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
+            self.residents.by_id.pop(s.id, None)
+            return s.step, snapshot_id
+
+    async def export(self, session_id: str, snapshot_id: str) -> bytes:
+        meta = await self.loader.meta(session_id, allow_closed=True)
+        if snapshot_id or meta.closed:
+            record = (
+                await self.store.snapshot_by_id(session_id, snapshot_id)
+                if snapshot_id
+                else await self.store.snapshot_at_or_before(session_id, meta.step)
+            )
+            if record is None:
+                raise SnapshotMissingError(
+                    f"session {session_id!r} has no snapshot {clip(snapshot_id)}"
+                )
+            return await self.store.read_blob(session_id, record)
+        s = await self.loader.session(session_id)
+        async with self.residents.hold(s):
+            return self.checkpoints.checkpoint(s, s.step, s.state, "export").encode()
+
+    async def import_checkpoint(
+        self,
+        blob: bytes,
+        session_id: str,
+        model_name: str,
+        config: SessionConfig,
+        replace: bool,
+    ) -> str:
+        """A new session from a checkpoint (``replace``: in place of one with its id)."""
+        ckpt = Checkpoint.decode(blob)
+        if model_name:
+            model = self._model(model_name)
+        else:
+            found = [n for n, m in self.models.items() if m.fingerprint == ckpt.fingerprint]
+            if not found:
+                raise ModelMismatchError(
+                    f"no model on this worker has the checkpoint's fingerprint "
+                    f"{ckpt.fingerprint[:16]} (model {ckpt.model_id!r}); loaded: "
+                    f"{', '.join(sorted(self.models))}"
+                )
+            model_name, model = found[0], self.models[found[0]]
+        ckpt.check_model(model)
+        if ckpt.step > MAX_STEP:
+            raise StepRangeError(
+                f"the checkpoint is at step {ckpt.step}, beyond the last step a session can "
+                f"take ({MAX_STEP})"
+            )
+        session_id = self._new_id(session_id or ckpt.session_id)
+        config = config.resolve(self.defaults, model.config.output_dim)
+        self.loader.check_capacity()
+        if replace:
+            await self._drop_for_replace(session_id)
+        if self.ownership.draining:
+            raise await self.loader.elsewhere(model_name, "import sessions")
+        await self._create(
+            session_id, model, model_name, config, ckpt.state, ckpt.step, "import",
+            ckpt.history, ckpt.output,
+        )  # fmt: skip
+        return session_id
+
+    async def _drop_for_replace(self, session_id: str) -> None:
+        meta = await self.store.get_meta(session_id)
+        if meta is None:
+            return
+        if meta.closed:  # nobody owns a closed session: its last token still fences
+            await self.store.close_session(SessionLease(session_id, meta.token, ""))
+            return
+        s = await self.loader.session(session_id)  # take it over (or be redirected to its owner)
+        async with self.residents.hold(s):
+            await self.residents.write(s, lambda lease: self.store.close_session(lease))
+            s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
+            self.residents.by_id.pop(session_id, None)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _model(self, name: str) -> MambaModel:
+        model = self.models.get(name)
+        if model is None:
+            raise UnknownModelError(
+                f"model {clip(name)} is not served here (models: {', '.join(sorted(self.models))})"
+            )
+        return model
+
+    @staticmethod
+    def _new_id(session_id: str) -> str:
+        return check_session_id(session_id) if session_id else secrets.token_hex(8)
