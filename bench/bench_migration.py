@@ -108,7 +108,7 @@ class Workers:
 def server_cmd(
     models: list[tuple[str, Path]], redis_url: str, data_dir: Path, lease_ttl: float = 5.0
 ) -> list[str]:
-    """``ssmserve-server`` (server/main.py) on a free loopback port."""
+    """``ssmserve-server`` (ssmserve.server.main) on a free loopback port."""
     cmd = ["-m", "ssmserve.server.main", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
     cmd += ["--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl)]
     for name, directory in models:

@@ -1,7 +1,7 @@
 """Typed exceptions for clients, rebuilt from the server's status details.
 
 The server sends a ``google.rpc.Status`` with an ``ErrorInfo`` (reason, domain) in the
-trailing metadata of every error (``server/status.py``). :func:`from_rpc_error` turns
+trailing metadata of every error (``ssmserve.server.api.status``). :func:`from_rpc_error` turns
 that back into one exception class per status code, carrying the reason, so callers can
 ``except NotFound`` or look at ``err.reason == "STEP_GAP"``.
 """

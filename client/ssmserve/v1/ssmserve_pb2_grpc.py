@@ -155,7 +155,7 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportCheckpoint(self, request, context):
-        """A session's checkpoint (see server/checkpoint.py for the format), in chunks of at
+        """A session's checkpoint (see ssmserve.server.state.checkpoint for the format), in chunks of at
         most 1 MiB, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

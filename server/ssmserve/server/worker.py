@@ -55,7 +55,7 @@ CLUSTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ClusterService"].full_nam
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """Everything a worker needs; ``server/main.py`` fills it from flags and environment."""
+    """Everything a worker needs; ``ssmserve.server.main`` fills it from flags and environment."""
 
     models: tuple[tuple[str, Path], ...]  # (name, model directory) pairs
     listen: str = "127.0.0.1:50051"  # host:port; port 0 picks a free one

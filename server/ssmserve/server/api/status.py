@@ -4,7 +4,7 @@ Every :class:`~ssmserve.server.errors.SsmserveError` maps by its kind to a statu
 ``google.rpc.Status`` in the trailing metadata (``grpc-status-details-bin``) carrying a
 ``google.rpc.ErrorInfo``: ``reason`` is the error's stable code (``STEP_GAP``,
 ``CHECKPOINT_CHECKSUM``, ...), ``domain`` is ``ssmserve.v1``. Clients turn that back into
-typed exceptions (``client/errors.py``). Per-step errors inside a stream use the same
+typed exceptions (``ssmserve.client.errors``). Per-step errors inside a stream use the same
 code and reason in a ``StepError``.
 
 A :class:`~ssmserve.server.errors.SessionMovedError` (a redirect) also puts the owner's address in

@@ -11,9 +11,9 @@ worker lost it: ``on_lost`` drops it at once. A renewal that finds the lease ran
 (nobody took the session yet) never re-creates it: ``on_expired`` has the session manager
 acquire it again, which makes a new token. Between renewals each lease knows, by this
 worker's monotonic clock, until when it certainly still runs; past that the session
-answers nothing until it is revalidated (``server/lease.py``).
+answers nothing until it is revalidated (``ssmserve.server.state.lease``).
 
-The fencing itself is in Redis (``server/store_layout.py``): every write carries the
+The fencing itself is in Redis (``ssmserve.server.state.store_layout``): every write carries the
 owner's token, so even a worker that has not noticed yet cannot change a session it lost.
 """
 

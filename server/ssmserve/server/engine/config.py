@@ -6,7 +6,7 @@ Two architectures share the same residual Mamba blocks:
 * ``mamba-signal``: ssmserve's signal Mamba (float vector in, float vector out): a linear
   input projection replaces the embedding and a linear head replaces the LM head.
 
-Shape letters used across the engine (see ``server/model/mamba.py``):
+Shape letters used across the engine (see ``ssmserve.server.engine.mamba``):
     d: hidden size            r: time-step (Δ) rank
     e: inner size (d_inner)   n: SSM state size
     k: conv kernel width

@@ -1,7 +1,7 @@
 """The engine lane: batched model steps of one model, on the event loop or off it.
 
-Steps (``server/stepper.py``), forecasts (``server/forecaster.py``) and replays
-(rollback, load, fork: ``SessionManager._rebuild``) of a model share one lane, so their
+Steps (``sessions.stepper``), forecasts (``sessions.forecaster``) and replays (rollback,
+load, fork: ``sessions.replay.Replay.rebuild``) of a model share one lane, so their
 engine calls take turns on one engine thread instead of competing for the cores. A call
 of at least ``offload_min_flop`` FLOPs runs on that thread (BLAS and the numba kernels
 release the GIL, so the loop goes on serving streams meanwhile); a smaller one runs

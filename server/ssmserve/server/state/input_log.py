@@ -1,7 +1,7 @@
 """The input log: every input a session applied, with its step number, replayable.
 
-Durably the log lives in Redis (``server/store.py``), one entry per step holding the input's
-raw little-endian bytes. In memory a session keeps :class:`RecentSteps`: the newest inputs
+Durably the log lives in Redis (``state.store``), one entry per step holding the input's raw
+little-endian bytes. In memory a session keeps :class:`RecentSteps`: the newest inputs
 (the history carried by its checkpoints), the newest outputs (answers to resent steps), and
 the inputs not yet written to Redis (``unflushed``; in ``log`` durability this empties on
 every tick, in the other modes at each snapshot).

@@ -166,7 +166,7 @@ class WorkerRecord:
     started_at: float
     heartbeat_at: float
     draining: bool
-    numerics: str = ""  # what its engine's bits depend on (server/model/numerics.py)
+    numerics: str = ""  # what its engine's bits depend on (ssmserve.server.engine.numerics)
 
     def to_fields(self) -> dict[str, str]:
         return {

@@ -18,7 +18,7 @@ tag, so all keys of one session sit in one slot and one script may touch them to
     P:{sid}:stage:<id>:<i>       STRING a piece written but not committed yet (expires)
     P:{sid}:labels               HASH   label -> snapshot id
 
-**Fencing.** ``meta.token`` is the current owner's fencing token (``server/lease.py``):
+**Fencing.** ``meta.token`` is the current owner's fencing token (``ssmserve.server.state.lease``):
 ``<incarnation>.<epoch>``, where the incarnation is random per creation of the id and the
 epoch counts acquisitions. Only ``CREATE`` and ``ACQUIRE`` make a token; every other
 write script starts with ``fence``, which refuses a token that is not the current one and
@@ -30,7 +30,7 @@ number a script writes or uses in a key name goes through ``int()`` (``%d``, exa
 2^53), and steps are capped far below that (``MAX_STEP``).
 
 **Replies.** Every script answers a table: ``{'OK', ...}`` or ``{'ERR_<CODE>', message,
-...}``; ``server/store.py`` turns codes into typed errors.
+...}``; ``ssmserve.server.state.store`` turns codes into typed errors.
 
 **Idempotence.** Writes may be sent again after an answer was lost: a retried create
 finds its own token, a retried snapshot commit its own id, a log append of steps already
