@@ -399,18 +399,24 @@ def test_periodic_snapshots_are_written_in_the_background_and_reported_later(wor
     sid = worker.client.create_session("demo", snapshot_every=4).session_id
     got, outs = stream(worker, sid, x[:25], per_message=1)
     assert_bit_equal(got, reference(model, x[:25]))
-    # Read your writes: every due snapshot is committed before ListSnapshots answers.
-    assert [s.step for s in worker.client.list_snapshots(sid)] == [0, 4, 8, 12, 16, 20, 24]
+    # Read your writes: every due snapshot is committed before ListSnapshots answers. A
+    # write that waits behind MAX_WAITING others is superseded by design (replay still
+    # reaches its step): seen once on a machine running two CPU hogs and another suite.
+    # Then the newest is still there, and the writer counted each one it dropped.
+    steps = [s.step for s in worker.client.list_snapshots(sid)]
+    writer = worker.manager.residents.by_id[sid].snapshots
+    assert steps[0] == 0 and steps[-1] == 24 and set(steps) <= {0, 4, 8, 12, 16, 20, 24}
+    assert len(steps) + writer.superseded == 7, (steps, writer.superseded)
     # Each is reported once, in an answer after the step it was taken at.
     _, more = stream(worker, sid, x[25:30], per_message=1)
     reported = [(o.step, e.step) for o in outs + more for e in o.snapshot_events]
     # (the snapshot at 28 is reported too when its write beats the answer to step 30)
-    assert [s for _, s in reported] in ([4, 8, 12, 16, 20, 24], [4, 8, 12, 16, 20, 24, 28])
+    assert [s for _, s in reported] in (steps[1:], [*steps[1:], 28])
     assert all(answered >= taken for answered, taken in reported)
     assert all(e.reason == "periodic" for o in outs + more for e in o.snapshot_events)
     # Rollback to a background snapshot is exact.
     reply = worker.client.rollback(sid, to_step=20)
-    assert reply.replayed_steps == 0
+    assert reply.replayed_steps == 20 - max(s for s in steps if s <= 20)
     again, _ = stream(worker, sid, x[20:30], first_step=21)
     assert_bit_equal(again, reference(model, x)[20:30])
 
