@@ -484,3 +484,30 @@ def test_worker_registry_lists_live_workers_only(store):
         assert await s.live_workers() == []
 
     run(store, body)
+
+
+def test_every_error_code_a_script_can_answer_maps_to_a_typed_error() -> None:
+    import re
+
+    from ssmserve.server.errors import ErrorKind
+    from ssmserve.server.state import store_layout
+    from ssmserve.server.state.store_errors import (
+        SCRIPT_ERRORS,
+        UnknownReplyError,
+        check_reply,
+        reply_outcome,
+    )
+
+    source = "\n".join(v for v in vars(store_layout).values() if isinstance(v, str))
+    codes = set(re.findall(r"'(ERR_[A-Z_]+)'", source))
+    assert codes, "no error codes found in the scripts"
+    assert codes <= set(SCRIPT_ERRORS), codes - set(SCRIPT_ERRORS)
+    for code in sorted(codes - {"ERR_STALE", "ERR_OWNED"}):
+        with pytest.raises(SCRIPT_ERRORS[code]):
+            check_reply([code.encode(), b"what happened"])
+    # An unknown code is a version mismatch or a bug: INTERNAL, never a retryable error.
+    with pytest.raises(UnknownReplyError) as caught:
+        check_reply([b"ERR_FROM_THE_FUTURE", b"x" * 10_000])
+    assert caught.value.kind == ErrorKind.INTERNAL and len(str(caught.value)) < 400
+    assert isinstance(reply_outcome([b"ERR_NEW"]), UnknownReplyError)
+    assert reply_outcome([b"OK"]) is None
