@@ -1,11 +1,12 @@
-"""Sessions coming into memory and leaving it: load (acquire + rebuild), unload, eviction.
+"""Sessions coming into memory and leaving it: load, unload, hand-off, idle eviction.
 
 A session that is not resident (evicted, parked by a drain, or its worker died and the
 lease ran out) is loaded by the worker that receives a request for it: acquire its
 lease (a new fencing token), then rebuild it up to its durable step (``replay``). A
 session another live worker holds is redirected there; one computed with other numerics
 is sent to a worker that has them, or refused. Unloading snapshots what moved since the
-last snapshot and releases the lease, so any worker can load it again.
+last snapshot and releases the lease, so any worker can load it again. A hand-off
+(migration) snapshots, reserves the lease for the target and lets it load the session.
 """
 
 from __future__ import annotations
