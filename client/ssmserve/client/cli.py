@@ -6,8 +6,10 @@ The service commands (``--server HOST:PORT`` goes before the command) live in
 subparsers and adds its commands there, each with a ``handler(args)`` default. The
 server adds ``ssmserve model ...`` that way, so a client-only install never imports it.
 
-Any failure prints one line ``ssmserve: error: ...`` on stderr and exits with code 2;
-nothing is written unless the command succeeds.
+Any failure prints one line on stderr and exits with code 2: ``ssmserve: error: CODE
+(REASON): message`` for an error a worker answered (the gRPC status code, and the
+``ErrorInfo`` reason when there is one), ``ssmserve: error: message`` for a local one
+(a bad file or flag). Nothing is written unless the command succeeds.
 """
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             session_commands.run(args)
         return 0
-    except (SsmserveClientError, CliError) as exc:
+    except SsmserveClientError as exc:
+        # The status code (and reason) first, so people and scripts can tell failures apart.
+        reason = f" ({exc.reason})" if exc.reason else ""
+        print(f"ssmserve: error: {exc.code.name}{reason}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CliError as exc:
         print(f"ssmserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
