@@ -55,6 +55,10 @@ def test_workers_register_and_list_each_other(start_worker):
     assert sorted(w.address for w in workers) == sorted([a.address, b.address])
     assert all(set(w.models) == {"demo", "odd", "lm"} and not w.draining for w in workers)
     a.client.create_session("demo")
+    # A client given one worker learns the others from ListWorkers.
+    with Client(a.address) as learner:
+        learner.discover()
+        assert sorted(learner.addresses) == sorted([a.address, b.address])
     a.call(a.worker.ownership.heartbeat())
     load = {w.address: w.load for w in b.client.list_workers()}
     assert load == {a.address: 1, b.address: 0}

