@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ssmserve.client.sync import Client
+from ssmserve.client.tls import TlsConfig
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.worker import Worker, WorkerSettings
 
@@ -29,6 +30,7 @@ class WorkerHarness:
         redis_url: str,
         *,
         manager: ManagerSettings | None = None,
+        client_tls: TlsConfig | None = None,
         **overrides: Any,
     ) -> None:
         self.settings = WorkerSettings(
@@ -44,7 +46,7 @@ class WorkerHarness:
         self.thread.start()
         self.worker = Worker(self.settings)
         self.address = self.call(self.worker.start())
-        self.client = Client(self.address)
+        self.client = Client(self.address, tls=client_tls)
         self.stopped = False
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:

@@ -15,7 +15,11 @@ SERVER = REPO / "server" / "ssmserve" / "server"
 CLIENT = REPO / "client" / "ssmserve" / "client"
 LAYERS = ["engine", "state", "cluster", "sessions", "api"]  # bottom to top
 SHARED = {"errors"}  # typed errors with a kind: every layer raises them
-CLIENT_HELPERS = {"ssmserve.client.atomic_file", "ssmserve.v1"}  # the server builds on these
+CLIENT_HELPERS = {
+    "ssmserve.client.atomic_file",
+    "ssmserve.client.tls",
+    "ssmserve.v1",
+}  # the server builds on these
 MAX_CLASS_LINES = 400
 
 

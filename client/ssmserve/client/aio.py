@@ -33,6 +33,7 @@ from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.routing import WorkerRouter, WorkerStubs
 from ssmserve.client.step_values import Forecast, StepOutput, step_input
+from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 __all__ = ["AsyncClient", "Forecast", "StepOutput", "step_input"]
@@ -59,13 +60,15 @@ class AsyncClient:
         *,
         retry: RetryPolicy | None = None,
         discover: bool = True,
+        tls: TlsConfig | None = None,
     ) -> None:
+        """``tls``: trust roots and an optional client certificate (default: plaintext)."""
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses:
             raise ValueError("give at least one worker address")
         self.address = addresses[0]
         self.retry = retry or RetryPolicy()
-        self.router = WorkerRouter(addresses, self.retry, max_message_bytes, discover)
+        self.router = WorkerRouter(addresses, self.retry, max_message_bytes, discover, tls)
         self.channel = self.router.worker(self.address).channel
         self.stub = self.router.worker(self.address).sessions
 

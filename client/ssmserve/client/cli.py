@@ -19,9 +19,11 @@ import logging
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from ssmserve.client import session_commands
 from ssmserve.client.errors import CliError, SsmserveClientError
+from ssmserve.client.tls import TlsConfigError
 
 EXIT_USAGE = 2
 PLUGIN_GROUP = "ssmserve.cli"
@@ -36,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--server", metavar="HOST:PORT", help="worker to talk to (service commands)"
     )
+    for flag, what in (
+        ("ca", "PEM CA to trust: talk TLS to the worker (env SSMSERVE_TLS_CA)"),
+        ("cert", "PEM client certificate, for workers that require one (SSMSERVE_TLS_CERT)"),
+        ("key", "PEM private key of --tls-cert (SSMSERVE_TLS_KEY)"),
+    ):
+        parser.add_argument(f"--tls-{flag}", type=Path, metavar="FILE", help=what)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     session_commands.add_parsers(commands)
     for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
@@ -63,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = f" ({exc.reason})" if exc.reason else ""
         print(f"ssmserve: error: {exc.code.name}{reason}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except CliError as exc:
+    except (CliError, TlsConfigError) as exc:
         print(f"ssmserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ import grpc
 
 from ssmserve.client.errors import SessionMoved, SsmserveClientError, from_rpc_error
 from ssmserve.client.retry import Backoff, RetryPolicy
+from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
@@ -48,9 +49,15 @@ class WorkerRouter:
     for going elsewhere after an error."""
 
     def __init__(
-        self, addresses: list[str], retry: RetryPolicy, max_message_bytes: int, discover: bool
+        self,
+        addresses: list[str],
+        retry: RetryPolicy,
+        max_message_bytes: int,
+        discover: bool,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.addresses = addresses
+        self.tls = tls  # None: plaintext channels
         self.retry = retry
         self._max_message = max_message_bytes
         self._workers: dict[str, WorkerStubs] = {}
@@ -66,25 +73,30 @@ class WorkerRouter:
         worker = self._workers.get(address)
         if worker is None:
             policy = self.retry
-            channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_receive_message_length", self._max_message),
-                    ("grpc.max_send_message_length", self._max_message),
-                    ("grpc.keepalive_time_ms", int(policy.keepalive_time_s * 1000)),
-                    ("grpc.keepalive_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
-                    # grpc >= 1.60 waits this long for a ping's answer (default 60 s).
-                    ("grpc.http2.ping_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
-                    ("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.max_pings_without_data", 0),
-                    # A connection attempt to a frozen worker gives up within seconds (the
-                    # default waits 20 s), and one that restarted is retried soon.
-                    ("grpc.min_reconnect_backoff_ms", _RECONNECT_MS),
-                    ("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
-                ],
-                interceptors=[_DefaultDeadline(policy.call_timeout_s)],
-            )
+            options = [
+                ("grpc.max_receive_message_length", self._max_message),
+                ("grpc.max_send_message_length", self._max_message),
+                ("grpc.keepalive_time_ms", int(policy.keepalive_time_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
+                # grpc >= 1.60 waits this long for a ping's answer (default 60 s).
+                ("grpc.http2.ping_timeout_ms", int(policy.keepalive_timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+                # A connection attempt to a frozen worker gives up within seconds (the
+                # default waits 20 s), and one that restarted is retried soon.
+                ("grpc.min_reconnect_backoff_ms", _RECONNECT_MS),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
+            ]
+            interceptors = [_DefaultDeadline(policy.call_timeout_s)]
+            if self.tls is None:
+                channel = grpc.aio.insecure_channel(
+                    address, options=options, interceptors=interceptors
+                )
+            else:
+                channel = grpc.aio.secure_channel(
+                    address, self.tls.credentials(), options=options, interceptors=interceptors
+                )
             worker = WorkerStubs(
                 channel, pb_grpc.SessionServiceStub(channel), pb_grpc.ClusterServiceStub(channel)
             )

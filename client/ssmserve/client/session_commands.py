@@ -34,6 +34,7 @@ from ssmserve.client.atomic_file import atomic_write
 from ssmserve.client.errors import CliError, SsmserveClientError
 from ssmserve.client.npy_files import check_writable, load_npy, save_npy
 from ssmserve.client.sync import Client
+from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 _CHECKS = {"finite": pb.GuardRule.CHECK_FINITE, "range": pb.GuardRule.CHECK_RANGE}
@@ -233,8 +234,16 @@ def run(args: argparse.Namespace) -> None:
             "migrate": _migrate,
             "drain": _drain,
         }[args.command]
-    with Client(args.server) as client:
+    with Client(args.server, tls=tls_config(args)) as client:
         handler(client, args)
+
+
+def tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    """TLS from --tls-ca/--tls-cert/--tls-key, else from the environment, else none."""
+    given = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
+    if not any(given.values()):
+        return TlsConfig.from_env()
+    return TlsConfig(**given)
 
 
 def _print_json(message: Any) -> None:

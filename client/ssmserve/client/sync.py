@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from ssmserve.client.aio import DEFAULT_MAX_MESSAGE, AsyncClient
 from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.tls import TlsConfig
 
 T = TypeVar("T")
 
@@ -35,6 +36,7 @@ class Client:
         *,
         retry: RetryPolicy | None = None,
         discover: bool = True,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.address = address if isinstance(address, str) else address[0]
         self._loop = asyncio.new_event_loop()
@@ -44,7 +46,7 @@ class Client:
         self._thread.start()
 
         async def make() -> AsyncClient:
-            return AsyncClient(address, max_message_bytes, retry=retry, discover=discover)
+            return AsyncClient(address, max_message_bytes, retry=retry, discover=discover, tls=tls)
 
         self._aio = self._run(make())
 

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
@@ -106,6 +107,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a keepalive ping may go unanswered (default 3)",
     )
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=env("SSMSERVE_TLS_CERT"),
+        metavar="FILE",
+        help="PEM certificate chain: the listener speaks TLS only (needs --tls-key); "
+        "the files are read again when they change, without a restart",
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, default=env("SSMSERVE_TLS_KEY"), metavar="FILE",
+        help="PEM private key of --tls-cert",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=env("SSMSERVE_TLS_CLIENT_CA"),
+        metavar="FILE",
+        help="PEM CA: every client (and worker) must present a certificate it signed "
+        "(mTLS); other workers' listeners are trusted through it too",
+    )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -133,7 +154,19 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
             "ssmserve-server: error: --keepalive must be 0.1..3600 s, --keepalive-timeout "
             "0.1..600 s"
         )
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("ssmserve-server: error: TLS needs both --tls-cert and --tls-key")
+        tls = TlsSettings(
+            Path(args.tls_cert),
+            Path(args.tls_key),
+            Path(args.tls_client_ca) if args.tls_client_ca else None,
+        )
+    elif args.tls_client_ca:
+        raise SystemExit("ssmserve-server: error: --tls-client-ca needs --tls-cert and --tls-key")
     return WorkerSettings(
+        tls=tls,
         models=tuple(models),
         listen=args.listen,
         redis_url=args.redis_url or None,

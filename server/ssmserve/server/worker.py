@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from ssmserve.server.api.cluster_service import ClusterService
 from ssmserve.server.api.service import ServiceSettings, SessionService
 from ssmserve.server.api.status import UndecodableRequests
+from ssmserve.server.api.tls import ReloadingCertificates, TlsSettings
 from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, Migrator
 from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings
 from ssmserve.server.cluster.peers import Peers, PeerSettings
@@ -84,6 +85,7 @@ class WorkerSettings:
     ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
     migration: MigrationSettings = field(default_factory=MigrationSettings)
     peers: PeerSettings = field(default_factory=PeerSettings)
+    tls: TlsSettings | None = None  # None: a plaintext listener (and plaintext peer channels)
 
 
 def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
@@ -112,7 +114,8 @@ class Worker:
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
         self.service: SessionService | None = None
-        self.peers = Peers(settings.peers)
+        self.peers = Peers(settings.peers, settings.tls.peer_config() if settings.tls else None)
+        self.certificates: ReloadingCertificates | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
@@ -150,7 +153,11 @@ class Worker:
         self.server = grpc.aio.server(
             options=server_options(s), interceptors=[UndecodableRequests()]
         )
-        port = self.server.add_insecure_port(s.listen)
+        if s.tls is None:
+            port = self.server.add_insecure_port(s.listen)
+        else:
+            self.certificates = ReloadingCertificates(s.tls)
+            port = self.server.add_secure_port(s.listen, self.certificates.credentials())
         if port == 0:
             raise OSError(f"cannot listen on {s.listen}")
         host = s.listen.rsplit(":", 1)[0]

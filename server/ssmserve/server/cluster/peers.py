@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ssmserve.client.tls import TlsConfig, TlsConfigError
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -40,23 +41,31 @@ class PeerSettings:
 class Peers:
     """One channel per peer address, opened on first use and closed with :meth:`close`."""
 
-    def __init__(self, settings: PeerSettings | None = None) -> None:
+    def __init__(self, settings: PeerSettings | None = None, tls: TlsConfig | None = None) -> None:
         self.settings = settings or PeerSettings()
+        self.tls = tls  # the workers' listeners speak TLS: so do these channels
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterServiceStub]] = {}
 
     def _stub(self, address: str) -> pb_grpc.ClusterServiceStub:
         if address not in self._stubs:
             s = self.settings
-            channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
-                    ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
-                    ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_s * 1000)),
-                    ("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.max_pings_without_data", 0),
-                ],
-            )
+            options = [
+                ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
+            if self.tls is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                try:
+                    credentials = self.tls.credentials()
+                except TlsConfigError as exc:
+                    raise PeerError(
+                        f"cannot open a TLS channel to worker {address}: {exc}"
+                    ) from None
+                channel = grpc.aio.secure_channel(address, credentials, options=options)
             self._stubs[address] = (channel, pb_grpc.ClusterServiceStub(channel))
         return self._stubs[address][1]
 
