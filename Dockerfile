@@ -42,4 +42,6 @@ c = grpc.insecure_channel('127.0.0.1:50051'); \
 s = g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=2).status; \
 sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)"
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["ssmserve-server", "--demo"]
+# The demo image serves without tokens (--insecure: a warning is logged); for anything
+# real, mount a token file and run with --auth-tokens (see SECURITY in the README).
+CMD ["ssmserve-server", "--demo", "--insecure"]

@@ -21,6 +21,7 @@ step is answered with its recorded output and never applied twice.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -61,14 +62,17 @@ class AsyncClient:
         retry: RetryPolicy | None = None,
         discover: bool = True,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
-        """``tls``: trust roots and an optional client certificate (default: plaintext)."""
+        """``tls``: trust roots and an optional client certificate (default: plaintext).
+        ``token``: a bearer token for workers that require one (default: SSMSERVE_TOKEN)."""
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses:
             raise ValueError("give at least one worker address")
         self.address = addresses[0]
         self.retry = retry or RetryPolicy()
-        self.router = WorkerRouter(addresses, self.retry, max_message_bytes, discover, tls)
+        token = token if token is not None else os.environ.get("SSMSERVE_TOKEN") or None
+        self.router = WorkerRouter(addresses, self.retry, max_message_bytes, discover, tls, token)
         self.channel = self.router.worker(self.address).channel
         self.stub = self.router.worker(self.address).sessions
 

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("key", "PEM private key of --tls-cert (SSMSERVE_TLS_KEY)"),
     ):
         parser.add_argument(f"--tls-{flag}", type=Path, metavar="FILE", help=what)
+    parser.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="bearer token for workers that require one (env SSMSERVE_TOKEN, which keeps "
+        "it out of the process list)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     session_commands.add_parsers(commands)
     for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):

@@ -55,9 +55,11 @@ class WorkerRouter:
         max_message_bytes: int,
         discover: bool,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.addresses = addresses
         self.tls = tls  # None: plaintext channels
+        self.token = token  # sent as a bearer token with every call
         self.retry = retry
         self._max_message = max_message_bytes
         self._workers: dict[str, WorkerStubs] = {}
@@ -88,7 +90,9 @@ class WorkerRouter:
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
             ]
-            interceptors = [_DefaultDeadline(policy.call_timeout_s)]
+            interceptors: list[Any] = [_DefaultDeadline(policy.call_timeout_s)]
+            if self.token:
+                interceptors += _bearer_interceptors(self.token)
             if self.tls is None:
                 channel = grpc.aio.insecure_channel(
                     address, options=options, interceptors=interceptors
@@ -262,3 +266,50 @@ class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[mi
         if client_call_details.timeout is None:
             client_call_details = client_call_details._replace(timeout=self.timeout_s)
         return await continuation(client_call_details, request)
+
+
+class _BearerToken:
+    """Sends ``authorization: Bearer <token>`` with every call (over TLS or loopback: a
+    token on a plaintext network can be read by anyone on the path). grpc.aio files each
+    interceptor under one kind of call only, so :func:`_bearer_interceptors` makes one
+    of each kind."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = [m for m in (details.metadata or ()) if m[0] != "authorization"]
+        return details._replace(metadata=grpc.aio.Metadata(*metadata, self.header))
+
+
+class _UnaryUnaryToken(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(
+        self, continuation: Callable[[Any, Any], Awaitable[Any]], details: Any, request: Any
+    ) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _UnaryStreamToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(
+        self, continuation: Callable[[Any, Any], Awaitable[Any]], details: Any, request: Any
+    ) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _StreamUnaryToken(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_unary(
+        self, continuation: Callable[[Any, Any], Awaitable[Any]], details: Any, requests: Any
+    ) -> Any:
+        return await continuation(self._with_token(details), requests)
+
+
+class _StreamStreamToken(_BearerToken, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_stream(
+        self, continuation: Callable[[Any, Any], Awaitable[Any]], details: Any, requests: Any
+    ) -> Any:
+        return await continuation(self._with_token(details), requests)
+
+
+def _bearer_interceptors(token: str) -> list[Any]:
+    kinds = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
+    return [kind(token) for kind in kinds]

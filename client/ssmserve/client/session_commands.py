@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> None:
             "migrate": _migrate,
             "drain": _drain,
         }[args.command]
-    with Client(args.server, tls=tls_config(args)) as client:
+    with Client(args.server, tls=tls_config(args), token=args.token) as client:
         handler(client, args)
 
 

@@ -37,6 +37,7 @@ class Client:
         retry: RetryPolicy | None = None,
         discover: bool = True,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.address = address if isinstance(address, str) else address[0]
         self._loop = asyncio.new_event_loop()
@@ -46,7 +47,9 @@ class Client:
         self._thread.start()
 
         async def make() -> AsyncClient:
-            return AsyncClient(address, max_message_bytes, retry=retry, discover=discover, tls=tls)
+            return AsyncClient(
+                address, max_message_bytes, retry=retry, discover=discover, tls=tls, token=token
+            )
 
         self._aio = self._run(make())
 

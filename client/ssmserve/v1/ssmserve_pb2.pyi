@@ -90,7 +90,7 @@ class CreateSessionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model", "model_fingerprint", "step", "config", "created_at", "updated_at", "snapshot_count", "oldest_rollback_step", "owner", "resident", "input_dim", "output_dim", "token_input", "closed")
+    __slots__ = ("session_id", "model", "model_fingerprint", "step", "config", "created_at", "updated_at", "snapshot_count", "oldest_rollback_step", "owner", "resident", "input_dim", "output_dim", "token_input", "closed", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class SessionInfo(_message.Message):
     OUTPUT_DIM_FIELD_NUMBER: _ClassVar[int]
     TOKEN_INPUT_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     model_fingerprint: str
@@ -121,7 +122,8 @@ class SessionInfo(_message.Message):
     output_dim: int
     token_input: bool
     closed: bool
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., snapshot_count: _Optional[int] = ..., oldest_rollback_step: _Optional[int] = ..., owner: _Optional[str] = ..., resident: _Optional[bool] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., closed: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., snapshot_count: _Optional[int] = ..., oldest_rollback_step: _Optional[int] = ..., owner: _Optional[str] = ..., resident: _Optional[bool] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., closed: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

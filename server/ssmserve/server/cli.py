@@ -1,4 +1,4 @@
-"""The server-side commands of the ``ssmserve`` CLI: ``ssmserve model ...`` (offline).
+"""The server-side commands of the ``ssmserve`` CLI: ``model`` and ``auth`` (offline).
 
 ssmserve-client owns the ``ssmserve`` command; this distribution adds its commands
 through the ``ssmserve.cli`` entry-point group (``add_commands``), so they appear only
@@ -8,6 +8,7 @@ when the server is installed::
                                  [--layers N] [--state N] [--seed N] [--force]
     ssmserve model inspect DIR [--json]
     ssmserve model run DIR --input IN.npy --output OUT.npy
+    ssmserve auth token --tenant T --role client|operator|admin --file TOKENS.toml [--note N]
 
 Server errors become the CLI's one-line ``CliError`` here, at the boundary.
 """
@@ -16,14 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from ssmserve.client.atomic_file import atomic_write
 from ssmserve.client.errors import CliError
 from ssmserve.client.npy_files import load_npy, save_npy
 from ssmserve.client.session_commands import positive_int
+from ssmserve.server.api.auth import (
+    TENANT_PATTERN,
+    Role,
+    parse_token_file,
+    token_entry,
+    token_hash,
+)
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import (
     CONFIG_FILE,
@@ -37,7 +48,9 @@ from ssmserve.server.errors import ModelInputError, SsmserveError
 
 
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``model`` to the CLI's subcommands (the ``ssmserve.cli`` entry point)."""
+    """Add ``model`` and ``auth`` to the CLI's subcommands (the ``ssmserve.cli`` entry
+    point)."""
+    _add_auth_commands(commands)
     model = commands.add_parser("model", help="work with model directories offline")
     model_cmds = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
 
@@ -71,6 +84,54 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--input", required=True, type=Path, help="(T,) int ids or (T, i) float32")
     run.add_argument("--output", required=True, type=Path, help="where to write (T, o) float32")
     run.set_defaults(handler=_offline(_run))
+
+
+def _add_auth_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    auth = commands.add_parser("auth", help="make bearer tokens for --auth-tokens files")
+    auth_cmds = auth.add_subparsers(dest="auth_command", required=True, metavar="ACTION")
+    token = auth_cmds.add_parser(
+        "token", help="make a random token, append its hash to FILE, print it once (last line)"
+    )
+    token.add_argument("--tenant", required=True, help="the tenant whose sessions it reaches")
+    token.add_argument(
+        "--role",
+        required=True,
+        choices=[r.value for r in Role if r is not Role.WORKER],
+        help="client: its tenant's sessions; operator: read all, migrate and drain; "
+        "admin: everything",
+    )
+    token.add_argument("--file", required=True, type=Path, help="the token file (TOML)")
+    token.add_argument("--note", default="", help="a note stored with the hash")
+    token.set_defaults(handler=_offline(_make_token))
+
+
+def _make_token(args: argparse.Namespace) -> None:
+    if not TENANT_PATTERN.fullmatch(args.tenant):
+        raise CliError("--tenant must be 1-64 letters, digits, '.', '_' or '-'")
+    path: Path = args.file
+    existing = ""
+    if path.exists():
+        try:
+            existing = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read {path}: {exc}") from None
+        parse_token_file(existing, str(path))  # never append to a file the server refuses
+    secret = "ssm_" + secrets.token_urlsafe(32)
+    entry = token_entry(token_hash(secret), args.tenant, args.role, args.note)
+    header = "" if existing else "# ssmserve bearer tokens: sha256 hashes only, never tokens.\n"
+    text = existing + ("" if not existing or existing.endswith("\n") else "\n") + header + entry
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text)
+        os.chmod(tmp, 0o600)
+
+    try:
+        atomic_write(path, write)
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}") from None
+    print(f"token for tenant {args.tenant} (role {args.role}); its hash is in {path}.")
+    print("It is shown only now: keep it secret. Clients pass it as --token or SSMSERVE_TOKEN.")
+    print(secret)
 
 
 def _offline(

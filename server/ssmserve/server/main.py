@@ -2,12 +2,18 @@
 
     ssmserve-server --model NAME=DIR [--model ...] [--listen HOST:PORT] [--redis-url URL]
                     [--data-dir DIR] [--advertise HOST:PORT] [--lease-ttl S]
-                    [--redis-timeout S] [--keepalive S] [--keepalive-timeout S] [--demo]
+                    [--redis-timeout S] [--keepalive S] [--keepalive-timeout S]
+                    [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
+                    [--auth-tokens FILE] [--cluster-secret FILE] [--insecure] [--demo]
 
 Every flag has an environment variable, used when the flag is absent:
 ``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
 ``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``, ``SSMSERVE_LEASE_TTL``,
-``SSMSERVE_REDIS_TIMEOUT``, ``SSMSERVE_KEEPALIVE``, ``SSMSERVE_KEEPALIVE_TIMEOUT``.
+``SSMSERVE_REDIS_TIMEOUT``, ``SSMSERVE_KEEPALIVE``, ``SSMSERVE_KEEPALIVE_TIMEOUT``,
+``SSMSERVE_TLS_CERT``, ``SSMSERVE_TLS_KEY``, ``SSMSERVE_TLS_CLIENT_CA``,
+``SSMSERVE_AUTH_TOKENS``, ``SSMSERVE_CLUSTER_SECRET``, ``SSMSERVE_INSECURE=1``.
+Without ``--auth-tokens`` the worker serves loopback addresses only, unless
+``--insecure``. SIGHUP reads the token file again.
 Without a Redis URL the worker starts a private redis-server (AOF on) in
 ``DATA_DIR/redis`` and stops it on exit. Workers that share one Redis form a cluster:
 sessions move between them.
@@ -127,6 +133,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEM CA: every client (and worker) must present a certificate it signed "
         "(mTLS); other workers' listeners are trusted through it too",
     )
+    parser.add_argument(
+        "--auth-tokens",
+        type=Path,
+        default=env("SSMSERVE_AUTH_TOKENS"),
+        metavar="FILE",
+        help="TOML file of token hashes, tenants and roles (make tokens with 'ssmserve auth "
+        "token'); every RPC but health then needs 'authorization: Bearer <token>'. Read "
+        "again when it changes and on SIGHUP",
+    )
+    parser.add_argument(
+        "--cluster-secret",
+        type=Path,
+        default=env("SSMSERVE_CLUSTER_SECRET"),
+        metavar="FILE",
+        help="file holding a secret every worker of the cluster shares: workers send it "
+        "with their calls to each other (hand-offs, relayed drains)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=env("SSMSERVE_INSECURE", "") == "1",
+        help="serve a non-loopback address without --auth-tokens (anyone who reaches it "
+        "can call every RPC); refused otherwise",
+    )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -167,6 +197,9 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit("ssmserve-server: error: --tls-client-ca needs --tls-cert and --tls-key")
     return WorkerSettings(
         tls=tls,
+        auth_tokens=Path(args.auth_tokens) if args.auth_tokens else None,
+        cluster_secret=Path(args.cluster_secret) if args.cluster_secret else None,
+        insecure=args.insecure,
         models=tuple(models),
         listen=args.listen,
         redis_url=args.redis_url or None,
@@ -192,6 +225,9 @@ async def serve(settings: WorkerSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     worker = Worker(settings)
+    if worker.tokens is not None:  # SIGHUP: read the token file again now
+        tokens = worker.tokens
+        loop.add_signal_handler(signal.SIGHUP, lambda: tokens.reload(force=True))
     try:
         address = await worker.start()
         print(f"ssmserve-server listening on {address}", flush=True)

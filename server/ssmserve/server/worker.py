@@ -11,6 +11,7 @@ embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +22,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ssmserve.server.api.auth import (
+    Authenticator,
+    Authorization,
+    TokenFile,
+    load_cluster_secret,
+    peer_metadata,
+)
 from ssmserve.server.api.cluster_service import ClusterService
 from ssmserve.server.api.service import ServiceSettings, SessionService
 from ssmserve.server.api.status import UndecodableRequests
@@ -86,6 +94,11 @@ class WorkerSettings:
     migration: MigrationSettings = field(default_factory=MigrationSettings)
     peers: PeerSettings = field(default_factory=PeerSettings)
     tls: TlsSettings | None = None  # None: a plaintext listener (and plaintext peer channels)
+    # Bearer tokens (TOML of sha256 hashes, tenants and roles; api/auth.py). None: no
+    # authentication, which is allowed on a loopback address only, unless ``insecure``.
+    auth_tokens: Path | None = None
+    cluster_secret: Path | None = None  # shared by the workers; their calls to each other
+    insecure: bool = False  # listen beyond loopback without tokens (a warning is logged)
 
 
 def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
@@ -105,6 +118,32 @@ def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
     ]
 
 
+class ExposedWithoutAuthError(SsmserveError):
+    """A listener beyond loopback with no authentication, and no --insecure."""
+
+
+def check_exposure(s: WorkerSettings) -> None:
+    """Without tokens a worker serves loopback only, unless told ``insecure``."""
+    host = s.listen.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback or s.auth_tokens is not None:
+        return
+    if not s.insecure:
+        raise ExposedWithoutAuthError(
+            f"refusing to listen on {s.listen} without --auth-tokens: anyone who reaches it "
+            f"could read, change or close every session; give --auth-tokens FILE, or "
+            f"--insecure to serve it unauthenticated anyway"
+        )
+    log.warning(
+        "listening on %s WITHOUT authentication (--insecure): every peer that reaches it "
+        "can call every RPC",
+        s.listen,
+    )
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -114,7 +153,14 @@ class Worker:
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
         self.service: SessionService | None = None
-        self.peers = Peers(settings.peers, settings.tls.peer_config() if settings.tls else None)
+        secret = load_cluster_secret(settings.cluster_secret)
+        self.tokens = TokenFile(settings.auth_tokens) if settings.auth_tokens else None
+        self.authenticator = Authenticator(self.tokens, secret)
+        self.peers = Peers(
+            settings.peers,
+            settings.tls.peer_config() if settings.tls else None,
+            peer_metadata(secret),
+        )
         self.certificates: ReloadingCertificates | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -124,6 +170,7 @@ class Worker:
     async def start(self) -> str:
         """Start everything; returns the address the server listens on (host:port)."""
         s = self.settings
+        check_exposure(s)  # before anything starts: refuse, or warn
         pin_blas_threads(s.blas_threads)
         models: dict[str, MambaModel] = {}
         for name, directory in s.models:
@@ -150,9 +197,11 @@ class Worker:
         self.numerics = numerics_description()
         log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
 
-        self.server = grpc.aio.server(
-            options=server_options(s), interceptors=[UndecodableRequests()]
-        )
+        interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequests()]
+        if self.tokens is not None:  # first: a refused call is never parsed
+            interceptors.insert(0, Authorization(self.authenticator))
+            self.tokens.start()
+        self.server = grpc.aio.server(options=server_options(s), interceptors=interceptors)
         if s.tls is None:
             port = self.server.add_insecure_port(s.listen)
         else:
@@ -179,7 +228,10 @@ class Worker:
         await manager.warm_up()  # ready means warm: no request compiles a kernel
         manager.start()
         self.service = SessionService(
-            manager, replace(s.service, max_message_bytes=s.max_message_bytes), self.migrator
+            manager,
+            replace(s.service, max_message_bytes=s.max_message_bytes),
+            self.migrator,
+            self.authenticator,
         )
         pb_grpc.add_SessionServiceServicer_to_server(self.service, self.server)
         pb_grpc.add_ClusterServiceServicer_to_server(
@@ -245,6 +297,8 @@ class Worker:
         if self.ownership is not None:
             await self.ownership.stop()
         await self.peers.close()
+        if self.tokens is not None:
+            await self.tokens.stop()
         if self.store is not None:
             await self.store.aclose()
         if self.embedded is not None:
@@ -259,6 +313,8 @@ class Worker:
         if self.manager is not None:
             await self.manager.abandon()
         await self.peers.close()
+        if self.tokens is not None:
+            await self.tokens.stop()
         if self.store is not None:
             await self.store.aclose()
         if self.embedded is not None:

@@ -16,6 +16,8 @@ import grpc
 import numpy as np
 
 from ssmserve.server.api import status
+from ssmserve.server.api.auth import Authenticator, caller
+from ssmserve.server.api.tenancy import TenantScope, tenant_of
 from ssmserve.server.cluster.migration import Migrator
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.sessions.config import Durability, SessionConfig
@@ -63,35 +65,52 @@ class ServiceSettings:
 
 class SessionService(pb_grpc.SessionServiceServicer):
     def __init__(
-        self, manager: SessionManager, settings: ServiceSettings, migrator: Migrator
+        self,
+        manager: SessionManager,
+        settings: ServiceSettings,
+        migrator: Migrator,
+        authenticator: Authenticator | None = None,
     ) -> None:
         self.manager = manager
         self.settings = settings
         self.migrator = migrator  # places forks on other workers
+        self.authenticator = authenticator  # None or disabled: no tenants
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
+
+    def _scope(self, context: grpc.aio.ServicerContext) -> TenantScope:
+        """The caller's session ids (the Authorization interceptor let it in already)."""
+        if self.authenticator is None:
+            return TenantScope()
+        return TenantScope.of(caller(self.authenticator, context))
 
     # ------------------------------------------------------------------ sessions
 
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        async with status.edge(context):
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
             config = config_from_pb(request.config)
-            view = await self.manager.create(request.model, request.session_id, config)
-            return info_to_pb(view)
+            view = await self.manager.create(
+                request.model, scope.new_id(request.session_id), config
+            )
+            return info_to_pb(view, scope)
 
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionInfo:
-        async with status.edge(context):
-            return info_to_pb(await self.manager.view(request.session_id))
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            return info_to_pb(await self.manager.view(scope.stored(request.session_id)), scope)
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSessionsResponse:
-        async with status.edge(context):
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            after = scope.stored(request.page_token) if request.page_token else ""
             views, token = await self.manager.list(
-                request.page_size, request.page_token, request.model
+                request.page_size, after, request.model, scope.prefix
             )
             # A page holds at most page_size sessions and fits in one message: sessions
             # with many labels and guards are large, so the page may end early.
@@ -99,20 +118,25 @@ class SessionService(pb_grpc.SessionServiceServicer):
             infos: list[pb.SessionInfo] = []
             size = 0
             for view in views:
-                info = info_to_pb(view)
+                info = info_to_pb(view, scope)
                 n = info.ByteSize() + 8
                 if infos and size + n > budget:
                     token = infos[-1].session_id
                     break
                 infos.append(info)
                 size += n
+            else:
+                token = scope.shown(token)
             return pb.ListSessionsResponse(sessions=infos, next_page_token=token)
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
-        async with status.edge(context):
-            step, snapshot_id = await self.manager.close(request.session_id, request.final_snapshot)
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            step, snapshot_id = await self.manager.close(
+                scope.stored(request.session_id), request.final_snapshot
+            )
             return pb.CloseSessionResponse(step=step, snapshot_id=snapshot_id)
 
     # ------------------------------------------------------------------ streaming
@@ -126,19 +150,21 @@ class SessionService(pb_grpc.SessionServiceServicer):
         # being stepped; answers go out in request order. Every problem of a step, a
         # redirect included, is answered in its StepResult: ending a bidi call while the
         # client still writes can reach the client as INTERNAL with the real status lost.
-        reader = _StreamReader(self.manager, self.settings)
+        scope = self._scope(context)
+        reader = _StreamReader(self.manager, self.settings, scope)
         task = asyncio.create_task(reader.run(request_iterator), name="stream-reader")
         budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
         self.open_streams += 1
         try:
             while (futures := await reader.answers.get()) is not None:
                 outcomes = [await f for f in futures]
-                for response in split_results([result_to_pb(o) for o in outcomes], budget):
+                results = [result_to_pb(o, scope) for o in outcomes]
+                for response in split_results(results, budget):
                     yield response
                 reader.slots.release()
             await task
             if reader.failure is not None:  # e.g. a message that is not valid protobuf
-                await status.abort(context, reader.failure)
+                await status.abort(context, reader.failure, scope.clean)
         finally:
             self.open_streams -= 1
             task.cancel()  # never blocks: the reader waits only for a slot or a request
@@ -148,15 +174,17 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotInfo:
-        async with status.edge(context):
-            record = await self.manager.snapshot(request.session_id, request.label)
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            record = await self.manager.snapshot(scope.stored(request.session_id), request.label)
             return snapshot_to_pb(request.session_id, record)
 
     async def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSnapshotsResponse:
-        async with status.edge(context):
-            records = await self.manager.list_snapshots(request.session_id)
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            records = await self.manager.list_snapshots(scope.stored(request.session_id))
             return pb.ListSnapshotsResponse(
                 snapshots=[snapshot_to_pb(request.session_id, r) for r in records]
             )
@@ -164,14 +192,15 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def Rollback(
         self, request: pb.RollbackRequest, context: grpc.aio.ServicerContext
     ) -> pb.RollbackResponse:
-        async with status.edge(context):
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
             which = request.WhichOneof("target")
             if which is None:
                 raise RequestError(
                     "rollback needs a target: snapshot_id, label, step or steps_back"
                 )
             target = RollbackTarget(**{which: getattr(request, which)})
-            result = await self.manager.rollback(request.session_id, target)
+            result = await self.manager.rollback(scope.stored(request.session_id), target)
             return pb.RollbackResponse(
                 step=result.step,
                 from_snapshot_id=result.from_snapshot_id,
@@ -183,9 +212,10 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def Forecast(
         self, request: pb.ForecastRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForecastResponse]:
-        async with status.edge(context):
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
             job = await self.manager.forecast(
-                request.session_id,
+                scope.stored(request.session_id),
                 request.horizon,
                 request.at_step if request.HasField("at_step") else None,
             )
@@ -196,9 +226,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 )
             if job.stopped is not None:
                 if job.stopped.kind is ErrorKind.UNAVAILABLE:  # the worker stopped: retry
-                    await status.abort(context, job.stopped)
+                    await status.abort(context, job.stopped, scope.clean)
                 yield pb.ForecastResponse(
-                    from_step=job.from_step, stopped=status.step_error(job.stopped)
+                    from_step=job.from_step, stopped=status.step_error(job.stopped, scope.clean)
                 )
         finally:
             job.cancelled = True  # the client went away: stop computing for it
@@ -206,17 +236,20 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def Fork(
         self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
     ) -> pb.ForkResponse:
-        async with status.edge(context):
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
             which = request.WhichOneof("at")
             at = RollbackTarget(**{which: getattr(request, which)}) if which else RollbackTarget()
-            result = await self.manager.fork(request.session_id, at, request.new_session_id)
+            result = await self.manager.fork(
+                scope.stored(request.session_id), at, scope.new_id(request.new_session_id)
+            )
             view = result.view
             if request.target or self.manager.ownership.draining:
                 await self.migrator.place(view.session_id, request.target)
                 view = await self.manager.view(view.session_id)
             return pb.ForkResponse(
-                session=info_to_pb(view),
-                source_session_id=result.source_session_id,
+                session=info_to_pb(view, scope),
+                source_session_id=scope.shown(result.source_session_id),
                 step=result.step,
                 from_snapshot_id=result.from_snapshot_id,
                 replayed_steps=result.replayed_steps,
@@ -227,8 +260,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
     async def ExportCheckpoint(
         self, request: pb.ExportCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CheckpointChunk]:
-        async with status.edge(context):
-            blob = await self.manager.export(request.session_id, request.snapshot_id)
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            blob = await self.manager.export(scope.stored(request.session_id), request.snapshot_id)
         view = memoryview(blob)
         count = max(1, -(-len(blob) // CHUNK_BYTES))
         for i in range(count):
@@ -244,16 +278,18 @@ class SessionService(pb_grpc.SessionServiceServicer):
         request_iterator: AsyncIterator[pb.ImportCheckpointRequest],
         context: grpc.aio.ServicerContext,
     ) -> pb.SessionInfo:
-        async with status.edge(context):
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
             header, blob = await self._receive_checkpoint(request_iterator)
             view = await self.manager.import_checkpoint(
                 blob,
-                header.session_id,
+                scope.stored(header.session_id) if header.session_id else "",
                 header.model,
                 config_from_pb(header.config),
                 header.replace,
+                scope.adopted,
             )
-            return info_to_pb(view)
+            return info_to_pb(view, scope)
 
     async def _receive_checkpoint(
         self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest]
@@ -321,9 +357,12 @@ class _StreamReader:
     blocked on a full queue.
     """
 
-    def __init__(self, manager: SessionManager, settings: ServiceSettings) -> None:
+    def __init__(
+        self, manager: SessionManager, settings: ServiceSettings, scope: TenantScope
+    ) -> None:
         self.manager = manager
         self.settings = settings
+        self.scope = scope
         self.answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None] = asyncio.Queue()
         self.slots = asyncio.Semaphore(settings.max_inflight_messages)
         self.failure: SsmserveError | None = None
@@ -355,7 +394,8 @@ class _StreamReader:
                         f"a message may carry at most {limit} steps, this one has "
                         f"{len(request.steps)}; none of them was applied"
                     )
-                future = await self.manager.submit(step.session_id, step.step, step_value(step))
+                sid = self.scope.stored(step.session_id)
+                future = await self.manager.submit(sid, step.step, step_value(step))
             except SsmserveError as exc:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
@@ -384,6 +424,8 @@ def split_results(results: list[pb.StepResult], budget: int) -> Iterator[pb.Stre
 
 
 # ---------------------------------------------------------------------------- conversions
+
+_ALL = TenantScope()  # ids as stored (no tenant to take out)
 
 
 def step_value(step: pb.StepInput) -> int | np.ndarray:
@@ -465,9 +507,10 @@ def config_to_pb(config: SessionConfig) -> pb.SessionConfig:
     )
 
 
-def info_to_pb(view: SessionView) -> pb.SessionInfo:
+def info_to_pb(view: SessionView, scope: TenantScope = _ALL) -> pb.SessionInfo:
     return pb.SessionInfo(
-        session_id=view.session_id,
+        session_id=scope.shown(view.session_id),
+        tenant=tenant_of(view.session_id),
         model=view.model,
         model_fingerprint=view.fingerprint,
         step=view.step,
@@ -523,9 +566,9 @@ def forecast_step_to_pb(item: ForecastStep) -> pb.ForecastStep:
     return out
 
 
-def result_to_pb(outcome: StepOutcome) -> pb.StepResult:
+def result_to_pb(outcome: StepOutcome, scope: TenantScope = _ALL) -> pb.StepResult:
     result = pb.StepResult(
-        session_id=outcome.session_id,
+        session_id=scope.shown(outcome.session_id),
         step=outcome.step,
         replayed=outcome.replayed,
         guard_events=[_guard_event_to_pb(e) for e in outcome.guard_events],
@@ -534,5 +577,5 @@ def result_to_pb(outcome: StepOutcome) -> pb.StepResult:
     if outcome.output is not None:
         result.output.values.extend(outcome.output.tolist())
     if outcome.error is not None:
-        result.error.CopyFrom(status.step_error(outcome.error))
+        result.error.CopyFrom(status.step_error(outcome.error, scope.clean))
     return result

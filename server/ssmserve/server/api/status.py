@@ -62,13 +62,15 @@ def message_of(error: BaseException) -> str:
     return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
-def rich_status(error: SsmserveError) -> status_pb2.Status:
+def rich_status(error: SsmserveError, clean: Callable[[str], str] = str) -> status_pb2.Status:
+    """``clean``: takes the caller's own tenant out of the ids in the message."""
     code = grpc_code(error)
     info = any_pb2.Any()
     info.Pack(
         error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=_redirect(error))
     )
-    return status_pb2.Status(code=code.value[0], message=message_of(error), details=[info])
+    message = clean(message_of(error))
+    return status_pb2.Status(code=code.value[0], message=message, details=[info])
 
 
 def _redirect(error: SsmserveError) -> dict[str, str]:
@@ -77,9 +79,11 @@ def _redirect(error: SsmserveError) -> dict[str, str]:
     return {OWNER_KEY: error.owner, RETRY_AFTER_KEY: str(error.retry_after_ms)}
 
 
-async def abort(context: grpc.aio.ServicerContext, error: SsmserveError) -> NoReturn:
+async def abort(
+    context: grpc.aio.ServicerContext, error: SsmserveError, clean: Callable[[str], str] = str
+) -> NoReturn:
     """End the RPC with ``error``'s status code, message and details."""
-    status = rich_status(error)
+    status = rich_status(error, clean)
     await context.abort(
         grpc_code(error),
         status.message,
@@ -92,12 +96,14 @@ async def abort(context: grpc.aio.ServicerContext, error: SsmserveError) -> NoRe
 
 
 @contextlib.asynccontextmanager
-async def edge(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+async def edge(
+    context: grpc.aio.ServicerContext, clean: Callable[[str], str] = str
+) -> AsyncIterator[None]:
     """Wrap a handler: typed errors end the RPC with their status, bugs with INTERNAL."""
     try:
         yield
     except SsmserveError as exc:
-        await abort(context, exc)
+        await abort(context, exc, clean)
     except (asyncio.CancelledError, grpc.aio.AbortError):
         raise
     except Exception as exc:
@@ -111,9 +117,9 @@ async def abort_internal(context: grpc.aio.ServicerContext, exc: BaseException) 
     raise AssertionError("context.abort returned")
 
 
-def step_error(error: SsmserveError) -> pb.StepError:
+def step_error(error: SsmserveError, clean: Callable[[str], str] = str) -> pb.StepError:
     out = pb.StepError(
-        code=grpc_code(error).value[0], reason=error.reason, message=message_of(error)
+        code=grpc_code(error).value[0], reason=error.reason, message=clean(message_of(error))
     )
     if isinstance(error, SessionMovedError):  # a redirect: where to go, and from when
         out.owner = error.owner

@@ -41,9 +41,15 @@ class PeerSettings:
 class Peers:
     """One channel per peer address, opened on first use and closed with :meth:`close`."""
 
-    def __init__(self, settings: PeerSettings | None = None, tls: TlsConfig | None = None) -> None:
+    def __init__(
+        self,
+        settings: PeerSettings | None = None,
+        tls: TlsConfig | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.settings = settings or PeerSettings()
         self.tls = tls  # the workers' listeners speak TLS: so do these channels
+        self.metadata = metadata  # the cluster secret, when workers require one
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterServiceStub]] = {}
 
     def _stub(self, address: str) -> pb_grpc.ClusterServiceStub:
@@ -74,13 +80,16 @@ class Peers:
             return await self._stub(address).AdoptSession(
                 pb.AdoptSessionRequest(session_id=session_id),
                 timeout=self.settings.adopt_timeout_s,
+                metadata=self.metadata,
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
 
     async def drain(self, address: str) -> AsyncIterator[pb.DrainProgress]:
         call = self._stub(address).Drain(
-            pb.DrainRequest(worker=address), timeout=self.settings.drain_timeout_s
+            pb.DrainRequest(worker=address),
+            timeout=self.settings.drain_timeout_s,
+            metadata=self.metadata,
         )
         try:
             async for progress in call:

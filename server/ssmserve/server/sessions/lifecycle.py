@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -176,8 +176,11 @@ class Lifecycle:
         model_name: str,
         config: SessionConfig,
         replace: bool,
+        adopt_id: Callable[[str], str] = str,
     ) -> str:
-        """A new session from a checkpoint (``replace``: in place of one with its id)."""
+        """A new session from a checkpoint (``replace``: in place of one with its id).
+        Without ``session_id`` it takes the checkpoint's, as ``adopt_id`` maps it (a
+        tenant's import keeps the id in its own tenant)."""
         ckpt = Checkpoint.decode(blob)
         if model_name:
             model = self._model(model_name)
@@ -196,7 +199,7 @@ class Lifecycle:
                 f"the checkpoint is at step {ckpt.step}, beyond the last step a session can "
                 f"take ({MAX_STEP})"
             )
-        session_id = self._new_id(session_id or ckpt.session_id)
+        session_id = self._new_id(session_id or adopt_id(ckpt.session_id))
         config = config.resolve(self.defaults, model.config.output_dim)
         self.loader.check_capacity()
         if replace:
@@ -234,4 +237,4 @@ class Lifecycle:
 
     @staticmethod
     def _new_id(session_id: str) -> str:
-        return check_session_id(session_id) if session_id else secrets.token_hex(8)
+        return check_session_id(session_id, stored=True) if session_id else secrets.token_hex(8)

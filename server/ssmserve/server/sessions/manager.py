@@ -289,12 +289,13 @@ class SessionManager:
         )
 
     async def list(
-        self, page_size: int, page_token: str, model: str
+        self, page_size: int, page_token: str, model: str, prefix: str = ""
     ) -> tuple[list[SessionView], str]:
-        if len(page_token) > 128:
-            raise BadPageTokenError("a page token is at most 128 characters (a session id)")
+        """A page of sessions after ``page_token``; only ids starting with ``prefix``."""
+        if len(page_token) > 200:
+            raise BadPageTokenError("a page token is at most 200 characters (a session id)")
         size = min(page_size or self.settings.list_page_size, self.settings.max_list_page_size)
-        ids = await self.store.list_session_ids(page_token, size)
+        ids = await self.store.list_session_ids(page_token, size, prefix)
         views = []
         for session_id in ids:
             try:
@@ -459,10 +460,18 @@ class SessionManager:
         return await self.lifecycle.export(session_id, snapshot_id)
 
     async def import_checkpoint(
-        self, blob: bytes, session_id: str, model_name: str, config: SessionConfig, replace: bool
+        self,
+        blob: bytes,
+        session_id: str,
+        model_name: str,
+        config: SessionConfig,
+        replace: bool,
+        adopt_id: Callable[[str], str] = str,
     ) -> SessionView:
         return await self.view(
-            await self.lifecycle.import_checkpoint(blob, session_id, model_name, config, replace)
+            await self.lifecycle.import_checkpoint(
+                blob, session_id, model_name, config, replace, adopt_id
+            )
         )
 
     # ------------------------------------------------------------------ hand-off

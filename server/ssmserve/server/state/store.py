@@ -55,16 +55,23 @@ from ssmserve.server.state.store_layout import Keys
 
 T = TypeVar("T")
 
-#: session ids: safe in key names (no braces, which would break the hash tag) and URLs.
+#: A session id as a client gives it: safe in key names (no braces, which would break the
+#: hash tag) and URLs.
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: A stored id: the client's id, behind its tenant and '~' when it has one
+#: (``api.tenancy``), so tenants' ids never meet.
+STORED_ID_PATTERN = re.compile(
+    r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,63}~)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+)
 
 
 class BadSessionIdError(SsmserveError):
     """A session id that is not 1-128 letters, digits, '.', '_' or '-'."""
 
 
-def check_session_id(session_id: str) -> str:
-    if not SESSION_ID_PATTERN.fullmatch(session_id):
+def check_session_id(session_id: str, stored: bool = False) -> str:
+    """``session_id`` if it is a valid client id (``stored``: a valid stored id)."""
+    if not (STORED_ID_PATTERN if stored else SESSION_ID_PATTERN).fullmatch(session_id):
         raise BadSessionIdError(
             f"session id {clip(session_id)} is invalid: use 1-128 letters, digits, '.', "
             f"'_' or '-', starting with a letter or digit"
@@ -280,7 +287,7 @@ class Store:
         self._close = self.redis.register_script(layout.CLOSE)
 
     def keys(self, session_id: str) -> Keys:
-        return Keys(self.settings.key_prefix, check_session_id(session_id))
+        return Keys(self.settings.key_prefix, check_session_id(session_id, stored=True))
 
     async def ping(self) -> None:
         await _guarded(self.redis.ping)
@@ -338,10 +345,13 @@ class Store:
         raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
         return SessionMeta.from_hash(session_id, raw) if raw else None
 
-    async def list_session_ids(self, after: str, count: int) -> list[str]:
-        start = f"({after}" if after else "-"
+    async def list_session_ids(self, after: str, count: int, prefix: str = "") -> list[str]:
+        """Up to ``count`` ids after ``after``, in order; only those starting with
+        ``prefix`` (a tenant's, ending in '~': every later character sorts below DEL)."""
+        start = f"({after}" if after else (f"[{prefix}" if prefix else "-")
+        end = f"({prefix}\x7f" if prefix else "+"
         ids = await _guarded(
-            lambda: self.redis.zrangebylex(self._index, start, "+", start=0, num=count)
+            lambda: self.redis.zrangebylex(self._index, start, end, start=0, num=count)
         )
         return [i.decode(errors="replace") for i in ids]
 
@@ -659,7 +669,7 @@ class Store:
 
     async def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session (tests and operators; SCAN, so not for hot paths)."""
-        pattern = f"{self.settings.key_prefix}:{{{check_session_id(session_id)}}}:*"
+        pattern = f"{self.settings.key_prefix}:{{{check_session_id(session_id, stored=True)}}}:*"
         return sorted(
             [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
         )

@@ -1,0 +1,262 @@
+"""Bearer tokens, roles and tenants: who may call what, and on whose sessions.
+
+An authorization matrix over every SessionService RPC x {no token, tenant A's client,
+tenant B's client, operator, admin} x {A's session, B's session}: the exact status code,
+and nothing changed where the call was refused. Plus the token file: made by the CLI,
+hashes only, reloaded when it changes; and the loopback-only rule without tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from ssmserve.client.aio import step_input
+from ssmserve.client.cli import main as cli_main
+from ssmserve.client.sync import Client
+from ssmserve.server.api.auth import TokenFileError, parse_token_file, token_hash
+from ssmserve.server.worker import ExposedWithoutAuthError, WorkerSettings, check_exposure
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+from tests.conftest import random_inputs
+
+OK = grpc.StatusCode.OK
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+
+def make_token(capsys, path: Path, tenant: str, role: str) -> str:
+    assert cli_main(["auth", "token", "--tenant", tenant, "--role", role, "--file", str(path)]) == 0
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def tokens(tmp_path: Path, capsys) -> dict[str, Any]:
+    path = tmp_path / "tokens.toml"
+    made = {
+        "a": make_token(capsys, path, "tenant-a", "client"),
+        "b": make_token(capsys, path, "tenant-b", "client"),
+        "operator": make_token(capsys, path, "ops", "operator"),
+        "admin": make_token(capsys, path, "ops", "admin"),
+    }
+    return {"path": path, **made}
+
+
+def test_token_file_holds_hashes_only_and_refuses_bad_entries(tokens, capsys) -> None:
+    text = tokens["path"].read_text()
+    assert oct(tokens["path"].stat().st_mode & 0o777) == "0o600"
+    for who in ("a", "b", "operator", "admin"):
+        assert tokens[who].startswith("ssm_") and tokens[who] not in text
+        assert token_hash(tokens[who]) in text
+    principals = parse_token_file(text)
+    assert {(p.tenant, p.role.value) for p in principals.values()} == {
+        ("tenant-a", "client"), ("tenant-b", "client"), ("ops", "operator"), ("ops", "admin"),
+    }  # fmt: skip
+    for bad in (
+        '[[token]]\nsha256 = "xyz"\ntenant = "t"\nrole = "client"\n',
+        f'[[token]]\nsha256 = "{"0" * 64}"\ntenant = "a~b"\nrole = "client"\n',
+        f'[[token]]\nsha256 = "{"0" * 64}"\ntenant = "t"\nrole = "worker"\n',
+        "not toml [",
+    ):
+        with pytest.raises(TokenFileError):
+            parse_token_file(bad)
+    # The CLI never appends to a file the server would refuse.
+    broken = tokens["path"].parent / "broken.toml"
+    broken.write_text("not toml [")
+    code = cli_main(["auth", "token", "--tenant", "t", "--role", "client", "--file", str(broken)])
+    assert code == 2 and "not TOML" in capsys.readouterr().err
+    assert broken.read_text() == "not toml ["
+
+
+class Caller:
+    """Raw calls with a given token (no redirects, no retries), on one client's loop."""
+
+    def __init__(self, client: Client, address: str, token: str | None) -> None:
+        self.client, self.address = client, address
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def code(self, rpc: str, request: Any) -> grpc.StatusCode:
+        return self.client._run(self._code(rpc, request))
+
+    async def _code(self, rpc: str, request: Any) -> grpc.StatusCode:
+        stub = pb_grpc.SessionServiceStub(self.client._aio.router.worker(self.address).channel)
+        method = getattr(stub, rpc)
+        try:
+            if rpc == "Stream":
+                responses = [r async for r in method(iter([request]), metadata=self.metadata)]
+                errors = [r.error.code for x in responses for r in x.results if r.HasField("error")]
+                return grpc.StatusCode.OK if not errors else _code_of(errors[0])
+            if rpc == "ImportCheckpoint":
+                await method(iter(request), metadata=self.metadata, timeout=10)
+            elif rpc in ("ExportCheckpoint", "Forecast"):
+                async for _ in method(request, metadata=self.metadata, timeout=10):
+                    pass
+            else:
+                await method(request, metadata=self.metadata, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+
+def _code_of(number: int) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == number)
+
+
+def _requests(sid: str, step: int, x: np.ndarray, blob: bytes) -> dict[str, Any]:
+    """One request per session RPC against session ``sid`` (client-side id)."""
+    chunk = pb.CheckpointChunk(index=0, data=blob, total_size=len(blob), last=True)
+    return {
+        "GetSession": pb.GetSessionRequest(session_id=sid),
+        "ListSnapshots": pb.ListSnapshotsRequest(session_id=sid),
+        "Snapshot": pb.SnapshotRequest(session_id=sid),
+        "Stream": pb.StreamRequest(steps=[step_input(sid, step + 1, x)]),
+        "Rollback": pb.RollbackRequest(session_id=sid, step=step),
+        "Forecast": pb.ForecastRequest(session_id=sid, horizon=2),
+        "Fork": pb.ForkRequest(session_id=sid),
+        "ExportCheckpoint": pb.ExportCheckpointRequest(session_id=sid),
+        "ImportCheckpoint": [
+            pb.ImportCheckpointRequest(header=pb.ImportHeader(session_id=sid, replace=True)),
+            pb.ImportCheckpointRequest(chunk=chunk),
+        ],
+        "CloseSession": pb.CloseSessionRequest(session_id=sid),
+    }
+
+
+def test_authorization_matrix(start_worker, served_models, tokens) -> None:
+    w = start_worker(auth_tokens=tokens["path"], client_tls=None)
+    model = served_models["demo"]
+    x = random_inputs(model, 4, seed=51)
+    with (
+        Client(w.address, token=tokens["a"]) as a,
+        Client(w.address, token=tokens["b"]) as b,
+        Client(w.address, token=tokens["admin"]) as admin,
+    ):
+        # The same id in two tenants: two sessions that never meet.
+        a.create_session("demo", session_id="shared")
+        b.create_session("demo", session_id="shared")
+        list(a.stream_steps("shared", list(x[:2])))
+        list(b.stream_steps("shared", list(x[:3])))
+        assert a.get_session("shared").step == 2 and b.get_session("shared").step == 3
+        assert [s.session_id for s in a.list_sessions()] == ["shared"]
+        info = a.get_session("shared")
+        assert info.tenant == "tenant-a"
+        stored = sorted(s.session_id for s in admin.list_sessions())
+        assert stored == ["tenant-a~shared", "tenant-b~shared"]
+        blob = b.export_checkpoint("shared")
+
+        def snapshot_of(stored_id: str) -> tuple[int, int]:
+            info = admin.get_session(stored_id)
+            return info.step, info.snapshot_count
+
+        def caller(who: str | None) -> Caller:
+            return Caller(w.client, w.address, tokens[who] if who else None)
+
+        before_b = snapshot_of("tenant-b~shared")
+        # No token: nothing at all, not even a listing.
+        for rpc, request in _requests("shared", 3, x[3], blob).items():
+            assert caller(None).code(rpc, request) == UNAUTHENTICATED, rpc
+        assert caller(None).code("ListSessions", pb.ListSessionsRequest()) == UNAUTHENTICATED
+        bogus = Caller(w.client, w.address, "ssm_not-a-token")
+        assert bogus.code("GetSession", pb.GetSessionRequest(session_id="x")) == UNAUTHENTICATED
+        # Tenant A names "shared" and gets its own; B's is untouched by any of it.
+        for rpc, request in _requests("tenant-b~shared", 3, x[3], blob).items():
+            got = caller("a").code(rpc, request)
+            # A client's ids are plain ids: another tenant's stored id is not even valid.
+            assert got in (NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), (rpc, got)
+        assert snapshot_of("tenant-b~shared") == before_b
+        # Operators read every tenant's sessions and may change none.
+        operator = caller("operator")
+        for rpc, request in _requests("tenant-b~shared", 3, x[3], blob).items():
+            want = OK if rpc in ("GetSession", "ListSnapshots") else DENIED
+            assert operator.code(rpc, request) == want, rpc
+        assert operator.code("ListSessions", pb.ListSessionsRequest()) == OK
+        assert snapshot_of("tenant-b~shared") == before_b
+        # The admin may do everything, on any tenant (by stored id).
+        for rpc, request in _requests("tenant-b~shared", 3, x[3], blob).items():
+            if rpc == "ImportCheckpoint":
+                continue  # replaces the session: checked below on a copy of its own
+            assert caller("admin").code(rpc, request) == OK, rpc
+        # A client does everything on its own sessions (the last closes it).
+        for rpc, request in _requests("shared", 2, x[2], blob).items():
+            assert caller("a").code(rpc, request) == OK, rpc
+
+
+def test_cluster_rpcs_by_role(start_worker, tokens) -> None:
+    w = start_worker(auth_tokens=tokens["path"])
+
+    def code(who: str, rpc: str, request: Any) -> grpc.StatusCode:
+        async def call() -> grpc.StatusCode:
+            channel = w.client._aio.router.worker(w.address).channel
+            method = getattr(pb_grpc.ClusterServiceStub(channel), rpc)
+            metadata = (("authorization", f"Bearer {tokens[who]}"),)
+            try:
+                await method(request, metadata=metadata, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return OK
+
+        return w.client._run(call())
+
+    workers = pb.ListWorkersRequest()
+    assert code("a", "ListWorkers", workers) == DENIED
+    assert code("operator", "ListWorkers", workers) == OK
+    adopt = pb.AdoptSessionRequest(session_id="nope")
+    assert code("operator", "AdoptSession", adopt) == DENIED  # workers (and admins) only
+    assert code("admin", "AdoptSession", adopt) == NOT_FOUND
+
+
+def test_health_stays_open_and_tokens_reload(start_worker, tokens, capsys) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    w = start_worker(auth_tokens=tokens["path"])
+
+    async def health() -> int:
+        channel = w.client._aio.router.worker(w.address).channel
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        return reply.status
+
+    assert w.client._run(health()) == health_pb2.HealthCheckResponse.SERVING
+    # A token made after the worker started works once the file is read again.
+    late = make_token(capsys, tokens["path"], "tenant-c", "client")
+    stamp = tokens["path"].stat().st_mtime + 5
+    os.utime(tokens["path"], (stamp, stamp))
+    w.call(asyncio.sleep(0))
+    assert w.worker.tokens is not None
+    w.worker.tokens.reload()
+    with Client(w.address, token=late) as c:
+        assert c.list_sessions() == []
+    # A broken file keeps the tokens as they were.
+    tokens["path"].write_text("broken [")
+    assert not w.worker.tokens.reload(force=True)
+    with Client(w.address, token=late) as c:
+        assert c.list_sessions() == []
+
+
+def test_without_tokens_only_loopback_is_served(model_dirs, tmp_path: Path) -> None:
+    models = tuple(model_dirs.items())
+    for listen in ("0.0.0.0:50051", "10.1.2.3:50051", "[::]:50051", "worker.example:1"):
+        with pytest.raises(ExposedWithoutAuthError, match="--auth-tokens"):
+            check_exposure(WorkerSettings(models=models, listen=listen))
+        check_exposure(WorkerSettings(models=models, listen=listen, insecure=True))
+        check_exposure(WorkerSettings(models=models, listen=listen, auth_tokens=tmp_path))
+    for listen in ("127.0.0.1:0", "[::1]:50051", "localhost:50051", "127.3.4.5:1"):
+        check_exposure(WorkerSettings(models=models, listen=listen))
+
+
+def test_cli_sends_the_token(start_worker, tokens, capsys, monkeypatch) -> None:
+    w = start_worker(auth_tokens=tokens["path"])
+    assert cli_main(["--server", w.address, "session", "list"]) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert cli_main(["--server", w.address, "--token", tokens["a"], "session", "list"]) == 0
+    monkeypatch.setenv("SSMSERVE_TOKEN", tokens["operator"])
+    assert cli_main(["--server", w.address, "workers"]) == 0
+    capsys.readouterr()
