@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ssmserve.client.cli import main
+from ssmserve.client.sync import Client
 from ssmserve.server.state.checkpoint import Checkpoint
 from tests.conftest import random_inputs
 
@@ -229,6 +230,15 @@ def test_cluster_commands_workers_migrate_drain(start_worker, served_models, tmp
     assert code == 0 and lines[-1] == f"drained {b.address}: 1 sessions"
     assert lines[0] == f"[1/1] {sid} -> {a.address}"
     assert a.client.get_session(sid).owner == a.address
+    # A drain can be undone (here relayed through A): B takes sessions again.
+    assert any(w.draining for w in a.client.list_workers() if w.address == b.address)
+    with Client(b.address, discover=False) as only_b:
+        assert only_b.create_session("demo").owner == a.address  # B sends creates away
+    code, out, err = cli(capsys, "--server", a.address, "undrain", b.address)
+    assert code == 0 and out.strip() == f"{b.address} serves again (draining: false)", err
+    assert not any(w.draining for w in a.client.list_workers())
+    with Client(b.address, discover=False) as only_b:
+        assert only_b.create_session("demo").owner == b.address
 
 
 def test_forecast_and_fork_through_the_cli(worker, served_models, tmp_path, capsys):

@@ -367,6 +367,12 @@ class AsyncClient:
             async for progress in call:
                 yield progress
 
+    async def undrain(self, worker: str = "") -> pb.WorkerInfo:
+        """Undo a drain of ``worker`` (default: the first address): it serves again."""
+        request = pb.UndrainRequest(worker=worker)
+        reply: pb.WorkerInfo = await self.router.call(lambda w: w.cluster.Undrain(request))
+        return reply
+
 
 def _import_requests(header: pb.ImportHeader, blob: bytes) -> Iterator[pb.ImportCheckpointRequest]:
     yield pb.ImportCheckpointRequest(header=header)

@@ -201,11 +201,15 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     drain.add_argument(
         "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
     )
+    undrain = commands.add_parser("undrain", help="undo a drain: the worker serves again")
+    undrain.add_argument(
+        "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
+    )
 
 
 SERVICE_COMMANDS = {
     "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain",
+    "workers", "migrate", "drain", "undrain",
 }  # fmt: skip
 
 
@@ -233,6 +237,7 @@ def run(args: argparse.Namespace) -> None:
             "workers": _workers,
             "migrate": _migrate,
             "drain": _drain,
+            "undrain": _undrain,
         }[args.command]
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
         handler(client, args)
@@ -465,3 +470,8 @@ def _drain(client: Client, args: argparse.Namespace) -> None:
         error = f" ({p.error})" if p.error else ""
         print(f"[{p.done}/{p.total}] {p.session_id} {where}{error}", flush=True)
     print(f"drained {worker}: {done} sessions")
+
+
+def _undrain(client: Client, args: argparse.Namespace) -> None:
+    info = client.undrain(args.worker or args.server)
+    print(f"{info.address} serves again (draining: {str(info.draining).lower()})")

@@ -493,6 +493,12 @@ class DrainProgress(_message.Message):
     error: str
     def __init__(self, session_id: _Optional[str] = ..., target: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
+class UndrainRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    def __init__(self, worker: _Optional[str] = ...) -> None: ...
+
 class AdoptSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

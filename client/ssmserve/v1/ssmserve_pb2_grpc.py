@@ -617,6 +617,11 @@ class ClusterServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainProgress.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/ssmserve.v1.ClusterService/Undrain',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.WorkerInfo.FromString,
+                _registered_method=True)
         self.AdoptSession = channel.unary_unary(
                 '/ssmserve.v1.ClusterService/AdoptSession',
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.SerializeToString,
@@ -658,6 +663,15 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Undo a drain: the worker serves and takes sessions again (sessions already moved
+        stay where they went). A drain also ends when the worker restarts. Any worker may
+        receive this; FAILED_PRECONDITION while the worker is stopping.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AdoptSession(self, request, context):
         """Worker to worker: acquire a session the owner has reserved for the receiver.
         """
@@ -682,6 +696,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.DrainProgress.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.UndrainRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.WorkerInfo.SerializeToString,
             ),
             'AdoptSession': grpc.unary_unary_rpc_method_handler(
                     servicer.AdoptSession,
@@ -779,6 +798,33 @@ class ClusterService:
             '/ssmserve.v1.ClusterService/Drain',
             ssmserve_dot_v1_dot_ssmserve__pb2.DrainRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/Undrain',
+            ssmserve_dot_v1_dot_ssmserve__pb2.UndrainRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

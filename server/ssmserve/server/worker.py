@@ -44,7 +44,7 @@ from ssmserve.server.engine.numerics import (
     numerics_signature,
     pin_blas_threads,
 )
-from ssmserve.server.errors import SsmserveError
+from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
 from ssmserve.server.state.store import Store, StoreSettings
 from ssmserve.server.state.store_errors import StoreUnavailableError
@@ -118,6 +118,10 @@ def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
     ]
 
 
+class WorkerStoppingError(SsmserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
 class ExposedWithoutAuthError(SsmserveError):
     """A listener beyond loopback with no authentication, and no --insecure."""
 
@@ -162,6 +166,7 @@ class Worker:
             peer_metadata(secret),
         )
         self.certificates: ReloadingCertificates | None = None
+        self.stopping = False  # stop() began: no undrain
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
@@ -223,8 +228,9 @@ class Worker:
         )
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         self.migrator = Migrator(
-            manager, self.ownership, self.peers, s.migration, on_drain=self._not_serving
-        )
+            manager, self.ownership, self.peers, s.migration,
+            on_drain=self._not_serving, on_undrain=self._serving_again,
+        )  # fmt: skip
         await manager.warm_up()  # ready means warm: no request compiles a kernel
         manager.start()
         self.service = SessionService(
@@ -263,6 +269,12 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
+    async def _serving_again(self) -> None:
+        if self.stopping:
+            raise WorkerStoppingError("this worker is stopping; it cannot be undrained")
+        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
     async def _not_serving(self) -> None:
         for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -273,6 +285,7 @@ class Worker:
         return [p async for p in self.migrator.drain()]
 
     async def stop(self) -> None:
+        self.stopping = True
         await self._not_serving()
         if self.migrator is not None and self.settings.drain_on_stop:
             try:

@@ -61,7 +61,7 @@ _SESSION_RPCS = (
     "ListSnapshots", "Rollback", "ExportCheckpoint", "ImportCheckpoint", "Forecast", "Fork",
 )  # fmt: skip
 _READ_RPCS = ("GetSession", "ListSessions", "ListSnapshots")
-_CLUSTER_OPERATIONS = ("ListWorkers", "Migrate", "Drain")
+_CLUSTER_OPERATIONS = ("ListWorkers", "Migrate", "Drain", "Undrain")
 
 #: Each role's methods (full gRPC names). Health and reflection are open to anyone.
 ALLOWED: dict[Role, frozenset[str]] = {

@@ -1,4 +1,5 @@
-"""The gRPC edge of the cluster operations: ListWorkers, Migrate, Drain, AdoptSession."""
+"""The gRPC edge of the cluster operations: ListWorkers, Migrate, Drain, Undrain,
+AdoptSession."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
                     total=p.total,
                     error=p.error,
                 )
+
+    async def Undrain(
+        self, request: pb.UndrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WorkerInfo:
+        async with status.edge(context):
+            if request.worker and request.worker != self.ownership.address:
+                if await self.ownership.worker_at(request.worker) is None:
+                    raise UnknownWorkerError(
+                        f"no live worker is registered at {clip(request.worker)}"
+                    )
+                return await self.migrator.peers.undrain(request.worker)
+            await self.migrator.undrain()
+            return worker_to_pb(self.ownership.record())
 
     async def AdoptSession(
         self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext

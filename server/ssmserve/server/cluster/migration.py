@@ -99,12 +99,14 @@ class Migrator:
         peers: Peers,
         settings: MigrationSettings,
         on_drain: Callable[[], Awaitable[None]],
+        on_undrain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.manager = manager
         self.ownership = ownership
         self.peers = peers
         self.settings = settings
         self._on_drain = on_drain
+        self._on_undrain = on_undrain
 
     @property
     def address(self) -> str:
@@ -208,6 +210,14 @@ class Migrator:
                 done += 1
                 yield DrainProgress(session_id, target, done, total, error)
         log.info("drained: %d sessions moved or parked", done)
+
+    async def undrain(self) -> None:
+        """Serve again after a drain: take sessions and new ones (the worker's own word
+        first, ``on_undrain``, which refuses while the worker is stopping)."""
+        if self._on_undrain is not None:
+            await self._on_undrain()
+        await self.ownership.set_draining(False)
+        log.info("undrained: serving again")
 
     async def _drain_one(
         self, session_id: str, planned: dict[str, int], gate: asyncio.Semaphore

@@ -142,8 +142,8 @@ class Ownership:
     async def heartbeat(self) -> None:
         await self.store.register_worker(self.record(), int(self.settings.worker_ttl_s * 1000))
 
-    async def set_draining(self) -> None:
-        self.draining = True
+    async def set_draining(self, draining: bool = True) -> None:
+        self.draining = draining
         await self.heartbeat()
 
     async def renew(self, leases: Sequence[SessionLease] | None = None) -> None:

@@ -85,6 +85,16 @@ class Peers:
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
 
+    async def undrain(self, address: str) -> pb.WorkerInfo:
+        try:
+            return await self._stub(address).Undrain(
+                pb.UndrainRequest(worker=address),
+                timeout=self.settings.adopt_timeout_s,
+                metadata=self.metadata,
+            )
+        except grpc.RpcError as exc:
+            raise PeerError(f"worker {address}: {_describe(exc)}") from None
+
     async def drain(self, address: str) -> AsyncIterator[pb.DrainProgress]:
         call = self._stub(address).Drain(
             pb.DrainRequest(worker=address),
