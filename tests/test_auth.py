@@ -260,3 +260,27 @@ def test_cli_sends_the_token(start_worker, tokens, capsys, monkeypatch) -> None:
     monkeypatch.setenv("SSMSERVE_TOKEN", tokens["operator"])
     assert cli_main(["--server", w.address, "workers"]) == 0
     capsys.readouterr()
+
+
+def test_exports_are_signed_and_only_signed_imports_come_back(start_worker, model_dirs) -> None:
+    from dataclasses import replace
+
+    from ssmserve.client.errors import InvalidArgument
+    from ssmserve.server.api.service import ServiceSettings
+    from ssmserve.server.state.checkpoint_signing import TRAILER_BYTES
+
+    key = b"a-shared-checkpoint-key-0123456789"
+    strict = replace(ServiceSettings(), checkpoint_key=key, require_signed_checkpoints=True)
+    w = start_worker(service=strict)
+    plain = start_worker()  # no key: exports unsigned, imports anything (stripping trailers)
+    sid = w.client.create_session("demo").session_id
+    signed = w.client.export_checkpoint(sid)
+    unsigned = plain.client.export_checkpoint(plain.client.create_session("demo").session_id)
+    assert w.client.import_checkpoint(signed, "back").session_id == "back"
+    tampered = bytearray(signed)
+    tampered[-TRAILER_BYTES - 5] ^= 1
+    for blob in (unsigned, bytes(tampered), signed[:-TRAILER_BYTES]):
+        with pytest.raises(InvalidArgument, match="sign"):
+            w.client.import_checkpoint(blob, "refused")
+    assert "refused" not in {s.session_id for s in w.client.list_sessions()}
+    assert plain.client.import_checkpoint(signed, "stripped").step == 0

@@ -242,3 +242,29 @@ def test_the_output_of_the_step_round_trips_and_is_optional(signal_model: MambaM
     )  # fmt: skip
     with pytest.raises(CheckpointModelMismatchError, match="model outputs 3 values"):
         Checkpoint.decode(wrong.encode()).check_model(signal_model)
+
+
+def test_signed_exports_verify_and_forgeries_are_refused() -> None:
+    from ssmserve.server.state.checkpoint_signing import (
+        TRAILER_BYTES,
+        CheckpointSignatureError,
+        sign,
+        unwrap,
+    )
+
+    blob, key = b"checkpoint bytes" * 10, b"k" * 32
+    signed = sign(blob, key)
+    assert len(signed) == len(blob) + TRAILER_BYTES
+    assert unwrap(signed, key, required=True) == (blob, True)
+    assert unwrap(signed, None, required=False) == (blob, False)  # no key: unverified
+    assert unwrap(blob, key, required=False) == (blob, False)
+    tampered = bytearray(signed)
+    tampered[3] ^= 1
+    for bad, required in (
+        (bytes(tampered), False),  # a changed body
+        (sign(blob, b"x" * 32), False),  # another key
+        (blob, True),  # unsigned where a signature is required
+        (signed, True),  # a signature this worker cannot check
+    ):
+        with pytest.raises(CheckpointSignatureError):
+            unwrap(bad, None if bad is signed else key, required)

@@ -4,14 +4,16 @@
                     [--data-dir DIR] [--advertise HOST:PORT] [--lease-ttl S]
                     [--redis-timeout S] [--keepalive S] [--keepalive-timeout S]
                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
-                    [--auth-tokens FILE] [--cluster-secret FILE] [--insecure] [--demo]
+                    [--auth-tokens FILE] [--cluster-secret FILE] [--insecure]
+                    [--checkpoint-key FILE [--require-signed-checkpoints]] [--demo]
 
 Every flag has an environment variable, used when the flag is absent:
 ``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
 ``SSMSERVE_DATA_DIR``, ``SSMSERVE_ADVERTISE``, ``SSMSERVE_LEASE_TTL``,
 ``SSMSERVE_REDIS_TIMEOUT``, ``SSMSERVE_KEEPALIVE``, ``SSMSERVE_KEEPALIVE_TIMEOUT``,
 ``SSMSERVE_TLS_CERT``, ``SSMSERVE_TLS_KEY``, ``SSMSERVE_TLS_CLIENT_CA``,
-``SSMSERVE_AUTH_TOKENS``, ``SSMSERVE_CLUSTER_SECRET``, ``SSMSERVE_INSECURE=1``.
+``SSMSERVE_AUTH_TOKENS``, ``SSMSERVE_CLUSTER_SECRET``, ``SSMSERVE_INSECURE=1``,
+``SSMSERVE_CHECKPOINT_KEY``, ``SSMSERVE_REQUIRE_SIGNED_CHECKPOINTS=1``.
 Without ``--auth-tokens`` the worker serves loopback addresses only, unless
 ``--insecure``. SIGHUP reads the token file again.
 Without a Redis URL the worker starts a private redis-server (AOF on) in
@@ -38,6 +40,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ssmserve.server.api.auth import load_secret
+from ssmserve.server.api.service import ServiceSettings
 from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
@@ -157,6 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a non-loopback address without --auth-tokens (anyone who reaches it "
         "can call every RPC); refused otherwise",
     )
+    parser.add_argument(
+        "--checkpoint-key",
+        type=Path,
+        default=env("SSMSERVE_CHECKPOINT_KEY"),
+        metavar="FILE",
+        help="HMAC key (16+ bytes) that signs every exported checkpoint; imports signed "
+        "with another key are refused",
+    )
+    parser.add_argument(
+        "--require-signed-checkpoints",
+        action="store_true",
+        default=env("SSMSERVE_REQUIRE_SIGNED_CHECKPOINTS", "") == "1",
+        help="import only checkpoints signed with --checkpoint-key",
+    )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -195,7 +213,18 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         )
     elif args.tls_client_ca:
         raise SystemExit("ssmserve-server: error: --tls-client-ca needs --tls-cert and --tls-key")
+    if args.require_signed_checkpoints and not args.checkpoint_key:
+        raise SystemExit(
+            "ssmserve-server: error: --require-signed-checkpoints needs --checkpoint-key"
+        )
+    service = ServiceSettings(
+        checkpoint_key=load_secret(Path(args.checkpoint_key), "checkpoint key")
+        if args.checkpoint_key
+        else None,
+        require_signed_checkpoints=args.require_signed_checkpoints,
+    )
     return WorkerSettings(
+        service=service,
         tls=tls,
         auth_tokens=Path(args.auth_tokens) if args.auth_tokens else None,
         cluster_secret=Path(args.cluster_secret) if args.cluster_secret else None,

@@ -324,12 +324,15 @@ def _refusal(
 
 
 def load_cluster_secret(path: Path | None) -> bytes | None:
-    if path is None:
-        return None
+    return None if path is None else load_secret(path, "cluster secret")
+
+
+def load_secret(path: Path, what: str) -> bytes:
+    """A shared secret from a file (surrounding whitespace dropped; 16 bytes at least)."""
     try:
         secret = path.read_bytes().strip()
     except OSError as exc:
-        raise TokenFileError(f"cluster secret {path}: {exc.strerror or exc}") from None
+        raise TokenFileError(f"{what} {path}: {exc.strerror or exc}") from None
     if len(secret) < 16:
-        raise TokenFileError(f"cluster secret {path}: use at least 16 random characters")
+        raise TokenFileError(f"{what} {path}: use at least 16 random characters")
     return secret

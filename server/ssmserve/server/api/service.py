@@ -32,6 +32,7 @@ from ssmserve.server.sessions.guards import (
 from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.sessions.records import RollbackTarget, SessionView
 from ssmserve.server.sessions.session import SnapshotEvent, StepOutcome
+from ssmserve.server.state import checkpoint_signing
 from ssmserve.server.state.store import SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -61,6 +62,9 @@ class ServiceSettings:
     max_steps_per_message: int = 4096
     max_inflight_messages: int = 64  # per stream: messages read ahead of their answers
     max_import_bytes: int = 1 << 30  # largest checkpoint ImportCheckpoint accepts
+    # HMAC key for exported checkpoints (state/checkpoint_signing.py); None: unsigned.
+    checkpoint_key: bytes | None = None
+    require_signed_checkpoints: bool = False  # imports must carry a valid signature
 
 
 class SessionService(pb_grpc.SessionServiceServicer):
@@ -263,6 +267,8 @@ class SessionService(pb_grpc.SessionServiceServicer):
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
             blob = await self.manager.export(scope.stored(request.session_id), request.snapshot_id)
+            if self.settings.checkpoint_key is not None:
+                blob = checkpoint_signing.sign(blob, self.settings.checkpoint_key)
         view = memoryview(blob)
         count = max(1, -(-len(blob) // CHUNK_BYTES))
         for i in range(count):
@@ -281,6 +287,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
             header, blob = await self._receive_checkpoint(request_iterator)
+            blob, _verified = checkpoint_signing.unwrap(
+                blob, self.settings.checkpoint_key, self.settings.require_signed_checkpoints
+            )
             view = await self.manager.import_checkpoint(
                 blob,
                 scope.stored(header.session_id) if header.session_id else "",
