@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import Store, WorkerRecord
-from ssmserve.server.state.store_errors import LeaseExpiredError
+from ssmserve.server.state.store_errors import LeaseExpiredError, SessionMissingError
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,10 @@ class Ownership:
                 lease.expire()
                 self._on_expired(lease)
             else:
-                log.warning("session %s: lease not renewed: %s", lease.session_id, error)
+                # A session closed while its renewal was on the way is gone as it should
+                # be; only a lease lost to another worker is worth a warning.
+                level = logging.INFO if isinstance(error, SessionMissingError) else logging.WARNING
+                log.log(level, "session %s: lease not renewed: %s", lease.session_id, error)
                 lease.expire()
                 self._on_lost(lease, error)
 

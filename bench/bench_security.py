@@ -1,0 +1,216 @@
+"""What TLS and bearer tokens cost a served step, side by side with plaintext, in one run.
+
+Usage: ``.venv/bin/python bench/bench_security.py [--quick] [--json OUT]``
+
+Processes: one redis-server (private), three ``ssmserve-server`` workers serving the
+demo model on it: plaintext, TLS, and TLS + ``--auth-tokens`` (every call checked by the
+interceptor and scoped to the token's tenant). Certificates are made here (cryptography).
+This process is the client (grpc.aio). Rounds alternate the three workers, so drift on
+this shared machine hits them alike; the ratios are the result.
+
+Measured:
+- step latency p50/p99: one session, one step per message, ping-pong on one stream;
+- throughput: 64 sessions, one stream each, ping-pong, all at once (steps/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpc
+from common import table
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ssmserve.client.aio import step_input
+from ssmserve.server.api.auth import token_entry, token_hash
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.main import ensure_demo_model
+from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+TOKEN = "ssm_bench-token-not-secret"
+
+
+def make_pki(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and a certificate for 127.0.0.1 signed by it: (ca, cert, key) PEM files."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder().subject_name(name("bench-ca")).issuer_name(name("bench-ca"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder().subject_name(name("worker")).issuer_name(ca.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"{cmd} did not start")
+    return proc, line.split()[-1]
+
+
+class Target:
+    """One worker and how to reach it."""
+
+    def __init__(self, name: str, address: str, ca: Path | None, token: str | None) -> None:
+        self.name, self.address = name, address
+        self.credentials = grpc.ssl_channel_credentials(ca.read_bytes()) if ca else None
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.latency: list[float] = []
+        self.throughput: list[float] = []
+
+    def channel(self) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(self.address)
+        return grpc.aio.secure_channel(self.address, self.credentials)
+
+
+async def ping_pong(target: Target, stub: pb_grpc.SessionServiceStub, steps: int) -> list[float]:
+    """Seconds per step on one stream, one step per message."""
+    sid = (await stub.CreateSession(pb.CreateSessionRequest(model="demo"),
+                                    metadata=target.metadata)).session_id  # fmt: skip
+    x = np.random.default_rng(0).standard_normal((steps, 4)).astype(np.float32)
+    queue: asyncio.Queue[pb.StreamRequest | None] = asyncio.Queue()
+
+    async def requests():
+        while (request := await queue.get()) is not None:
+            yield request
+
+    call = stub.Stream(requests(), metadata=target.metadata)
+    times = []
+    for t in range(steps):
+        t0 = time.perf_counter()
+        await queue.put(pb.StreamRequest(steps=[step_input(sid, t + 1, x[t])]))
+        response = await call.read()
+        assert not response.results[0].HasField("error"), response
+        times.append(time.perf_counter() - t0)
+    await queue.put(None)
+    await stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=target.metadata)
+    return times
+
+
+async def measure(target: Target, steps: int, sessions: int) -> None:
+    async with target.channel() as channel:
+        stub = pb_grpc.SessionServiceStub(channel)
+        times = await ping_pong(target, stub, steps)
+        target.latency.extend(times[5:])  # the first steps open the connection
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(ping_pong(target, stub, steps) for _ in range(sessions)))
+        elapsed = time.perf_counter() - t0
+        target.throughput.append(sum(len(d) for d in done) / elapsed)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
+    rounds, steps, sessions = (2, 40, 64) if args.quick else (5, 200, 64)
+    with (
+        tempfile.TemporaryDirectory() as tmp_dir,
+        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp_dir) / "redis")) as redis_server,
+    ):
+        tmp = Path(tmp_dir)
+        model = ensure_demo_model(tmp / "demo")
+        ca, cert, key = make_pki(tmp)
+        tokens = tmp / "tokens.toml"
+        tokens.write_text(token_entry(token_hash(TOKEN), "bench", "client"))
+        base = [sys.executable, "-m", "ssmserve.server.main", "--model", f"demo={model}",
+                "--listen", "127.0.0.1:0", "--redis-url", redis_server.url]  # fmt: skip
+        tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+        procs = []
+        try:
+            targets = []
+            for name, extra, use_ca, token in (
+                ("plaintext", [], False, None),
+                ("TLS", tls, True, None),
+                ("TLS + token", [*tls, "--auth-tokens", str(tokens)], True, TOKEN),
+            ):
+                proc, address = start(base + extra)
+                procs.append(proc)
+                targets.append(Target(name, address, ca if use_ca else None, token))
+            for r in range(rounds):
+                for target in targets[r % 3 :] + targets[: r % 3]:  # rotate the order
+                    asyncio.run(measure(target, steps, sessions))
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(20)
+    plain = targets[0]
+    p50 = {t.name: float(np.percentile(t.latency, 50)) * 1000 for t in targets}
+    p99 = {t.name: float(np.percentile(t.latency, 99)) * 1000 for t in targets}
+    rate = {t.name: float(np.median(t.throughput)) for t in targets}
+    rows = [
+        [t.name, p50[t.name], p99[t.name], p50[t.name] / p50[plain.name], rate[t.name],
+         rate[t.name] / rate[plain.name]]
+        for t in targets
+    ]  # fmt: skip
+    print(f"# TLS and tokens vs plaintext ({rounds} rounds, alternating; demo model, log)")
+    print()
+    print(table(["worker", "step p50 ms", "step p99 ms", "p50 vs plain",
+                 f"steps/s ({sessions} sessions)", "throughput vs plain"], rows))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
