@@ -284,3 +284,55 @@ def test_exports_are_signed_and_only_signed_imports_come_back(start_worker, mode
             w.client.import_checkpoint(blob, "refused")
     assert "refused" not in {s.session_id for s in w.client.list_sessions()}
     assert plain.client.import_checkpoint(signed, "stripped").step == 0
+
+
+def test_tenant_budgets_refuse_past_the_limit_and_spare_other_tenants(start_worker, tokens):
+    from dataclasses import replace
+
+    from ssmserve.client.errors import ResourceExhausted
+    from ssmserve.server.api.budgets import BudgetSettings
+    from ssmserve.server.api.service import ServiceSettings
+
+    budgets = BudgetSettings(sessions_per_tenant=2, import_buffer_bytes=4096)
+    w = start_worker(
+        auth_tokens=tokens["path"], service=replace(ServiceSettings(), budgets=budgets)
+    )
+    with Client(w.address, token=tokens["a"]) as a, Client(w.address, token=tokens["b"]) as b:
+        first = a.create_session("demo").session_id
+        a.create_session("demo")
+        for make in (lambda: a.create_session("demo"), lambda: a.fork(first)):
+            with pytest.raises(ResourceExhausted, match="has 2 sessions, its budget is 2"):
+                make()
+        assert len(a.list_sessions()) == 2
+        b.create_session("demo")  # another tenant does not notice
+        blob = b.export_checkpoint(b.list_sessions()[0].session_id)
+        assert len(blob) > 4096
+        with pytest.raises(ResourceExhausted, match="import budget of 4096 bytes"):
+            b.import_checkpoint(blob, "too-big")
+        a.close_session(first)
+        a.create_session("demo")  # room again
+
+
+def test_running_imports_and_forecasts_are_counted_per_tenant() -> None:
+    from ssmserve.server.api.budgets import BudgetExceededError, Budgets, BudgetSettings
+
+    budgets = Budgets(BudgetSettings(imports_per_tenant=1, forecasts_per_tenant=1), store=None)
+    with budgets.importing("a") as buffer:
+        buffer.reserve(100)
+        assert budgets.import_bytes == 100
+        with (
+            pytest.raises(BudgetExceededError, match="already runs 1 imports"),
+            budgets.importing("a"),
+        ):
+            pass
+        with budgets.importing("b"):
+            pass  # another tenant
+        with budgets.importing(None), budgets.importing(None):
+            pass  # no tenant (no --auth-tokens): no per-tenant budget
+    assert budgets.import_bytes == 0
+    with budgets.forecasting_or_none("a") as slot:
+        slot.check()
+        with budgets.forecasting_or_none("a") as second, pytest.raises(BudgetExceededError):
+            second.check()
+    with budgets.forecasting_or_none("a") as slot:
+        slot.check()  # released when the first forecast ended

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ssmserve.server.api.auth import load_secret
+from ssmserve.server.api.budgets import BudgetSettings
 from ssmserve.server.api.service import ServiceSettings
 from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
@@ -175,6 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("SSMSERVE_REQUIRE_SIGNED_CHECKPOINTS", "") == "1",
         help="import only checkpoints signed with --checkpoint-key",
     )
+    defaults = BudgetSettings()
+    for flag, attr, what in (
+        ("--tenant-sessions", "sessions_per_tenant", "stored sessions per tenant"),
+        ("--tenant-imports", "imports_per_tenant", "imports one tenant runs at once here"),
+        ("--tenant-forecasts", "forecasts_per_tenant", "forecasts one tenant runs at once here"),
+        ("--import-buffer", "import_buffer_bytes", "bytes of checkpoints received at once here"),
+    ):
+        variable = "SSMSERVE_" + flag.removeprefix("--").replace("-", "_").upper()
+        parser.add_argument(
+            flag,
+            type=int,
+            default=int(env(variable, str(getattr(defaults, attr)))),
+            metavar="N",
+            dest=attr,
+            help=f"budget: {what} (default {getattr(defaults, attr):,}; env {variable})",
+        )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -222,6 +239,12 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         if args.checkpoint_key
         else None,
         require_signed_checkpoints=args.require_signed_checkpoints,
+        budgets=BudgetSettings(
+            sessions_per_tenant=args.sessions_per_tenant,
+            imports_per_tenant=args.imports_per_tenant,
+            forecasts_per_tenant=args.forecasts_per_tenant,
+            import_buffer_bytes=args.import_buffer_bytes,
+        ),
     )
     return WorkerSettings(
         service=service,

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
 from ssmserve.server.api import status
 from ssmserve.server.api.auth import Authenticator, caller
+from ssmserve.server.api.budgets import Budgets, BudgetSettings
 from ssmserve.server.api.tenancy import TenantScope, tenant_of
 from ssmserve.server.cluster.migration import Migrator
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
@@ -65,6 +66,7 @@ class ServiceSettings:
     # HMAC key for exported checkpoints (state/checkpoint_signing.py); None: unsigned.
     checkpoint_key: bytes | None = None
     require_signed_checkpoints: bool = False  # imports must carry a valid signature
+    budgets: BudgetSettings = field(default_factory=BudgetSettings)
 
 
 class SessionService(pb_grpc.SessionServiceServicer):
@@ -79,6 +81,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self.settings = settings
         self.migrator = migrator  # places forks on other workers
         self.authenticator = authenticator  # None or disabled: no tenants
+        self.budgets = Budgets(settings.budgets, manager.store)
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
 
     def _scope(self, context: grpc.aio.ServicerContext) -> TenantScope:
@@ -95,6 +98,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
             config = config_from_pb(request.config)
+            await self.budgets.check_new_session(scope.tenant, scope.prefix)
             view = await self.manager.create(
                 request.model, scope.new_id(request.session_id), config
             )
@@ -217,25 +221,28 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self, request: pb.ForecastRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForecastResponse]:
         scope = self._scope(context)
-        async with status.edge(context, scope.clean):
-            job = await self.manager.forecast(
-                scope.stored(request.session_id),
-                request.horizon,
-                request.at_step if request.HasField("at_step") else None,
-            )
-        try:
-            async for steps in job.batches(self.manager.settings.forecast.message_bytes):
-                yield pb.ForecastResponse(
-                    from_step=job.from_step, steps=[forecast_step_to_pb(x) for x in steps]
+        with self.budgets.forecasting_or_none(scope.tenant) as slot:
+            async with status.edge(context, scope.clean):
+                slot.check()  # a tenant past its forecast budget is refused here
+                job = await self.manager.forecast(
+                    scope.stored(request.session_id),
+                    request.horizon,
+                    request.at_step if request.HasField("at_step") else None,
                 )
-            if job.stopped is not None:
-                if job.stopped.kind is ErrorKind.UNAVAILABLE:  # the worker stopped: retry
-                    await status.abort(context, job.stopped, scope.clean)
-                yield pb.ForecastResponse(
-                    from_step=job.from_step, stopped=status.step_error(job.stopped, scope.clean)
-                )
-        finally:
-            job.cancelled = True  # the client went away: stop computing for it
+            try:
+                async for steps in job.batches(self.manager.settings.forecast.message_bytes):
+                    yield pb.ForecastResponse(
+                        from_step=job.from_step, steps=[forecast_step_to_pb(x) for x in steps]
+                    )
+                if job.stopped is not None:
+                    if job.stopped.kind is ErrorKind.UNAVAILABLE:  # the worker stopped: retry
+                        await status.abort(context, job.stopped, scope.clean)
+                    yield pb.ForecastResponse(
+                        from_step=job.from_step,
+                        stopped=status.step_error(job.stopped, scope.clean),
+                    )
+            finally:
+                job.cancelled = True  # the client went away: stop computing for it
 
     async def Fork(
         self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
@@ -244,6 +251,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         async with status.edge(context, scope.clean):
             which = request.WhichOneof("at")
             at = RollbackTarget(**{which: getattr(request, which)}) if which else RollbackTarget()
+            await self.budgets.check_new_session(scope.tenant, scope.prefix)
             result = await self.manager.fork(
                 scope.stored(request.session_id), at, scope.new_id(request.new_session_id)
             )
@@ -286,23 +294,30 @@ class SessionService(pb_grpc.SessionServiceServicer):
     ) -> pb.SessionInfo:
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
-            header, blob = await self._receive_checkpoint(request_iterator)
-            blob, _verified = checkpoint_signing.unwrap(
-                blob, self.settings.checkpoint_key, self.settings.require_signed_checkpoints
-            )
-            view = await self.manager.import_checkpoint(
-                blob,
-                scope.stored(header.session_id) if header.session_id else "",
-                header.model,
-                config_from_pb(header.config),
-                header.replace,
-                scope.adopted,
-            )
+            # The budget holds until the import is done: the blob is in memory till then.
+            with self.budgets.importing(scope.tenant) as buffer:
+                await self.budgets.check_new_session(scope.tenant, scope.prefix)
+                header, blob = await self._receive_checkpoint(request_iterator, buffer.reserve)
+                blob, _verified = checkpoint_signing.unwrap(
+                    blob, self.settings.checkpoint_key, self.settings.require_signed_checkpoints
+                )
+                view = await self.manager.import_checkpoint(
+                    blob,
+                    scope.stored(header.session_id) if header.session_id else "",
+                    header.model,
+                    config_from_pb(header.config),
+                    header.replace,
+                    scope.adopted,
+                )
             return info_to_pb(view, scope)
 
     async def _receive_checkpoint(
-        self, request_iterator: AsyncIterator[pb.ImportCheckpointRequest]
+        self,
+        request_iterator: AsyncIterator[pb.ImportCheckpointRequest],
+        reserve: Callable[[int], None],
     ) -> tuple[pb.ImportHeader, bytes]:
+        """The header and the whole checkpoint; ``reserve`` is told its declared size
+        before its bytes are held (the worker's import budget)."""
         header: pb.ImportHeader | None = None
         parts: list[bytes] = []
         received = 0
@@ -333,6 +348,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                         f"import: a checkpoint of {total} bytes is over the limit of "
                         f"{self.settings.max_import_bytes}"
                     )
+                reserve(total)
             elif chunk.total_size != total:
                 raise RequestError(
                     f"import: chunk {chunk.index} says the total is {chunk.total_size} bytes, "

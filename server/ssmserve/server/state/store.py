@@ -345,6 +345,14 @@ class Store:
         raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
         return SessionMeta.from_hash(session_id, raw) if raw else None
 
+    async def count_sessions(self, prefix: str) -> int:
+        """Stored sessions whose id starts with ``prefix`` (a tenant's, ending in '~')."""
+        return int(
+            await _guarded(
+                lambda: self.redis.zlexcount(self._index, f"[{prefix}", f"({prefix}\x7f")
+            )
+        )
+
     async def list_session_ids(self, after: str, count: int, prefix: str = "") -> list[str]:
         """Up to ``count`` ids after ``after``, in order; only those starting with
         ``prefix`` (a tenant's, ending in '~': every later character sorts below DEL)."""

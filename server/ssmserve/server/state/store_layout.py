@@ -430,5 +430,6 @@ WORKER_ACL_RULES = (
     "resetkeys ~ssm:* resetchannels -@all +ping +select +multi +exec +discard +evalsha +eval "
     "+script|load +script|exists +get +set +del +unlink +exists +rename +persist +pexpire "
     "+pttl +mget +hget +hgetall +hmget +hset +hdel +hexists +hincrby +sadd +srem +smembers "
-    "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore"
+    "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore "
+    "+zlexcount"
 )

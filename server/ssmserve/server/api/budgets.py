@@ -1,0 +1,132 @@
+"""Budgets: how much one tenant, and all imports together, may hold of a worker.
+
+Per tenant (callers with a tenant, that is with ``--auth-tokens``): stored sessions
+(counted in Redis, so across workers), imports and forecasts running at once on this
+worker. Per worker: the bytes of checkpoints being received at once (an import is held
+whole before it is decoded). Past a budget the call gets RESOURCE_EXHAUSTED naming the
+budget and the current use, before it changes anything; other tenants never notice.
+
+The session count is checked before a create, and two creates racing past it can go one
+over: a soft limit, cheap to check (one ZLEXCOUNT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.state.store import Store
+
+
+class BudgetExceededError(SsmserveError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    sessions_per_tenant: int = 1000  # stored sessions of one tenant, on all workers
+    imports_per_tenant: int = 2  # ImportCheckpoint calls of one tenant running here
+    forecasts_per_tenant: int = 32  # Forecast calls of one tenant running here
+    import_buffer_bytes: int = 2 << 30  # checkpoint bytes being received here, all imports
+
+
+class Budgets:
+    def __init__(self, settings: BudgetSettings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self._imports: Counter[str] = Counter()
+        self._forecasts: Counter[str] = Counter()
+        self.import_bytes = 0  # reserved by imports being received now
+
+    async def check_new_session(self, tenant: str | None, prefix: str) -> None:
+        """Before a create, fork or import of ``tenant`` (None: no tenant, no budget)."""
+        if not tenant:
+            return
+        count = await self.store.count_sessions(prefix)
+        limit = self.settings.sessions_per_tenant
+        if count >= limit:
+            raise BudgetExceededError(
+                f"tenant {tenant!r} has {count} sessions, its budget is {limit}: close some "
+                f"(or ask for a larger budget) before making more"
+            )
+
+    @contextlib.contextmanager
+    def importing(self, tenant: str | None) -> Iterator[ImportBuffer]:
+        """One import of ``tenant`` running; its bytes are reserved as they are declared."""
+        with self._slot(self._imports, tenant, self.settings.imports_per_tenant, "imports"):
+            buffer = ImportBuffer(self)
+            try:
+                yield buffer
+            finally:
+                self.import_bytes -= buffer.reserved
+
+    @contextlib.contextmanager
+    def forecasting_or_none(self, tenant: str | None) -> Iterator[ForecastSlot]:
+        """A forecast of ``tenant`` running for the block; ``check()`` takes its slot (so
+        that the refusal is raised where the caller maps errors to statuses)."""
+        slot = ForecastSlot(self, tenant)
+        try:
+            yield slot
+        finally:
+            slot.release()
+
+    @contextlib.contextmanager
+    def _slot(
+        self, running: Counter[str], tenant: str | None, limit: int, what: str
+    ) -> Iterator[None]:
+        if tenant:
+            if running[tenant] >= limit:
+                raise BudgetExceededError(
+                    f"tenant {tenant!r} already runs {running[tenant]} {what} on this worker, "
+                    f"its budget is {limit}: wait for one to finish"
+                )
+            running[tenant] += 1
+        try:
+            yield
+        finally:
+            if tenant:
+                running[tenant] -= 1
+
+
+class ForecastSlot:
+    def __init__(self, budgets: Budgets, tenant: str | None) -> None:
+        self.budgets, self.tenant, self.held = budgets, tenant, False
+
+    def check(self) -> None:
+        running, limit = self.budgets._forecasts, self.budgets.settings.forecasts_per_tenant
+        if not self.tenant:
+            return
+        if running[self.tenant] >= limit:
+            raise BudgetExceededError(
+                f"tenant {self.tenant!r} already runs {running[self.tenant]} forecasts on "
+                f"this worker, its budget is {limit}: wait for one to finish"
+            )
+        running[self.tenant] += 1
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.budgets._forecasts[self.tenant or ""] -= 1
+            self.held = False
+
+
+class ImportBuffer:
+    """The bytes one import will hold, reserved against the worker's import budget."""
+
+    def __init__(self, budgets: Budgets) -> None:
+        self.budgets = budgets
+        self.reserved = 0
+
+    def reserve(self, size: int) -> None:
+        limit = self.budgets.settings.import_buffer_bytes
+        held = self.budgets.import_bytes
+        if held + size > limit:
+            raise BudgetExceededError(
+                f"this worker is receiving {held} bytes of checkpoints already; {size} more "
+                f"would pass its import budget of {limit} bytes: retry later"
+            )
+        self.budgets.import_bytes += size
+        self.reserved += size
