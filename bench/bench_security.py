@@ -20,8 +20,6 @@ import asyncio
 import datetime
 import ipaddress
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
+from bench_service import start
 from common import table
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -94,17 +93,6 @@ def make_pki(directory: Path) -> tuple[Path, Path, Path]:
         )
     )
     return paths
-
-
-def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"{cmd} did not start")
-    return proc, line.split()[-1]
 
 
 class Target:

@@ -309,11 +309,7 @@ class Worker:
             await self.manager.stop()
         if self.ownership is not None:
             await self.ownership.stop()
-        await self.peers.close()
-        if self.tokens is not None:
-            await self.tokens.stop()
-        if self.store is not None:
-            await self.store.aclose()
+        await self._close_connections()
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
 
@@ -325,10 +321,14 @@ class Worker:
             await self.server.stop(0)
         if self.manager is not None:
             await self.manager.abandon()
+        await self._close_connections()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.kill)
+
+    async def _close_connections(self) -> None:
+        """Peer channels, the token file watcher and the store: last, after serving."""
         await self.peers.close()
         if self.tokens is not None:
             await self.tokens.stop()
         if self.store is not None:
             await self.store.aclose()
-        if self.embedded is not None:
-            await asyncio.to_thread(self.embedded.kill)

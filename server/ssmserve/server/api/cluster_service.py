@@ -49,11 +49,7 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DrainProgress]:
         async with status.edge(context):
-            if request.worker and request.worker != self.ownership.address:
-                if await self.ownership.worker_at(request.worker) is None:
-                    raise UnknownWorkerError(
-                        f"no live worker is registered at {clip(request.worker)}"
-                    )
+            if await self._elsewhere(request.worker):
                 async for progress in self.migrator.peers.drain(request.worker):
                     yield progress
                 return
@@ -70,14 +66,18 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
         self, request: pb.UndrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.WorkerInfo:
         async with status.edge(context):
-            if request.worker and request.worker != self.ownership.address:
-                if await self.ownership.worker_at(request.worker) is None:
-                    raise UnknownWorkerError(
-                        f"no live worker is registered at {clip(request.worker)}"
-                    )
+            if await self._elsewhere(request.worker):
                 return await self.migrator.peers.undrain(request.worker)
             await self.migrator.undrain()
             return worker_to_pb(self.ownership.record())
+
+    async def _elsewhere(self, worker: str) -> bool:
+        """Whether a Drain or Undrain of ``worker`` is for another (live) worker to do."""
+        if not worker or worker == self.ownership.address:
+            return False
+        if await self.ownership.worker_at(worker) is None:
+            raise UnknownWorkerError(f"no live worker is registered at {clip(worker)}")
+        return True
 
     async def AdoptSession(
         self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext
