@@ -2,7 +2,11 @@
 
 ``status``           the one place where ``SsmserveError`` kinds become gRPC codes and details
 ``service``          ``SessionService``
-``cluster_service``  ``ClusterService`` (workers, migrate, drain, adopt)
+``cluster_service``  ``ClusterService`` (workers, migrate, drain, undrain, adopt)
+``auth``             bearer tokens, roles, the authorization interceptor, the cluster secret
+``tenancy``          session ids per tenant (``tenant~id`` in the store)
+``budgets``          per-tenant and per-worker budgets (sessions, imports, forecasts)
+``tls``              TLS / mTLS on the listener, certificates reloaded when they change
 
 Imports: everything below it (``sessions``, ``cluster``, ``state``, ``engine``).
 """
