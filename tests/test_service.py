@@ -787,3 +787,28 @@ def test_a_cancelled_stream_leaves_no_reader_behind(start_worker, served_models)
     step = w.client.get_session(sid).step  # the steps it had read may have been applied
     got = [o.output for o in w.client.stream_steps(sid, list(x[step:]), first_step=step + 1)]
     assert_bit_equal(np.stack(got), reference(model, x)[step:])
+
+
+def test_the_memory_budget_bounds_what_resident_sessions_may_hold(start_worker, served_models):
+    """Each resident session counts at its bound (state, history, recorded outputs); past
+    the worker's budget a create or fork is RESOURCE_EXHAUSTED, and closing makes room."""
+    from ssmserve.client.errors import ResourceExhausted
+    from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
+    from ssmserve.server.sessions.manager import ManagerSettings
+
+    model = served_models["demo"]
+    probe = start_worker()
+    config = SessionConfig().resolve(SessionDefaults(), model.config.output_dim)
+    each = probe.manager.loader.footprint(model, config)
+    assert each >= model.config.state_bytes + 256 * 4 * model.config.input_dim
+    w = start_worker(manager=ManagerSettings(memory_budget_bytes=2 * each + each // 2))
+    first = w.client.create_session("demo").session_id
+    w.client.create_session("demo")
+    with pytest.raises(ResourceExhausted, match="memory budget"):
+        w.client.create_session("demo")
+    with pytest.raises(ResourceExhausted, match="memory budget"):
+        w.client.fork(first)
+    assert w.manager.residents.footprint_bytes == 2 * each
+    w.client.close_session(first)
+    assert w.manager.residents.footprint_bytes == each
+    w.client.create_session("demo")  # room again

@@ -66,7 +66,7 @@ class Lifecycle:
         model = self._model(model_name)
         session_id = self._new_id(session_id)
         config = config.resolve(self.defaults, model.config.output_dim)
-        self.loader.check_capacity()
+        self.loader.check_capacity(model, config)
         if self.ownership.draining:
             raise await self.loader.elsewhere(model_name, "create sessions")
         await self._create(session_id, model, model_name, config, model.new_state(), 0, "create")
@@ -112,7 +112,7 @@ class Lifecycle:
         )
         s.lease = self.ownership.new_lease(session_id, lease.token, sent_at)
         s.last_snapshot_step = step
-        self.residents.add(s)
+        self.residents.add(s, self.loader.footprint(model, config))
         return s
 
     async def fork(
@@ -126,7 +126,7 @@ class Lifecycle:
         """
         new_id = self._new_id(new_session_id)
         s = await self.loader.session(session_id)
-        self.loader.check_capacity()
+        self.loader.check_capacity(s.model, s.config)
         point = await self.replay.point(s, target, "fork", need_output=False)
         await self._create(
             new_id, s.model, s.model_name, s.config, point.state, point.step, "fork",
@@ -149,7 +149,7 @@ class Lifecycle:
                 s, lambda lease: self.store.close_session(lease, snapshot_id)
             )
             s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
-            self.residents.by_id.pop(s.id, None)
+            self.residents.remove(s.id)
             return s.step, snapshot_id
 
     async def export(self, session_id: str, snapshot_id: str) -> bytes:
@@ -201,7 +201,7 @@ class Lifecycle:
             )
         session_id = self._new_id(session_id or adopt_id(ckpt.session_id))
         config = config.resolve(self.defaults, model.config.output_dim)
-        self.loader.check_capacity()
+        self.loader.check_capacity(model, config)
         if replace:
             await self._drop_for_replace(session_id)
         if self.ownership.draining:
@@ -223,7 +223,7 @@ class Lifecycle:
         async with self.residents.hold(s):
             await self.residents.write(s, lambda lease: self.store.close_session(lease))
             s.fail_queued(SessionGoneError(f"session {session_id!r} was replaced by an import"))
-            self.residents.by_id.pop(session_id, None)
+            self.residents.remove(session_id)
 
     # ------------------------------------------------------------------ helpers
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -21,7 +22,7 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.sessions.checkpoints import Checkpoints
-from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.config import Durability, SessionConfig
 from ssmserve.server.sessions.errors import (
     CapacityError,
     HandOffError,
@@ -57,6 +58,8 @@ class SessionLoader:
         notifiers: Mapping[str, Callable[[], None]],
         max_sessions: int,
         output_window: int,
+        memory_budget_bytes: int = 1 << 62,
+        max_unflushed: int = 1 << 16,
     ) -> None:
         self.models = models
         self.residents = residents
@@ -67,6 +70,8 @@ class SessionLoader:
         self.notifiers = notifiers  # per model: wakes its stepper when a step is queued
         self.max_sessions = max_sessions
         self.output_window = output_window
+        self.memory_budget_bytes = memory_budget_bytes
+        self.max_unflushed = max_unflushed  # inputs a non-log session holds before a flush
         self._loading: dict[str, asyncio.Future[Session]] = {}
 
     async def session(self, session_id: str) -> Session:
@@ -100,11 +105,29 @@ class SessionLoader:
             )
         return meta
 
-    def check_capacity(self) -> None:
+    def footprint(self, model: MambaModel, config: SessionConfig) -> int:
+        """The most bytes a resident session of ``model`` may hold: its state, its input
+        history and recorded outputs at their bounds, and (without ``log`` durability)
+        the inputs it may hold before a flush."""
+        c = model.config
+        input_bytes = 8 if c.is_token_model else 4 * c.input_dim
+        unflushed = 0 if config.durability == Durability.LOG else self.max_unflushed
+        history = max(config.history_window, 1) + unflushed
+        return c.state_bytes + history * input_bytes + self.output_window * 4 * c.output_dim
+
+    def check_capacity(self, model: MambaModel, config: SessionConfig) -> None:
+        """Room here for one more session like that: the session count and the memory."""
         count = len(self.residents.by_id)
         if count >= self.max_sessions:
             raise CapacityError(
                 f"this worker already holds {count} sessions (max_sessions {self.max_sessions})"
+            )
+        need, held = self.footprint(model, config), self.residents.footprint_bytes
+        if held + need > self.memory_budget_bytes:
+            raise CapacityError(
+                f"this worker's sessions may hold {held:,} bytes and one more needs "
+                f"{need:,}: its memory budget is {self.memory_budget_bytes:,} bytes; close or "
+                f"evict sessions here, or serve it from another worker"
             )
 
     async def elsewhere(self, model: str, what: str) -> SessionMovedError:
@@ -151,7 +174,7 @@ class SessionLoader:
                 f"session {session_id!r} was made with other weights of model {meta.model!r} "
                 f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]})"
             )
-        self.check_capacity()
+        self.check_capacity(model, SessionConfig.from_bytes(meta.config))
         if self.ownership.draining:
             holder = await self.store.lease_holder(session_id)
             if holder is not None and holder.owner_addr:
@@ -210,7 +233,7 @@ class SessionLoader:
             s.recent.remember_output(record.step, rebuilt.checkpoint.output)
         s.recent.remember(record.step + 1, rebuilt.inputs, rebuilt.outputs)
         s.state, s.step, s.last_snapshot_step = rebuilt.state, meta.step, record.step
-        self.residents.add(s)
+        self.residents.add(s, self.footprint(model, config))
         log.info(
             "session %s restored at step %d, token %s (snapshot %d + %d replayed)",
             session_id, meta.step, lease.token, record.step, rebuilt.replayed,
@@ -227,7 +250,7 @@ class SessionLoader:
                 await self.checkpoints.write(s, s.step, s.state, reason)
             await self.residents.write(s, self.store.release)
             s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
-            self.residents.by_id.pop(s.id, None)
+            self.residents.remove(s.id)
 
     async def park(self, session_id: str, reason: str) -> None:
         """Snapshot and release a resident session (a drain with nowhere to send it)."""
@@ -308,3 +331,11 @@ def remember_history(s: Session, history: InputHistory) -> None:
     """Put a checkpoint's input history window into the session's memory of recent steps."""
     for i in range(len(history.inputs)):
         s.recent.inputs.append((history.first_step + i, s.codec.encode(history.inputs[i])))
+
+
+def default_memory_budget() -> int:
+    """Three quarters of the machine's memory (the rest for the engine, gRPC, Python)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
+    except (ValueError, OSError):
+        return 1 << 62  # unknown: no memory budget beyond max_sessions

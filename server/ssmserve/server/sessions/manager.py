@@ -57,7 +57,7 @@ from ssmserve.server.sessions.forecaster import (
     feedback,
 )
 from ssmserve.server.sessions.lifecycle import Lifecycle
-from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
 from ssmserve.server.sessions.records import (
     ForkResult,
     RollbackResult,
@@ -93,6 +93,10 @@ class ManagerSettings:
     stepper: StepperSettings = field(default_factory=StepperSettings)
     forecast: ForecastSettings = field(default_factory=ForecastSettings)
     max_sessions: int = 10_000  # resident sessions; creating or loading more is refused
+    # Bytes resident sessions may hold at most, all together: state, input history,
+    # recorded outputs and unflushed inputs, each at its bound (``loading.footprint``).
+    # None: three quarters of the machine's memory.
+    memory_budget_bytes: int | None = None
     max_queued_steps: int = 4096  # per session, waiting for the stepper
     output_window: int = 64  # outputs kept per session to answer resent steps from memory
     idle_check_s: float = 1.0  # how often idle sessions are looked for
@@ -172,6 +176,8 @@ class SessionManager:
             self.models, self.residents, self.checkpoints, self.replay,
             {name: stepper.notify for name, stepper in self.steppers.items()},
             settings.max_sessions, settings.output_window,
+            settings.memory_budget_bytes or default_memory_budget(),
+            settings.stepper.max_unflushed,
         )  # fmt: skip
         self.lifecycle = Lifecycle(
             self.models, self.residents, self.checkpoints, self.replay, self.loader,
@@ -211,7 +217,7 @@ class SessionManager:
         await self._stop_engines()
         for s in list(self.residents.by_id.values()):
             s.fail_queued(SessionGoneError(f"session {s.id!r}: the worker stopped"))
-        self.residents.by_id.clear()
+        self.residents.clear()
 
     async def _stop_reaper(self) -> None:
         if self._reaper is not None:

@@ -47,6 +47,8 @@ class ResidentSessions:
         self.store = store
         self.ownership = ownership
         self.by_id: dict[str, Session] = {}
+        self._footprints: dict[str, int] = {}  # session id -> bytes it may hold
+        self.footprint_bytes = 0  # their sum: what the memory budget is checked against
         self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
 
     def get(self, session_id: str) -> Session | None:
@@ -54,8 +56,22 @@ class ResidentSessions:
         s = self.by_id.get(session_id)
         return s if s is not None and s.gone is None else None
 
-    def add(self, s: Session) -> None:
+    def add(self, s: Session, footprint: int = 0) -> None:
+        """``s`` is resident from now on; it may hold up to ``footprint`` bytes."""
+        self.remove(s.id)
         self.by_id[s.id] = s
+        self._footprints[s.id] = footprint
+        self.footprint_bytes += footprint
+
+    def remove(self, session_id: str) -> None:
+        """``session_id`` is not resident any more (closed, unloaded, dropped)."""
+        self.by_id.pop(session_id, None)
+        self.footprint_bytes -= self._footprints.pop(session_id, 0)
+
+    def clear(self) -> None:
+        self.by_id.clear()
+        self._footprints.clear()
+        self.footprint_bytes = 0
 
     def held(self) -> list[SessionLease]:
         """The lease of every resident session not known to have run out (renewed by
@@ -67,7 +83,7 @@ class ResidentSessions:
         log.info("session %s dropped from memory: %s", s.id, error)
         s.fail_queued(error)
         if self.by_id.get(s.id) is s:
-            del self.by_id[s.id]
+            self.remove(s.id)
 
     def lost(self, s: Session, lease: SessionLease, error: SsmserveError) -> None:
         """A write or lease renewal with ``lease`` failed with ``error``: if it means the
