@@ -336,3 +336,23 @@ def test_running_imports_and_forecasts_are_counted_per_tenant() -> None:
             second.check()
     with budgets.forecasting_or_none("a") as slot:
         slot.check()  # released when the first forecast ended
+
+
+def test_a_tenant_resident_bytes_budget(start_worker, tokens):
+    from dataclasses import replace
+
+    from ssmserve.client.errors import ResourceExhausted
+    from ssmserve.server.api.budgets import BudgetSettings
+    from ssmserve.server.api.service import ServiceSettings
+
+    service = replace(ServiceSettings(), budgets=BudgetSettings(resident_bytes_per_tenant=1))
+    w = start_worker(auth_tokens=tokens["path"], service=service)
+    with Client(w.address, token=tokens["a"]) as a, Client(w.address, token=tokens["b"]) as b:
+        first = a.create_session("demo").session_id
+        assert w.manager.residents.footprint_of("tenant-a~") > 0
+        with pytest.raises(ResourceExhausted, match=r"may hold .* its budget is 1"):
+            a.create_session("demo")
+        b.create_session("demo")  # another tenant's bytes are its own
+        a.close_session(first)
+        assert w.manager.residents.footprint_of("tenant-a~") == 0
+        a.create_session("demo")

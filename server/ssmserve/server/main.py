@@ -182,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("--tenant-imports", "imports_per_tenant", "imports one tenant runs at once here"),
         ("--tenant-forecasts", "forecasts_per_tenant", "forecasts one tenant runs at once here"),
         ("--import-buffer", "import_buffer_bytes", "bytes of checkpoints received at once here"),
+        (
+            "--tenant-resident-bytes",
+            "resident_bytes_per_tenant",
+            "bytes one tenant's sessions resident here may hold (0: no per-tenant bound)",
+        ),
     ):
         variable = "SSMSERVE_" + flag.removeprefix("--").replace("-", "_").upper()
         parser.add_argument(
@@ -244,6 +249,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
             imports_per_tenant=args.imports_per_tenant,
             forecasts_per_tenant=args.forecasts_per_tenant,
             import_buffer_bytes=args.import_buffer_bytes,
+            resident_bytes_per_tenant=args.resident_bytes_per_tenant,
         ),
     )
     return WorkerSettings(

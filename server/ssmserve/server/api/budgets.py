@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ssmserve.server.errors import ErrorKind, SsmserveError
@@ -31,12 +31,21 @@ class BudgetSettings:
     imports_per_tenant: int = 2  # ImportCheckpoint calls of one tenant running here
     forecasts_per_tenant: int = 32  # Forecast calls of one tenant running here
     import_buffer_bytes: int = 2 << 30  # checkpoint bytes being received here, all imports
+    # What one tenant's sessions resident here may hold (each at its bound); 0: a share
+    # of the worker's memory budget only.
+    resident_bytes_per_tenant: int = 0
 
 
 class Budgets:
-    def __init__(self, settings: BudgetSettings, store: Store) -> None:
+    def __init__(
+        self,
+        settings: BudgetSettings,
+        store: Store,
+        resident_bytes: Callable[[str], int] = lambda _prefix: 0,
+    ) -> None:
         self.settings = settings
         self.store = store
+        self.resident_bytes = resident_bytes  # of the sessions with a prefix, resident here
         self._imports: Counter[str] = Counter()
         self._forecasts: Counter[str] = Counter()
         self.import_bytes = 0  # reserved by imports being received now
@@ -45,6 +54,12 @@ class Budgets:
         """Before a create, fork or import of ``tenant`` (None: no tenant, no budget)."""
         if not tenant:
             return
+        limit_bytes, held = self.settings.resident_bytes_per_tenant, self.resident_bytes(prefix)
+        if limit_bytes and held >= limit_bytes:
+            raise BudgetExceededError(
+                f"tenant {tenant!r} has sessions here that may hold {held:,} bytes, its "
+                f"budget is {limit_bytes:,}: close some before making more"
+            )
         count = await self.store.count_sessions(prefix)
         limit = self.settings.sessions_per_tenant
         if count >= limit:

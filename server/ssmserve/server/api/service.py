@@ -81,7 +81,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self.settings = settings
         self.migrator = migrator  # places forks on other workers
         self.authenticator = authenticator  # None or disabled: no tenants
-        self.budgets = Budgets(settings.budgets, manager.store)
+        self.budgets = Budgets(settings.budgets, manager.store, manager.residents.footprint_of)
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
 
     def _scope(self, context: grpc.aio.ServicerContext) -> TenantScope:

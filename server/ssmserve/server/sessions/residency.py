@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -49,6 +50,9 @@ class ResidentSessions:
         self.by_id: dict[str, Session] = {}
         self._footprints: dict[str, int] = {}  # session id -> bytes it may hold
         self.footprint_bytes = 0  # their sum: what the memory budget is checked against
+        # The same by the part of the id before '~' (the tenant, in ``api.tenancy``'s
+        # scheme; '' for ids without one), for per-tenant budgets.
+        self._footprint_by_group: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
 
     def get(self, session_id: str) -> Session | None:
@@ -62,15 +66,23 @@ class ResidentSessions:
         self.by_id[s.id] = s
         self._footprints[s.id] = footprint
         self.footprint_bytes += footprint
+        self._footprint_by_group[_group(s.id)] += footprint
 
     def remove(self, session_id: str) -> None:
         """``session_id`` is not resident any more (closed, unloaded, dropped)."""
         self.by_id.pop(session_id, None)
-        self.footprint_bytes -= self._footprints.pop(session_id, 0)
+        footprint = self._footprints.pop(session_id, 0)
+        self.footprint_bytes -= footprint
+        self._footprint_by_group[_group(session_id)] -= footprint
+
+    def footprint_of(self, prefix: str) -> int:
+        """Bytes resident sessions whose id starts with ``prefix`` ('tenant~') may hold."""
+        return self._footprint_by_group[prefix.removesuffix("~")]
 
     def clear(self) -> None:
         self.by_id.clear()
         self._footprints.clear()
+        self._footprint_by_group.clear()
         self.footprint_bytes = 0
 
     def held(self) -> list[SessionLease]:
@@ -192,3 +204,8 @@ class ResidentSessions:
         except SsmserveError as exc:
             self.lost(s, lease, exc)
             raise
+
+
+def _group(session_id: str) -> str:
+    group, sep, _ = session_id.partition("~")
+    return group if sep else ""
