@@ -331,11 +331,11 @@ def test_running_imports_and_forecasts_are_counted_per_tenant() -> None:
             pass  # no tenant (no --auth-tokens): no per-tenant budget
     assert budgets.import_bytes == 0
     with budgets.forecasting_or_none("a") as slot:
-        slot.check()
+        slot.take()
         with budgets.forecasting_or_none("a") as second, pytest.raises(BudgetExceededError):
-            second.check()
+            second.take()
     with budgets.forecasting_or_none("a") as slot:
-        slot.check()  # released when the first forecast ended
+        slot.take()  # released when the first forecast ended
 
 
 def test_a_tenant_resident_bytes_budget(start_worker, tokens):

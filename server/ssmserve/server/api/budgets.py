@@ -71,60 +71,48 @@ class Budgets:
     @contextlib.contextmanager
     def importing(self, tenant: str | None) -> Iterator[ImportBuffer]:
         """One import of ``tenant`` running; its bytes are reserved as they are declared."""
-        with self._slot(self._imports, tenant, self.settings.imports_per_tenant, "imports"):
-            buffer = ImportBuffer(self)
-            try:
-                yield buffer
-            finally:
-                self.import_bytes -= buffer.reserved
+        slot = TenantSlot(self._imports, tenant, self.settings.imports_per_tenant, "imports")
+        slot.take()
+        buffer = ImportBuffer(self)
+        try:
+            yield buffer
+        finally:
+            self.import_bytes -= buffer.reserved
+            slot.release()
 
     @contextlib.contextmanager
-    def forecasting_or_none(self, tenant: str | None) -> Iterator[ForecastSlot]:
-        """A forecast of ``tenant`` running for the block; ``check()`` takes its slot (so
+    def forecasting_or_none(self, tenant: str | None) -> Iterator[TenantSlot]:
+        """A forecast of ``tenant`` running for the block; ``take()`` takes its slot (so
         that the refusal is raised where the caller maps errors to statuses)."""
-        slot = ForecastSlot(self, tenant)
+        limit = self.settings.forecasts_per_tenant
+        slot = TenantSlot(self._forecasts, tenant, limit, "forecasts")
         try:
             yield slot
         finally:
             slot.release()
 
-    @contextlib.contextmanager
-    def _slot(
-        self, running: Counter[str], tenant: str | None, limit: int, what: str
-    ) -> Iterator[None]:
-        if tenant:
-            if running[tenant] >= limit:
-                raise BudgetExceededError(
-                    f"tenant {tenant!r} already runs {running[tenant]} {what} on this worker, "
-                    f"its budget is {limit}: wait for one to finish"
-                )
-            running[tenant] += 1
-        try:
-            yield
-        finally:
-            if tenant:
-                running[tenant] -= 1
 
+class TenantSlot:
+    """One of ``limit`` calls of a kind a tenant may run at once (no tenant: no limit)."""
 
-class ForecastSlot:
-    def __init__(self, budgets: Budgets, tenant: str | None) -> None:
-        self.budgets, self.tenant, self.held = budgets, tenant, False
+    def __init__(self, running: Counter[str], tenant: str | None, limit: int, what: str) -> None:
+        self.running, self.tenant, self.limit, self.what = running, tenant, limit, what
+        self.held = False
 
-    def check(self) -> None:
-        running, limit = self.budgets._forecasts, self.budgets.settings.forecasts_per_tenant
+    def take(self) -> None:
         if not self.tenant:
             return
-        if running[self.tenant] >= limit:
+        if self.running[self.tenant] >= self.limit:
             raise BudgetExceededError(
-                f"tenant {self.tenant!r} already runs {running[self.tenant]} forecasts on "
-                f"this worker, its budget is {limit}: wait for one to finish"
+                f"tenant {self.tenant!r} already runs {self.running[self.tenant]} {self.what} "
+                f"on this worker, its budget is {self.limit}: wait for one to finish"
             )
-        running[self.tenant] += 1
+        self.running[self.tenant] += 1
         self.held = True
 
     def release(self) -> None:
         if self.held:
-            self.budgets._forecasts[self.tenant or ""] -= 1
+            self.running[self.tenant or ""] -= 1
             self.held = False
 
 

@@ -223,7 +223,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         scope = self._scope(context)
         with self.budgets.forecasting_or_none(scope.tenant) as slot:
             async with status.edge(context, scope.clean):
-                slot.check()  # a tenant past its forecast budget is refused here
+                slot.take()  # a tenant past its forecast budget is refused here
                 job = await self.manager.forecast(
                     scope.stored(request.session_id),
                     request.horizon,
