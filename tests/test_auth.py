@@ -307,7 +307,7 @@ def test_tenant_budgets_refuse_past_the_limit_and_spare_other_tenants(start_work
         b.create_session("demo")  # another tenant does not notice
         blob = b.export_checkpoint(b.list_sessions()[0].session_id)
         assert len(blob) > 4096
-        with pytest.raises(ResourceExhausted, match="import budget of 4096 bytes"):
+        with pytest.raises(ResourceExhausted, match="import budget of 4,096 bytes"):
             b.import_checkpoint(blob, "too-big")
         a.close_session(first)
         a.create_session("demo")  # room again

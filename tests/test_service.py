@@ -587,6 +587,135 @@ def test_import_checks_chunk_order(worker, served_models, order, words):
         worker.client.get_session("y")
 
 
+class _PausedUpload:
+    """An ImportCheckpoint request stream in small chunks that stops half way until told
+    to go on (gRPC reads it on its own thread)."""
+
+    def __init__(self, blob: bytes, session_id: str, chunk: int = 1000) -> None:
+        self.blob, self.session_id, self.chunk = blob, session_id, chunk
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def __iter__(self):
+        yield pb.ImportCheckpointRequest(header=pb.ImportHeader(session_id=self.session_id))
+        starts = range(0, len(self.blob), self.chunk)
+        for i, start in enumerate(starts):
+            if start >= len(self.blob) // 2 and not self.paused.is_set():
+                self.paused.set()
+                assert self.resume.wait(30), "the test never resumed the upload"
+            yield pb.ImportCheckpointRequest(
+                chunk=pb.CheckpointChunk(
+                    index=i,
+                    data=self.blob[start : start + self.chunk],
+                    total_size=len(self.blob),
+                    last=i == len(starts) - 1,
+                )
+            )
+
+
+def _staged_uploads(url: str) -> dict[bytes, int]:
+    """The staging lists of running imports: key -> bytes staged."""
+    with redis.Redis.from_url(url) as r:
+        return {k: sum(map(len, r.lrange(k, 0, -1))) for k in r.scan_iter("ssm:upload:*")}
+
+
+def test_an_import_is_staged_in_redis_while_it_arrives(
+    start_worker, served_models, redis_url, monkeypatch
+):
+    """Chunks go to a Redis staging list in pieces as they arrive, so a slow upload holds
+    no memory on the worker; only the finished checkpoint is read back, counted in the
+    memory budget while it is decoded; the list is gone afterwards."""
+    from ssmserve.server.api import imports
+
+    monkeypatch.setattr(imports, "PIECE_BYTES", 1024)  # several pieces of a small blob
+    w = start_worker()
+    model = served_models["odd"]
+    x = random_inputs(model, 40, seed=61)
+    sid = w.client.create_session("odd").session_id
+    stream(w, sid, x[:25])
+    blob = w.client.export_checkpoint(sid)
+    assert len(blob) > 6 * 1024
+    upload = _PausedUpload(blob, "staged", chunk=300)
+    future = stub(w).ImportCheckpoint.future(iter(upload), timeout=60)
+    assert upload.paused.wait(30)
+    deadline = time.monotonic() + 30  # bound: the worker stages what it was sent
+    while sum(_staged_uploads(redis_url).values()) < len(blob) // 2 - 1024 - 300:
+        assert time.monotonic() < deadline, "the first half of the upload was never staged"
+        time.sleep(0.02)
+    assert w.manager.memory.held_by["imports"] == 0  # nothing held whole yet
+    assert w.worker.service.budgets.import_bytes == len(blob)  # the staging budget
+    upload.resume.set()
+    info = future.result(60)
+    assert (info.session_id, info.step) == ("staged", 25)
+    assert _staged_uploads(redis_url) == {}
+    assert w.manager.memory.held_by["imports"] == 0
+    assert w.worker.service.budgets.import_bytes == 0
+    got, _ = stream(w, "staged", x[25:])
+    assert_bit_equal(got, reference(model, x)[25:])
+
+
+def test_an_import_whose_staging_expired_is_refused_and_changes_nothing(
+    start_worker, served_models, redis_url, monkeypatch
+):
+    from ssmserve.server.api import imports
+
+    monkeypatch.setattr(imports, "PIECE_BYTES", 1024)
+    w = start_worker()
+    store = w.worker.store
+    store.settings = replace(store.settings, stage_ttl_s=1)
+    sid = w.client.create_session("odd").session_id
+    stream(w, sid, random_inputs(served_models["odd"], 25, seed=62))
+    upload = _PausedUpload(w.client.export_checkpoint(sid), "late", chunk=300)
+    future = stub(w).ImportCheckpoint.future(iter(upload), timeout=60)
+    assert upload.paused.wait(30)
+    deadline = time.monotonic() + 30
+    while not _staged_uploads(redis_url):  # staged ...
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    while _staged_uploads(redis_url):  # ... and expired: the client took too long
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    upload.resume.set()
+    with pytest.raises(grpc.RpcError) as err:
+        future.result(60)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # sending it again can work
+    assert "staging" in err.value.details()
+    with pytest.raises(NotFound):
+        w.client.get_session("late")
+    assert w.worker.service.budgets.import_bytes == 0
+
+
+def test_forecasts_and_imports_count_in_the_worker_memory_budget(start_worker, served_models):
+    """One budget: a forecast holds its state copy and its answer, an import its
+    checkpoint while decoded; past the budget each is RESOURCE_EXHAUSTED naming it, and
+    what ended gives its bytes back."""
+    from ssmserve.client.errors import ResourceExhausted
+    from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
+
+    model = served_models["demo"]
+    c = model.config
+    probe = start_worker()
+    each = probe.manager.loader.footprint(
+        model, SessionConfig().resolve(SessionDefaults(), c.output_dim)
+    )
+    probe.stop()
+    room = 1000 * c.output_dim * 4 + c.state_bytes  # a forecast of 1000 steps fits ...
+    w = start_worker(manager=ManagerSettings(memory_budget_bytes=each + room))
+    sid = w.client.create_session("demo").session_id
+    stream(w, sid, random_inputs(model, 5, seed=63))
+    assert len(w.client.forecast(sid, 1000).outputs) == 1000
+    assert w.manager.memory.held_by["forecasts"] == 0  # given back when it ended
+    with pytest.raises(ResourceExhausted, match=r"forecast of 1001 steps .* memory budget"):
+        w.client.forecast(sid, 1001)  # ... one more step does not
+    blob = w.client.export_checkpoint(sid)
+    assert len(blob) < room
+    with pytest.raises(ResourceExhausted, match="memory budget"):
+        w.client.import_checkpoint(blob, "copy")  # checkpoint and one more session
+    with pytest.raises(NotFound):
+        w.client.get_session("copy")
+    assert sum(w.manager.memory.held_by.values()) == 0
+    assert w.manager.memory.held == each
+
+
 # ---------------------------------------------------------------------------- lifecycle
 
 

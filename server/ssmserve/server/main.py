@@ -48,6 +48,7 @@ from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.worker import Worker, WorkerSettings
 
 log = logging.getLogger("ssmserve.server")
@@ -197,6 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
             dest=attr,
             help=f"budget: {what} (default {getattr(defaults, attr):,}; env {variable})",
         )
+    parser.add_argument(
+        "--memory-budget",
+        type=int,
+        default=int(env("SSMSERVE_MEMORY_BUDGET", "0")),
+        metavar="BYTES",
+        help="what this worker may hold for resident sessions (at their bounds), running "
+        "forecasts and imports being decoded, all together; past it they are refused "
+        "(default 0: three quarters of the machine's memory; env SSMSERVE_MEMORY_BUDGET)",
+    )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
     parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
     return parser
@@ -235,6 +245,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         )
     elif args.tls_client_ca:
         raise SystemExit("ssmserve-server: error: --tls-client-ca needs --tls-cert and --tls-key")
+    if args.memory_budget < 0:
+        raise SystemExit("ssmserve-server: error: --memory-budget must be 0 (auto) or more")
     if args.require_signed_checkpoints and not args.checkpoint_key:
         raise SystemExit(
             "ssmserve-server: error: --require-signed-checkpoints needs --checkpoint-key"
@@ -267,6 +279,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         redis_timeout_s=args.redis_timeout,
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
+        manager=ManagerSettings(memory_budget_bytes=args.memory_budget or None),
     )
 
 

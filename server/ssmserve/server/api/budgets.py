@@ -2,9 +2,11 @@
 
 Per tenant (callers with a tenant, that is with ``--auth-tokens``): stored sessions
 (counted in Redis, so across workers), imports and forecasts running at once on this
-worker. Per worker: the bytes of checkpoints being received at once (an import is held
-whole before it is decoded). Past a budget the call gets RESOURCE_EXHAUSTED naming the
-budget and the current use, before it changes anything; other tenants never notice.
+worker, and the bytes its resident sessions here may hold. Per worker: the bytes of
+checkpoints being received at once (staged in Redis, ``api.imports``). Memory is the
+worker's one budget (``sessions.memory``), which sessions, forecasts and decoding imports
+share. Past a budget the call gets RESOURCE_EXHAUSTED naming the budget and the current
+use, before it changes anything; other tenants never notice.
 
 The session count is checked before a create, and two creates racing past it can go one
 over: a soft limit, cheap to check (one ZLEXCOUNT).
@@ -30,7 +32,8 @@ class BudgetSettings:
     sessions_per_tenant: int = 1000  # stored sessions of one tenant, on all workers
     imports_per_tenant: int = 2  # ImportCheckpoint calls of one tenant running here
     forecasts_per_tenant: int = 32  # Forecast calls of one tenant running here
-    import_buffer_bytes: int = 2 << 30  # checkpoint bytes being received here, all imports
+    # Checkpoint bytes being received by this worker's imports (staged in Redis) at once.
+    import_buffer_bytes: int = 2 << 30
     # What one tenant's sessions resident here may hold (each at its bound); 0: a share
     # of the worker's memory budget only.
     resident_bytes_per_tenant: int = 0
@@ -128,8 +131,8 @@ class ImportBuffer:
         held = self.budgets.import_bytes
         if held + size > limit:
             raise BudgetExceededError(
-                f"this worker is receiving {held} bytes of checkpoints already; {size} more "
-                f"would pass its import budget of {limit} bytes: retry later"
+                f"this worker is receiving {held:,} bytes of checkpoints already; {size:,} more "
+                f"would pass its import budget of {limit:,} bytes: retry later"
             )
         self.budgets.import_bytes += size
         self.reserved += size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -18,6 +18,7 @@ import numpy as np
 from ssmserve.server.api import status
 from ssmserve.server.api.auth import Authenticator, caller
 from ssmserve.server.api.budgets import Budgets, BudgetSettings
+from ssmserve.server.api.imports import CHUNK_BYTES, CheckpointUpload, RequestError
 from ssmserve.server.api.tenancy import TenantScope, tenant_of
 from ssmserve.server.cluster.migration import Migrator
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
@@ -40,20 +41,10 @@ from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20  # checkpoint chunks are at most 1 MiB (the contract)
-
-
-class RequestError(SsmserveError):
-    """A request that is malformed as a message (INVALID_ARGUMENT)."""
-
 
 class StreamLimitError(SsmserveError):
     """A stream message carries more steps than a message may."""
 
-    kind = ErrorKind.RESOURCE_EXHAUSTED
-
-
-class ImportTooLargeError(SsmserveError):
     kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
@@ -242,7 +233,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                         stopped=status.step_error(job.stopped, scope.clean),
                     )
             finally:
-                job.cancelled = True  # the client went away: stop computing for it
+                job.close()  # done, or the client went away: stop computing, free memory
 
     async def Fork(
         self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
@@ -294,84 +285,36 @@ class SessionService(pb_grpc.SessionServiceServicer):
     ) -> pb.SessionInfo:
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
-            # The budget holds until the import is done: the blob is in memory till then.
+            # The import budget holds while the chunks are staged in Redis; the worker's
+            # memory budget while the checkpoint is held whole, to be decoded.
             with self.budgets.importing(scope.tenant) as buffer:
                 await self.budgets.check_new_session(scope.tenant, scope.prefix)
-                header, blob = await self._receive_checkpoint(request_iterator, buffer.reserve)
-                blob, _verified = checkpoint_signing.unwrap(
-                    blob, self.settings.checkpoint_key, self.settings.require_signed_checkpoints
+                upload = CheckpointUpload(
+                    self.manager.store, self.settings.max_import_bytes, buffer.reserve
                 )
-                view = await self.manager.import_checkpoint(
-                    blob,
-                    scope.stored(header.session_id) if header.session_id else "",
-                    header.model,
-                    config_from_pb(header.config),
-                    header.replace,
-                    scope.adopted,
-                )
+                try:
+                    await upload.receive(request_iterator)
+                    header = upload.header
+                    assert header is not None  # receive() checked it
+                    with self.manager.memory.reserve(
+                        "imports", upload.total, "decoding an imported checkpoint"
+                    ):
+                        blob, _verified = checkpoint_signing.unwrap(
+                            await upload.read(),
+                            self.settings.checkpoint_key,
+                            self.settings.require_signed_checkpoints,
+                        )
+                        view = await self.manager.import_checkpoint(
+                            blob,
+                            scope.stored(header.session_id) if header.session_id else "",
+                            header.model,
+                            config_from_pb(header.config),
+                            header.replace,
+                            scope.adopted,
+                        )
+                finally:
+                    await upload.drop()
             return info_to_pb(view, scope)
-
-    async def _receive_checkpoint(
-        self,
-        request_iterator: AsyncIterator[pb.ImportCheckpointRequest],
-        reserve: Callable[[int], None],
-    ) -> tuple[pb.ImportHeader, bytes]:
-        """The header and the whole checkpoint; ``reserve`` is told its declared size
-        before its bytes are held (the worker's import budget)."""
-        header: pb.ImportHeader | None = None
-        parts: list[bytes] = []
-        received = 0
-        total = -1
-        done = False
-        async for request in request_iterator:
-            which = request.WhichOneof("part")
-            if which == "header":
-                if header is not None:
-                    raise RequestError("import: the header was sent twice")
-                header = request.header
-                continue
-            if which != "chunk":
-                raise RequestError("import: a message carries neither a header nor a chunk")
-            if header is None:
-                raise RequestError("import: the first message must be the header")
-            chunk = request.chunk
-            if done:
-                raise RequestError(f"import: chunk {chunk.index} arrived after the last chunk")
-            if chunk.index != len(parts):
-                raise RequestError(
-                    f"import: chunk {chunk.index} arrived where chunk {len(parts)} was expected"
-                )
-            if total < 0:
-                total = chunk.total_size
-                if total > self.settings.max_import_bytes:
-                    raise ImportTooLargeError(
-                        f"import: a checkpoint of {total} bytes is over the limit of "
-                        f"{self.settings.max_import_bytes}"
-                    )
-                reserve(total)
-            elif chunk.total_size != total:
-                raise RequestError(
-                    f"import: chunk {chunk.index} says the total is {chunk.total_size} bytes, "
-                    f"chunk 0 said {total}"
-                )
-            if len(chunk.data) > CHUNK_BYTES:
-                raise RequestError(
-                    f"import: chunk {chunk.index} holds {len(chunk.data)} bytes, over 1 MiB"
-                )
-            received += len(chunk.data)
-            if received > total:
-                raise RequestError(f"import: the chunks hold more than the {total} bytes declared")
-            parts.append(chunk.data)
-            done = chunk.last
-        if header is None:
-            raise RequestError("import: the stream ended before the header")
-        if not done:
-            raise RequestError(
-                f"import: the stream ended after chunk {len(parts) - 1} without the last chunk"
-            )
-        if received != total:
-            raise RequestError(f"import: got {received} bytes, the chunks declared {total}")
-        return header, b"".join(parts)
 
 
 class _StreamReader:

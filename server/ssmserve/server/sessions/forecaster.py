@@ -34,6 +34,7 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, GuardRule, check_output
+from ssmserve.server.sessions.memory import MemoryReservation
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
     GuardRolledBackError,
@@ -111,6 +112,7 @@ class ForecastJob:
     stopped: SsmserveError | None = None  # why it ended before ``horizon`` steps
     finished: bool = False
     cancelled: bool = False  # nobody reads it any more
+    memory: MemoryReservation | None = None  # its bytes in the worker's memory budget
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -124,6 +126,12 @@ class ForecastJob:
         self.stopped = stopped
         self.finished = True
         self._wake.set()
+
+    def close(self) -> None:
+        """Nobody reads the forecast any more: stop computing it, give its memory back."""
+        self.cancelled = True
+        if self.memory is not None:
+            self.memory.release()
 
     async def batches(self, max_bytes: int) -> AsyncIterator[list[ForecastStep]]:
         """The steps as they come, about ``max_bytes`` of outputs (at least one step) at a

@@ -171,7 +171,7 @@ class Lifecycle:
 
     async def import_checkpoint(
         self,
-        blob: bytes,
+        blob: bytes | memoryview,
         session_id: str,
         model_name: str,
         config: SessionConfig,
@@ -206,9 +206,12 @@ class Lifecycle:
             await self._drop_for_replace(session_id)
         if self.ownership.draining:
             raise await self.loader.elsewhere(model_name, "import sessions")
+        # Copies: the decoded arrays are views into ``blob``, which must not stay alive
+        # (or stay counted) for the session's life.
+        output = None if ckpt.output is None else ckpt.output.copy()
         await self._create(
-            session_id, model, model_name, config, ckpt.state, ckpt.step, "import",
-            ckpt.history, ckpt.output,
+            session_id, model, model_name, config, ckpt.state.copy(), ckpt.step, "import",
+            ckpt.history, output,
         )  # fmt: skip
         return session_id
 

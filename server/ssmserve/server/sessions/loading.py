@@ -31,6 +31,7 @@ from ssmserve.server.sessions.errors import (
     UnknownModelError,
     WorkerDrainingError,
 )
+from ssmserve.server.sessions.memory import WorkerMemory
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
@@ -58,7 +59,7 @@ class SessionLoader:
         notifiers: Mapping[str, Callable[[], None]],
         max_sessions: int,
         output_window: int,
-        memory_budget_bytes: int = 1 << 62,
+        memory: WorkerMemory,
         max_unflushed: int = 1 << 16,
     ) -> None:
         self.models = models
@@ -70,7 +71,7 @@ class SessionLoader:
         self.notifiers = notifiers  # per model: wakes its stepper when a step is queued
         self.max_sessions = max_sessions
         self.output_window = output_window
-        self.memory_budget_bytes = memory_budget_bytes
+        self.memory = memory  # the worker's one memory budget
         self.max_unflushed = max_unflushed  # inputs a non-log session holds before a flush
         self._loading: dict[str, asyncio.Future[Session]] = {}
 
@@ -122,13 +123,7 @@ class SessionLoader:
             raise CapacityError(
                 f"this worker already holds {count} sessions (max_sessions {self.max_sessions})"
             )
-        need, held = self.footprint(model, config), self.residents.footprint_bytes
-        if held + need > self.memory_budget_bytes:
-            raise CapacityError(
-                f"this worker's sessions may hold {held:,} bytes and one more needs "
-                f"{need:,}: its memory budget is {self.memory_budget_bytes:,} bytes; close or "
-                f"evict sessions here, or serve it from another worker"
-            )
+        self.memory.check(self.footprint(model, config), "one more session")
 
     async def elsewhere(self, model: str, what: str) -> SessionMovedError:
         """This worker is draining: point the caller at the least loaded other worker."""

@@ -58,6 +58,7 @@ from ssmserve.server.sessions.forecaster import (
 )
 from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
+from ssmserve.server.sessions.memory import WorkerMemory
 from ssmserve.server.sessions.records import (
     ForkResult,
     RollbackResult,
@@ -93,9 +94,10 @@ class ManagerSettings:
     stepper: StepperSettings = field(default_factory=StepperSettings)
     forecast: ForecastSettings = field(default_factory=ForecastSettings)
     max_sessions: int = 10_000  # resident sessions; creating or loading more is refused
-    # Bytes resident sessions may hold at most, all together: state, input history,
-    # recorded outputs and unflushed inputs, each at its bound (``loading.footprint``).
-    # None: three quarters of the machine's memory.
+    # The worker's one memory budget (``memory.WorkerMemory``): what resident sessions
+    # may hold (state, input history, recorded outputs and unflushed inputs, each at its
+    # bound), running forecasts (state copy and answer) and imports being decoded, all
+    # together. None: three quarters of the machine's memory.
     memory_budget_bytes: int | None = None
     max_queued_steps: int = 4096  # per session, waiting for the stepper
     output_window: int = 64  # outputs kept per session to answer resent steps from memory
@@ -172,12 +174,15 @@ class SessionManager:
             name: Forecaster(model, engines[name], settings.forecast)
             for name, model in models.items()
         }
+        self.memory = WorkerMemory(
+            settings.memory_budget_bytes or default_memory_budget(),
+            lambda: self.residents.footprint_bytes,
+        )
         self.loader = SessionLoader(
             self.models, self.residents, self.checkpoints, self.replay,
             {name: stepper.notify for name, stepper in self.steppers.items()},
             settings.max_sessions, settings.output_window,
-            settings.memory_budget_bytes or default_memory_budget(),
-            settings.stepper.max_unflushed,
+            self.memory, settings.stepper.max_unflushed,
         )  # fmt: skip
         self.lifecycle = Lifecycle(
             self.models, self.residents, self.checkpoints, self.replay, self.loader,
@@ -425,6 +430,21 @@ class SessionManager:
             )
         forecaster = self.forecasters[s.model_name]
         forecaster.check_room()  # before the (maybe long) replay, not after
+        # Its state copy and the answer it may buffer count against the worker's memory
+        # until the caller closes the job.
+        memory = self.memory.reserve(
+            "forecasts", c.state_bytes + size, f"a forecast of {horizon} steps"
+        )
+        try:
+            job = await self._forecast_job(s, horizon, at_step)
+            job.memory = memory
+            forecaster.submit(job)
+        except BaseException:
+            memory.release()
+            raise
+        return job
+
+    async def _forecast_job(self, s: Session, horizon: int, at_step: int | None) -> ForecastJob:
         point = await self.replay.point(
             s, RollbackTarget(step=at_step), "forecast", need_output=True
         )
@@ -437,7 +457,7 @@ class SessionManager:
                 f"older than the kept history, or the session came from a checkpoint without "
                 f"it), so a forecast cannot start there; forecast from a later step"
             )
-        job = ForecastJob(
+        return ForecastJob(
             session_id=s.id,
             guards=s.config.guards,
             from_step=point.step,
@@ -445,8 +465,6 @@ class SessionManager:
             state=point.state,
             next_input=feedback(s.model, point.step, point.output),
         )
-        forecaster.submit(job)
-        return job
 
     async def fork(
         self, session_id: str, target: RollbackTarget, new_session_id: str = ""
@@ -467,7 +485,7 @@ class SessionManager:
 
     async def import_checkpoint(
         self,
-        blob: bytes,
+        blob: bytes | memoryview,
         session_id: str,
         model_name: str,
         config: SessionConfig,

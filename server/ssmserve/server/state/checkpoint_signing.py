@@ -29,8 +29,11 @@ def sign(blob: bytes, key: bytes) -> bytes:
     return blob + SIGNATURE_MAGIC + hmac.digest(key, blob, "sha256")
 
 
-def unwrap(blob: bytes, key: bytes | None, required: bool) -> tuple[bytes, bool]:
-    """The checkpoint's bytes without a trailer, and whether a signature was verified.
+def unwrap(
+    blob: bytes | memoryview, key: bytes | None, required: bool
+) -> tuple[bytes | memoryview, bool]:
+    """The checkpoint's bytes without a trailer (a view of ``blob``'s when it is a
+    memoryview), and whether a signature was verified.
 
     A trailer is checked whenever this worker has a key; a worker without one cannot
     tell a signed checkpoint from a forged one, so it strips the trailer and calls the

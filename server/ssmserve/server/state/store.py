@@ -43,6 +43,7 @@ from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store_errors import (
     SessionExistsError,
+    StagedPiecesMissingError,
     StoreDataError,
     StoreError,
     StoreOutcomeUnknownError,
@@ -646,6 +647,49 @@ class Store:
                 f"snapshot {record.snapshot_id} is {len(blob)} bytes, index says {record.size}"
             )
         return blob
+
+    # ------------------------------------------------------------------ import staging
+
+    async def stage_upload_piece(self, upload_id: str, piece: bytes | memoryview) -> int:
+        """Append a piece of an imported checkpoint to its staging list, which expires
+        ``stage_ttl_s`` after its newest piece; the list's length after it."""
+        key = layout.upload_key(self.settings.key_prefix, upload_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(key, piece)
+                pipe.pexpire(key, self.settings.stage_ttl_s * 1000)
+                return await pipe.execute()
+
+        # The list is private to one import (its id is new): a lost answer shows as a
+        # wrong length at the next piece or at read-back, never as a wrong checkpoint.
+        return int((await _guarded(run))[0])
+
+    async def read_upload(self, upload_id: str, pieces: int, size: int) -> memoryview:
+        """The staged checkpoint, whole: ``size`` bytes from ``pieces`` pieces (read
+        a few at a time into one buffer, so it is held once)."""
+        key = layout.upload_key(self.settings.key_prefix, upload_id)
+        buffer, offset = bytearray(size), 0
+        for start in range(0, pieces, 8):
+            stop = min(start + 8, pieces) - 1
+            got = await _guarded(lambda s=start, e=stop: self.redis.lrange(key, s, e))
+            if len(got) != stop - start + 1:
+                raise StagedPiecesMissingError(
+                    f"the staged import lost pieces ({start + len(got)} of {pieces} left): it "
+                    f"took longer than {self.settings.stage_ttl_s} s between two chunks"
+                )
+            for piece in got:
+                if offset + len(piece) > size:
+                    raise StagedPiecesMissingError(f"the staged import holds over {size} bytes")
+                buffer[offset : offset + len(piece)] = piece
+                offset += len(piece)
+        if offset != size:
+            raise StagedPiecesMissingError(f"the staged import holds {offset} bytes, not {size}")
+        return memoryview(buffer).toreadonly()
+
+    async def drop_upload(self, upload_id: str) -> None:
+        key = layout.upload_key(self.settings.key_prefix, upload_id)
+        await _guarded(lambda: self.redis.unlink(key))
 
     async def snapshot_count_and_oldest(self, session_id: str) -> tuple[int, int | None]:
         k = self.keys(session_id)

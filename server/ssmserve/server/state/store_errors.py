@@ -70,8 +70,8 @@ class LogDivergedError(StoreError):
 
 
 class StagedPiecesMissingError(StoreError):
-    """A snapshot commit found its staged pieces gone (they expired before the commit):
-    nothing was committed; the snapshot is staged again on the next try."""
+    """Staged pieces are gone (they expired first): a snapshot commit committed nothing
+    and stages again on the next try; an import is refused and may be sent again."""
 
 
 class UnknownReplyError(SsmserveError):

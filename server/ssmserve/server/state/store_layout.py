@@ -17,6 +17,8 @@ tag, so all keys of one session sit in one slot and one script may touch them to
     P:{sid}:blob:<id>:<i>        STRING piece i of a committed snapshot's checkpoint bytes
     P:{sid}:stage:<id>:<i>       STRING a piece written but not committed yet (expires)
     P:{sid}:labels               HASH   label -> snapshot id
+    P:upload:{<id>}              LIST   pieces of a checkpoint being imported, in order
+                                        (PX ttl, renewed with each piece; dropped after)
 
 **Fencing.** ``meta.token`` is the current owner's fencing token (``ssmserve.server.state.lease``):
 ``<incarnation>.<epoch>``, where the incarnation is random per creation of the id and the
@@ -89,6 +91,11 @@ class Keys:
 
     def stage(self, snapshot_id: str, piece: int) -> str:
         return self._k(f"stage:{snapshot_id}:{piece}")
+
+
+def upload_key(prefix: str, upload_id: str) -> str:
+    """The staging list of one import (``upload_id`` is random, one per ImportCheckpoint)."""
+    return f"{prefix}:upload:{{{upload_id}}}"
 
 
 # ---------------------------------------------------------------------------- scripts
@@ -431,5 +438,5 @@ WORKER_ACL_RULES = (
     "+script|load +script|exists +get +set +del +unlink +exists +rename +persist +pexpire "
     "+pttl +mget +hget +hgetall +hmget +hset +hdel +hexists +hincrby +sadd +srem +smembers "
     "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore "
-    "+zlexcount"
+    "+zlexcount +rpush +lrange +llen"
 )
