@@ -1,7 +1,8 @@
 """The folders show the architecture, and imports run one way between them.
 
 api -> sessions -> cluster -> state -> engine (a layer may import any layer below it);
-``errors`` is shared by all; ``worker``, ``main`` and ``cli`` wire everything together.
+``errors`` and ``observability`` are shared by all; ``worker``, ``main`` and ``cli`` wire
+everything together.
 The client distribution never imports the server (``test_packaging``).
 """
 
@@ -14,7 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 SERVER = REPO / "server" / "ssmserve" / "server"
 CLIENT = REPO / "client" / "ssmserve" / "client"
 LAYERS = ["engine", "state", "cluster", "sessions", "api"]  # bottom to top
-SHARED = {"errors"}  # typed errors with a kind: every layer raises them
+# Typed errors with a kind (every layer raises them) and observability (every layer
+# counts and logs); neither imports a layer.
+SHARED = {"errors", "observability"}
 CLIENT_HELPERS = {
     "ssmserve.client.atomic_file",
     "ssmserve.client.tls",
@@ -46,6 +49,17 @@ def test_each_layer_imports_only_layers_below_it() -> None:
                     wrong.append(f"{layer}/{path.name} imports {name}")
                 elif parts[2] not in allowed:
                     wrong.append(f"{layer}/{path.name} imports {name} (a layer above it)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_shared_packages_import_no_layer() -> None:
+    paths = [SERVER / "errors.py", *sorted((SERVER / "observability").glob("*.py"))]
+    wrong = [
+        f"{path.relative_to(SERVER)} imports {name}"
+        for path in paths
+        for name in _imports(path)
+        if name.split(".")[2:3] and name.split(".")[2] in LAYERS
+    ]
     assert not wrong, "\n".join(wrong)
 
 

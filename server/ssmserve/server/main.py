@@ -48,6 +48,8 @@ from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.observability.logs import JsonFormatter
+from ssmserve.server.observability.logs import configure as configure_logging
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.worker import Worker, WorkerSettings
 
@@ -208,7 +210,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0: three quarters of the machine's memory; env SSMSERVE_MEMORY_BUDGET)",
     )
     parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
-    parser.add_argument("--log-level", default=env("SSMSERVE_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-level",
+        default=env("SSMSERVE_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (default INFO; env SSMSERVE_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=env("SSMSERVE_LOG_FORMAT", "text"),
+        help="text for people, json for one object per line with worker id, session id, "
+        "step, lease token and tenant (default text; env SSMSERVE_LOG_FORMAT)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        default=env("SSMSERVE_METRICS_LISTEN", ""),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; env "
+        "SSMSERVE_METRICS_LISTEN)",
+    )
     return parser
 
 
@@ -280,6 +300,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(memory_budget_bytes=args.memory_budget or None),
+        metrics_listen=args.metrics_listen,
     )
 
 
@@ -290,7 +311,7 @@ def ensure_demo_model(directory: Path) -> Path:
     return directory
 
 
-async def serve(settings: WorkerSettings) -> None:
+async def serve(settings: WorkerSettings, json_logs: JsonFormatter | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -300,6 +321,8 @@ async def serve(settings: WorkerSettings) -> None:
         tokens = worker.tokens
         loop.add_signal_handler(signal.SIGHUP, lambda: tokens.reload(force=True))
     try:
+        if json_logs is not None:
+            json_logs.worker_id = worker.worker_id
         address = await worker.start()
         print(f"ssmserve-server listening on {address}", flush=True)
         await stop.wait()
@@ -311,13 +334,9 @@ async def serve(settings: WorkerSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    json_logs = configure_logging(args.log_level, args.log_format)
     try:
-        asyncio.run(serve(settings_from_args(args)))
+        asyncio.run(serve(settings_from_args(args), json_logs))
     except (SsmserveError, OSError) as exc:
         print(f"ssmserve-server: error: {exc}", file=sys.stderr)
         return 2

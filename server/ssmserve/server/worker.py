@@ -30,11 +30,12 @@ from ssmserve.server.api.auth import (
     peer_metadata,
 )
 from ssmserve.server.api.cluster_service import ClusterService
+from ssmserve.server.api.rpc_metrics import RpcMetrics
 from ssmserve.server.api.service import ServiceSettings, SessionService
 from ssmserve.server.api.status import UndecodableRequests
 from ssmserve.server.api.tls import ReloadingCertificates, TlsSettings
 from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, Migrator
-from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings
+from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings, new_worker_id
 from ssmserve.server.cluster.peers import Peers, PeerSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.loader import load_model
@@ -45,6 +46,8 @@ from ssmserve.server.engine.numerics import (
     pin_blas_threads,
 )
 from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.observability.http import MetricsEndpoint
+from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
 from ssmserve.server.state.store import Store, StoreSettings
 from ssmserve.server.state.store_errors import StoreUnavailableError
@@ -99,6 +102,9 @@ class WorkerSettings:
     auth_tokens: Path | None = None
     cluster_secret: Path | None = None  # shared by the workers; their calls to each other
     insecure: bool = False  # listen beyond loopback without tokens (a warning is logged)
+    # host:port of the Prometheus endpoint (/metrics); "": none. Port 0 picks a free one.
+    metrics_listen: str = ""
+    stored_count_every_s: float = 15.0  # how often ssmserve_sessions_stored is counted
 
 
 def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
@@ -171,6 +177,12 @@ class Worker:
         self.health = health.aio.HealthServicer()
         self.address = ""
         self.numerics = ""
+        self.metrics = Metrics()
+        self.worker_id = new_worker_id()  # in the registry, the leases and the logs
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        self.metrics_address = ""  # host:port of /metrics once started
+        self._stored_sessions: int | None = None
+        self._counter: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
         """Start everything; returns the address the server listens on (host:port)."""
@@ -196,7 +208,8 @@ class Worker:
             url = self.embedded.url
             log.info("embedded redis-server on %s (data in %s)", url, s.data_dir / "redis")
         self.store = Store(
-            StoreSettings(url=url, key_prefix=s.key_prefix, socket_timeout_s=s.redis_timeout_s)
+            StoreSettings(url=url, key_prefix=s.key_prefix, socket_timeout_s=s.redis_timeout_s),
+            self.metrics,
         )
         await self._patiently("reach Redis", self.store.ping)
         self.numerics = numerics_description()
@@ -206,6 +219,7 @@ class Worker:
         if self.tokens is not None:  # first: a refused call is never parsed
             interceptors.insert(0, Authorization(self.authenticator))
             self.tokens.start()
+        interceptors.insert(0, RpcMetrics(self.metrics))  # outermost: refusals are timed too
         self.server = grpc.aio.server(options=server_options(s), interceptors=interceptors)
         if s.tls is None:
             port = self.server.add_insecure_port(s.listen)
@@ -225,6 +239,7 @@ class Worker:
             held=lambda: manager.held(),
             on_lost=lambda lease, error: manager.lost_lease(lease, error),
             on_expired=lambda lease: manager.expired_lease(lease),
+            worker_id=self.worker_id,
         )
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         self.migrator = Migrator(
@@ -250,9 +265,52 @@ class Worker:
         )
         await self.server.start()
         await self._patiently("register in Redis", self.ownership.start)
+        if s.metrics_listen:
+            self._start_metrics(s.metrics_listen)
         for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.address
+
+    def _start_metrics(self, listen: str) -> None:
+        manager, ownership = self.manager, self.ownership
+        assert manager is not None and ownership is not None
+
+        def residents() -> ResidentCounts:
+            counts = ResidentCounts()
+            for s in list(manager.residents.by_id.values()):  # a copy, made under the GIL
+                key = (s.model_name, s.id.split("~", 1)[0] if "~" in s.id else "")
+                counts.sessions[key] = counts.sessions.get(key, 0) + 1
+                queued = counts.queued_steps.get(s.model_name, 0)
+                counts.queued_steps[s.model_name] = queued + len(s.queue)
+            return counts
+
+        self.metrics.watch(
+            WorkerView(
+                residents=residents,
+                memory_held=lambda: manager.memory.held,
+                memory_budget=lambda: manager.memory.budget_bytes,
+                open_streams=lambda: self.service.open_streams if self.service else 0,
+                forecasts_running=lambda: {
+                    name: f.running for name, f in manager.forecasters.items()
+                },
+                draining=lambda: ownership.draining,
+                stored_sessions=lambda: self._stored_sessions,
+            )
+        )
+        self.metrics_endpoint = MetricsEndpoint(listen, self.metrics.registry)
+        self.metrics_address = self.metrics_endpoint.start()
+        self._counter = asyncio.create_task(self._count_stored(), name="count-stored")
+        log.info("metrics on http://%s/metrics", self.metrics_address)
+
+    async def _count_stored(self) -> None:
+        """Keep ``ssmserve_sessions_stored`` fresh (one ZCARD-like count per period)."""
+        assert self.store is not None
+        while True:
+            try:
+                self._stored_sessions = await self.store.count_sessions("")
+            except SsmserveError as exc:
+                log.debug("could not count stored sessions: %s", exc)
+            await asyncio.sleep(self.settings.stored_count_every_s)
 
     async def _patiently(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
         """Retry ``call`` while Redis is unavailable, up to ``startup_timeout_s``: a store
@@ -327,6 +385,13 @@ class Worker:
 
     async def _close_connections(self) -> None:
         """Peer channels, the token file watcher and the store: last, after serving."""
+        if self._counter is not None:
+            self._counter.cancel()
+            await asyncio.gather(self._counter, return_exceptions=True)
+            self._counter = None
+        if self.metrics_endpoint is not None:
+            await asyncio.to_thread(self.metrics_endpoint.stop)
+            self.metrics_endpoint = None
         await self.peers.close()
         if self.tokens is not None:
             await self.tokens.stop()

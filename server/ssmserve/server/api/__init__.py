@@ -7,6 +7,8 @@
 ``tenancy``          session ids per tenant (``tenant~id`` in the store)
 ``budgets``          per-tenant and per-worker budgets (sessions, imports, forecasts)
 ``tls``              TLS / mTLS on the listener, certificates reloaded when they change
+``imports``          ImportCheckpoint streams staged in Redis as they arrive
+``rpc_metrics``      the interceptor that times every RPC by method and status code
 
 Imports: everything below it (``sessions``, ``cluster``, ``state``, ``engine``).
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -155,12 +156,17 @@ class SessionService(pb_grpc.SessionServiceServicer):
         budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
         self.open_streams += 1
         try:
-            while (futures := await reader.answers.get()) is not None:
+            latency = self.manager.metrics.step_latency
+            while (message := await reader.answers.get()) is not None:
+                received, futures = message
                 outcomes = [await f for f in futures]
                 results = [result_to_pb(o, scope) for o in outcomes]
                 for response in split_results(results, budget):
                     yield response
                 reader.slots.release()
+                answered = time.perf_counter() - received
+                for _ in outcomes:
+                    latency.observe(answered)
             await task
             if reader.failure is not None:  # e.g. a message that is not valid protobuf
                 await status.abort(context, reader.failure, scope.clean)
@@ -212,6 +218,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self, request: pb.ForecastRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForecastResponse]:
         scope = self._scope(context)
+        started = time.perf_counter()
         with self.budgets.forecasting_or_none(scope.tenant) as slot:
             async with status.edge(context, scope.clean):
                 slot.take()  # a tenant past its forecast budget is refused here
@@ -234,6 +241,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                     )
             finally:
                 job.close()  # done, or the client went away: stop computing, free memory
+                self.manager.metrics.forecast_seconds.observe(time.perf_counter() - started)
 
     async def Fork(
         self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
@@ -331,7 +339,10 @@ class _StreamReader:
         self.manager = manager
         self.settings = settings
         self.scope = scope
-        self.answers: asyncio.Queue[list[asyncio.Future[StepOutcome]] | None] = asyncio.Queue()
+        # Per message: when it arrived, and the futures of its steps.
+        self.answers: asyncio.Queue[tuple[float, list[asyncio.Future[StepOutcome]]] | None] = (
+            asyncio.Queue()
+        )
         self.slots = asyncio.Semaphore(settings.max_inflight_messages)
         self.failure: SsmserveError | None = None
 
@@ -344,7 +355,8 @@ class _StreamReader:
                     request = await requests.__anext__()
                 except StopAsyncIteration:
                     return
-                self.answers.put_nowait(await self._submit(request))
+                received = time.perf_counter()
+                self.answers.put_nowait((received, await self._submit(request)))
         except SsmserveError as exc:
             self.failure = exc
         finally:

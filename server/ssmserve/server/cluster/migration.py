@@ -125,11 +125,24 @@ class Migrator:
                 return MigrationResult(session_id, self.address, self.address, s.step, "", 0.0)
             s = await self.manager.session(session_id)
             target = await self._target(target_address, s.model_name, self.ownership.numerics)
-            step, snapshot_id = await self.manager.hand_off(
-                session_id, target, lambda sid: self.peers.adopt(target.address, sid)
-            )
-            elapsed = (time.perf_counter() - started) * 1000
-            log.info("session %s migrated to %s in %.1f ms", session_id, target_address, elapsed)
+            held = time.perf_counter()
+            try:
+                step, snapshot_id = await self.manager.hand_off(
+                    session_id, target, lambda sid: self.peers.adopt(target.address, sid)
+                )
+            except BaseException:
+                self.manager.store.metrics.migrations.labels("failed").inc()
+                raise
+            done = time.perf_counter()
+            metrics = self.manager.store.metrics
+            metrics.migrations.labels("ok").inc()
+            metrics.migration_downtime.observe(done - held)
+            elapsed = (done - started) * 1000
+            log.info(
+                "session %s migrated to %s in %.1f ms", session_id, target_address, elapsed,
+                extra={"session_id": session_id, "step": step, "event": "migrated",
+                       "target": target.address},
+            )  # fmt: skip
             return MigrationResult(
                 session_id, self.address, target.address, step, snapshot_id, elapsed
             )

@@ -87,10 +87,11 @@ class Ownership:
         held: Callable[[], list[SessionLease]],
         on_lost: Callable[[SessionLease, SsmserveError], None],
         on_expired: Callable[[SessionLease], None],
+        worker_id: str = "",
     ) -> None:
         self.store = store
         self.settings = settings
-        self.worker_id = new_worker_id()
+        self.worker_id = worker_id or new_worker_id()
         self.address = address
         self.models = tuple(models)
         self.numerics = numerics
@@ -164,7 +165,11 @@ class Ownership:
                 # A session closed while its renewal was on the way is gone as it should
                 # be; only a lease lost to another worker is worth a warning.
                 level = logging.INFO if isinstance(error, SessionMissingError) else logging.WARNING
-                log.log(level, "session %s: lease not renewed: %s", lease.session_id, error)
+                log.log(
+                    level, "session %s: lease not renewed: %s", lease.session_id, error,
+                    extra={"session_id": lease.session_id, "token": lease.token,
+                           "event": "fenced" if level == logging.WARNING else "gone"},
+                )  # fmt: skip
                 lease.expire()
                 self._on_lost(lease, error)
 
@@ -218,6 +223,7 @@ class Ownership:
                 await asyncio.gather(self.heartbeat(), self.renew())
                 self.renewals += 1
             except SsmserveError as exc:  # Redis away: keep trying; leases self-fence
+                self.store.metrics.lease_renewals_failed.inc()
                 log.warning("heartbeat/lease renewal failed: %s", exc)
 
     # ------------------------------------------------------------------ peers

@@ -74,16 +74,22 @@ class Checkpoints:
                 return
             s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
 
-        s.snapshots.schedule(write)
+        if s.snapshots.schedule(write):
+            self.store.metrics.snapshots_dropped.inc()
 
     async def _commit(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:
         step = ckpt.step
+        started = time.perf_counter()
         await self.flush_unflushed(s, step)
         blob, record = await self.encode(ckpt)
         await self.residents.write(
             s, lambda lease: self.store.commit_snapshot(lease, record, blob, s.config.max_snapshots)
         )
         s.last_snapshot_step = max(s.last_snapshot_step, step)
+        m = self.store.metrics
+        m.snapshots.labels(record.reason).inc()
+        m.snapshot_bytes.inc(record.size)
+        m.snapshot_seconds.observe(time.perf_counter() - started)
         return record
 
     async def encode(self, ckpt: Checkpoint) -> tuple[bytes, SnapshotRecord]:

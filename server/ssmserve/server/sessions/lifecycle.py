@@ -113,6 +113,11 @@ class Lifecycle:
         s.lease = self.ownership.new_lease(session_id, lease.token, sent_at)
         s.last_snapshot_step = step
         self.residents.add(s, self.loader.footprint(model, config))
+        log.info(
+            "session %s created by %s at step %d", session_id, reason, step,
+            extra={"session_id": session_id, "step": step, "token": s.lease.token,
+                   "event": "created", "reason": reason, "model": model_name},
+        )  # fmt: skip
         return s
 
     async def fork(
@@ -150,6 +155,11 @@ class Lifecycle:
             )
             s.fail_queued(SessionClosedError(f"session {s.id!r} was closed"))
             self.residents.remove(s.id)
+            log.info(
+                "session %s closed at step %d", s.id, s.step,
+                extra={"session_id": s.id, "step": s.step, "token": s.lease.token,
+                       "event": "closed"},
+            )  # fmt: skip
             return s.step, snapshot_id
 
     async def export(self, session_id: str, snapshot_id: str) -> bytes:

@@ -183,6 +183,16 @@ class SessionLoader:
             self.ownership.lease_ms, numerics=self.ownership.numerics,
         )  # fmt: skip
         lease = self.ownership.new_lease(session_id, token, sent_at)
+        if meta.owner and meta.owner != self.ownership.worker_id:
+            # Its owner neither released it nor handed it here: it crashed or froze, and
+            # its lease ran out (an acquire succeeds only then).
+            self.store.metrics.takeovers.inc()
+            log.info(
+                "session %s taken over from worker %s, token %s", session_id, meta.owner,
+                token,
+                extra={"session_id": session_id, "step": meta.step, "token": token,
+                       "event": "taken_over", "previous_owner": meta.owner},
+            )  # fmt: skip
         try:
             return await self._restore(session_id, model, meta.model, lease)
         except BaseException:
@@ -318,6 +328,11 @@ class SessionLoader:
                 if ttl and not s.queue and not s.busy and now - s.last_active > ttl:
                     try:
                         await self.unload(s, "idle")
+                        log.info(
+                            "session %s evicted after %.0f s idle at step %d", s.id, ttl,
+                            s.step,
+                            extra={"session_id": s.id, "step": s.step, "event": "evicted"},
+                        )  # fmt: skip
                     except SsmserveError as exc:
                         log.warning("session %s: idle eviction failed: %s", s.id, exc)
 

@@ -158,6 +158,7 @@ class SessionManager:
         self.store = store
         self.ownership = ownership
         self.settings = settings
+        self.metrics = store.metrics  # the worker's, handed to its store
         self.residents = ResidentSessions(store, ownership)
         self.checkpoints = Checkpoints(store, self.residents, settings.snapshot_writes_in_flight)
         engines = {
@@ -394,6 +395,12 @@ class SessionManager:
         async with self.residents.hold(s):
             t, record = await self.replay.resolve(s, target, "roll back")
             step, snapshot_id, replayed = await self.replay.restore_to(s, t, record)
+            self.metrics.rollbacks.labels("monitor").inc()
+            log.info(
+                "session %s rolled back to step %d (%d replayed)", s.id, step, replayed,
+                extra={"session_id": s.id, "step": step, "token": s.lease.token,
+                       "event": "rolled_back", "cause": "monitor"},
+            )  # fmt: skip
             return RollbackResult(step, snapshot_id, replayed)
 
     # ------------------------------------------------------------------ forecast and fork
@@ -439,6 +446,7 @@ class SessionManager:
             job = await self._forecast_job(s, horizon, at_step)
             job.memory = memory
             forecaster.submit(job)
+            self.metrics.forecasts.labels(s.model_name).inc()
         except BaseException:
             memory.release()
             raise
@@ -470,6 +478,7 @@ class SessionManager:
         self, session_id: str, target: RollbackTarget, new_session_id: str = ""
     ) -> ForkResult:
         new_id, point = await self.lifecycle.fork(session_id, target, new_session_id)
+        self.metrics.forks.inc()
         return ForkResult(
             await self.view(new_id), session_id, point.step, point.from_snapshot_id,
             point.replayed_steps,

@@ -78,6 +78,7 @@ class Replay:
             return Rebuilt(step, record, ckpt, ckpt.state, [], [])
         # A long replay (a 130m model replays ~20 steps/s) must not stall the event loop.
         outputs, state = await self.engines[s.model_name].run(s.codec.decode_many(raw), ckpt.state)
+        self.store.metrics.replayed_steps.inc(len(raw))
         guarded = [
             check_output(s.config.guards, record.step + 1 + i, out).output
             for i, out in enumerate(outputs)

@@ -92,7 +92,11 @@ class ResidentSessions:
 
     def drop(self, s: Session, error: SsmserveError) -> None:
         """Forget ``s`` at once; what is queued for it is answered with ``error``."""
-        log.info("session %s dropped from memory: %s", s.id, error)
+        log.info(
+            "session %s dropped from memory: %s", s.id, error,
+            extra={"session_id": s.id, "step": s.step, "token": s.lease.token,
+                   "event": "fenced" if isinstance(error, _NOT_OURS) else "dropped"},
+        )  # fmt: skip
         s.fail_queued(error)
         if self.by_id.get(s.id) is s:
             self.remove(s.id)

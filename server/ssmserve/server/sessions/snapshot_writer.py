@@ -43,9 +43,11 @@ class SnapshotWriter:
     def busy(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def schedule(self, job: SnapshotJob) -> None:
-        """Run ``job`` after the writes before it; drop the oldest waiting one if full."""
-        if len(self._waiting) == MAX_WAITING:
+    def schedule(self, job: SnapshotJob) -> bool:
+        """Run ``job`` after the writes before it; drop the oldest waiting one if full
+        (then True)."""
+        dropped = len(self._waiting) == MAX_WAITING
+        if dropped:
             self._waiting.popleft()
             self.superseded += 1
         self._waiting.append(job)
@@ -53,6 +55,7 @@ class SnapshotWriter:
             self._task = asyncio.create_task(
                 self._run(), name=f"snapshot-writer[{self.session_id}]"
             )
+        return dropped
 
     async def _run(self) -> None:
         while self._waiting:

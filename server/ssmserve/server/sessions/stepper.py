@@ -125,6 +125,13 @@ class Stepper:
         self.engine = engine  # the model's lane, shared with forecasts and replays
         self.batches = 0
         self.steps = 0
+        # Metric children resolved once: a labelled lookup per step would cost more.
+        m = store.metrics
+        self._steps_by = {d: m.steps.labels(model.name, d.name.lower()) for d in Durability}
+        self._batch_size = m.engine_batch_size.labels(model.name)
+        self._batch_seconds = m.engine_batch_seconds.labels(model.name)
+        self._guard_events = m.guard_events
+        self._rolled_back_by_guards = m.rollbacks.labels("guard")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"stepper[{self.model.name}]")
@@ -230,9 +237,12 @@ class Stepper:
                 apply.append((w, job))
         if not apply:
             return any(not w.stopped and w.session.head_is_step for w in work)
+        started = time.perf_counter()
         new_batch, outputs = await self.engine.step(
             [w.session.state for w, _ in apply], [job.value for _, job in apply]
         )
+        self._batch_seconds.observe(time.perf_counter() - started)
+        self._batch_size.observe(len(apply))
         self.steps += len(apply)
         for row, (w, job) in enumerate(apply):
             # A copy: kept in the session's recent outputs, a view would pin the whole
@@ -247,8 +257,11 @@ class Stepper:
         outcome = w.done[-1][1]
         verdict = check_output(s.config.guards, job.step, output)
         outcome.guard_events.extend(verdict.events)
+        for event in verdict.events:
+            self._guard_events.labels(event.action.name.lower()).inc()
         outcome.output = verdict.output
         if verdict.applies_step:
+            self._steps_by[s.config.durability].inc()
             s.state, s.step = state, job.step
             s.recent.record(job.step, job.raw, verdict.output)
             if job.step % s.config.snapshot_every == 0 and s.config.durability != Durability.NONE:
@@ -354,7 +367,14 @@ class Stepper:
                 record = await self.hooks.newest_snapshot(s, job.step - 1)
                 if record is None:
                     raise GuardRolledBackError("no snapshot before the violation to return to")
-                step, _snapshot_id, _replayed = await self.hooks.restore_to(s, record.step, record)
+                step, _snapshot_id, replayed = await self.hooks.restore_to(s, record.step, record)
+                self._rolled_back_by_guards.inc()
+                log.info(
+                    "session %s rolled back to step %d by guard %r (%d replayed)",
+                    s.id, step, events[0].guard, replayed,
+                    extra={"session_id": s.id, "step": step, "token": s.lease.token,
+                           "event": "rolled_back", "cause": "guard"},
+                )  # fmt: skip
             except SsmserveError as exc:
                 outcome.error = GuardRolledBackError(
                     f"step {job.step} was not applied: guard {events[0].guard!r} asked for a "

@@ -29,6 +29,7 @@ oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt ex
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,11 +40,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
+from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store_errors import (
     SessionExistsError,
     StagedPiecesMissingError,
+    StaleEpochError,
     StoreDataError,
     StoreError,
     StoreOutcomeUnknownError,
@@ -226,22 +229,6 @@ class SnapshotRecord:
         )
 
 
-async def _guarded(call: Callable[[], Awaitable[T]], write: bool = False) -> T:
-    """Run one Redis call; connection trouble becomes StoreUnavailableError, or, for a
-    write whose answer may have been lost, StoreOutcomeUnknownError."""
-    try:
-        return await call()
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-        if write:
-            raise StoreOutcomeUnknownError(
-                f"the session store (Redis) did not answer a write, which may or may not "
-                f"have been applied: {exc}"
-            ) from None
-        raise StoreUnavailableError(f"the session store (Redis) is unavailable: {exc}") from None
-    except redis_errors.RedisError as exc:
-        raise StoreError(f"the session store (Redis) failed: {exc}") from None
-
-
 @dataclass(frozen=True)
 class StoreSettings:
     url: str
@@ -259,14 +246,15 @@ class Store:
 
     Why this class is long: it is the only code that talks to Redis, one short method per
     script or read, all sharing one connection pool, one deadline and one rule for
-    unknown outcomes (``_guarded``); splitting it by concern would scatter that rule.
+    unknown outcomes (``_call``); splitting it by concern would scatter that rule.
     Keys and scripts live in ``store_layout``, reply codes in ``store_errors``.
     """
 
-    def __init__(self, settings: StoreSettings) -> None:
+    def __init__(self, settings: StoreSettings, metrics: Metrics | None = None) -> None:
         if not 1 << 20 <= settings.piece_bytes <= 4 << 20:
             raise ValueError("piece_bytes must be between 1 MiB and 4 MiB")
         self.settings = settings
+        self.metrics = metrics or Metrics()
         self.redis: aioredis.Redis = aioredis.Redis.from_url(
             settings.url,
             decode_responses=False,
@@ -287,11 +275,50 @@ class Store:
         self._cut = self.redis.register_script(layout.ROLLBACK_CUT)
         self._close = self.redis.register_script(layout.CLOSE)
 
+    async def _call(self, op: str, call: Callable[[], Awaitable[T]], write: bool = False) -> T:
+        """Run one Redis operation ``op`` (timed); connection trouble becomes
+        StoreUnavailableError, or, for a write whose answer may have been lost,
+        StoreOutcomeUnknownError."""
+        started = time.perf_counter()
+        try:
+            return await call()
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            if write:
+                self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
+                raise StoreOutcomeUnknownError(
+                    f"the session store (Redis) did not answer a write, which may or may not "
+                    f"have been applied: {exc}"
+                ) from None
+            self.metrics.redis_errors.labels(op, "unavailable").inc()
+            raise StoreUnavailableError(
+                f"the session store (Redis) is unavailable: {exc}"
+            ) from None
+        except redis_errors.RedisError as exc:
+            self.metrics.redis_errors.labels(op, "error").inc()
+            raise StoreError(f"the session store (Redis) failed: {exc}") from None
+        finally:
+            self.metrics.redis_seconds.labels(op).observe(time.perf_counter() - started)
+
+    def _check(self, raw: Any) -> list[str]:
+        """``check_reply``, counting refusals by fencing."""
+        try:
+            return check_reply(raw)
+        except StaleEpochError:
+            self.metrics.fenced_writes.inc()
+            raise
+
+    def _outcome(self, raw: Any) -> SsmserveError | None:
+        """``reply_outcome``, counting refusals by fencing."""
+        outcome = reply_outcome(raw)
+        if isinstance(outcome, StaleEpochError):
+            self.metrics.fenced_writes.inc()
+        return outcome
+
     def keys(self, session_id: str) -> Keys:
         return Keys(self.settings.key_prefix, check_session_id(session_id, stored=True))
 
     async def ping(self) -> None:
-        await _guarded(self.redis.ping)
+        await self._call("ping", self.redis.ping)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -322,7 +349,9 @@ class Store:
         ]  # fmt: skip
         keys = [k.meta, self._index, k.lease, k.snaps, k.labels, k.log]
         try:
-            reply = await _guarded(lambda: self._create(keys=keys, args=args), write=True)
+            reply = await self._call(
+                "create_session", lambda: self._create(keys=keys, args=args), write=True
+            )
         except StoreOutcomeUnknownError as unknown:
             try:  # ask again: did it run?
                 current = await self.get_meta(meta.session_id)
@@ -338,19 +367,20 @@ class Store:
                 "the session store (Redis) did not answer; the session was not created"
             ) from None
         try:
-            check_reply(reply)
+            self._check(reply)
         except SessionExistsError:
             raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
 
     async def get_meta(self, session_id: str) -> SessionMeta | None:
-        raw = await _guarded(lambda: self.redis.hgetall(self.keys(session_id).meta))
+        raw = await self._call("get_meta", lambda: self.redis.hgetall(self.keys(session_id).meta))
         return SessionMeta.from_hash(session_id, raw) if raw else None
 
     async def count_sessions(self, prefix: str) -> int:
         """Stored sessions whose id starts with ``prefix`` (a tenant's, ending in '~')."""
         return int(
-            await _guarded(
-                lambda: self.redis.zlexcount(self._index, f"[{prefix}", f"({prefix}\x7f")
+            await self._call(
+                "count_sessions",
+                lambda: self.redis.zlexcount(self._index, f"[{prefix}", f"({prefix}\x7f"),
             )
         )
 
@@ -359,21 +389,23 @@ class Store:
         ``prefix`` (a tenant's, ending in '~': every later character sorts below DEL)."""
         start = f"({after}" if after else (f"[{prefix}" if prefix else "-")
         end = f"({prefix}\x7f" if prefix else "+"
-        ids = await _guarded(
-            lambda: self.redis.zrangebylex(self._index, start, end, start=0, num=count)
+        ids = await self._call(
+            "list_session_ids",
+            lambda: self.redis.zrangebylex(self._index, start, end, start=0, num=count),
         )
         return [i.decode(errors="replace") for i in ids]
 
     async def close_session(self, lease: SessionLease, keep_snapshot: str = "") -> None:
         k = self.keys(lease.session_id)
-        reply = await _guarded(
+        reply = await self._call(
+            "close_session",
             lambda: self._close(
                 keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease],
                 args=[k.base, lease.session_id, keep_snapshot, lease.token],
             ),
             write=True,
         )
-        check_reply(reply)
+        self._check(reply)
 
     # ------------------------------------------------------------------ ownership
 
@@ -395,14 +427,16 @@ class Store:
         """
         k = self.keys(session_id)
         args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics]
-        raw = await _guarded(lambda: self._acquire(keys=[k.meta, k.lease], args=args), write=True)
+        raw = await self._call(
+            "acquire", lambda: self._acquire(keys=[k.meta, k.lease], args=args), write=True
+        )
         reply = reply_fields(raw)
         if reply[0] == "ERR_OWNED":
             owner, ttl = reply[2], reply[3]
             raise LeaseHolder("", owner, max(0, int(ttl) if ttl.isdigit() else 0)).redirect(
                 session_id
             )
-        check_reply(raw)
+        self._check(raw)
         return reply[1]
 
     async def renew_leases(
@@ -425,22 +459,25 @@ class Store:
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        return [reply_outcome(r) for r in await _guarded(run, write=True)]
+        return [self._outcome(r) for r in await self._call("renew_leases", run, write=True)]
 
     async def release(self, lease: SessionLease) -> None:
         k = self.keys(lease.session_id)
-        reply = await _guarded(
+        reply = await self._call(
+            "release",
             lambda: self._release(keys=[k.meta, k.lease], args=[lease.holder, lease.token]),
             write=True,
         )
-        check_reply(reply)
+        self._check(reply)
 
     async def handoff(self, lease: SessionLease, target: WorkerRecord, lease_ms: int) -> None:
         """Reserve the session for ``target``: only it may acquire it next."""
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
-        reply = await _guarded(lambda: self._handoff(keys=[k.meta, k.lease], args=args), write=True)
-        check_reply(reply)
+        reply = await self._call(
+            "handoff", lambda: self._handoff(keys=[k.meta, k.lease], args=args), write=True
+        )
+        self._check(reply)
 
     async def cancel_handoff(
         self, lease: SessionLease, address: str, target_id: str, lease_ms: int
@@ -448,10 +485,12 @@ class Store:
         """Take back a reservation the target never used; raises StaleEpochError if it did."""
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, address, lease_ms, target_id]
-        reply = await _guarded(
-            lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args), write=True
+        reply = await self._call(
+            "cancel_handoff",
+            lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args),
+            write=True,
         )
-        check_reply(reply)
+        self._check(reply)
 
     async def lease_holder(self, session_id: str) -> LeaseHolder | None:
         """The session's current lease holder, or None when nobody holds it."""
@@ -464,7 +503,7 @@ class Store:
                 pipe.hget(k.meta, "owner_addr")
                 return await pipe.execute()
 
-        holder, ttl, addr = await _guarded(run)
+        holder, ttl, addr = await self._call("lease_holder", run)
         if holder is None:
             return None
         return LeaseHolder(holder.decode(), (addr or b"").decode(), max(0, int(ttl)))
@@ -482,7 +521,7 @@ class Store:
                 pipe.sadd(self._workers, record.worker_id)
                 await pipe.execute()
 
-        await _guarded(run)
+        await self._call("register_worker", run)
 
     async def deregister_worker(self, worker_id: str) -> None:
         async def run() -> None:
@@ -491,11 +530,14 @@ class Store:
                 pipe.srem(self._workers, worker_id)
                 await pipe.execute()
 
-        await _guarded(run)
+        await self._call("deregister_worker", run)
 
     async def live_workers(self) -> list[WorkerRecord]:
         """Every worker whose entry has not expired, by address; forgets expired ones."""
-        ids = [i.decode() for i in await _guarded(lambda: self.redis.smembers(self._workers))]
+        ids = [
+            i.decode()
+            for i in await self._call("live_workers", lambda: self.redis.smembers(self._workers))
+        ]
         if not ids:
             return []
 
@@ -505,10 +547,10 @@ class Store:
                     pipe.hgetall(f"{self.settings.key_prefix}:worker:{worker_id}")
                 return await pipe.execute()
 
-        raws = await _guarded(run)
+        raws = await self._call("live_workers", run)
         gone = [i for i, raw in zip(ids, raws, strict=True) if not raw]
         if gone:
-            await _guarded(lambda: self.redis.srem(self._workers, *gone))
+            await self._call("live_workers", lambda: self.redis.srem(self._workers, *gone))
         live = [WorkerRecord.from_hash(i, raw) for i, raw in zip(ids, raws, strict=True) if raw]
         return sorted(live, key=lambda w: w.address)
 
@@ -538,14 +580,16 @@ class Store:
                     )
                 return await pipe.execute(raise_on_error=False)
 
-        return [reply_outcome(reply) for reply in await _guarded(run, write=True)]
+        return [self._outcome(reply) for reply in await self._call("append_logs", run, write=True)]
 
     async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
         """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
         if last < first:
             return []
         fields = [str(s) for s in range(first, last + 1)]
-        values = await _guarded(lambda: self.redis.hmget(self.keys(session_id).log, fields))
+        values = await self._call(
+            "read_log", lambda: self.redis.hmget(self.keys(session_id).log, fields)
+        )
         missing = [f for f, v in zip(fields, values, strict=True) if v is None]
         if missing:
             raise StoreError(
@@ -575,7 +619,7 @@ class Store:
 
         # Staging keys are private to this commit (its id is new): a lost answer here is
         # harmless, the commit that follows finds out whether every piece arrived.
-        await _guarded(stage)
+        await self._call("stage_snapshot", stage)
 
     async def commit_snapshot(
         self,
@@ -591,15 +635,19 @@ class Store:
             k.base, record.snapshot_id, record.step, record.pieces, record.label, record.reason,
             record.created_at, record.size, max_snapshots, lease.token,
         ]  # fmt: skip
-        reply = await _guarded(
+        reply = await self._call(
+            "commit_snapshot",
             lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args),
             write=True,
         )
-        check_reply(reply)
+        self._check(reply)
 
     async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
         k = self.keys(session_id)
-        ids = [i.decode() for i in await _guarded(lambda: self.redis.zrange(k.snaps, 0, -1))]
+        ids = [
+            i.decode()
+            for i in await self._call("list_snapshots", lambda: self.redis.zrange(k.snaps, 0, -1))
+        ]
         return await self._records(session_id, ids)
 
     async def _records(self, session_id: str, ids: list[str]) -> list[SnapshotRecord]:
@@ -613,14 +661,15 @@ class Store:
                     pipe.hgetall(k.snap(snapshot_id))
                 return await pipe.execute()
 
-        raws = await _guarded(run)
+        raws = await self._call("records", run)
         return [SnapshotRecord.from_hash(i, raw) for i, raw in zip(ids, raws, strict=True) if raw]
 
     async def snapshot_at_or_before(self, session_id: str, step: int) -> SnapshotRecord | None:
         """The newest snapshot whose step is <= ``step``."""
         k = self.keys(session_id)
-        ids = await _guarded(
-            lambda: self.redis.zrevrangebyscore(k.snaps, step, "-inf", start=0, num=1)
+        ids = await self._call(
+            "snapshot_at_or_before",
+            lambda: self.redis.zrevrangebyscore(k.snaps, step, "-inf", start=0, num=1),
         )
         records = await self._records(session_id, [i.decode() for i in ids])
         return records[0] if records else None
@@ -630,7 +679,9 @@ class Store:
         return records[0] if records else None
 
     async def snapshot_by_label(self, session_id: str, label: str) -> SnapshotRecord | None:
-        snapshot_id = await _guarded(lambda: self.redis.hget(self.keys(session_id).labels, label))
+        snapshot_id = await self._call(
+            "snapshot_by_label", lambda: self.redis.hget(self.keys(session_id).labels, label)
+        )
         if snapshot_id is None:
             return None
         return await self.snapshot_by_id(session_id, snapshot_id.decode())
@@ -638,7 +689,7 @@ class Store:
     async def read_blob(self, session_id: str, record: SnapshotRecord) -> bytes:
         k = self.keys(session_id)
         names = [k.blob(record.snapshot_id, i) for i in range(record.pieces)]
-        pieces = await _guarded(lambda: self.redis.mget(names))
+        pieces = await self._call("read_blob", lambda: self.redis.mget(names))
         if any(p is None for p in pieces):
             raise StoreError(f"snapshot {record.snapshot_id} of {session_id!r} has lost pieces")
         blob = b"".join(pieces)
@@ -663,7 +714,7 @@ class Store:
 
         # The list is private to one import (its id is new): a lost answer shows as a
         # wrong length at the next piece or at read-back, never as a wrong checkpoint.
-        return int((await _guarded(run))[0])
+        return int((await self._call("stage_upload_piece", run))[0])
 
     async def read_upload(self, upload_id: str, pieces: int, size: int) -> memoryview:
         """The staged checkpoint, whole: ``size`` bytes from ``pieces`` pieces (read
@@ -672,7 +723,9 @@ class Store:
         buffer, offset = bytearray(size), 0
         for start in range(0, pieces, 8):
             stop = min(start + 8, pieces) - 1
-            got = await _guarded(lambda s=start, e=stop: self.redis.lrange(key, s, e))
+            got = await self._call(
+                "read_upload", lambda s=start, e=stop: self.redis.lrange(key, s, e)
+            )
             if len(got) != stop - start + 1:
                 raise StagedPiecesMissingError(
                     f"the staged import lost pieces ({start + len(got)} of {pieces} left): it "
@@ -689,7 +742,7 @@ class Store:
 
     async def drop_upload(self, upload_id: str) -> None:
         key = layout.upload_key(self.settings.key_prefix, upload_id)
-        await _guarded(lambda: self.redis.unlink(key))
+        await self._call("drop_upload", lambda: self.redis.unlink(key))
 
     async def snapshot_count_and_oldest(self, session_id: str) -> tuple[int, int | None]:
         k = self.keys(session_id)
@@ -700,7 +753,7 @@ class Store:
                 pipe.zrange(k.snaps, 0, 0, withscores=True)
                 return await pipe.execute()
 
-        count, head = await _guarded(run)
+        count, head = await self._call("snapshot_count_and_oldest", run)
         return int(count), (int(head[0][1]) if head else None)
 
     # ------------------------------------------------------------------ rollback
@@ -710,14 +763,15 @@ class Store:
     ) -> None:
         """Delete snapshots and logged inputs after ``step``; the durable step drops to it."""
         k = self.keys(lease.session_id)
-        reply = await _guarded(
+        reply = await self._call(
+            "cut_history",
             lambda: self._cut(
                 keys=[k.meta, k.snaps, k.labels, k.log],
                 args=[k.base, step, upto, updated_at, lease.token],
             ),
             write=True,
         )
-        check_reply(reply)
+        self._check(reply)
 
     async def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session (tests and operators; SCAN, so not for hot paths)."""

@@ -1,0 +1,222 @@
+"""Metrics: every number a worker exports, named as Prometheus users expect.
+
+Naming follows the Prometheus conventions that Triton and vLLM users know: the prefix
+``ssmserve_``, base units in the name (``_seconds``, ``_bytes``), counters end in
+``_total``, latencies are histograms. Label sets are bounded: models, durability modes,
+reasons, causes, Store operations, RPC methods and status codes, tenants (from the token
+file). Never a session id: there may be millions.
+
+Each worker owns one :class:`Metrics` with its own registry (a process may run several
+workers, as the tests do); ``--metrics-listen HOST:PORT`` serves it at ``/metrics``
+(``observability.http``). Components take the ``Metrics`` they update; counting costs a
+few microseconds per engine batch and one histogram observation per step
+(``bench/bench_metrics.py``).
+
+Gauges that describe what is resident (sessions, queued steps, memory) are computed when
+scraped, from a :class:`WorkerView` the worker provides, so nothing updates them per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+#: Latency buckets from 100 us (a small batch) to 10 s (a long replay or a stalled Redis).
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 32, 2))  # 1 KiB .. 1 GiB
+
+
+class Metrics:
+    """The counters and histograms of one worker (gauges: :class:`WorkerView`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry(auto_describe=True)
+
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+            return Counter(name, doc, list(labels), registry=r)
+
+        def histogram(
+            name: str, doc: str, labels: Iterable[str] = (), buckets: tuple[float, ...] = ()
+        ) -> Histogram:
+            return Histogram(name, doc, list(labels), registry=r, buckets=buckets)
+
+        # Steps and the engine
+        self.steps = counter(
+            "ssmserve_steps_total", "Steps applied to sessions.", ["model", "durability"]
+        )
+        self.step_latency = histogram(
+            "ssmserve_step_latency_seconds",
+            "Time from a Stream message's arrival to the answer of its steps being sent.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.engine_batch_size = histogram(
+            "ssmserve_engine_batch_size",
+            "Sessions advanced by one engine call of the stepper.",
+            ["model"],
+            BATCH_BUCKETS,
+        )
+        self.engine_batch_seconds = histogram(
+            "ssmserve_engine_batch_seconds",
+            "Time of one engine call of the stepper.",
+            ["model"],
+            LATENCY_BUCKETS,
+        )
+        self.guard_events = counter(
+            "ssmserve_guard_events_total", "Guard events on step outputs, by action.", ["action"]
+        )
+        # Snapshots, rollbacks, replay, forks, forecasts
+        self.snapshots = counter(
+            "ssmserve_snapshots_total", "Snapshots committed to the store.", ["reason"]
+        )
+        self.snapshot_bytes = counter(
+            "ssmserve_snapshot_bytes_total", "Checkpoint bytes of committed snapshots."
+        )
+        self.snapshot_seconds = histogram(
+            "ssmserve_snapshot_write_seconds",
+            "Time to flush, encode and commit one snapshot.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.snapshots_dropped = counter(
+            "ssmserve_snapshots_dropped_total",
+            "Periodic snapshots superseded by a newer one before they were written.",
+        )
+        self.rollbacks = counter(
+            "ssmserve_rollbacks_total",
+            "Rollbacks, by cause: monitor (the Rollback RPC) or guard (a ROLLBACK rule).",
+            ["cause"],
+        )
+        self.replayed_steps = counter(
+            "ssmserve_replayed_steps_total",
+            "Steps recomputed from the input log (restores, rollbacks, loads).",
+        )
+        self.forks = counter("ssmserve_forks_total", "Sessions forked.")
+        self.forecasts = counter("ssmserve_forecasts_total", "Forecasts started.", ["model"])
+        self.forecast_seconds = histogram(
+            "ssmserve_forecast_seconds",
+            "Time of a Forecast call, from request to its last answer.",
+            buckets=LATENCY_BUCKETS,
+        )
+        # Ownership and movement
+        self.migrations = counter(
+            "ssmserve_migrations_total", "Sessions handed off to another worker.", ["result"]
+        )
+        self.migration_downtime = histogram(
+            "ssmserve_migration_downtime_seconds",
+            "Time a migrating session answers nothing: from holding it to its hand-off.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.takeovers = counter(
+            "ssmserve_takeovers_total",
+            "Sessions loaded here after their owner's lease ran out (a crash or a freeze).",
+        )
+        self.lease_renewals_failed = counter(
+            "ssmserve_lease_renewals_failed_total", "Lease renewal rounds that failed."
+        )
+        self.fenced_writes = counter(
+            "ssmserve_fenced_writes_total",
+            "Writes the store refused because this worker's fencing token was stale.",
+        )
+        # Redis and RPCs
+        self.redis_seconds = histogram(
+            "ssmserve_redis_command_seconds",
+            "Time of one store operation (a command, script or pipeline) against Redis.",
+            ["operation"],
+            LATENCY_BUCKETS,
+        )
+        self.redis_errors = counter(
+            "ssmserve_redis_errors_total",
+            "Store operations that failed: unavailable, outcome_unknown or error.",
+            ["operation", "kind"],
+        )
+        # OpenTelemetry's rpc.server.call.duration, in Prometheus' naming.
+        self.rpc_seconds = histogram(
+            "ssmserve_rpc_server_call_duration_seconds",
+            "Time of one RPC on the server, by method and gRPC status code.",
+            ["rpc_method", "rpc_grpc_status_code"],
+            LATENCY_BUCKETS,
+        )
+
+    def watch(self, view: WorkerView) -> None:
+        """Export the gauges ``view`` computes, at every scrape."""
+        self.registry.register(_WorkerCollector(view))
+
+
+@dataclass
+class ResidentCounts:
+    """What one scrape reads off the resident sessions."""
+
+    sessions: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant)
+    queued_steps: dict[str, int] = field(default_factory=dict)  # by model
+
+
+@dataclass
+class WorkerView:
+    """Callables the worker provides for the scrape-time gauges. They run on the HTTP
+    server's thread: each must only read (a copy of) plain Python state."""
+
+    residents: Callable[[], ResidentCounts]
+    memory_held: Callable[[], int]
+    memory_budget: Callable[[], int]
+    open_streams: Callable[[], int]
+    forecasts_running: Callable[[], dict[str, int]]
+    draining: Callable[[], bool]
+    stored_sessions: Callable[[], int | None]  # as last counted (None: not yet)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, view: WorkerView) -> None:
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.view
+        counts = v.residents()
+        resident = GaugeMetricFamily(
+            "ssmserve_sessions_resident",
+            "Sessions in this worker's memory.",
+            labels=["model", "tenant"],
+        )
+        for (model, tenant), n in sorted(counts.sessions.items()):
+            resident.add_metric([model, tenant], n)
+        yield resident
+        queued = GaugeMetricFamily(
+            "ssmserve_queued_steps", "Steps received and not yet answered.", labels=["model"]
+        )
+        for model, n in sorted(counts.queued_steps.items()):
+            queued.add_metric([model], n)
+        yield queued
+        running = GaugeMetricFamily(
+            "ssmserve_forecasts_running", "Forecasts running.", labels=["model"]
+        )
+        for model, n in sorted(v.forecasts_running().items()):
+            running.add_metric([model], n)
+        yield running
+        stored = v.stored_sessions()
+        if stored is not None:
+            yield GaugeMetricFamily(
+                "ssmserve_sessions_stored",
+                "Sessions in the store, on every worker (counted at each heartbeat).",
+                value=stored,
+            )
+        yield GaugeMetricFamily(
+            "ssmserve_memory_held_bytes",
+            "Bytes counted against the worker's memory budget (sessions at their bounds, "
+            "forecasts, imports being decoded).",
+            value=v.memory_held(),
+        )
+        yield GaugeMetricFamily(
+            "ssmserve_memory_budget_bytes", "The worker's memory budget.", value=v.memory_budget()
+        )
+        yield GaugeMetricFamily(
+            "ssmserve_open_streams", "Stream calls open.", value=v.open_streams()
+        )
+        yield GaugeMetricFamily(
+            "ssmserve_worker_draining", "1 while this worker drains.", value=int(v.draining())
+        )

@@ -1,0 +1,186 @@
+"""Metrics scraped over HTTP move as the work they count happens; JSON logs carry the
+fields an operator filters on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ssmserve.client.errors import NotFound, StepFailed
+from ssmserve.client.sync import Client
+from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.observability.logs import JsonFormatter
+from ssmserve.v1 import ssmserve_pb2 as pb
+from tests.conftest import random_inputs
+from tests.test_service import stream
+
+
+def scrape(worker) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the worker's /metrics: (name, sorted labels) -> value."""
+    url = f"http://{worker.worker.metrics_address}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_with_steps_snapshots_rollbacks_forks_and_forecasts(
+    start_worker, served_models
+):
+    model = served_models["demo"]
+    w = start_worker(metrics_listen="127.0.0.1:0")
+    before = scrape(w)
+    assert value(before, "ssmserve_steps_total", model="demo", durability="log") == 0
+    sid = w.client.create_session("demo", snapshot_every=4).session_id
+    stream(w, sid, random_inputs(model, 10, seed=71), per_message=5)
+    w.client.snapshot(sid, label="ten")
+    w.client.rollback(sid, to_step=6)  # snapshot 4 + 2 replayed
+    w.client.fork(sid)
+    w.client.forecast(sid, 5)
+    with pytest.raises(NotFound):
+        w.client.get_session("nobody")
+    after = scrape(w)
+    assert value(after, "ssmserve_steps_total", model="demo", durability="log") == 10
+    assert value(after, "ssmserve_step_latency_seconds_count") == 10
+    assert value(after, "ssmserve_engine_batch_size_sum", model="demo") == 10
+    assert value(after, "ssmserve_engine_batch_seconds_count", model="demo") >= 2
+    assert value(after, "ssmserve_snapshots_total", reason="manual") == 1
+    assert value(after, "ssmserve_snapshots_total", reason="periodic") == 2  # steps 4, 8
+    assert value(after, "ssmserve_snapshot_bytes_total") > 0
+    assert value(after, "ssmserve_rollbacks_total", cause="monitor") == 1
+    assert value(after, "ssmserve_replayed_steps_total") >= 2
+    assert value(after, "ssmserve_forks_total") == 1
+    assert value(after, "ssmserve_forecasts_total", model="demo") == 1
+    assert value(after, "ssmserve_forecast_seconds_count") == 1
+    assert value(after, "ssmserve_sessions_resident", model="demo", tenant="") == 2
+    assert value(after, "ssmserve_queued_steps", model="demo") == 0
+    assert value(after, "ssmserve_memory_held_bytes") > 0
+    rpc = "ssmserve_rpc_server_call_duration_seconds_count"
+    assert value(after, rpc, rpc_method="Stream", rpc_grpc_status_code="OK") == 1
+    assert value(after, rpc, rpc_method="GetSession", rpc_grpc_status_code="NOT_FOUND") >= 1
+    assert value(after, "ssmserve_redis_command_seconds_count", operation="append_logs") >= 2
+    names = {name for name, _ in after}
+    assert all(name.startswith("ssmserve_") for name in names if not name.startswith("python"))
+    assert not any("session_id" in dict(labels) for _, labels in after)  # bounded labels
+
+
+def test_guard_rollbacks_and_guard_events_are_counted(start_worker, served_models):
+    model = served_models["demo"]
+    w = start_worker(metrics_listen="127.0.0.1:0")
+    never = pb.GuardRule(
+        name="never", check=pb.GuardRule.CHECK_RANGE, action=pb.GuardRule.ACTION_ROLLBACK, max=-1e9
+    )
+    sid = w.client.create_session("demo", snapshot_every=1, guards=[never]).session_id
+    with pytest.raises(StepFailed, match="returned to step 0"):
+        w.client.step(sid, random_inputs(model, 1, seed=72)[0])
+    samples = scrape(w)
+    assert value(samples, "ssmserve_rollbacks_total", cause="guard") == 1
+    assert value(samples, "ssmserve_guard_events_total", action="rollback") == 1
+    assert value(samples, "ssmserve_steps_total", model="demo", durability="log") == 0
+
+
+def test_migrations_and_takeovers_are_counted(start_worker, served_models):
+    model = served_models["demo"]
+    a = start_worker(metrics_listen="127.0.0.1:0", ownership=OwnershipSettings(lease_ttl_s=0.5))
+    b = start_worker(metrics_listen="127.0.0.1:0")
+    moved = a.client.create_session("demo").session_id
+    stream(a, moved, random_inputs(model, 3, seed=73))
+    a.client.migrate(moved, b.address)
+    samples = scrape(a)
+    assert value(samples, "ssmserve_migrations_total", result="ok") == 1
+    assert value(samples, "ssmserve_migration_downtime_seconds_count") == 1
+    assert value(scrape(b), "ssmserve_takeovers_total") == 0  # a hand-off is no takeover
+    orphan = a.client.create_session("demo").session_id
+    stream(a, orphan, random_inputs(model, 3, seed=74))
+    a.crash()
+    deadline = time.monotonic() + 30  # bound: the lease runs out 0.5 s after the crash
+    while b.client.get_session(orphan).owner == a.address:
+        assert time.monotonic() < deadline, "the crashed worker's lease never ran out"
+        time.sleep(0.05)
+    stream(b, orphan, random_inputs(model, 2, seed=75), first_step=4)
+    assert value(scrape(b), "ssmserve_takeovers_total") == 1
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.formatter_json = JsonFormatter()
+        self.formatter_json.worker_id = "w-test"
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("ssmserve"):
+            self.lines.append(self.formatter_json.format(record))
+
+
+def test_json_logs_carry_worker_session_step_token_and_tenant(start_worker, served_models):
+    lines = _Lines()
+    root = logging.getLogger()
+    root.addHandler(lines)
+    try:
+        w = start_worker()
+        sid = w.client.create_session("demo", "acme~robot-7", snapshot_every=2).session_id
+        stream(w, sid, random_inputs(served_models["demo"], 4, seed=76))
+        w.client.rollback(sid, to_step=2)
+        w.client.close_session(sid)
+    finally:
+        root.removeHandler(lines)
+    records = [json.loads(line) for line in lines.lines]  # every line is one JSON object
+    assert all({"time", "level", "logger", "message", "worker_id"} <= r.keys() for r in records)
+    events = {r["event"]: r for r in records if r.get("session_id") == sid and "event" in r}
+    assert {"created", "rolled_back", "closed"} <= events.keys()
+    for r in events.values():
+        assert r["tenant"] == "acme" and r["worker_id"] == "w-test"
+        assert isinstance(r["step"], int) and r["token"]
+    assert events["rolled_back"]["step"] == 2 and events["rolled_back"]["cause"] == "monitor"
+    per_step = [r for r in records if r["logger"].endswith("stepper") and "event" not in r]
+    assert per_step == []  # nothing is logged per step at INFO
+
+
+def test_the_metrics_endpoint_stops_with_the_worker(start_worker):
+    w = start_worker(metrics_listen="127.0.0.1:0")
+    url = f"http://{w.worker.metrics_address}/metrics"
+    w.stop()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_server_flags_for_metrics_and_json_logs(tmp_path):
+    from ssmserve.server.main import build_parser, settings_from_args
+
+    args = build_parser().parse_args(
+        ["--demo", "--data-dir", str(tmp_path), "--metrics-listen", "127.0.0.1:9400",
+         "--log-format", "json"]
+    )  # fmt: skip
+    assert settings_from_args(args).metrics_listen == "127.0.0.1:9400"
+    assert args.log_format == "json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-format", "xml"])
+
+
+def test_a_client_sees_no_difference_with_metrics_on(start_worker, served_models):
+    """Metrics are a side channel: the same steps give the same bits."""
+    model = served_models["demo"]
+    x = random_inputs(model, 6, seed=77)
+    plain, measured = start_worker(), start_worker(metrics_listen="127.0.0.1:0")
+    out = []
+    for w in (plain, measured):
+        sid = w.client.create_session("demo").session_id
+        got, _ = stream(w, sid, x)
+        out.append(got)
+    assert out[0].tobytes() == out[1].tobytes()
+    with Client(measured.address) as c:
+        assert c.get_session(sid).step == 6
