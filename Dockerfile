@@ -33,9 +33,9 @@ WORKDIR /home/ssmserve
 # Inside the container the worker listens on every interface (the port is published by
 # `docker run -p`); the embedded Redis stays on the container's loopback. Sessions,
 # snapshots and the embedded Redis's AOF live on the /data volume, not in the layer.
-ENV SSMSERVE_LISTEN=0.0.0.0:50051 SSMSERVE_DATA_DIR=/data
+ENV SSMSERVE_LISTEN=0.0.0.0:50051 SSMSERVE_DATA_DIR=/data SSMSERVE_METRICS_LISTEN=0.0.0.0:9400
 VOLUME ["/data"]
-EXPOSE 50051
+EXPOSE 50051 9400
 # (A plaintext probe: with --tls-cert, point your orchestrator's gRPC probe at the TLS
 # port instead, or override this check.)
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import grpc, sys; \

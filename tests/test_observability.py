@@ -184,3 +184,32 @@ def test_a_client_sees_no_difference_with_metrics_on(start_worker, served_models
     assert out[0].tobytes() == out[1].tobytes()
     with Client(measured.address) as c:
         assert c.get_session(sid).step == 6
+
+
+def test_the_grafana_dashboard_queries_only_metrics_a_worker_exports():
+    import re
+    from pathlib import Path
+
+    from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
+
+    metrics = Metrics()
+    metrics.watch(
+        WorkerView(
+            residents=ResidentCounts, memory_held=lambda: 0, memory_budget=lambda: 1,
+            open_streams=lambda: 0, forecasts_running=dict, draining=lambda: False,
+            stored_sessions=lambda: 0,
+        )
+    )  # fmt: skip
+    exported, families = set(), set()
+    for family in metrics.registry.collect():
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        exported |= {family.name + s for s in suffixes.get(family.type, [""])}
+        families.add(family.name)
+    path = Path(__file__).parent.parent / "deploy" / "grafana" / "ssmserve-dashboard.json"
+    dashboard = json.loads(path.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(queries) >= 20
+    used = {name for q in queries for name in re.findall(r"ssmserve_[a-z_]+", q)}
+    assert used - exported == set()
+    unused = {f for f in families if not any(u.startswith(f) for u in used)}
+    assert unused == set(), "metrics no panel shows"

@@ -177,7 +177,7 @@ class Worker:
         self.health = health.aio.HealthServicer()
         self.address = ""
         self.numerics = ""
-        self.metrics = Metrics()
+        self.metrics = Metrics(enabled=bool(settings.metrics_listen))  # off: no-ops
         self.worker_id = new_worker_id()  # in the registry, the leases and the logs
         self.metrics_endpoint: MetricsEndpoint | None = None
         self.metrics_address = ""  # host:port of /metrics once started

@@ -8,9 +8,11 @@ file). Never a session id: there may be millions.
 
 Each worker owns one :class:`Metrics` with its own registry (a process may run several
 workers, as the tests do); ``--metrics-listen HOST:PORT`` serves it at ``/metrics``
-(``observability.http``). Components take the ``Metrics`` they update; counting costs a
-few microseconds per engine batch and one histogram observation per step
-(``bench/bench_metrics.py``).
+(``observability.http``). Without it the metrics are disabled: every counter and
+histogram is a no-op, so a worker nobody scrapes pays nothing. A worker's ``Metrics`` is
+handed to its ``Store`` and read from there by the components that hold the store.
+Counting costs a few microseconds per engine batch and one histogram observation per
+step (``bench/bench_metrics.py``).
 
 Gauges that describe what is resident (sessions, queued steps, memory) are computed when
 scraped, from a :class:`WorkerView` the worker provides, so nothing updates them per step.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -37,15 +40,18 @@ BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 32, 2))  # 1 KiB .. 1 GiB
 class Metrics:
     """The counters and histograms of one worker (gauges: :class:`WorkerView`)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry(auto_describe=True)
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        r = self.registry = CollectorRegistry(auto_describe=True)
 
-        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
-            return Counter(name, doc, list(labels), registry=r)
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Any:
+            return Counter(name, doc, list(labels), registry=r) if enabled else _NOOP
 
         def histogram(
             name: str, doc: str, labels: Iterable[str] = (), buckets: tuple[float, ...] = ()
-        ) -> Histogram:
+        ) -> Any:
+            if not enabled:
+                return _NOOP
             return Histogram(name, doc, list(labels), registry=r, buckets=buckets)
 
         # Steps and the engine
@@ -147,6 +153,22 @@ class Metrics:
     def watch(self, view: WorkerView) -> None:
         """Export the gauges ``view`` computes, at every scrape."""
         self.registry.register(_WorkerCollector(view))
+
+
+class _Noop:
+    """A counter or histogram (labelled or not) that records nothing."""
+
+    def labels(self, *_values: str) -> _Noop:
+        return self
+
+    def inc(self, _amount: float = 1) -> None:
+        pass
+
+    def observe(self, _value: float) -> None:
+        pass
+
+
+_NOOP = _Noop()
 
 
 @dataclass

@@ -254,7 +254,7 @@ class Store:
         if not 1 << 20 <= settings.piece_bytes <= 4 << 20:
             raise ValueError("piece_bytes must be between 1 MiB and 4 MiB")
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(enabled=False)
         self.redis: aioredis.Redis = aioredis.Redis.from_url(
             settings.url,
             decode_responses=False,

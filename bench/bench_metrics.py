@@ -1,0 +1,131 @@
+"""What metrics cost a served step, side by side with metrics off, in one run.
+
+Usage: ``.venv/bin/python bench/bench_metrics.py [--quick] [--json OUT]``
+
+Processes: one redis-server (private), two ``ssmserve-server`` workers serving the demo
+model on it: one without ``--metrics-listen`` (every counter and histogram a no-op) and
+one with it, scraped once a second meanwhile (Prometheus scrapes every 15-60 s; once a
+second is the pessimistic case). This process is the client (grpc.aio). Rounds alternate
+the workers, so drift on this shared machine hits both alike; the ratios are the result.
+
+Measured, as in ``bench_security``:
+- step latency p50/p99: one session, one step per message, ping-pong on one stream;
+- throughput: 64 sessions, one stream each, ping-pong, all at once (steps/s).
+Goal (issue 16): metrics cost <= 3% of throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_security import Target, measure
+from bench_service import start
+from common import table
+
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.main import ensure_demo_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Scraper:
+    """GETs /metrics once a second on its own thread; counts scrapes and their bytes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.scrapes = 0
+        self.size = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            with urllib.request.urlopen(self.url, timeout=10) as reply:
+                self.size = len(reply.read())
+            self.scrapes += 1
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
+    rounds, steps, sessions = (2, 40, 64) if args.quick else (6, 200, 64)
+    with (
+        tempfile.TemporaryDirectory() as tmp_dir,
+        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp_dir) / "redis")) as redis_server,
+    ):
+        model = ensure_demo_model(Path(tmp_dir) / "demo")
+        base = [sys.executable, "-m", "ssmserve.server.main", "--model", f"demo={model}",
+                "--listen", "127.0.0.1:0", "--redis-url", redis_server.url]  # fmt: skip
+        metrics_at = f"127.0.0.1:{free_port()}"
+        procs = []
+        try:
+            off_proc, off_address = start(base)
+            procs.append(off_proc)
+            on_proc, on_address = start([*base, "--metrics-listen", metrics_at])
+            procs.append(on_proc)
+            off = Target("metrics off", off_address, None, None)
+            on = Target("metrics on, scraped 1/s", on_address, None, None)
+            scraper = Scraper(f"http://{metrics_at}/metrics")
+            for r in range(rounds):
+                for target in (off, on) if r % 2 == 0 else (on, off):
+                    if target is on:
+                        with scraper:
+                            asyncio.run(measure(target, steps, sessions))
+                        scraper = Scraper(scraper.url)  # a thread starts once
+                    else:
+                        asyncio.run(measure(target, steps, sessions))
+            with urllib.request.urlopen(f"http://{metrics_at}/metrics", timeout=10) as reply:
+                exposition = reply.read()
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(20)
+    targets = [off, on]
+    p50 = {t.name: float(np.percentile(t.latency, 50)) * 1000 for t in targets}
+    p99 = {t.name: float(np.percentile(t.latency, 99)) * 1000 for t in targets}
+    rate = {t.name: float(np.median(t.throughput)) for t in targets}
+    rows = [
+        [t.name, p50[t.name], p99[t.name], p50[t.name] / p50[off.name], rate[t.name],
+         rate[t.name] / rate[off.name]]
+        for t in targets
+    ]  # fmt: skip
+    print(f"# Metrics on vs off ({rounds} rounds, alternating; demo model, log durability)")
+    print()
+    print(table(["worker", "step p50 ms", "step p99 ms", "p50 vs off",
+                 f"steps/s ({sessions} sessions)", "throughput vs off"], rows))  # fmt: skip
+    print()
+    print(f"/metrics after the run: {len(exposition):,} bytes")
+    if args.json:
+        args.json.write_text(json.dumps({"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
