@@ -12,6 +12,10 @@ Measured, as in ``bench_security``:
 - step latency p50/p99: one session, one step per message, ping-pong on one stream;
 - throughput: 64 sessions, one stream each, ping-pong, all at once (steps/s).
 Goal (issue 16): metrics cost <= 3% of throughput.
+
+Also, in this process, what one update costs: prometheus-client's Counter and Histogram
+(a lock each, a linear bucket walk) against the lock-free loop metrics the worker uses
+(``observability/loop_metrics.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,39 @@ class Scraper:
         self._thread.join(15)
 
 
+def update_costs() -> list[list[object]]:
+    """ns per update: prometheus-client vs the loop metrics, same buckets and labels."""
+    import timeit
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from ssmserve.server.observability.loop_metrics import LoopCounter, LoopHistogram
+    from ssmserve.server.observability.metrics import LATENCY_BUCKETS
+
+    registry = CollectorRegistry()
+    theirs_h = Histogram("a", "a", registry=registry, buckets=LATENCY_BUCKETS)
+    theirs_c = Counter("b", "b", ["m"], registry=registry).labels("demo")
+    ours_h = LoopHistogram("a", "a", [], LATENCY_BUCKETS)
+    ours_c = LoopCounter("b", "b", ["m"]).labels("demo")
+    n = 200_000
+
+    def ns(call) -> float:
+        return min(timeit.repeat(call, number=n, repeat=5)) / n * 1e9
+
+    rows = []
+    for what, theirs, ours in (
+        (
+            "histogram observe (5 ms)",
+            lambda: theirs_h.observe(0.005),
+            lambda: ours_h.observe(0.005),
+        ),
+        ("counter inc", lambda: theirs_c.inc(), lambda: ours_c.inc()),
+    ):
+        a, b = ns(theirs), ns(ours)
+        rows.append([what, a, b, a / b])
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
@@ -122,6 +159,9 @@ def main() -> int:
                  f"steps/s ({sessions} sessions)", "throughput vs off"], rows))  # fmt: skip
     print()
     print(f"/metrics after the run: {len(exposition):,} bytes")
+    print()
+    print(table(["one update", "prometheus-client ns", "loop metrics ns", "ratio"],
+                update_costs()))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}))
     return 0

@@ -213,3 +213,93 @@ def test_the_grafana_dashboard_queries_only_metrics_a_worker_exports():
     assert used - exported == set()
     unused = {f for f in families if not any(u.startswith(f) for u in used)}
     assert unused == set(), "metrics no panel shows"
+
+
+def test_top_shows_workers_and_sessions_from_the_registry(start_worker, served_models, capsys):
+    from ssmserve.client.cli import main
+    from tests.test_service import stream as stream_steps
+
+    w = start_worker(ownership=OwnershipSettings(renew_every_s=0.05))
+    sid = w.client.create_session("demo", snapshot_every=4).session_id
+    stream_steps(w, sid, random_inputs(served_models["demo"], 10, seed=78), per_message=1)
+    assert [x.step for x in w.client.list_snapshots(sid)] == [0, 4, 8]  # written by now
+    deadline = time.monotonic() + 30  # bound: the next heartbeats carry the new stats
+    while (stats := w.client.list_workers()[0].stats).steps < 10 or stats.snapshots < 2:
+        assert time.monotonic() < deadline, "the heartbeat never reported the steps"
+        time.sleep(0.05)
+    assert main(["--server", w.address, "top", "--json", "--interval", "0.1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (worker,) = data["workers"]
+    assert (worker["address"], worker["state"], worker["sessions"]) == (w.address, "serving", 1)
+    assert worker["step_p50_ms"] > 0 and worker["step_p99_ms"] >= worker["step_p50_ms"]
+    assert worker["snapshots"] == 2 and worker["memory_held_bytes"] > 0  # periodic 4 and 8
+    (session,) = data["sessions"]
+    assert (session["session_id"], session["step"]) == (sid, 10)
+    assert session["lease"] == f"held by {w.address}"
+    assert main(["--server", w.address, "top", "--once", "--interval", "0.1"]) == 0
+    screen = capsys.readouterr().out
+    assert "WORKER" in screen and "STEPS/S" in screen and sid in screen and w.address in screen
+
+
+def test_top_rates_are_differences_over_the_interval():
+    from ssmserve.client.top import Look, render, summary
+
+    def worker(steps: int) -> pb.WorkerInfo:
+        return pb.WorkerInfo(worker_id="w1", address="a:1", load=1,
+                             stats=pb.WorkerStats(steps=steps))  # fmt: skip
+
+    def session(sid: str, step: int, owner: str = "a:1") -> pb.SessionInfo:
+        return pb.SessionInfo(session_id=sid, model="m", step=step, resident=bool(owner),
+                              owner=owner)  # fmt: skip
+
+    before = Look(10.0, [worker(100)], [session("s1", 5), session("s2", 7)])
+    after = Look(12.0, [worker(300)], [session("s1", 205), session("s2", 7, owner="")])
+    data = summary(before, after, max_sessions=1)
+    assert data["workers"][0]["steps_per_s"] == 100.0
+    assert data["sessions"] == [
+        {"session_id": "s1", "model": "m", "step": 205, "steps_per_s": 100.0, "snapshots": 0,
+         "lease": "held by a:1"}
+    ]  # fmt: skip
+    assert data["sessions_total"] == 2
+    restarted = Look(14.0, [worker(10)], after.sessions)
+    assert summary(after, restarted, 5)["workers"][0]["steps_per_s"] == 0.0  # not negative
+    assert "released (restorable)" in render(summary(before, after, 5))
+
+
+def test_loop_histograms_and_counters_expose_what_prometheus_client_would():
+    """The lock-free metrics give the same exposition as prometheus-client's own."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from ssmserve.server.observability.loop_metrics import (
+        LoopCounter,
+        LoopHistogram,
+        LoopMetricsCollector,
+    )
+
+    buckets = (0.001, 0.01, 0.1)
+    ours = CollectorRegistry()
+    hist = LoopHistogram("x_seconds", "doc", ["m"], buckets)
+    count = LoopCounter("y_total", "doc", ["m"])
+    ours.register(LoopMetricsCollector([hist, count]))
+    theirs = CollectorRegistry()
+    ref_hist = Histogram("x_seconds", "doc", ["m"], registry=theirs, buckets=buckets)
+    ref_count = Counter("y_total", "doc", ["m"], registry=theirs)
+    for seconds, n in ((0.0005, 1), (0.001, 3), (0.05, 2), (7.0, 1)):
+        hist.labels("a").observe(seconds, n)
+        count.labels("a").inc(n)
+        for _ in range(n):
+            ref_hist.labels("a").observe(seconds)
+            ref_count.labels("a").inc()
+
+    def samples(registry):
+        text = generate_latest(registry).decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert samples(ours) == pytest.approx(samples(theirs))
+    assert value(samples(ours), "x_seconds_bucket", m="a", le="0.001") == 4  # le is inclusive
+    assert value(samples(ours), "x_seconds_count", m="a") == 7

@@ -11,6 +11,7 @@
     forecast SID --horizon H [--at-step T] [--output OUT.npy]
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
+    top [--interval S] [--sessions N] [--once | --json]   (``top.py``)
 
 A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range), ``action``
 (report | clamp | reject | rollback), and optionally ``min``, ``max``, ``dims`` (``0+2``)
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
+from ssmserve.client import top
 from ssmserve.client.atomic_file import atomic_write
 from ssmserve.client.errors import CliError, SsmserveClientError
 from ssmserve.client.npy_files import check_writable, load_npy, save_npy
@@ -201,6 +203,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     drain.add_argument(
         "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
     )
+    top.add_parser(commands)
     undrain = commands.add_parser("undrain", help="undo a drain: the worker serves again")
     undrain.add_argument(
         "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
@@ -209,7 +212,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 SERVICE_COMMANDS = {
     "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain", "undrain",
+    "workers", "migrate", "drain", "undrain", "top",
 }  # fmt: skip
 
 
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> None:
             "migrate": _migrate,
             "drain": _drain,
             "undrain": _undrain,
+            "top": top.run,
         }[args.command]
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
         handler(client, args)

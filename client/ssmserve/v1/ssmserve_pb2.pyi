@@ -420,7 +420,7 @@ class ForkResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., source_session_id: _Optional[str] = ..., step: _Optional[int] = ..., from_snapshot_id: _Optional[str] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining", "numerics")
+    __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining", "numerics", "stats")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +429,7 @@ class WorkerInfo(_message.Message):
     HEARTBEAT_AT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -437,7 +438,26 @@ class WorkerInfo(_message.Message):
     heartbeat_at: float
     draining: bool
     numerics: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., load: _Optional[int] = ..., started_at: _Optional[float] = ..., heartbeat_at: _Optional[float] = ..., draining: _Optional[bool] = ..., numerics: _Optional[str] = ...) -> None: ...
+    stats: WorkerStats
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., load: _Optional[int] = ..., started_at: _Optional[float] = ..., heartbeat_at: _Optional[float] = ..., draining: _Optional[bool] = ..., numerics: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("steps", "snapshots", "open_streams", "step_p50_ms", "step_p99_ms", "memory_held_bytes", "memory_budget_bytes")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STEP_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    snapshots: int
+    open_streams: int
+    step_p50_ms: float
+    step_p99_ms: float
+    memory_held_bytes: int
+    memory_budget_bytes: int
+    def __init__(self, steps: _Optional[int] = ..., snapshots: _Optional[int] = ..., open_streams: _Optional[int] = ..., step_p50_ms: _Optional[float] = ..., step_p99_ms: _Optional[float] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

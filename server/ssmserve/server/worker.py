@@ -49,7 +49,7 @@ from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
-from ssmserve.server.state.store import Store, StoreSettings
+from ssmserve.server.state.store import Store, StoreSettings, WorkerStats
 from ssmserve.server.state.store_errors import StoreUnavailableError
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -240,6 +240,7 @@ class Worker:
             on_lost=lambda lease, error: manager.lost_lease(lease, error),
             on_expired=lambda lease: manager.expired_lease(lease),
             worker_id=self.worker_id,
+            stats=self._stats,
         )
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         self.migrator = Migrator(
@@ -270,6 +271,22 @@ class Worker:
         for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.address
+
+    def _stats(self) -> WorkerStats:
+        """What the heartbeat reports (``ssmserve workers``, ``ssmserve top``)."""
+        manager, service = self.manager, self.service
+        if manager is None or service is None:
+            return WorkerStats()
+        p50, p99 = service.recent_latency.percentiles_ms(0.5, 0.99)
+        return WorkerStats(
+            steps=sum(s.steps for s in manager.steppers.values()),
+            snapshots=manager.checkpoints.committed,
+            open_streams=service.open_streams,
+            step_p50_ms=p50,
+            step_p99_ms=p99,
+            memory_held=manager.memory.held,
+            memory_budget=manager.memory.budget_bytes,
+        )
 
     def _start_metrics(self, listen: str) -> None:
         manager, ownership = self.manager, self.ownership

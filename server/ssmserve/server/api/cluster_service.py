@@ -97,4 +97,13 @@ def worker_to_pb(w: WorkerRecord) -> pb.WorkerInfo:
         heartbeat_at=w.heartbeat_at,
         draining=w.draining,
         numerics=w.numerics,
+        stats=pb.WorkerStats(
+            steps=w.stats.steps,
+            snapshots=w.stats.snapshots,
+            open_streams=w.stats.open_streams,
+            step_p50_ms=w.stats.step_p50_ms,
+            step_p99_ms=w.stats.step_p99_ms,
+            memory_held_bytes=w.stats.memory_held,
+            memory_budget_bytes=w.stats.memory_budget,
+        ),
     )

@@ -23,6 +23,7 @@ from ssmserve.server.api.imports import CHUNK_BYTES, CheckpointUpload, RequestEr
 from ssmserve.server.api.tenancy import TenantScope, tenant_of
 from ssmserve.server.cluster.migration import Migrator
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
+from ssmserve.server.observability.recent_latency import RecentLatency
 from ssmserve.server.sessions.config import Durability, SessionConfig
 from ssmserve.server.sessions.forecaster import ForecastStep
 from ssmserve.server.sessions.guards import (
@@ -75,6 +76,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         self.authenticator = authenticator  # None or disabled: no tenants
         self.budgets = Budgets(settings.budgets, manager.store, manager.residents.footprint_of)
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
+        self.recent_latency = RecentLatency()  # for the registry entry (ssmserve top)
 
     def _scope(self, context: grpc.aio.ServicerContext) -> TenantScope:
         """The caller's session ids (the Authorization interceptor let it in already)."""
@@ -165,8 +167,8 @@ class SessionService(pb_grpc.SessionServiceServicer):
                     yield response
                 reader.slots.release()
                 answered = time.perf_counter() - received
-                for _ in outcomes:
-                    latency.observe(answered)
+                self.recent_latency.add(answered, len(outcomes))
+                latency.observe(answered, len(outcomes))  # each of its steps
             await task
             if reader.failure is not None:  # e.g. a message that is not valid protobuf
                 await status.abort(context, reader.failure, scope.clean)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.state.lease import SessionLease
-from ssmserve.server.state.store import Store, WorkerRecord
+from ssmserve.server.state.store import Store, WorkerRecord, WorkerStats
 from ssmserve.server.state.store_errors import LeaseExpiredError, SessionMissingError
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,9 @@ class Ownership:
         on_lost: Callable[[SessionLease, SsmserveError], None],
         on_expired: Callable[[SessionLease], None],
         worker_id: str = "",
+        stats: Callable[[], WorkerStats] = WorkerStats,
     ) -> None:
+        self._stats = stats  # what the heartbeat reports of the work done
         self.store = store
         self.settings = settings
         self.worker_id = worker_id or new_worker_id()
@@ -138,6 +140,7 @@ class Ownership:
             heartbeat_at=time.time(),
             draining=self.draining,
             numerics=self.numerics,
+            stats=self._stats(),
         )
 
     async def heartbeat(self) -> None:

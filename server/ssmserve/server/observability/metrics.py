@@ -11,8 +11,9 @@ workers, as the tests do); ``--metrics-listen HOST:PORT`` serves it at ``/metric
 (``observability.http``). Without it the metrics are disabled: every counter and
 histogram is a no-op, so a worker nobody scrapes pays nothing. A worker's ``Metrics`` is
 handed to its ``Store`` and read from there by the components that hold the store.
-Counting costs a few microseconds per engine batch and one histogram observation per
-step (``bench/bench_metrics.py``).
+Counters and histograms are updated from the event loop only, without locks
+(``loop_metrics``): a few additions per engine batch and per answered message, whatever
+its number of steps (``bench/bench_metrics.py`` measures the cost).
 
 Gauges that describe what is resident (sessions, queued steps, memory) are computed when
 scraped, from a :class:`WorkerView` the worker provides, so nothing updates them per step.
@@ -24,9 +25,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ssmserve.server.observability.loop_metrics import (
+    LoopCounter,
+    LoopHistogram,
+    LoopMetricsCollector,
+)
 
 #: Latency buckets from 100 us (a small batch) to 10 s (a long replay or a stalled Redis).
 LATENCY_BUCKETS = (
@@ -42,17 +49,22 @@ class Metrics:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
+        made: list[LoopCounter | LoopHistogram] = []
 
         def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Any:
-            return Counter(name, doc, list(labels), registry=r) if enabled else _NOOP
+            if not enabled:
+                return _NOOP
+            made.append(LoopCounter(name, doc, list(labels)))
+            return made[-1]
 
         def histogram(
             name: str, doc: str, labels: Iterable[str] = (), buckets: tuple[float, ...] = ()
         ) -> Any:
             if not enabled:
                 return _NOOP
-            return Histogram(name, doc, list(labels), registry=r, buckets=buckets)
+            made.append(LoopHistogram(name, doc, list(labels), buckets))
+            return made[-1]
 
         # Steps and the engine
         self.steps = counter(
@@ -150,6 +162,8 @@ class Metrics:
             LATENCY_BUCKETS,
         )
 
+        self.registry.register(LoopMetricsCollector(made))
+
     def watch(self, view: WorkerView) -> None:
         """Export the gauges ``view`` computes, at every scrape."""
         self.registry.register(_WorkerCollector(view))
@@ -164,7 +178,7 @@ class _Noop:
     def inc(self, _amount: float = 1) -> None:
         pass
 
-    def observe(self, _value: float) -> None:
+    def observe(self, _value: float, _count: int = 1) -> None:
         pass
 
 

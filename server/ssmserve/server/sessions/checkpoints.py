@@ -34,6 +34,7 @@ class Checkpoints:
         self.store = store
         self.residents = residents
         self._slots = asyncio.Semaphore(writes_in_flight)
+        self.committed = 0  # snapshots committed by this worker
 
     async def settled(self, session_id: str) -> None:
         """Read your writes: snapshots already due here are committed before we answer."""
@@ -86,6 +87,7 @@ class Checkpoints:
             s, lambda lease: self.store.commit_snapshot(lease, record, blob, s.config.max_snapshots)
         )
         s.last_snapshot_step = max(s.last_snapshot_step, step)
+        self.committed += 1
         m = self.store.metrics
         m.snapshots.labels(record.reason).inc()
         m.snapshot_bytes.inc(record.size)

@@ -28,6 +28,7 @@ oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt ex
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -167,6 +168,33 @@ class LeaseHolder:
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    """What a worker did, as of its last heartbeat (for ``ssmserve top``; Prometheus has
+    the full picture). Counters run from the worker's start."""
+
+    steps: int = 0  # steps applied
+    snapshots: int = 0  # snapshots committed
+    open_streams: int = 0
+    step_p50_ms: float = 0.0  # over the most recent answered steps (``RecentLatency``)
+    step_p99_ms: float = 0.0
+    memory_held: int = 0  # bytes counted against the memory budget
+    memory_budget: int = 0
+
+    def to_fields(self) -> dict[str, str]:
+        return {f"stat_{k}": repr(v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> WorkerStats:
+        values: dict[str, Any] = {}
+        for name, kind in (("steps", int), ("snapshots", int), ("open_streams", int),
+                           ("step_p50_ms", float), ("step_p99_ms", float),
+                           ("memory_held", int), ("memory_budget", int)):  # fmt: skip
+            with contextlib.suppress(KeyError, ValueError):  # older workers: defaults
+                values[name] = kind(raw[f"stat_{name}".encode()])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class WorkerRecord:
     """One live worker as registered in Redis."""
 
@@ -178,9 +206,10 @@ class WorkerRecord:
     heartbeat_at: float
     draining: bool
     numerics: str = ""  # what its engine's bits depend on (ssmserve.server.engine.numerics)
+    stats: WorkerStats = WorkerStats()
 
     def to_fields(self) -> dict[str, str]:
-        return {
+        return self.stats.to_fields() | {
             "address": self.address,
             "models": ",".join(self.models),
             "load": str(self.load),
@@ -202,6 +231,7 @@ class WorkerRecord:
             heartbeat_at=float(raw.get(b"heartbeat_at", b"0")),
             draining=raw.get(b"draining", b"0") == b"1",
             numerics=raw.get(b"numerics", b"").decode(),
+            stats=WorkerStats.from_hash(raw),
         )
 
 
