@@ -279,3 +279,72 @@ def test_forecast_and_fork_through_the_cli(worker, served_models, tmp_path, caps
         with pytest.raises(SystemExit) as exit_info:
             main(["--server", a, *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_has_a_help_text():
+    import argparse
+
+    from ssmserve.client.cli import build_parser
+    from ssmserve.server.main import build_parser as server_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "ssmserve")
+    walk(server_parser(), "ssmserve-server")
+    assert missing == []
+
+
+def test_long_commands_report_progress_and_speak_json(
+    start_worker, served_models, tmp_path, capsys
+):
+    import io
+
+    from ssmserve.client.progress import ProgressBar
+
+    a, b = start_worker(), start_worker()
+    sid = a.client.create_session("demo").session_id
+    a.client.stream_steps(sid, list(random_inputs(served_models["demo"], 5, seed=22)))
+    seen: list[tuple[int, int]] = []
+    blob = a.client.export_checkpoint(sid, progress=lambda done, total: seen.append((done, total)))
+    assert seen and seen[-1] == (len(blob), len(blob))
+    sent: list[tuple[int, int]] = []
+    a.client.import_checkpoint(
+        blob, "copy", progress=lambda done, total: sent.append((done, total))
+    )
+    assert sent[-1] == (len(blob), len(blob))
+
+    out_file = tmp_path / "ckpt.bin"
+    code, out, err = cli(capsys, "--server", a.address, "export", sid, "--out", str(out_file),
+                         "--json")  # fmt: skip
+    assert code == 0 and json.loads(out) == {"session_id": sid, "bytes": len(blob),
+                                             "path": str(out_file)}  # fmt: skip
+    assert err == ""  # no bar when stderr is not a terminal
+    code, out, _ = cli(capsys, "--server", a.address, "import", "--in", str(out_file),
+                       "--session", "copy2", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["sessionId"] == "copy2"
+    code, out, _ = cli(capsys, "--server", a.address, "migrate", sid, "--to", b.address, "--json")
+    assert code == 0 and json.loads(out)["target"] == b.address
+    code, out, _ = cli(capsys, "--server", a.address, "drain", a.address, "--json")
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert code == 0 and {p["sessionId"] for p in lines} == {"copy", "copy2"}
+    assert lines[-1]["done"] == lines[-1]["total"] == 2
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    bar = ProgressBar("export", "bytes", stream=screen)
+    for done in (0, 1 << 20, 3 << 20, 4 << 20):
+        bar(done, 4 << 20)
+    bar.close()
+    assert screen.getvalue().endswith("export [" + "#" * 30 + "] 100% 4.0/4.0 MiB\n")
+    assert ProgressBar("x", stream=io.StringIO()).enabled is False

@@ -22,7 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from types import TracebackType
 from typing import Any
 
@@ -312,15 +320,26 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ export, import
 
-    async def export_checkpoint(self, session_id: str, snapshot_id: str = "") -> bytes:
+    async def export_checkpoint(
+        self,
+        session_id: str,
+        snapshot_id: str = "",
+        *,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> bytes:
+        """The checkpoint's bytes; ``progress(received, total)`` after each chunk."""
         request = pb.ExportCheckpointRequest(session_id=session_id, snapshot_id=snapshot_id)
 
         async def export(w: WorkerStubs) -> bytes:
             parts: list[bytes] = []
+            received = 0
             async for chunk in w.sessions.ExportCheckpoint(request):
                 if chunk.index != len(parts):
                     raise ValueError(f"export: chunk {chunk.index} came out of order")
                 parts.append(chunk.data)
+                received += len(chunk.data)
+                if progress is not None:
+                    progress(received, chunk.total_size)
             return b"".join(parts)
 
         return await self.router.call(export, session_id)
@@ -333,11 +352,13 @@ class AsyncClient:
         model: str = "",
         replace: bool = False,
         config: pb.SessionConfig | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> pb.SessionInfo:
+        """A session from a checkpoint; ``progress(sent, total)`` as chunks are sent."""
         header = pb.ImportHeader(session_id=session_id, model=model, replace=replace, config=config)
         info: pb.SessionInfo = await self.router.call(
             lambda w: w.sessions.ImportCheckpoint(
-                _import_requests(header, blob), timeout=self.retry.import_timeout_s
+                _import_requests(header, blob, progress), timeout=self.retry.import_timeout_s
             ),
             idempotent=False,
         )
@@ -374,7 +395,9 @@ class AsyncClient:
         return reply
 
 
-def _import_requests(header: pb.ImportHeader, blob: bytes) -> Iterator[pb.ImportCheckpointRequest]:
+def _import_requests(
+    header: pb.ImportHeader, blob: bytes, progress: Callable[[int, int], None] | None = None
+) -> Iterator[pb.ImportCheckpointRequest]:
     yield pb.ImportCheckpointRequest(header=header)
     view = memoryview(blob)
     count = max(1, -(-len(blob) // CHUNK_BYTES))
@@ -386,3 +409,5 @@ def _import_requests(header: pb.ImportHeader, blob: bytes) -> Iterator[pb.Import
             last=i == count - 1,
         )
         yield pb.ImportCheckpointRequest(chunk=chunk)
+        if progress is not None:
+            progress(min(len(blob), (i + 1) * CHUNK_BYTES), len(blob))

@@ -35,6 +35,7 @@ from ssmserve.client import top
 from ssmserve.client.atomic_file import atomic_write
 from ssmserve.client.errors import CliError, SsmserveClientError
 from ssmserve.client.npy_files import check_writable, load_npy, save_npy
+from ssmserve.client.progress import ProgressBar
 from ssmserve.client.sync import Client
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -118,75 +119,105 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     sc = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
 
     create = sc.add_parser("create", help="create a session; prints its id last")
-    create.add_argument("--model", required=True)
-    create.add_argument("--session-id", default="")
-    create.add_argument("--snapshot-every", type=count, default=0, metavar="K")
-    create.add_argument("--max-snapshots", type=count, default=0, metavar="N")
-    create.add_argument("--history-window", type=count, default=0, metavar="N")
-    create.add_argument("--durability", choices=sorted(_DURABILITY), default=None)
-    create.add_argument("--idle-ttl", type=float, default=0.0, metavar="SECONDS")
-    create.add_argument("--label", type=_label, action="append", default=[], metavar="K=V")
-    create.add_argument("--guard", action="append", default=[], metavar="SPEC")
+    create.add_argument("--model", required=True, help="a model the worker serves")
+    create.add_argument("--session-id", default="", help="its id (default: generated)")
+    create.add_argument(
+        "--snapshot-every", type=count, default=0, metavar="K",
+        help="steps between periodic snapshots (default: the server's, 64)",
+    )  # fmt: skip
+    create.add_argument(
+        "--max-snapshots", type=count, default=0, metavar="N",
+        help="snapshots kept; older ones and their log are trimmed (default: 16)",
+    )  # fmt: skip
+    create.add_argument(
+        "--history-window", type=count, default=0, metavar="N",
+        help="inputs of history each checkpoint carries (default: 256)",
+    )  # fmt: skip
+    create.add_argument(
+        "--durability", choices=sorted(_DURABILITY), default=None,
+        help="log: answer a step once its input is in Redis (default); snapshot: periodic "
+        "snapshots only; none: write only when asked",
+    )  # fmt: skip
+    create.add_argument(
+        "--idle-ttl", type=float, default=0.0, metavar="SECONDS",
+        help="unload it from memory after this long without steps (0: server default)",
+    )  # fmt: skip
+    create.add_argument(
+        "--label", type=_label, action="append", default=[], metavar="K=V",
+        help="a label to keep with the session (repeatable)",
+    )  # fmt: skip
+    create.add_argument(
+        "--guard", action="append", default=[], metavar="SPEC",
+        help="an output guard, e.g. check=range,min=-3,max=3,action=rollback (repeatable)",
+    )  # fmt: skip
 
     stream = sc.add_parser("stream", help="stream every row of a .npy as the next steps")
-    stream.add_argument("session_id")
-    stream.add_argument("--input", required=True, type=Path)
-    stream.add_argument("--output", required=True, type=Path)
-    stream.add_argument("--steps-per-message", type=count, default=64)
+    stream.add_argument("session_id", help="the session to step")
+    stream.add_argument("--input", required=True, type=Path, help="a .npy: one row per step")
+    stream.add_argument("--output", required=True, type=Path, help="the outputs, as .npy")
+    stream.add_argument(
+        "--steps-per-message", type=count, default=64, help="steps sent per message (64)"
+    )
 
     inspect = sc.add_parser("inspect", help="show a session")
-    inspect.add_argument("session_id")
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("session_id", help="the session to show")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
 
     listing = sc.add_parser("list", help="list sessions")
-    listing.add_argument("--model", default="")
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--model", default="", help="only sessions of this model")
+    listing.add_argument("--json", action="store_true", help="print JSON")
 
     close = sc.add_parser("close", help="close a session")
-    close.add_argument("session_id")
+    close.add_argument("session_id", help="the session to close")
     close.add_argument("--final-snapshot", action="store_true", help="keep it exportable")
 
     snap = commands.add_parser("snapshot", help="take a snapshot now")
-    snap.add_argument("session_id")
-    snap.add_argument("--label", default="")
+    snap.add_argument("session_id", help="the session to snapshot")
+    snap.add_argument("--label", default="", help="a name to roll back to later")
 
     snaps = commands.add_parser("snapshots", help="list a session's snapshots")
-    snaps.add_argument("session_id")
-    snaps.add_argument("--json", action="store_true")
+    snaps.add_argument("session_id", help="the session")
+    snaps.add_argument("--json", action="store_true", help="print JSON")
 
     rollback = commands.add_parser("rollback", help="return a session exactly to an earlier step")
-    rollback.add_argument("session_id")
+    rollback.add_argument("session_id", help="the session to roll back")
     target = rollback.add_mutually_exclusive_group(required=True)
-    target.add_argument("--to-step", type=count)
-    target.add_argument("--to-snapshot")
-    target.add_argument("--to-label")
-    target.add_argument("--back", type=count)
+    target.add_argument("--to-step", type=count, metavar="T", help="back to step T")
+    target.add_argument("--to-snapshot", metavar="ID", help="back to a snapshot")
+    target.add_argument("--to-label", metavar="L", help="back to a labelled snapshot")
+    target.add_argument("--back", type=count, metavar="N", help="N steps back")
 
     export = commands.add_parser("export", help="write a session's checkpoint to a file")
-    export.add_argument("session_id")
-    export.add_argument("--out", required=True, type=Path)
+    export.add_argument("session_id", help="the session to export")
+    export.add_argument("--out", required=True, type=Path, help="the checkpoint file to write")
     export.add_argument("--snapshot", default="", help="a snapshot id (default: current state)")
+    export.add_argument("--json", action="store_true", help="print the result as JSON")
 
     imp = commands.add_parser("import", help="bring a checkpoint file back as a session")
-    imp.add_argument("--in", dest="input", required=True, type=Path)
+    imp.add_argument(
+        "--in", dest="input", required=True, type=Path, help="a checkpoint file (ssmserve export)"
+    )
     imp.add_argument("--session", default="", help="session id (default: the checkpoint's)")
     imp.add_argument("--model", default="", help="model name (default: by fingerprint)")
     imp.add_argument("--replace", action="store_true", help="overwrite an existing session")
+    imp.add_argument("--json", action="store_true", help="print the new session as JSON")
 
     forecast = commands.add_parser(
         "forecast", help="run a session's model ahead on its own outputs (session unchanged)"
     )
-    forecast.add_argument("session_id")
-    forecast.add_argument("--horizon", required=True, type=positive_int, metavar="H")
+    forecast.add_argument("session_id", help="the session to forecast from")
+    forecast.add_argument(
+        "--horizon", required=True, type=positive_int, metavar="H", help="steps to run ahead"
+    )
     forecast.add_argument("--at-step", type=count, metavar="T", help="default: current step")
     forecast.add_argument("--output", type=Path, help="write the (H, output_dim) outputs here")
 
     fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")
-    fork.add_argument("session_id")
+    fork.add_argument("session_id", help="the session to branch")
     point = fork.add_mutually_exclusive_group(required=True)
-    point.add_argument("--at-step", type=count, metavar="T")
-    point.add_argument("--at-snapshot", metavar="ID")
-    point.add_argument("--at-label", metavar="L")
+    point.add_argument("--at-step", type=count, metavar="T", help="branch at step T")
+    point.add_argument("--at-snapshot", metavar="ID", help="branch at a snapshot")
+    point.add_argument("--at-label", metavar="L", help="branch at a labelled snapshot")
     fork.add_argument("--new-id", default="", help="the fork's session id (default: generated)")
     fork.add_argument("--target", default="", metavar="HOST:PORT", help="the worker to serve it")
 
@@ -194,14 +225,18 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     workers.add_argument("--json", action="store_true", help="print JSON")
 
     migrate = commands.add_parser("migrate", help="move a session to another worker")
-    migrate.add_argument("session_id")
+    migrate.add_argument("session_id", help="the session to move")
     migrate.add_argument("--to", required=True, metavar="HOST:PORT", help="the target worker")
+    migrate.add_argument("--json", action="store_true", help="print the result as JSON")
 
     drain = commands.add_parser(
         "drain", help="move every session off a worker (it then refuses new ones)"
     )
     drain.add_argument(
         "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
+    )
+    drain.add_argument(
+        "--json", action="store_true", help="print each session's progress as a JSON line"
     )
     top.add_parser(commands)
     undrain = commands.add_parser("undrain", help="undo a drain: the worker serves again")
@@ -381,8 +416,17 @@ def _rollback(client: Client, args: argparse.Namespace) -> None:
 
 
 def _export(client: Client, args: argparse.Namespace) -> None:
-    blob = client.export_checkpoint(args.session_id, args.snapshot)
+    bar = ProgressBar("export", "bytes")
+    try:
+        blob = client.export_checkpoint(args.session_id, args.snapshot, progress=bar)
+    finally:
+        bar.close()
     atomic_write(args.out, lambda tmp: Path(tmp).write_bytes(blob))
+    if args.json:
+        print(
+            json.dumps({"session_id": args.session_id, "bytes": len(blob), "path": str(args.out)})
+        )
+        return
     print(f"wrote {len(blob)} bytes to {args.out}")
 
 
@@ -391,7 +435,16 @@ def _import(client: Client, args: argparse.Namespace) -> None:
         blob = args.input.read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read {args.input}: {exc}") from None
-    info = client.import_checkpoint(blob, args.session, model=args.model, replace=args.replace)
+    bar = ProgressBar("import", "bytes")
+    try:
+        info = client.import_checkpoint(
+            blob, args.session, model=args.model, replace=args.replace, progress=bar
+        )
+    finally:
+        bar.close()
+    if args.json:
+        _print_json(info)
+        return
     print(f"imported session on model {info.model} at step {info.step}")
     print(info.session_id)
 
@@ -455,6 +508,9 @@ def _workers(client: Client, args: argparse.Namespace) -> None:
 
 def _migrate(client: Client, args: argparse.Namespace) -> None:
     reply = client.migrate(args.session_id, args.to)
+    if args.json:
+        _print_json(reply)
+        return
     if reply.source == reply.target:
         print(f"{args.session_id} is already served by {reply.target} (step {reply.step})")
         return
@@ -468,12 +524,25 @@ def _migrate(client: Client, args: argparse.Namespace) -> None:
 def _drain(client: Client, args: argparse.Namespace) -> None:
     worker = args.worker or args.server
     done = 0
-    for p in client.drain(worker):
-        done = p.done
-        where = f"-> {p.target}" if p.target else "snapshotted for later pickup"
-        error = f" ({p.error})" if p.error else ""
-        print(f"[{p.done}/{p.total}] {p.session_id} {where}{error}", flush=True)
-    print(f"drained {worker}: {done} sessions")
+    bar = ProgressBar("drain", "sessions")
+    try:
+        for p in client.drain(worker):
+            done = p.done
+            if args.json:  # one object per line, as they come
+                print(json.dumps(json_format.MessageToDict(p), sort_keys=True), flush=True)
+                continue
+            if bar.enabled:
+                bar(p.done, p.total)
+                if not p.error:
+                    continue
+                sys.stderr.write("\n")
+            where = f"-> {p.target}" if p.target else "snapshotted for later pickup"
+            error = f" ({p.error})" if p.error else ""
+            print(f"[{p.done}/{p.total}] {p.session_id} {where}{error}", flush=True)
+    finally:
+        bar.close()
+    if not args.json:
+        print(f"drained {worker}: {done} sessions")
 
 
 def _undrain(client: Client, args: argparse.Namespace) -> None:

@@ -76,14 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=DIR",
         help="a model to serve (repeatable); env SSMSERVE_MODELS=name=dir,name=dir",
     )
-    parser.add_argument("--listen", default=env("SSMSERVE_LISTEN", "127.0.0.1:50051"))
+    parser.add_argument(
+        "--listen",
+        default=env("SSMSERVE_LISTEN", "127.0.0.1:50051"),
+        metavar="HOST:PORT",
+        help="where to serve gRPC; port 0 picks a free one (default 127.0.0.1:50051; env "
+        "SSMSERVE_LISTEN)",
+    )
     parser.add_argument(
         "--redis-url",
         default=env("SSMSERVE_REDIS_URL"),
         help="external Redis; default: start a private redis-server",
     )
     parser.add_argument(
-        "--data-dir", type=Path, default=Path(env("SSMSERVE_DATA_DIR", "ssmserve-data"))
+        "--data-dir",
+        type=Path,
+        default=Path(env("SSMSERVE_DATA_DIR", "ssmserve-data")),
+        help="the embedded Redis's data and the demo model (default ./ssmserve-data; env "
+        "SSMSERVE_DATA_DIR)",
     )
     parser.add_argument(
         "--advertise",
