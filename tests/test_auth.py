@@ -95,7 +95,7 @@ class Caller:
                 return grpc.StatusCode.OK if not errors else _code_of(errors[0])
             if rpc == "ImportCheckpoint":
                 await method(iter(request), metadata=self.metadata, timeout=10)
-            elif rpc in ("ExportCheckpoint", "Forecast"):
+            elif rpc in ("ExportCheckpoint", "Forecast", "GetHistory"):
                 async for _ in method(request, metadata=self.metadata, timeout=10):
                     pass
             else:
@@ -121,12 +121,19 @@ def _requests(sid: str, step: int, x: np.ndarray, blob: bytes) -> dict[str, Any]
         "Forecast": pb.ForecastRequest(session_id=sid, horizon=2),
         "Fork": pb.ForkRequest(session_id=sid),
         "ExportCheckpoint": pb.ExportCheckpointRequest(session_id=sid),
+        "GetHistory": pb.GetHistoryRequest(session_id=sid),
         "ImportCheckpoint": [
             pb.ImportCheckpointRequest(header=pb.ImportHeader(session_id=sid, replace=True)),
             pb.ImportCheckpointRequest(chunk=chunk),
         ],
         "CloseSession": pb.CloseSessionRequest(session_id=sid),
     }
+
+
+def test_the_matrix_covers_every_session_rpc() -> None:
+    methods = set(pb.DESCRIPTOR.services_by_name["SessionService"].methods_by_name)
+    made = set(_requests("s", 0, np.zeros(4, np.float32), b"").keys())
+    assert methods - made == {"CreateSession", "ListSessions"}  # no session to name
 
 
 def test_authorization_matrix(start_worker, served_models, tokens) -> None:
@@ -174,7 +181,7 @@ def test_authorization_matrix(start_worker, served_models, tokens) -> None:
         # Operators read every tenant's sessions and may change none.
         operator = caller("operator")
         for rpc, request in _requests("tenant-b~shared", 3, x[3], blob).items():
-            want = OK if rpc in ("GetSession", "ListSnapshots") else DENIED
+            want = OK if rpc in ("GetSession", "ListSnapshots", "GetHistory") else DENIED
             assert operator.code(rpc, request) == want, rpc
         assert operator.code("ListSessions", pb.ListSessionsRequest()) == OK
         assert snapshot_of("tenant-b~shared") == before_b

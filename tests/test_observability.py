@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ssmserve.client.errors import NotFound, StepFailed
+from ssmserve.client.errors import FailedPrecondition, NotFound, StepFailed
 from ssmserve.client.sync import Client
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.observability.logs import JsonFormatter
@@ -303,3 +303,81 @@ def test_loop_histograms_and_counters_expose_what_prometheus_client_would():
     assert samples(ours) == pytest.approx(samples(theirs))
     assert value(samples(ours), "x_seconds_bucket", m="a", le="0.001") == 4  # le is inclusive
     assert value(samples(ours), "x_seconds_count", m="a") == 7
+
+
+# ---------------------------------------------------------------------------- history, plot
+
+
+def test_history_gives_the_answered_outputs_snapshots_and_events(start_worker, served_models):
+    from ssmserve.client.errors import ResourceExhausted
+    from ssmserve.server.sessions.manager import ManagerSettings
+    from tests.test_service import assert_bit_equal
+
+    model = served_models["demo"]
+    w = start_worker(manager=ManagerSettings(max_history_steps=25))
+    clamp = pb.GuardRule(name="cap", check=pb.GuardRule.CHECK_RANGE,
+                         action=pb.GuardRule.ACTION_CLAMP, max=0.5)  # fmt: skip
+    sid = w.client.create_session("demo", snapshot_every=8, guards=[clamp]).session_id
+    x = random_inputs(model, 30, seed=79)
+    answered, _ = stream(w, sid, x, per_message=4)
+    w.client.snapshot(sid, label="mark")
+    w.client.rollback(sid, to_step=20)
+    h = w.client.history(sid, from_step=3)
+    assert (h.first_step, len(h.outputs)) == (3, 18)
+    assert_bit_equal(h.outputs, answered[2:20])  # replayed, guards applied: as answered
+    assert h.inputs.tobytes() == x[2:20].tobytes()
+    assert [s.step for s in h.snapshots] == [0, 8, 16]  # 24 and "mark" at 30 were cut
+    guard = [e for e in h.events if e.kind == "guard"]
+    assert guard and {e.action for e in guard} == {"clamp"} and guard[0].guard == "cap"
+    rollback = [e for e in h.events if e.kind == "rollback"]
+    assert [(e.step, e.to_step, e.cause) for e in rollback] == [(30, 20, "monitor")]
+    assert len(w.client.history(sid).outputs) == 20  # default: everything replayable
+    with pytest.raises(ResourceExhausted, match="at most 25"):
+        _too_long(w, model)
+    with pytest.raises(FailedPrecondition, match=r"can show steps 1\.\.20"):
+        w.client.history(sid, from_step=5, to_step=21)
+    assert w.client.get_session(sid).step == 20  # reading changed nothing
+
+
+def _too_long(w, model):
+    sid = w.client.create_session("demo").session_id
+    stream(w, sid, random_inputs(model, 26, seed=80))
+    return w.client.history(sid)
+
+
+def test_guard_rollbacks_are_recorded_as_events(start_worker, served_models):
+    model = served_models["demo"]
+    w = start_worker()
+    never = pb.GuardRule(name="never", check=pb.GuardRule.CHECK_RANGE,
+                         action=pb.GuardRule.ACTION_ROLLBACK, max=-1e9)  # fmt: skip
+    sid = w.client.create_session("demo", snapshot_every=1, guards=[never]).session_id
+    with pytest.raises(StepFailed):
+        w.client.step(sid, random_inputs(model, 1, seed=81)[0])
+    events = w.client.history(sid).events
+    assert [(e.kind, e.step) for e in events] == [("guard", 1), ("rollback", 1)]
+    assert events[1].cause == "guard" and events[1].to_step == 0
+
+
+def test_plot_writes_a_png_of_the_session(start_worker, served_models, tmp_path, capsys):
+    import struct
+
+    from ssmserve.client.cli import main
+
+    model = served_models["demo"]
+    w = start_worker()
+    clamp = pb.GuardRule(name="cap", check=pb.GuardRule.CHECK_RANGE,
+                         action=pb.GuardRule.ACTION_CLAMP, max=1.0)  # fmt: skip
+    sid = w.client.create_session("demo", snapshot_every=10, guards=[clamp]).session_id
+    stream(w, sid, random_inputs(model, 40, seed=82))
+    w.client.snapshot(sid, label="before-rollback")
+    w.client.rollback(sid, to_step=25)
+    out = tmp_path / "session.png"
+    assert main(["--server", w.address, "plot", sid, "--output", str(out)]) == 0
+    assert "steps 1..25" in capsys.readouterr().out
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    assert (width, height) == (1100, 650)
+    missing_dir = str(tmp_path / "no" / "x.png")
+    assert main(["--server", w.address, "plot", sid, "--output", missing_dir]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -65,11 +65,14 @@ def test_client_wheel_holds_only_the_client_and_stubs(client_wheel: Path) -> Non
     assert "ssmserve/v1/ssmserve_pb2.py" in names and "ssmserve/client/aio.py" in names
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     requires = [
-        line.split(":", 1)[1].strip().split(">")[0].split("=")[0].split("[")[0].strip()
+        line.split(":", 1)[1].strip()
         for line in wheel.read(metadata).decode().splitlines()
         if line.startswith("Requires-Dist:")
     ]
-    assert sorted(requires) == ["grpcio", "grpcio-status", "numpy", "protobuf"]
+    base = [r.split(">")[0].split("=")[0].split("[")[0].strip() for r in requires if ";" not in r]
+    assert sorted(base) == ["grpcio", "grpcio-status", "numpy", "protobuf"]
+    extras = [r for r in requires if ";" in r]  # only for `pip install ssmserve-client[plot]`
+    assert extras == ['matplotlib>=3.7; extra == "plot"']
 
 
 def test_server_wheel_adds_only_ssmserve_server(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ def test_contract_services_and_messages() -> None:
         "ImportCheckpoint": (True, False),
         "Forecast": (False, True),
         "Fork": (False, False),
+        "GetHistory": (False, True),
     }
     request = pb.RollbackRequest(session_id="s", steps_back=3)
     assert request.WhichOneof("target") == "steps_back"

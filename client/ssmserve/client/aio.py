@@ -41,11 +41,11 @@ from ssmserve.client.errors import from_rpc_error
 from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.routing import WorkerRouter, WorkerStubs
-from ssmserve.client.step_values import Forecast, StepOutput, step_input
+from ssmserve.client.step_values import Forecast, SessionHistory, StepOutput, step_input
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 
-__all__ = ["AsyncClient", "Forecast", "StepOutput", "step_input"]
+__all__ = ["AsyncClient", "Forecast", "SessionHistory", "StepOutput", "step_input"]
 
 CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE = 64 << 20
@@ -291,6 +291,30 @@ class AsyncClient:
             )
 
         return await self.router.call(forecast, session_id)
+
+    async def history(
+        self, session_id: str, from_step: int = 0, to_step: int = 0
+    ) -> SessionHistory:
+        """Steps ``from_step..to_step`` of a session as they were answered (0: from the
+        oldest it can replay, to its current step), with its snapshots and events."""
+        request = pb.GetHistoryRequest(session_id=session_id, from_step=from_step, to_step=to_step)
+
+        async def history(w: WorkerStubs) -> SessionHistory:
+            chunks = [c async for c in w.sessions.GetHistory(request)]
+            head = chunks[0]
+            token = head.input_dim == 0
+            inputs = np.frombuffer(b"".join(c.inputs for c in chunks), "<i8" if token else "<f4")
+            outputs = np.frombuffer(b"".join(c.outputs for c in chunks), "<f4")
+            return SessionHistory(
+                session_id=session_id,
+                first_step=head.first_step,
+                inputs=inputs.copy() if token else inputs.reshape(-1, head.input_dim).copy(),
+                outputs=outputs.reshape(-1, head.output_dim).copy(),
+                snapshots=list(head.snapshots),
+                events=list(head.events),
+            )
+
+        return await self.router.call(history, session_id)
 
     async def fork(
         self,

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ssmserve.client.errors import StepFailed
+from ssmserve.client import plot
+from ssmserve.client.errors import CliError, StepFailed
 from ssmserve.client.sync import Client
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -92,22 +93,33 @@ def calibrate(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ssmserve-demo", description=__doc__)
-    parser.add_argument("--data-dir", type=Path, default=Path("demo-data"))
-    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path("demo-data"), help="server data (default demo-data)"
+    )
+    parser.add_argument("--steps", type=int, default=96, help="steps of signal (default 96)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("ssmserve-demo.png"),
+        help="where to draw the session (needs matplotlib; default ssmserve-demo.png)",
+    )
     args = parser.parse_args(argv)
 
     print("starting ssmserve-server --demo (embedded Redis, demo signal model) ...")
     proc, address = start_server(args.data_dir)
     try:
         with Client(address) as client:
-            return run_demo(client, address, args.steps)
+            code, sid = run_demo(client, address, args.steps)
+            draw_session(client, sid, args.plot)
+            return code
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
         print(f"server stopped with SIGTERM (exit code {code})")
 
 
-def run_demo(client: Client, address: str, steps: int) -> int:
+def run_demo(client: Client, address: str, steps: int) -> tuple[int, str]:
+    """The walk-through; its exit code (0: every output bit-exact) and the session."""
     calm = synthetic_signal(steps, 4)
     label_at, spike_at = 40, 53  # a labelled snapshot at 40; periodic ones every 16
     print(f"server on {address}; demo model: 4 channels in, 4 predictions out")
@@ -191,7 +203,20 @@ def run_demo(client: Client, address: str, steps: int) -> int:
     )
     client.close_session(ref)
     client.close_session(branch.session.session_id)
-    return 0 if exact and exact_resent else 1
+    return (0 if exact and exact_resent else 1), sid
+
+
+def draw_session(client: Client, sid: str, path: Path) -> None:
+    """Draw the session (``ssmserve plot``), if matplotlib is installed."""
+    try:
+        pyplot = plot.load_pyplot()
+    except CliError as exc:
+        print(f"(no plot: {exc})")
+        return
+    figure = plot.draw(pyplot, client.history(sid), dims=4)
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+    print(f"drew session {sid} to {path} (ssmserve plot {sid} --output {path})")
 
 
 def _fmt(vec: np.ndarray) -> str:

@@ -12,6 +12,7 @@
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
     top [--interval S] [--sessions N] [--once | --json]   (``top.py``)
+    plot SID --output OUT.png [--from-step T] [--to-step T] [--dims N]   (``plot.py``)
 
 A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range), ``action``
 (report | clamp | reject | rollback), and optionally ``min``, ``max``, ``dims`` (``0+2``)
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from ssmserve.client import top
+from ssmserve.client import plot, top
 from ssmserve.client.atomic_file import atomic_write
 from ssmserve.client.errors import CliError, SsmserveClientError
 from ssmserve.client.npy_files import check_writable, load_npy, save_npy
@@ -239,6 +240,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--json", action="store_true", help="print each session's progress as a JSON line"
     )
     top.add_parser(commands)
+    plot.add_parser(commands)
     undrain = commands.add_parser("undrain", help="undo a drain: the worker serves again")
     undrain.add_argument(
         "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
@@ -247,7 +249,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 SERVICE_COMMANDS = {
     "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain", "undrain", "top",
+    "workers", "migrate", "drain", "undrain", "top", "plot",
 }  # fmt: skip
 
 
@@ -277,6 +279,7 @@ def run(args: argparse.Namespace) -> None:
             "drain": _drain,
             "undrain": _undrain,
             "top": top.run,
+            "plot": plot.run,
         }[args.command]
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
         handler(client, args)

@@ -57,3 +57,24 @@ def step_input(session_id: str, step: int, value: Any) -> pb.StepInput:
         return pb.StepInput(session_id=session_id, step=step, token=int(value))
     values = np.asarray(value, np.float32).reshape(-1).tolist()
     return pb.StepInput(session_id=session_id, step=step, vector=pb.Vector(values=values))
+
+
+@dataclass(frozen=True)
+class SessionHistory:
+    """What a session did over steps ``steps[0] .. steps[-1]`` (``AsyncClient.history``)."""
+
+    session_id: str
+    first_step: int
+    inputs: np.ndarray  # (t, i) float32, or (t,) int64 token ids
+    outputs: np.ndarray  # (t, o) float32, as they were answered
+    snapshots: Sequence[pb.SnapshotInfo]
+    events: Sequence[pb.SessionEvent]  # rollbacks and guard events (the newest 1,024)
+
+    @property
+    def steps(self) -> np.ndarray:
+        """(t,) the step number of each row."""
+        return np.arange(self.first_step, self.first_step + len(self.outputs))
+
+    @property
+    def token_input(self) -> bool:
+        return self.inputs.ndim == 1

@@ -281,6 +281,56 @@ class SnapshotInfo(_message.Message):
     size_bytes: int
     def __init__(self, snapshot_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., label: _Optional[str] = ..., reason: _Optional[str] = ..., created_at: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
+class GetHistoryRequest(_message.Message):
+    __slots__ = ("session_id", "from_step", "to_step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    TO_STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    from_step: int
+    to_step: int
+    def __init__(self, session_id: _Optional[str] = ..., from_step: _Optional[int] = ..., to_step: _Optional[int] = ...) -> None: ...
+
+class HistoryChunk(_message.Message):
+    __slots__ = ("first_step", "count", "inputs", "outputs", "input_dim", "output_dim", "snapshots", "events")
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIM_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIM_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    first_step: int
+    count: int
+    inputs: bytes
+    outputs: bytes
+    input_dim: int
+    output_dim: int
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
+    def __init__(self, first_step: _Optional[int] = ..., count: _Optional[int] = ..., inputs: _Optional[bytes] = ..., outputs: _Optional[bytes] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("kind", "step", "at", "to_step", "cause", "guard", "action", "detail")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    TO_STEP_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    GUARD_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    step: int
+    at: float
+    to_step: int
+    cause: str
+    guard: str
+    action: str
+    detail: str
+    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., to_step: _Optional[int] = ..., cause: _Optional[str] = ..., guard: _Optional[str] = ..., action: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -94,6 +94,11 @@ class SessionServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkResponse.FromString,
                 _registered_method=True)
+        self.GetHistory = channel.unary_stream(
+                '/ssmserve.v1.SessionService/GetHistory',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.GetHistoryRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.HistoryChunk.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -185,6 +190,17 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHistory(self, request, context):
+        """What a session did over a range of its steps, for plots and audits: the inputs (from
+        its log), the outputs as they were answered (recomputed by replay from the snapshot
+        before the range: bit-exact, guards applied), its snapshots and its recorded events
+        (rollbacks, guard events). The session is not changed. At most 65,536 steps and
+        64 MiB of outputs per call (RESOURCE_EXHAUSTED past that: ask for a smaller range).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +263,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ForkResponse.SerializeToString,
+            ),
+            'GetHistory': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetHistory,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.GetHistoryRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.HistoryChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -573,6 +594,33 @@ class SessionService:
             '/ssmserve.v1.SessionService/Fork',
             ssmserve_dot_v1_dot_ssmserve__pb2.ForkRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ssmserve.v1.SessionService/GetHistory',
+            ssmserve_dot_v1_dot_ssmserve__pb2.GetHistoryRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.HistoryChunk.FromString,
             options,
             channel_credentials,
             insecure,

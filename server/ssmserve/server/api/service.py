@@ -25,6 +25,7 @@ from ssmserve.server.cluster.migration import Migrator
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.recent_latency import RecentLatency
 from ssmserve.server.sessions.config import Durability, SessionConfig
+from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.forecaster import ForecastStep
 from ssmserve.server.sessions.guards import (
     GuardAction,
@@ -244,6 +245,36 @@ class SessionService(pb_grpc.SessionServiceServicer):
             finally:
                 job.close()  # done, or the client went away: stop computing, free memory
                 self.manager.metrics.forecast_seconds.observe(time.perf_counter() - started)
+
+    async def GetHistory(
+        self, request: pb.GetHistoryRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HistoryChunk]:
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            history = await self.manager.history(
+                scope.stored(request.session_id), request.from_step, request.to_step
+            )
+        inputs = np.ascontiguousarray(history.inputs, history.inputs.dtype.newbyteorder("<"))
+        outputs = np.ascontiguousarray(history.outputs, "<f4")
+        count = len(outputs)
+        per_step = max(1, inputs[:1].nbytes + outputs[:1].nbytes)
+        per_chunk = max(1, (self.settings.max_message_bytes - _RESPONSE_MARGIN) // per_step)
+        first = pb.HistoryChunk(
+            input_dim=0 if inputs.ndim == 1 else inputs.shape[1],
+            output_dim=outputs.shape[1],
+            snapshots=[snapshot_to_pb(request.session_id, r) for r in history.snapshots],
+            events=[_event_to_pb(e) for e in history.events],
+        )
+        for start in range(0, max(count, 1), per_chunk):
+            chunk = first if start == 0 else pb.HistoryChunk()
+            n = min(per_chunk, count - start)
+            chunk.first_step = history.first_step + start
+            chunk.count = n
+            chunk.inputs = (
+                inputs[start : start + n].astype(inputs.dtype.newbyteorder("<")).tobytes()
+            )
+            chunk.outputs = outputs[start : start + n].astype("<f4").tobytes()
+            yield chunk
 
     async def Fork(
         self, request: pb.ForkRequest, context: grpc.aio.ServicerContext
@@ -520,6 +551,16 @@ def snapshot_to_pb(session_id: str, record: SnapshotRecord) -> pb.SnapshotInfo:
         created_at=record.created_at,
         size_bytes=record.size,
     )
+
+
+def _event_to_pb(event: SessionEvent) -> pb.SessionEvent:
+    message = pb.SessionEvent(
+        kind=event.kind, step=event.step, at=event.at, cause=event.cause, guard=event.guard,
+        action=event.action, detail=event.detail,
+    )  # fmt: skip
+    if event.to_step >= 0:
+        message.to_step = event.to_step
+    return message
 
 
 def _guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:

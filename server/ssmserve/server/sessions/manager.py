@@ -47,6 +47,8 @@ from ssmserve.server.sessions.errors import (
     RollbackRangeError,
     StepRangeError,
 )
+from ssmserve.server.sessions.events import SessionEvent
+from ssmserve.server.sessions.events import record as record_events
 from ssmserve.server.sessions.forecaster import (
     BadHorizonError,
     Forecaster,
@@ -56,11 +58,13 @@ from ssmserve.server.sessions.forecaster import (
     ForecastUnsupportedError,
     feedback,
 )
+from ssmserve.server.sessions.history import HistoryReader
 from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
 from ssmserve.server.sessions.memory import WorkerMemory
 from ssmserve.server.sessions.records import (
     ForkResult,
+    History,
     RollbackResult,
     RollbackTarget,
     SessionView,
@@ -108,6 +112,8 @@ class ManagerSettings:
     snapshot_writes_in_flight: int = 2
     list_page_size: int = 100
     max_list_page_size: int = 1000
+    max_history_steps: int = 65_536  # steps one GetHistory call may return
+    max_history_output_bytes: int = 64 << 20  # and their outputs' bytes
 
 
 class StepperHooks:
@@ -144,6 +150,9 @@ class StepperHooks:
 
     def drop(self, s: Session, error: SsmserveError) -> None:
         self.residents.drop(s, error)
+
+    async def record_events(self, s: Session, events: list[SessionEvent]) -> None:
+        await record_events(self.residents.store, s.lease, events)
 
 
 class SessionManager:
@@ -184,6 +193,10 @@ class SessionManager:
             {name: stepper.notify for name, stepper in self.steppers.items()},
             settings.max_sessions, settings.output_window,
             self.memory, settings.stepper.max_unflushed,
+        )  # fmt: skip
+        self.histories = HistoryReader(
+            self.loader, self.replay, self.memory,
+            settings.max_history_steps, settings.max_history_output_bytes,
         )  # fmt: skip
         self.lifecycle = Lifecycle(
             self.models, self.residents, self.checkpoints, self.replay, self.loader,
@@ -394,8 +407,12 @@ class SessionManager:
         s = await self.loader.session(session_id)
         async with self.residents.hold(s):
             t, record = await self.replay.resolve(s, target, "roll back")
+            before = s.step
             step, snapshot_id, replayed = await self.replay.restore_to(s, t, record)
             self.metrics.rollbacks.labels("monitor").inc()
+            await record_events(
+                self.store, s.lease, [SessionEvent.rollback(before, step, "monitor")]
+            )
             log.info(
                 "session %s rolled back to step %d (%d replayed)", s.id, step, replayed,
                 extra={"session_id": s.id, "step": step, "token": s.lease.token,
@@ -473,6 +490,10 @@ class SessionManager:
             state=point.state,
             next_input=feedback(s.model, point.step, point.output),
         )
+
+    async def history(self, session_id: str, from_step: int, to_step: int) -> History:
+        """Steps ``from_step..to_step`` as they were answered (``HistoryReader``)."""
+        return await self.histories.read(session_id, from_step, to_step)
 
     async def fork(
         self, session_id: str, target: RollbackTarget, new_session_id: str = ""

@@ -8,7 +8,9 @@ import numpy as np
 
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.state.checkpoint import InputHistory
+from ssmserve.server.state.store import SnapshotRecord
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,14 @@ class ForkResult:
     step: int
     from_snapshot_id: str
     replayed_steps: int
+
+
+@dataclass(frozen=True)
+class History:
+    """What a session did over steps ``first_step .. first_step + len(inputs) - 1``."""
+
+    first_step: int
+    inputs: np.ndarray  # (t, i) float32, or (t,) int64 tokens
+    outputs: np.ndarray  # (t, o) float32, as answered
+    snapshots: list[SnapshotRecord]
+    events: list[SessionEvent]

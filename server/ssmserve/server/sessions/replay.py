@@ -174,6 +174,19 @@ class Replay:
                     output = await self.output_at(s, t)
             return StatePoint(t, state, output, history, snapshot_id, replayed)
 
+    async def series(
+        self, s: Session, first: int, last: int
+    ) -> tuple[list[bytes], list[np.ndarray]]:
+        """Inputs and outputs of steps ``first..last`` as they were answered: inputs from
+        memory or the log, outputs replayed from the newest snapshot before ``first``
+        (bit-exact, guards applied). Changes nothing; the caller holds ``s`` to read."""
+        record = await self.store.snapshot_at_or_before(s.id, first - 1)
+        if record is None:
+            raise await self.out_of_range(s, first - 1)
+        rebuilt = await self.rebuild(s, last, record)
+        skip = first - (record.step + 1)
+        return rebuilt.inputs[skip:], rebuilt.outputs[skip:]
+
     async def output_at(self, s: Session, step: int) -> np.ndarray:
         """The (guarded) output of an applied step that is no longer in memory: replay it."""
         record = await self.store.snapshot_at_or_before(s.id, step - 1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -40,6 +40,7 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.config import Durability
+from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, check_output
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
@@ -78,6 +79,8 @@ class BatchHooks(Protocol):
 
     def drop(self, session: Session, error: SsmserveError) -> None: ...
 
+    async def record_events(self, session: Session, events: list[SessionEvent]) -> None: ...
+
 
 @dataclass(frozen=True)
 class StepperSettings:
@@ -104,6 +107,7 @@ class _SessionBatch:
     stopped: bool = False  # a REJECT or ROLLBACK: no further steps in this batch
     appended: bool = False  # this batch's steps of the session are in the log now
     fenced: bool = False  # not surely ours any more: nothing of this batch is answered
+    rollbacks: list[SessionEvent] = field(default_factory=list)  # by guards, this batch
 
 
 class Stepper:
@@ -192,6 +196,7 @@ class Stepper:
             for w, job, outcome in recompute:
                 if not w.fenced:
                     await self._recompute(w, job, outcome)
+            await self._record_events(work)
         except BaseException as exc:
             error = exc if isinstance(exc, SsmserveError) else None
             for w in work:
@@ -369,6 +374,9 @@ class Stepper:
                     raise GuardRolledBackError("no snapshot before the violation to return to")
                 step, _snapshot_id, replayed = await self.hooks.restore_to(s, record.step, record)
                 self._rolled_back_by_guards.inc()
+                w.rollbacks.append(
+                    SessionEvent.rollback(job.step, step, "guard", f"guard {events[0].guard}")
+                )
                 log.info(
                     "session %s rolled back to step %d by guard %r (%d replayed)",
                     s.id, step, events[0].guard, replayed,
@@ -392,6 +400,19 @@ class Stepper:
                 f"{events[0].detail}; the session returned to step {step}, so the next input "
                 f"is step {step + 1}"
             )
+
+    async def _record_events(self, work: list[_SessionBatch]) -> None:
+        """Guard events and guard rollbacks of this batch into each session's event list
+        (``events``), before the steps are answered; one write per session that had any."""
+        writes = []
+        for w in work:
+            if w.fenced:
+                continue
+            events = [SessionEvent.of_guard(e) for _, o in w.done for e in o.guard_events]
+            if events or w.rollbacks:
+                writes.append(self.hooks.record_events(w.session, events + w.rollbacks))
+        if writes:
+            await asyncio.gather(*writes)
 
     async def _recompute(self, w: _SessionBatch, job: StepJob, outcome: StepOutcome) -> None:
         try:

@@ -60,6 +60,8 @@ from ssmserve.server.state.store_layout import Keys
 
 T = TypeVar("T")
 
+EVENTS_KEPT = 1024  # per session: the newest rollbacks and guard events
+
 #: A session id as a client gives it: safe in key names (no braces, which would break the
 #: hash tag) and URLs.
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -304,6 +306,7 @@ class Store:
         self._commit = self.redis.register_script(layout.COMMIT_SNAPSHOT)
         self._cut = self.redis.register_script(layout.ROLLBACK_CUT)
         self._close = self.redis.register_script(layout.CLOSE)
+        self._record_events = self.redis.register_script(layout.RECORD_EVENTS)
 
     async def _call(self, op: str, call: Callable[[], Awaitable[T]], write: bool = False) -> T:
         """Run one Redis operation ``op`` (timed); connection trouble becomes
@@ -430,7 +433,7 @@ class Store:
         reply = await self._call(
             "close_session",
             lambda: self._close(
-                keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease],
+                keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease, k.events],
                 args=[k.base, lease.session_id, keep_snapshot, lease.token],
             ),
             write=True,
@@ -728,6 +731,27 @@ class Store:
                 f"snapshot {record.snapshot_id} is {len(blob)} bytes, index says {record.size}"
             )
         return blob
+
+    # ------------------------------------------------------------------ events
+
+    async def record_events(
+        self, lease: SessionLease, entries: Sequence[bytes], keep: int = EVENTS_KEPT
+    ) -> None:
+        """Append what happened to a session (msgpack maps, ``SessionEvent``), keeping the
+        newest ``keep``."""
+        k = self.keys(lease.session_id)
+        reply = await self._call(
+            "record_events",
+            lambda: self._record_events(
+                keys=[k.meta, k.events], args=[lease.token, keep, *entries]
+            ),
+            write=True,
+        )
+        self._check(reply)
+
+    async def read_events(self, session_id: str) -> list[bytes]:
+        k = self.keys(session_id)
+        return list(await self._call("read_events", lambda: self.redis.lrange(k.events, 0, -1)))
 
     # ------------------------------------------------------------------ import staging
 

@@ -17,6 +17,8 @@ tag, so all keys of one session sit in one slot and one script may touch them to
     P:{sid}:blob:<id>:<i>        STRING piece i of a committed snapshot's checkpoint bytes
     P:{sid}:stage:<id>:<i>       STRING a piece written but not committed yet (expires)
     P:{sid}:labels               HASH   label -> snapshot id
+    P:{sid}:events               LIST   what happened to it (rollbacks, guard events), as
+                                        msgpack maps, oldest first, the newest 1,024 kept
     P:upload:{<id>}              LIST   pieces of a checkpoint being imported, in order
                                         (PX ttl, renewed with each piece; dropped after)
 
@@ -77,6 +79,10 @@ class Keys:
     @property
     def lease(self) -> str:
         return self._k("lease")
+
+    @property
+    def events(self) -> str:
+        return self._k("events")
 
     @property
     def base(self) -> str:
@@ -400,16 +406,16 @@ return {'OK'}
 """
 )
 
-# KEYS: meta, snaps, labels, log, index, lease. ARGV: base, session id, keep (a snapshot
-# id or ''), token. Without keep: every key of the session goes. With keep: the session
-# is marked closed and only that snapshot stays (so it can still be exported).
+# KEYS: meta, snaps, labels, log, index, lease, events. ARGV: base, session id, keep (a
+# snapshot id or ''), token. Without keep: every key of the session goes. With keep: the
+# session is marked closed and only that snapshot stays (so it can still be exported).
 CLOSE = (
     _COMMON
     + """
 local base, keep = ARGV[1], ARGV[3]
 local err = fence(KEYS[1], ARGV[4])
 if err then return err end
-redis.call('DEL', KEYS[6])
+redis.call('DEL', KEYS[6], KEYS[7])
 for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     if id ~= keep then
         drop_snapshot(base, KEYS[2], KEYS[3], id)
@@ -426,6 +432,22 @@ return {'OK'}
 """
 )
 
+# KEYS: meta, events. ARGV: token, how many to keep, then one msgpack entry per event.
+# The owner's record of what happened to the session (for ``GetHistory``); fenced like
+# every write, so a stale owner adds nothing.
+RECORD_EVENTS = (
+    _COMMON
+    + """
+local err = fence(KEYS[1], ARGV[1])
+if err then return err end
+for i = 3, #ARGV do
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+end
+redis.call('LTRIM', KEYS[2], -int(ARGV[2]), -1)
+return {'OK'}
+"""
+)
+
 # ---------------------------------------------------------------------------- Redis ACL
 
 #: What a worker's Redis user needs, and nothing more (``key_prefix`` "ssm"): the
@@ -438,5 +460,5 @@ WORKER_ACL_RULES = (
     "+script|load +script|exists +get +set +del +unlink +exists +rename +persist +pexpire "
     "+pttl +mget +hget +hgetall +hmget +hset +hdel +hexists +hincrby +sadd +srem +smembers "
     "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore "
-    "+zlexcount +rpush +lrange +llen"
+    "+zlexcount +rpush +lrange +llen +ltrim"
 )
