@@ -133,7 +133,7 @@ def _requests(sid: str, step: int, x: np.ndarray, blob: bytes) -> dict[str, Any]
 def test_the_matrix_covers_every_session_rpc() -> None:
     methods = set(pb.DESCRIPTOR.services_by_name["SessionService"].methods_by_name)
     made = set(_requests("s", 0, np.zeros(4, np.float32), b"").keys())
-    assert methods - made == {"CreateSession", "ListSessions"}  # no session to name
+    assert methods - made == {"CreateSession", "ListSessions", "ListModels"}  # no session
 
 
 def test_authorization_matrix(start_worker, served_models, tokens) -> None:
@@ -170,6 +170,7 @@ def test_authorization_matrix(start_worker, served_models, tokens) -> None:
         for rpc, request in _requests("shared", 3, x[3], blob).items():
             assert caller(None).code(rpc, request) == UNAUTHENTICATED, rpc
         assert caller(None).code("ListSessions", pb.ListSessionsRequest()) == UNAUTHENTICATED
+        assert caller(None).code("ListModels", pb.ListModelsRequest()) == UNAUTHENTICATED
         bogus = Caller(w.client, w.address, "ssm_not-a-token")
         assert bogus.code("GetSession", pb.GetSessionRequest(session_id="x")) == UNAUTHENTICATED
         # Tenant A names "shared" and gets its own; B's is untouched by any of it.
@@ -184,6 +185,7 @@ def test_authorization_matrix(start_worker, served_models, tokens) -> None:
             want = OK if rpc in ("GetSession", "ListSnapshots", "GetHistory") else DENIED
             assert operator.code(rpc, request) == want, rpc
         assert operator.code("ListSessions", pb.ListSessionsRequest()) == OK
+        assert operator.code("ListModels", pb.ListModelsRequest()) == OK
         assert snapshot_of("tenant-b~shared") == before_b
         # The admin may do everything, on any tenant (by stored id).
         for rpc, request in _requests("tenant-b~shared", 3, x[3], blob).items():

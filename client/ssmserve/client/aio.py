@@ -392,6 +392,12 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ cluster
 
+    async def list_models(self, worker: str = "") -> pb.ListModelsResponse:
+        """The models ``worker`` (default: the first address) serves, by name and version."""
+        stubs = self.router.worker(worker or self.addresses[0])
+        reply: pb.ListModelsResponse = await stubs.sessions.ListModels(pb.ListModelsRequest())
+        return reply
+
     async def list_workers(self) -> list[pb.WorkerInfo]:
         reply = await self.router.call(lambda w: w.cluster.ListWorkers(pb.ListWorkersRequest()))
         return list(reply.workers)

@@ -10,7 +10,7 @@
     export SID --out FILE [--snapshot ID] | import --in FILE [--session SID] [--model NAME]
     forecast SID --horizon H [--at-step T] [--output OUT.npy]
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
-    workers [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
+    workers [--json] | models [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
     top [--interval S] [--sessions N] [--once | --json]   (``top.py``)
     plot SID --output OUT.png [--from-step T] [--to-step T] [--dims N]   (``plot.py``)
 
@@ -222,6 +222,11 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     fork.add_argument("--new-id", default="", help="the fork's session id (default: generated)")
     fork.add_argument("--target", default="", metavar="HOST:PORT", help="the worker to serve it")
 
+    models = commands.add_parser(
+        "models", help="the models each live worker serves: versions and their sessions"
+    )
+    models.add_argument("--json", action="store_true", help="print JSON")
+
     workers = commands.add_parser("workers", help="list the live workers of the cluster")
     workers.add_argument("--json", action="store_true", help="print JSON")
 
@@ -249,7 +254,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 SERVICE_COMMANDS = {
     "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain", "undrain", "top", "plot",
+    "workers", "migrate", "drain", "undrain", "top", "plot", "models",
 }  # fmt: skip
 
 
@@ -279,6 +284,7 @@ def run(args: argparse.Namespace) -> None:
             "drain": _drain,
             "undrain": _undrain,
             "top": top.run,
+            "models": _models,
             "plot": plot.run,
         }[args.command]
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
@@ -507,6 +513,21 @@ def _workers(client: Client, args: argparse.Namespace) -> None:
             f"{w.address}\t{w.worker_id}\t{state}\t{w.load} sessions\t{','.join(w.models)}"
             f"\tnumerics {w.numerics or '?'}"
         )
+
+
+def _models(client: Client, args: argparse.Namespace) -> None:
+    replies = [client.list_models(w.address) for w in client.list_workers() if not w.draining]
+    if args.json:
+        print(json.dumps([json_format.MessageToDict(r) for r in replies], indent=2))
+        return
+    for reply in sorted(replies, key=lambda r: r.worker):
+        for m in reply.models:
+            version = m.version or "-"
+            newest = " (newest)" if m.newest and m.version else ""
+            print(
+                f"{reply.worker}\t{m.name}\t{version}{newest}\t{m.fingerprint[:16]}\t"
+                f"{m.resident_sessions} sessions"
+            )
 
 
 def _migrate(client: Client, args: argparse.Namespace) -> None:

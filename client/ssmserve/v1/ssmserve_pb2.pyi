@@ -331,6 +331,40 @@ class SessionEvent(_message.Message):
     detail: str
     def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., to_step: _Optional[int] = ..., cause: _Optional[str] = ..., guard: _Optional[str] = ..., action: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("key", "name", "version", "fingerprint", "input_dim", "output_dim", "token_input", "resident_sessions", "newest")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIM_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INPUT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    name: str
+    version: str
+    fingerprint: str
+    input_dim: int
+    output_dim: int
+    token_input: bool
+    resident_sessions: int
+    newest: bool
+    def __init__(self, key: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., fingerprint: _Optional[str] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., resident_sessions: _Optional[int] = ..., newest: _Optional[bool] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("worker", "models")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, worker: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

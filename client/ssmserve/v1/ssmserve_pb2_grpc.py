@@ -99,6 +99,11 @@ class SessionServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.GetHistoryRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.HistoryChunk.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/ssmserve.v1.SessionService/ListModels',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -201,6 +206,16 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The models this worker serves (ask each worker: `ssmserve models` does): every name
+        and version, its weights' fingerprint and shapes, and its sessions resident here.
+        CreateSession with a bare name takes its newest version; a session stays on the
+        version it was created with (restarts and migrations included) until it is closed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +283,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.GetHistory,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.GetHistoryRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.HistoryChunk.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -621,6 +641,33 @@ class SessionService:
             '/ssmserve.v1.SessionService/GetHistory',
             ssmserve_dot_v1_dot_ssmserve__pb2.GetHistoryRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.HistoryChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.SessionService/ListModels',
+            ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

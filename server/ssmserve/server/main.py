@@ -51,6 +51,7 @@ from ssmserve.server.errors import SsmserveError
 from ssmserve.server.observability.logs import JsonFormatter
 from ssmserve.server.observability.logs import configure as configure_logging
 from ssmserve.server.sessions.manager import ManagerSettings
+from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.worker import Worker, WorkerSettings
 
 log = logging.getLogger("ssmserve.server")
@@ -59,7 +60,12 @@ log = logging.getLogger("ssmserve.server")
 def _model_arg(text: str) -> tuple[str, Path]:
     name, sep, directory = text.partition("=")
     if not sep or not name or not directory:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR or NAME@VERSION=DIR, got {text!r}")
+    if not KEY_PATTERN.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: a model is NAME or NAME@VERSION, each of letters, digits, '.', '_' "
+            f"or '-' (at most 64)"
+        )
     return name, Path(directory)
 
 
@@ -73,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         type=_model_arg,
         default=[],
-        metavar="NAME=DIR",
-        help="a model to serve (repeatable); env SSMSERVE_MODELS=name=dir,name=dir",
+        metavar="NAME[@VERSION]=DIR",
+        help="a model to serve (repeatable; several versions of a name may be served: new "
+        "sessions take the newest unless they name one, and each session stays on its "
+        "version); env SSMSERVE_MODELS=name=dir,name@2=dir",
     )
     parser.add_argument(
         "--listen",

@@ -59,9 +59,9 @@ CLUSTER_SERVICE = "/ssmserve.v1.ClusterService/"
 _SESSION_RPCS = (
     "CreateSession", "GetSession", "ListSessions", "CloseSession", "Stream", "Snapshot",
     "ListSnapshots", "Rollback", "ExportCheckpoint", "ImportCheckpoint", "Forecast", "Fork",
-    "GetHistory",
+    "GetHistory", "ListModels",
 )  # fmt: skip
-_READ_RPCS = ("GetSession", "ListSessions", "ListSnapshots", "GetHistory")
+_READ_RPCS = ("GetSession", "ListSessions", "ListSnapshots", "GetHistory", "ListModels")
 _CLUSTER_OPERATIONS = ("ListWorkers", "Migrate", "Drain", "Undrain")
 
 #: Each role's methods (full gRPC names). Health and reflection are open to anyone.

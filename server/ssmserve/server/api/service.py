@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from ssmserve.server.sessions.guards import (
     GuardRuleError,
 )
 from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.models import ServedModels, split_key, version_order
 from ssmserve.server.sessions.records import RollbackTarget, SessionView
 from ssmserve.server.sessions.session import SnapshotEvent, StepOutcome
 from ssmserve.server.state import checkpoint_signing
@@ -105,6 +107,21 @@ class SessionService(pb_grpc.SessionServiceServicer):
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
             return info_to_pb(await self.manager.view(scope.stored(request.session_id)), scope)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            models = self.manager.models
+            resident = Counter(
+                s.model_name
+                for s in self.manager.residents.by_id.values()
+                if s.id.startswith(scope.prefix)
+            )
+            order = sorted(models, key=lambda k: (split_key(k)[0], version_order(split_key(k)[1])))
+            infos = [model_to_pb(key, models, resident[key]) for key in order]
+            return pb.ListModelsResponse(worker=self.manager.ownership.address, models=infos)
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
@@ -538,6 +555,23 @@ def info_to_pb(view: SessionView, scope: TenantScope = _ALL) -> pb.SessionInfo:
         output_dim=view.output_dim,
         token_input=view.token_input,
         closed=view.closed,
+    )
+
+
+def model_to_pb(key: str, models: ServedModels, resident: int) -> pb.ModelInfo:
+    model = models[key]
+    c = model.config
+    name, version = split_key(key)
+    return pb.ModelInfo(
+        key=key,
+        name=name,
+        version=version,
+        fingerprint=model.fingerprint,
+        input_dim=0 if c.is_token_model else c.input_dim,
+        output_dim=c.output_dim,
+        token_input=c.is_token_model,
+        resident_sessions=resident,
+        newest=models.newest(key),
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,9 +26,9 @@ from ssmserve.server.sessions.errors import (
     ModelMismatchError,
     SnapshotMissingError,
     StepRangeError,
-    UnknownModelError,
 )
 from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.models import ServedModels
 from ssmserve.server.sessions.records import RollbackTarget, StatePoint
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class Lifecycle:
     def __init__(
         self,
-        models: Mapping[str, MambaModel],
+        models: ServedModels,
         residents: ResidentSessions,
         checkpoints: Checkpoints,
         replay: Replay,
@@ -62,8 +62,9 @@ class Lifecycle:
         self.defaults = defaults
 
     async def create(self, model_name: str, session_id: str, config: SessionConfig) -> str:
-        """A new session at step 0; returns its id."""
-        model = self._model(model_name)
+        """A new session at step 0 of ``model_name`` (a bare name: its newest version
+        here), pinned to that version; returns its id."""
+        model_name, model = self._model(model_name)
         session_id = self._new_id(session_id)
         config = config.resolve(self.defaults, model.config.output_dim)
         self.loader.check_capacity(model, config)
@@ -192,8 +193,13 @@ class Lifecycle:
         Without ``session_id`` it takes the checkpoint's, as ``adopt_id`` maps it (a
         tenant's import keeps the id in its own tenant)."""
         ckpt = Checkpoint.decode(blob)
+        if model_name and "@" not in model_name and self.models.versions(model_name):
+            # A bare name: the version of it whose weights made the checkpoint.
+            same = [k for k in self.models.versions(model_name)
+                    if self.models[k].fingerprint == ckpt.fingerprint]  # fmt: skip
+            model_name = same[-1] if same else self.models.resolve(model_name)
         if model_name:
-            model = self._model(model_name)
+            model_name, model = self._model(model_name)
         else:
             found = [n for n, m in self.models.items() if m.fingerprint == ckpt.fingerprint]
             if not found:
@@ -240,13 +246,11 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ helpers
 
-    def _model(self, name: str) -> MambaModel:
-        model = self.models.get(name)
-        if model is None:
-            raise UnknownModelError(
-                f"model {clip(name)} is not served here (models: {', '.join(sorted(self.models))})"
-            )
-        return model
+    def _model(self, requested: str) -> tuple[str, MambaModel]:
+        """The key and model a request names (``ServedModels.resolve``: a bare name means
+        its newest version here)."""
+        key = self.models.resolve(requested)
+        return key, self.models[key]
 
     @staticmethod
     def _new_id(session_id: str) -> str:

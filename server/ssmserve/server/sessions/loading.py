@@ -159,10 +159,17 @@ class SessionLoader:
     async def _load(self, session_id: str) -> Session:
         meta = await self.meta(session_id)
         model = self.models.get(meta.model)
-        if model is None:
+        if model is None:  # pinned to a model (version) served elsewhere, or nowhere
+            for worker in await self.ownership.targets(meta.model):
+                raise SessionMovedError(
+                    f"session {session_id!r} runs model {meta.model!r}, which worker "
+                    f"{worker.address} serves and this one does not",
+                    owner=worker.address,
+                )
             raise UnknownModelError(
-                f"session {session_id!r} runs model {meta.model!r}, which this worker does not "
-                f"serve (it serves {', '.join(sorted(self.models))})"
+                f"session {session_id!r} runs model {meta.model!r}, which no live worker "
+                f"serves (this one serves {', '.join(sorted(self.models))}); serve it "
+                f"(--model {meta.model}=DIR), or export the session and import it elsewhere"
             )
         if model.fingerprint != meta.fingerprint:
             raise ModelMismatchError(

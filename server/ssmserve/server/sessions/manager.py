@@ -62,6 +62,7 @@ from ssmserve.server.sessions.history import HistoryReader
 from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
 from ssmserve.server.sessions.memory import WorkerMemory
+from ssmserve.server.sessions.models import ServedModels
 from ssmserve.server.sessions.records import (
     ForkResult,
     History,
@@ -163,7 +164,7 @@ class SessionManager:
         ownership: Ownership,
         settings: ManagerSettings,
     ) -> None:
-        self.models = dict(models)
+        self.models = ServedModels(models)
         self.store = store
         self.ownership = ownership
         self.settings = settings

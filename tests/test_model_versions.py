@@ -1,0 +1,130 @@
+"""Several versions of a model on a worker: new sessions take the newest unless they name
+one, and a session stays on its version (fingerprint) across restarts and migrations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ssmserve.client.errors import FailedPrecondition, InvalidArgument, NotFound, StepFailed
+from ssmserve.client.sync import Client
+from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.sessions.models import ServedModels, version_order
+from tests.conftest import random_inputs, write_model
+from tests.test_service import assert_bit_equal
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, MambaModel]]:
+    """Three versions of "sig": same shapes, different weights."""
+    root = tmp_path_factory.mktemp("versions")
+    out = {}
+    for version, seed in (("1", 101), ("2", 102), ("10", 110)):
+        directory = root / f"sig-{version}"
+        out[f"sig@{version}"] = (directory, write_model(directory, demo_config(DemoSpec()), seed))
+    return out
+
+
+def steps(worker_or_client, sid: str, x: np.ndarray, first_step: int | None = None) -> np.ndarray:
+    client = getattr(worker_or_client, "client", worker_or_client)
+    return np.stack([o.output for o in client.stream_steps(sid, list(x), first_step=first_step)])
+
+
+def reference(model: MambaModel, x: np.ndarray) -> np.ndarray:
+    return model.run(x)[0]
+
+
+def test_versions_sort_naturally_and_bare_names_mean_the_newest(versions):
+    assert sorted(["10", "9", "1.10", "1.9", "2"], key=version_order) == [
+        "1.9", "1.10", "2", "9", "10"
+    ]  # fmt: skip
+    served = ServedModels({k: m for k, (_, m) in versions.items()})
+    assert served.versions("sig") == ["sig@1", "sig@2", "sig@10"]
+    assert served.resolve("sig") == "sig@10" and served.resolve("sig@2") == "sig@2"
+    assert served.newest("sig@10") and not served.newest("sig@1")
+    with pytest.raises(Exception, match="not served here"):
+        served.resolve("sig@3")
+    with pytest.raises(ValueError, match="NAME@VERSION"):
+        ServedModels({"bad,name": versions["sig@1"][1]})
+
+
+def test_new_sessions_take_the_newest_version_and_stay_on_theirs(redis_url, versions, capsys):
+    from tests.harness import WorkerHarness
+
+    keys = ["sig@1", "sig@2", "sig@10"]
+    w = WorkerHarness({k: versions[k][0] for k in keys}, redis_url)
+    try:
+        newest = w.client.create_session("sig")
+        pinned = w.client.create_session("sig@1")
+        assert (newest.model, pinned.model) == ("sig@10", "sig@1")
+        x = random_inputs(versions["sig@1"][1], 12, seed=91)
+        assert_bit_equal(steps(w, newest.session_id, x), reference(versions["sig@10"][1], x))
+        assert_bit_equal(steps(w, pinned.session_id, x), reference(versions["sig@1"][1], x))
+        with pytest.raises(NotFound, match="not served here"):
+            w.client.create_session("sig@3")
+        listing = w.client.list_models()
+        assert [(m.key, m.version, m.newest, m.resident_sessions) for m in listing.models] == [
+            ("sig@1", "1", False, 1), ("sig@2", "2", False, 0), ("sig@10", "10", True, 1)
+        ]  # fmt: skip
+        assert listing.models[0].fingerprint == versions["sig@1"][1].fingerprint
+        from ssmserve.client.cli import main
+
+        assert main(["--server", w.address, "models", "--json"]) == 0
+        (reply,) = json.loads(capsys.readouterr().out)
+        assert reply["worker"] == w.address and len(reply["models"]) == 3
+        # An import by bare name finds the version whose weights made the checkpoint.
+        blob = w.client.export_checkpoint(pinned.session_id)
+        copy = w.client.import_checkpoint(blob, "copy", model="sig")
+        assert copy.model == "sig@1"
+    finally:
+        w.stop()
+
+
+def test_a_session_keeps_its_version_across_a_restart_and_is_sent_where_it_is_served(
+    redis_url, versions
+):
+    from tests.harness import WorkerHarness
+
+    v1 = versions["sig@1"][1]
+    x = random_inputs(v1, 20, seed=92)
+    first = WorkerHarness({k: versions[k][0] for k in ("sig@1", "sig@2")}, redis_url)
+    sid = first.client.create_session("sig@1").session_id
+    steps(first, sid, x[:8])
+    first.stop()  # parks the session: no other worker serves sig@1
+    # A new worker with a newer version too: the session stays on sig@1.
+    second = WorkerHarness({k: versions[k][0] for k in ("sig@1", "sig@10")}, redis_url)
+    only_newer = WorkerHarness({"sig@10": versions["sig@10"][0]}, redis_url)
+    try:
+        assert second.client.get_session(sid).model == "sig@1"
+        assert_bit_equal(steps(second, sid, x[8:14], first_step=9), reference(v1, x)[8:14])
+        # A worker without sig@1 sends the client to one with it; the bits go on.
+        with Client(only_newer.address) as via_newer:
+            got = steps(via_newer, sid, x[14:], first_step=15)
+        assert_bit_equal(got, reference(v1, x)[14:])
+        # Migrating to a worker that does not serve its version is refused.
+        with pytest.raises((FailedPrecondition, InvalidArgument, NotFound)):
+            second.client.migrate(sid, only_newer.address)
+        assert second.client.get_session(sid).owner == second.address
+    finally:
+        only_newer.stop()
+        second.stop()
+
+
+def test_a_session_whose_version_nobody_serves_says_so(redis_url, versions):
+    from tests.harness import WorkerHarness
+
+    old = WorkerHarness({"sig@1": versions["sig@1"][0]}, redis_url)
+    sid = old.client.create_session("sig").session_id
+    steps(old, sid, random_inputs(versions["sig@1"][1], 3, seed=93))
+    old.stop()
+    new = WorkerHarness({"sig@2": versions["sig@2"][0]}, redis_url)
+    try:
+        with pytest.raises(StepFailed, match=r"runs model 'sig@1', which no live worker serves"):
+            new.client.step(sid, np.zeros(4, np.float32), step=4)
+        assert new.client.get_session(sid).step == 3  # still there, on its version
+    finally:
+        new.stop()
