@@ -136,3 +136,24 @@ def start_worker(
     yield start
     for harness in started:
         harness.stop()
+
+
+def make_token(capsys: pytest.CaptureFixture[str], path: Path, tenant: str, role: str) -> str:
+    """A new token of ``tenant`` and ``role`` in the token file ``path`` (by the CLI)."""
+    from ssmserve.client.cli import main as cli_main
+
+    assert cli_main(["auth", "token", "--tenant", tenant, "--role", role, "--file", str(path)]) == 0
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """A token file with a client of tenant-a and of tenant-b, an operator and an admin."""
+    path = tmp_path / "tokens.toml"
+    made = {
+        "a": make_token(capsys, path, "tenant-a", "client"),
+        "b": make_token(capsys, path, "tenant-b", "client"),
+        "operator": make_token(capsys, path, "ops", "operator"),
+        "admin": make_token(capsys, path, "ops", "admin"),
+    }
+    return {"path": path, **made}

@@ -24,29 +24,12 @@ from ssmserve.server.api.auth import TokenFileError, parse_token_file, token_has
 from ssmserve.server.worker import ExposedWithoutAuthError, WorkerSettings, check_exposure
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
-from tests.conftest import random_inputs
+from tests.conftest import make_token, random_inputs
 
 OK = grpc.StatusCode.OK
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
-
-
-def make_token(capsys, path: Path, tenant: str, role: str) -> str:
-    assert cli_main(["auth", "token", "--tenant", tenant, "--role", role, "--file", str(path)]) == 0
-    return capsys.readouterr().out.strip().splitlines()[-1]
-
-
-@pytest.fixture
-def tokens(tmp_path: Path, capsys) -> dict[str, Any]:
-    path = tmp_path / "tokens.toml"
-    made = {
-        "a": make_token(capsys, path, "tenant-a", "client"),
-        "b": make_token(capsys, path, "tenant-b", "client"),
-        "operator": make_token(capsys, path, "ops", "operator"),
-        "admin": make_token(capsys, path, "ops", "admin"),
-    }
-    return {"path": path, **made}
 
 
 def test_token_file_holds_hashes_only_and_refuses_bad_entries(tokens, capsys) -> None:

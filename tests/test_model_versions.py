@@ -128,3 +128,62 @@ def test_a_session_whose_version_nobody_serves_says_so(redis_url, versions):
         assert new.client.get_session(sid).step == 3  # still there, on its version
     finally:
         new.stop()
+
+
+def test_a_version_loads_and_unloads_in_a_running_worker_while_sessions_stream(
+    redis_url, versions, capsys
+):
+    import threading
+
+    from ssmserve.client.cli import main
+    from tests.harness import WorkerHarness
+
+    v1, v2 = versions["sig@1"][1], versions["sig@2"][1]
+    x = random_inputs(v1, 200, seed=94)
+    w = WorkerHarness({"sig@1": versions["sig@1"][0]}, redis_url)
+    try:
+        old = w.client.create_session("sig").session_id
+        got: list[np.ndarray] = []
+        # A stream on sig@1 runs all through the load and the failed unload.
+        streaming = threading.Thread(target=lambda: got.append(steps(w, old, x)))
+        streaming.start()
+        reply = w.client.load_model("sig@2", str(versions["sig@2"][0]))
+        assert [(m.key, m.newest) for m in reply.models] == [("sig@1", False), ("sig@2", True)]
+        new = w.client.create_session("sig")
+        assert new.model == "sig@2"  # the newest now
+        assert_bit_equal(steps(w, new.session_id, x[:10]), reference(v2, x[:10]))
+        with pytest.raises(FailedPrecondition, match="1 sessions resident here run model"):
+            w.client.unload_model("sig@1")
+        streaming.join(60)
+        assert not streaming.is_alive()
+        assert_bit_equal(got[0], reference(v1, x))  # the stream never noticed
+        with pytest.raises(Exception, match="served here already"):
+            w.client.load_model("sig@2", str(versions["sig@2"][0]))
+        with pytest.raises(InvalidArgument, match="does not exist"):
+            w.client.load_model("sig@3", "/nonexistent/model/dir")
+        w.client.close_session(old)
+        assert main(["--server", w.address, "unload-model", "sig@1", "--json"]) == 0
+        assert [m["key"] for m in json.loads(capsys.readouterr().out)["models"]] == ["sig@2"]
+        with pytest.raises(NotFound, match="not served here"):
+            w.client.create_session("sig@1")
+        # The registry says so at once: routing and migration pick workers by model.
+        assert w.client.list_workers()[0].models == ["sig@2"]
+        w.client.close_session(new.session_id)
+        with pytest.raises(FailedPrecondition, match="last one"):
+            w.client.unload_model("sig@2")
+    finally:
+        w.stop()
+
+
+def test_only_admins_load_and_unload_models(start_worker, tokens, versions):
+    from ssmserve.client.errors import PermissionDenied
+
+    w = start_worker(auth_tokens=tokens["path"])
+    for who in ("a", "operator"):
+        with Client(w.address, token=tokens[who]) as c, pytest.raises(PermissionDenied):
+            c.load_model("sig@1", str(versions["sig@1"][0]))
+    with Client(w.address, token=tokens["admin"]) as admin:
+        assert "sig@1" in [
+            m.key for m in admin.load_model("sig@1", str(versions["sig@1"][0])).models
+        ]
+        assert "sig@1" not in [m.key for m in admin.unload_model("sig@1").models]

@@ -394,8 +394,26 @@ class AsyncClient:
 
     async def list_models(self, worker: str = "") -> pb.ListModelsResponse:
         """The models ``worker`` (default: the first address) serves, by name and version."""
-        stubs = self.router.worker(worker or self.addresses[0])
-        reply: pb.ListModelsResponse = await stubs.sessions.ListModels(pb.ListModelsRequest())
+        reply: pb.ListModelsResponse = await self.router.call_at(
+            worker, lambda w: w.sessions.ListModels(pb.ListModelsRequest())
+        )
+        return reply
+
+    async def load_model(self, key: str, directory: str, worker: str = "") -> pb.ListModelsResponse:
+        """Admin: ``worker`` (default: the first address) serves ``key`` (NAME[@VERSION])
+        from ``directory`` on its host from now on; its models after."""
+        request = pb.LoadModelRequest(key=key, directory=directory)
+        timeout = max(self.retry.call_timeout_s, 120.0)  # the worker compiles its kernels
+        reply: pb.ListModelsResponse = await self.router.call_at(
+            worker, lambda w: w.cluster.LoadModel(request, timeout=timeout)
+        )
+        return reply
+
+    async def unload_model(self, key: str, worker: str = "") -> pb.ListModelsResponse:
+        """Admin: ``worker`` stops serving ``key`` (refused while sessions there run it)."""
+        reply: pb.ListModelsResponse = await self.router.call_at(
+            worker, lambda w: w.cluster.UnloadModel(pb.UnloadModelRequest(key=key))
+        )
         return reply
 
     async def list_workers(self) -> list[pb.WorkerInfo]:

@@ -68,6 +68,18 @@ class DataLoss(SsmserveClientError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class Unauthenticated(SsmserveClientError):
+    """No token, or one the server does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SsmserveClientError):
+    """The token's role may not call this method."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class SessionMoved(Unavailable):
     """The session is served by another worker: ``owner`` (may be empty when unknown).
 
@@ -94,6 +106,8 @@ _BY_CODE: dict[grpc.StatusCode, type[SsmserveClientError]] = {
         Unavailable,
         DeadlineExceeded,
         DataLoss,
+        Unauthenticated,
+        PermissionDenied,
     )
 }
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

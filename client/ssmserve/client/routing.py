@@ -225,6 +225,14 @@ class WorkerRouter:
             self.served(session_id, address)
             return result
 
+    async def call_at(self, address: str, invoke: Callable[[WorkerStubs], Awaitable[T]]) -> T:
+        """One request to one worker (``address``, or the first one): no redirect, no
+        retry elsewhere; its error as a typed client error."""
+        try:
+            return await invoke(self.worker(address or self.first))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
     async def locate(self, session_id: str, address: str) -> str:
         """The session's owner as the cluster reports it (``address`` if nobody holds it).
 

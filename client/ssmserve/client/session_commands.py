@@ -226,6 +226,19 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "models", help="the models each live worker serves: versions and their sessions"
     )
     models.add_argument("--json", action="store_true", help="print JSON")
+    load = commands.add_parser(
+        "load-model", help="admin: a worker serves another model (version), no restart"
+    )
+    load.add_argument("key", metavar="NAME[@VERSION]", help="the model's name and version")
+    load.add_argument("directory", help="its directory on the worker's host")
+    load.add_argument("--worker", default="", metavar="HOST:PORT", help="default: --server")
+    load.add_argument("--json", action="store_true", help="print the worker's models as JSON")
+    unload = commands.add_parser(
+        "unload-model", help="admin: a worker stops serving a model (no session may run it)"
+    )
+    unload.add_argument("key", metavar="NAME[@VERSION]", help="the model to stop serving")
+    unload.add_argument("--worker", default="", metavar="HOST:PORT", help="default: --server")
+    unload.add_argument("--json", action="store_true", help="print the worker's models as JSON")
 
     workers = commands.add_parser("workers", help="list the live workers of the cluster")
     workers.add_argument("--json", action="store_true", help="print JSON")
@@ -254,7 +267,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 SERVICE_COMMANDS = {
     "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain", "undrain", "top", "plot", "models",
+    "workers", "migrate", "drain", "undrain", "top", "plot", "models", "load-model",
+    "unload-model",
 }  # fmt: skip
 
 
@@ -285,6 +299,8 @@ def run(args: argparse.Namespace) -> None:
             "undrain": _undrain,
             "top": top.run,
             "models": _models,
+            "load-model": _load_model,
+            "unload-model": _unload_model,
             "plot": plot.run,
         }[args.command]
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
@@ -521,13 +537,27 @@ def _models(client: Client, args: argparse.Namespace) -> None:
         print(json.dumps([json_format.MessageToDict(r) for r in replies], indent=2))
         return
     for reply in sorted(replies, key=lambda r: r.worker):
-        for m in reply.models:
-            version = m.version or "-"
-            newest = " (newest)" if m.newest and m.version else ""
-            print(
-                f"{reply.worker}\t{m.name}\t{version}{newest}\t{m.fingerprint[:16]}\t"
-                f"{m.resident_sessions} sessions"
-            )
+        _print_models(reply, as_json=False)
+
+
+def _load_model(client: Client, args: argparse.Namespace) -> None:
+    _print_models(client.load_model(args.key, args.directory, args.worker), args.json)
+
+
+def _unload_model(client: Client, args: argparse.Namespace) -> None:
+    _print_models(client.unload_model(args.key, args.worker), args.json)
+
+
+def _print_models(reply: pb.ListModelsResponse, as_json: bool) -> None:
+    if as_json:
+        _print_json(reply)
+        return
+    for m in reply.models:
+        newest = " (newest)" if m.newest and m.version else ""
+        print(
+            f"{reply.worker}\t{m.name}\t{m.version or '-'}{newest}\t{m.fingerprint[:16]}\t"
+            f"{m.resident_sessions} sessions"
+        )
 
 
 def _migrate(client: Client, args: argparse.Namespace) -> None:

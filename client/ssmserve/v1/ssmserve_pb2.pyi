@@ -503,6 +503,20 @@ class ForkResponse(_message.Message):
     replayed_steps: int
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., source_session_id: _Optional[str] = ..., step: _Optional[int] = ..., from_snapshot_id: _Optional[str] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
 
+class LoadModelRequest(_message.Message):
+    __slots__ = ("key", "directory")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    directory: str
+    def __init__(self, key: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "models", "load", "started_at", "heartbeat_at", "draining", "numerics", "stats")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

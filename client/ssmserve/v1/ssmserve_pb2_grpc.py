@@ -722,6 +722,16 @@ class ClusterServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionResponse.FromString,
                 _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/ssmserve.v1.ClusterService/LoadModel',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/ssmserve.v1.ClusterService/UnloadModel',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -774,6 +784,24 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadModel(self, request, context):
+        """Admin: serve another model (version) on the receiving worker, without a restart: its
+        directory on that worker's host is loaded, its kernels compiled, then it is served
+        (new sessions of its name take it when it is the newest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Admin: stop serving a model (version) on the receiving worker. Refused
+        (FAILED_PRECONDITION) while any session resident there runs it; sessions of it in
+        the store stay pinned to it and are served by any worker that still has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -801,6 +829,16 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.AdoptSession,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.LoadModelRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.UnloadModelRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -947,6 +985,60 @@ class ClusterService:
             '/ssmserve.v1.ClusterService/AdoptSession',
             ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.AdoptSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/LoadModel',
+            ssmserve_dot_v1_dot_ssmserve__pb2.LoadModelRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.ClusterService/UnloadModel',
+            ssmserve_dot_v1_dot_ssmserve__pb2.UnloadModelRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,10 +45,11 @@ from ssmserve.server.engine.numerics import (
     numerics_signature,
     pin_blas_threads,
 )
-from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
+from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.state.store import Store, StoreSettings, WorkerStats
 from ssmserve.server.state.store_errors import StoreUnavailableError
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 
 class ModelTooLargeError(SsmserveError):
     """A model whose one answer cannot fit in a gRPC message of the configured size."""
+
+
+class BadModelKeyError(SsmserveError):
+    """A model key that is not NAME or NAME@VERSION (INVALID_ARGUMENT)."""
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
@@ -194,13 +199,7 @@ class Worker:
             models[name] = await asyncio.to_thread(load_model, directory, name)
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
-            # One step's answer (float32 outputs, packed) must fit in one message.
-            one = model.config.output_dim * 4 + 4096
-            if one > s.max_message_bytes // 2:
-                raise ModelTooLargeError(
-                    f"model {name}: one output of {model.config.output_dim} values does not fit "
-                    f"in half a {s.max_message_bytes}-byte message; raise max_message_bytes"
-                )
+            self._check_fits(name, model)
         url = s.redis_url
         if url is None:
             self.embedded = EmbeddedRedis(EmbeddedRedisSettings(data_dir=s.data_dir / "redis"))
@@ -257,7 +256,7 @@ class Worker:
         )
         pb_grpc.add_SessionServiceServicer_to_server(self.service, self.server)
         pb_grpc.add_ClusterServiceServicer_to_server(
-            ClusterService(self.migrator, self.ownership), self.server
+            ClusterService(self.migrator, self.ownership, self), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -328,6 +327,43 @@ class Worker:
             except SsmserveError as exc:
                 log.debug("could not count stored sessions: %s", exc)
             await asyncio.sleep(self.settings.stored_count_every_s)
+
+    def _check_fits(self, key: str, model: MambaModel) -> None:
+        """One step's answer (float32 outputs, packed) must fit in one message."""
+        limit = self.settings.max_message_bytes
+        if model.config.output_dim * 4 + 4096 > limit // 2:
+            raise ModelTooLargeError(
+                f"model {key}: one output of {model.config.output_dim} values does not fit "
+                f"in half a {limit}-byte message; raise max_message_bytes"
+            )
+
+    async def load_model(self, key: str, directory: Path) -> None:
+        """Serve another model (version) without a restart (LoadModel, admin)."""
+        assert self.manager is not None and self.ownership is not None, "start() first"
+        if not KEY_PATTERN.fullmatch(key):
+            raise BadModelKeyError(
+                f"model {clip(key)}: expected NAME or NAME@VERSION of letters, digits, '.', "
+                f"'_' or '-'"
+            )
+        model = await asyncio.to_thread(load_model, directory, key)
+        self._check_fits(key, model)
+        await self.manager.load_model(key, model)
+        await self._models_changed()
+
+    async def unload_model(self, key: str) -> None:
+        """Stop serving a model (version) (UnloadModel, admin)."""
+        assert self.manager is not None, "start() first"
+        await self.manager.unload_model(key)
+        await self._models_changed()
+
+    async def _models_changed(self) -> None:
+        """Tell the registry at once: routing and migration pick workers by model."""
+        assert self.manager is not None and self.ownership is not None
+        self.ownership.models = tuple(sorted(self.manager.models))
+        try:
+            await self.ownership.heartbeat()
+        except SsmserveError as exc:  # the next heartbeat says it
+            log.warning("could not announce the models at once: %s", exc)
 
     async def _patiently(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
         """Retry ``call`` while Redis is unavailable, up to ``startup_timeout_s``: a store

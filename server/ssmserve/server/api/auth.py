@@ -74,6 +74,7 @@ ALLOWED: dict[Role, frozenset[str]] = {
     Role.ADMIN: frozenset(
         [SESSION_SERVICE + m for m in _SESSION_RPCS]
         + [CLUSTER_SERVICE + m for m in (*_CLUSTER_OPERATIONS, "AdoptSession")]
+        + [CLUSTER_SERVICE + m for m in ("LoadModel", "UnloadModel")]
     ),
     Role.WORKER: frozenset(
         [SESSION_SERVICE + m for m in _READ_RPCS]

@@ -1,26 +1,66 @@
 """The gRPC edge of the cluster operations: ListWorkers, Migrate, Drain, Undrain,
-AdoptSession."""
+AdoptSession, LoadModel, UnloadModel."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Protocol
 
 import grpc
 
 from ssmserve.server.api import status
-from ssmserve.server.api.service import RequestError
+from ssmserve.server.api.service import RequestError, model_to_pb
 from ssmserve.server.cluster.migration import Migrator, UnknownWorkerError
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.errors import clip
+from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.state.store import WorkerRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 
+class ModelAdmin(Protocol):
+    """What LoadModel and UnloadModel ask of the worker (``Worker``)."""
+
+    manager: SessionManager | None
+
+    async def load_model(self, key: str, directory: Path) -> None: ...
+
+    async def unload_model(self, key: str) -> None: ...
+
+
 class ClusterService(pb_grpc.ClusterServiceServicer):
-    def __init__(self, migrator: Migrator, ownership: Ownership) -> None:
+    def __init__(self, migrator: Migrator, ownership: Ownership, models: ModelAdmin) -> None:
         self.migrator = migrator
         self.ownership = ownership
+        self.models = models
+
+    async def LoadModel(
+        self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        async with status.edge(context):
+            if not request.key or not request.directory:
+                raise RequestError("LoadModel needs a key (NAME[@VERSION]) and a directory")
+            await self.models.load_model(request.key, Path(request.directory))
+            return self._models()
+
+    async def UnloadModel(
+        self, request: pb.UnloadModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        async with status.edge(context):
+            await self.models.unload_model(request.key)
+            return self._models()
+
+    def _models(self) -> pb.ListModelsResponse:
+        manager = self.models.manager
+        assert manager is not None
+        resident = Counter(s.model_name for s in manager.residents.by_id.values())
+        return pb.ListModelsResponse(
+            worker=self.ownership.address,
+            models=[model_to_pb(k, manager.models, resident[k]) for k in sorted(manager.models)],
+        )
 
     async def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext

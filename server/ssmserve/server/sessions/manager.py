@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ssmserve.server.cluster.ownership import Ownership
-from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
@@ -51,7 +50,6 @@ from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.events import record as record_events
 from ssmserve.server.sessions.forecaster import (
     BadHorizonError,
-    Forecaster,
     ForecastJob,
     ForecastLimitError,
     ForecastSettings,
@@ -62,6 +60,7 @@ from ssmserve.server.sessions.history import HistoryReader
 from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
 from ssmserve.server.sessions.memory import WorkerMemory
+from ssmserve.server.sessions.model_lanes import ModelLanes
 from ssmserve.server.sessions.models import ServedModels
 from ssmserve.server.sessions.records import (
     ForkResult,
@@ -73,7 +72,7 @@ from ssmserve.server.sessions.records import (
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError, StepJob, StepOutcome
-from ssmserve.server.sessions.stepper import Stepper, StepperSettings
+from ssmserve.server.sessions.stepper import StepperSettings
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import (
     BadSessionIdError,
@@ -171,27 +170,18 @@ class SessionManager:
         self.metrics = store.metrics  # the worker's, handed to its store
         self.residents = ResidentSessions(store, ownership)
         self.checkpoints = Checkpoints(store, self.residents, settings.snapshot_writes_in_flight)
-        engines = {
-            name: EngineLane(model, settings.stepper.offload_min_flop)
-            for name, model in models.items()
-        }
-        self.replay = Replay(store, self.residents, self.checkpoints, engines)
+        self.replay = Replay(store, self.residents, self.checkpoints, engines={})
         hooks = StepperHooks(self.residents, self.checkpoints, self.replay)
-        self.steppers = {
-            name: Stepper(model, store, hooks, settings.stepper, engines[name])
-            for name, model in models.items()
-        }
-        self.forecasters = {
-            name: Forecaster(model, engines[name], settings.forecast)
-            for name, model in models.items()
-        }
+        self.lanes = ModelLanes(self.models, store, hooks, settings.stepper, settings.forecast)
+        self.replay.engines = self.lanes.engines  # the same dict: later models too
+        self.steppers, self.forecasters = self.lanes.steppers, self.lanes.forecasters
         self.memory = WorkerMemory(
             settings.memory_budget_bytes or default_memory_budget(),
             lambda: self.residents.footprint_bytes,
         )
         self.loader = SessionLoader(
             self.models, self.residents, self.checkpoints, self.replay,
-            {name: stepper.notify for name, stepper in self.steppers.items()},
+            self.lanes.notifiers,
             settings.max_sessions, settings.output_window,
             self.memory, settings.stepper.max_unflushed,
         )  # fmt: skip
@@ -209,15 +199,19 @@ class SessionManager:
 
     async def warm_up(self) -> None:
         """Compile every model's kernels (off the event loop) before the worker serves."""
-        for name, stepper in self.steppers.items():
-            seconds = await asyncio.to_thread(stepper.engine.warm_up)
-            log.info("model %s: kernels ready in %.2f s", name, seconds)
+        await self.lanes.warm_up()
+
+    async def load_model(self, key: str, model: MambaModel) -> None:
+        """Serve another model (version) from now on (``ModelLanes.add``)."""
+        await self.lanes.add(key, model)
+
+    async def unload_model(self, key: str) -> None:
+        """Stop serving ``key``; refused while a resident session runs it."""
+        resident = sum(1 for s in self.residents.by_id.values() if s.model_name == key)
+        await self.lanes.remove(key, resident)
 
     def start(self) -> None:
-        for stepper in self.steppers.values():
-            stepper.start()
-        for forecaster in self.forecasters.values():
-            forecaster.start()
+        self.lanes.start()
         self._reaper = asyncio.create_task(
             self.loader.evict_idle(self.settings.idle_check_s), name="idle-eviction"
         )
@@ -245,10 +239,7 @@ class SessionManager:
             await asyncio.gather(self._reaper, return_exceptions=True)
 
     async def _stop_engines(self) -> None:
-        for forecaster in self.forecasters.values():
-            await forecaster.stop()
-        for stepper in self.steppers.values():
-            await stepper.stop()
+        await self.lanes.stop()
 
     # ------------------------------------------------------------------ residency
 

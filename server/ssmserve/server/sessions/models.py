@@ -77,6 +77,14 @@ class ServedModels(Mapping[str, MambaModel]):
             f"model {clip(requested)} is not served here (models: {', '.join(sorted(self))})"
         )
 
+    def add(self, key: str, model: MambaModel) -> None:
+        if not KEY_PATTERN.fullmatch(key):
+            raise ValueError(f"model key {key!r}: expected NAME or NAME@VERSION")
+        self._models[key] = model
+
+    def remove(self, key: str) -> None:
+        del self._models[key]
+
     def newest(self, key: str) -> bool:
         """Whether ``key`` is the newest version of its name here."""
         return self.versions(split_key(key)[0])[-1] == key
