@@ -105,6 +105,7 @@ def _requests(sid: str, step: int, x: np.ndarray, blob: bytes) -> dict[str, Any]
         "Fork": pb.ForkRequest(session_id=sid),
         "ExportCheckpoint": pb.ExportCheckpointRequest(session_id=sid),
         "GetHistory": pb.GetHistoryRequest(session_id=sid),
+        "Upgrade": pb.UpgradeRequest(session_id=sid),  # to the version it runs: a no-op
         "ImportCheckpoint": [
             pb.ImportCheckpointRequest(header=pb.ImportHeader(session_id=sid, replace=True)),
             pb.ImportCheckpointRequest(chunk=chunk),

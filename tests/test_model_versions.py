@@ -187,3 +187,49 @@ def test_only_admins_load_and_unload_models(start_worker, tokens, versions):
             m.key for m in admin.load_model("sig@1", str(versions["sig@1"][0])).models
         ]
         assert "sig@1" not in [m.key for m in admin.unload_model("sig@1").models]
+
+
+def test_upgrade_replays_the_kept_inputs_through_the_new_version(redis_url, versions, capsys):
+    from ssmserve.client.cli import main
+    from tests.harness import WorkerHarness
+
+    v1, v2 = versions["sig@1"][1], versions["sig@2"][1]
+    x = random_inputs(v1, 45, seed=95)
+    w = WorkerHarness({k: versions[k][0] for k in ("sig@1", "sig@2")}, redis_url)
+    try:
+        # Everything kept (the snapshot at 0 stays): the new state is exactly sig@2's.
+        whole = w.client.create_session("sig@1", snapshot_every=8, max_snapshots=64).session_id
+        steps(w, whole, x[:30])
+        reply = w.client.upgrade(whole)  # the newest: sig@2
+        assert (reply.from_model, reply.session.model, reply.session.step) == (
+            "sig@1", "sig@2", 30
+        )  # fmt: skip
+        assert (reply.replayed_from_step, reply.replayed_steps) == (1, 30)
+        assert_bit_equal(steps(w, whole, x[30:], first_step=31), reference(v2, x)[30:])
+        # A resend of the step it was at gets the new version's output of that step.
+        assert_bit_equal(w.client.step(whole, x[44], step=45).output, reference(v2, x)[44])
+        again = w.client.upgrade(whole, "sig@2")
+        assert (again.replayed_steps, again.session.step) == (0, 45)  # nothing to do
+        # Retention dropped the oldest inputs: the new version sees the kept ones only.
+        part = w.client.create_session("sig@1", snapshot_every=4, max_snapshots=2).session_id
+        steps(w, part, x[:30])
+        kept_from = w.client.list_snapshots(part)[0].step + 1
+        assert main(["--server", w.address, "upgrade", part, "--model", "sig@2", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert int(out["replayedFromStep"]) == kept_from > 1
+        snapshots = w.client.list_snapshots(part)  # the old version's went
+        assert [(r.step, r.reason) for r in snapshots] == [(30, "upgrade")]
+        fresh = reference(v2, x[kept_from - 1 :])  # sig@2 from a fresh state at kept_from
+        assert_bit_equal(steps(w, part, x[30:], first_step=31), fresh[30 - kept_from + 1 :])
+        with pytest.raises(NotFound):
+            w.client.upgrade(part, "sig@7")
+    finally:
+        w.stop()
+
+
+def test_upgrade_refuses_a_model_of_other_shapes(start_worker):
+    w = start_worker()
+    sid = w.client.create_session("demo").session_id
+    with pytest.raises(FailedPrecondition, match="other shapes"):
+        w.client.upgrade(sid, "odd")
+    assert w.client.get_session(sid).model == "demo"

@@ -51,6 +51,7 @@ def test_contract_services_and_messages() -> None:
         "Fork": (False, False),
         "GetHistory": (False, True),
         "ListModels": (False, False),
+        "Upgrade": (False, False),
     }
     request = pb.RollbackRequest(session_id="s", steps_back=3)
     assert request.WhichOneof("target") == "steps_back"

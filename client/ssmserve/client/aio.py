@@ -392,6 +392,15 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ cluster
 
+    async def upgrade(self, session_id: str, model: str = "") -> pb.UpgradeResponse:
+        """Move a session to another version of its model (default: the newest) by
+        replaying its kept inputs through it (see the proto's Upgrade)."""
+        request = pb.UpgradeRequest(session_id=session_id, model=model)
+        reply: pb.UpgradeResponse = await self.router.call(
+            lambda w: w.sessions.Upgrade(request), session_id
+        )  # idempotent: asking again for the version it now runs changes nothing
+        return reply
+
     async def list_models(self, worker: str = "") -> pb.ListModelsResponse:
         """The models ``worker`` (default: the first address) serves, by name and version."""
         reply: pb.ListModelsResponse = await self.router.call_at(

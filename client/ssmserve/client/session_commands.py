@@ -226,6 +226,14 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "models", help="the models each live worker serves: versions and their sessions"
     )
     models.add_argument("--json", action="store_true", help="print JSON")
+    upgrade = commands.add_parser(
+        "upgrade", help="move a session to another version of its model (a replay of its inputs)"
+    )
+    upgrade.add_argument("session_id", help="the session to move")
+    upgrade.add_argument(
+        "--model", default="", metavar="NAME@VERSION", help="default: the newest version"
+    )
+    upgrade.add_argument("--json", action="store_true", help="print the result as JSON")
     load = commands.add_parser(
         "load-model", help="admin: a worker serves another model (version), no restart"
     )
@@ -268,7 +276,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 SERVICE_COMMANDS = {
     "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
     "workers", "migrate", "drain", "undrain", "top", "plot", "models", "load-model",
-    "unload-model",
+    "unload-model", "upgrade",
 }  # fmt: skip
 
 
@@ -300,6 +308,7 @@ def run(args: argparse.Namespace) -> None:
             "top": top.run,
             "models": _models,
             "load-model": _load_model,
+            "upgrade": _upgrade,
             "unload-model": _unload_model,
             "plot": plot.run,
         }[args.command]
@@ -538,6 +547,20 @@ def _models(client: Client, args: argparse.Namespace) -> None:
         return
     for reply in sorted(replies, key=lambda r: r.worker):
         _print_models(reply, as_json=False)
+
+
+def _upgrade(client: Client, args: argparse.Namespace) -> None:
+    reply = client.upgrade(args.session_id, args.model)
+    if args.json:
+        _print_json(reply)
+    elif not reply.replayed_steps and reply.from_model == reply.session.model:
+        print(f"{args.session_id} runs {reply.session.model} already")
+    else:
+        print(
+            f"{args.session_id}: {reply.from_model} -> {reply.session.model} at step "
+            f"{reply.session.step} ({reply.replayed_steps} kept inputs replayed from step "
+            f"{reply.replayed_from_step})"
+        )
 
 
 def _load_model(client: Client, args: argparse.Namespace) -> None:

@@ -18,6 +18,26 @@ DURABILITY_LOG: Durability
 DURABILITY_SNAPSHOT: Durability
 DURABILITY_NONE: Durability
 
+class UpgradeRequest(_message.Message):
+    __slots__ = ("session_id", "model")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class UpgradeResponse(_message.Message):
+    __slots__ = ("session", "from_model", "replayed_from_step", "replayed_steps")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FROM_MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    from_model: str
+    replayed_from_step: int
+    replayed_steps: int
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., from_model: _Optional[str] = ..., replayed_from_step: _Optional[int] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
+
 class GuardRule(_message.Message):
     __slots__ = ("name", "check", "min", "max", "dims", "action")
     class Check(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

@@ -104,6 +104,11 @@ class SessionServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Upgrade = channel.unary_unary(
+                '/ssmserve.v1.SessionService/Upgrade',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -216,6 +221,19 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upgrade(self, request, context):
+        """Move a session to another version of its model (default: the newest the worker
+        serves) by replaying its kept inputs through that version from a fresh state: a
+        replay, not a state conversion. Inputs older than its oldest kept snapshot are gone,
+        so the new state is what the new version makes of the kept ones (the response says
+        from which step). The session keeps its id and step; its old version's snapshots go;
+        steps queued meanwhile are answered UNAVAILABLE (send them again). Asking for the
+        version it runs changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +306,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Upgrade': grpc.unary_unary_rpc_method_handler(
+                    servicer.Upgrade,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -668,6 +691,33 @@ class SessionService:
             '/ssmserve.v1.SessionService/ListModels',
             ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upgrade(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ssmserve.v1.SessionService/Upgrade',
+            ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeResponse.FromString,
             options,
             channel_credentials,
             insecure,

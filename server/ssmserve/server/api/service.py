@@ -263,6 +263,21 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 job.close()  # done, or the client went away: stop computing, free memory
                 self.manager.metrics.forecast_seconds.observe(time.perf_counter() - started)
 
+    async def Upgrade(
+        self, request: pb.UpgradeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpgradeResponse:
+        scope = self._scope(context)
+        async with status.edge(context, scope.clean):
+            view, result = await self.manager.upgrade(
+                scope.stored(request.session_id), request.model
+            )
+            return pb.UpgradeResponse(
+                session=info_to_pb(view, scope),
+                from_model=result.from_model,
+                replayed_from_step=result.replayed_from_step,
+                replayed_steps=result.replayed_steps,
+            )
+
     async def GetHistory(
         self, request: pb.GetHistoryRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.HistoryChunk]:

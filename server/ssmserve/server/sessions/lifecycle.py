@@ -24,12 +24,14 @@ from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
 from ssmserve.server.sessions.errors import (
     ModelMismatchError,
+    ReloadingError,
     SnapshotMissingError,
     StepRangeError,
 )
+from ssmserve.server.sessions.guards import check_output
 from ssmserve.server.sessions.loading import SessionLoader
-from ssmserve.server.sessions.models import ServedModels
-from ssmserve.server.sessions.records import RollbackTarget, StatePoint
+from ssmserve.server.sessions.models import ServedModels, split_key
+from ssmserve.server.sessions.records import RollbackTarget, StatePoint, UpgradeResult
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
@@ -230,6 +232,62 @@ class Lifecycle:
             ckpt.history, output,
         )  # fmt: skip
         return session_id
+
+    async def upgrade(self, session_id: str, requested: str) -> UpgradeResult:
+        """Move a session to another version of its model (default: the newest here) by
+        replaying its retained inputs through it: a replay, not a state conversion.
+
+        The new version starts from a fresh state at the oldest step whose input is still
+        kept (just after the oldest kept snapshot) and runs every kept input up to the
+        session's step; inputs before that are gone, so when retention dropped some the
+        new state is what the new version makes of the kept ones only. The session keeps
+        its id and step (the next input is step + 1 as before) and starts a new
+        incarnation: a new fencing token, the old version's snapshots and log dropped, a
+        first snapshot of the new state. Asking for the version it runs changes nothing.
+        """
+        s = await self.loader.session(session_id)
+        old_key = s.model_name
+        key, model = self._model(requested or split_key(old_key)[0])
+        if key == old_key:
+            return UpgradeResult(old_key, key, s.step, 0)
+        c, old = model.config, s.model.config
+        if (c.is_token_model, c.input_dim, c.output_dim) != (
+            old.is_token_model,
+            old.input_dim,
+            old.output_dim,
+        ):
+            raise ModelMismatchError(
+                f"model {key!r} takes or gives other shapes than {old_key!r} (inputs "
+                f"{c.input_dim}, outputs {c.output_dim}): a session cannot move between them"
+            )
+        config = s.config
+        self.loader.check_capacity(model, config)
+        async with self.residents.hold(s):
+            _count, oldest = await self.store.snapshot_count_and_oldest(session_id)
+            first, step = (oldest or 0) + 1, s.step
+            raw = await self.replay.inputs(s, first, step)
+            inputs = s.codec.decode_many(raw) if raw else s.codec.empty()
+            outputs, state = await self.replay.engines[key].run(inputs, model.new_state())
+            output = None
+            if len(outputs):
+                output = check_output(config.guards, step, outputs[-1].copy()).output
+            await self.residents.write(s, lambda lease: self.store.close_session(lease))
+            s.fail_queued(
+                ReloadingError(f"session {session_id!r} moved to model {key!r}; send again")
+            )
+            self.residents.remove(session_id)
+        window = config.history_window
+        kept = inputs[max(0, len(inputs) - window) :] if window else inputs[:0]
+        history = InputHistory(step - len(kept) + 1, kept)  # empty: first_step = step + 1
+        await self._create(
+            session_id, model, key, config, state, step, "upgrade", history, output
+        )  # fmt: skip
+        log.info(
+            "session %s upgraded from %s to %s at step %d (%d inputs replayed from step %d)",
+            session_id, old_key, key, step, len(inputs), first,
+            extra={"session_id": session_id, "step": step, "event": "upgraded", "model": key},
+        )  # fmt: skip
+        return UpgradeResult(old_key, key, first if len(inputs) else step + 1, len(inputs))
 
     async def _drop_for_replace(self, session_id: str) -> None:
         meta = await self.store.get_meta(session_id)

@@ -68,6 +68,7 @@ from ssmserve.server.sessions.records import (
     RollbackResult,
     RollbackTarget,
     SessionView,
+    UpgradeResult,
 )
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
@@ -482,6 +483,11 @@ class SessionManager:
             state=point.state,
             next_input=feedback(s.model, point.step, point.output),
         )
+
+    async def upgrade(self, session_id: str, model: str) -> tuple[SessionView, UpgradeResult]:
+        """Move a session to another version of its model (``Lifecycle.upgrade``)."""
+        result = await self.lifecycle.upgrade(session_id, model)
+        return await self.view(session_id), result
 
     async def history(self, session_id: str, from_step: int, to_step: int) -> History:
         """Steps ``from_step..to_step`` as they were answered (``HistoryReader``)."""

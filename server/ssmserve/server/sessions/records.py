@@ -81,3 +81,13 @@ class History:
     outputs: np.ndarray  # (t, o) float32, as answered
     snapshots: list[SnapshotRecord]
     events: list[SessionEvent]
+
+
+@dataclass(frozen=True)
+class UpgradeResult:
+    """A session moved to another version of its model (``Lifecycle.upgrade``)."""
+
+    from_model: str
+    to_model: str
+    replayed_from_step: int  # the first kept input the new version was run on
+    replayed_steps: int  # 0: it ran that version already, nothing changed

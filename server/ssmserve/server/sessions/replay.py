@@ -73,7 +73,7 @@ class Replay:
             if record is None:
                 raise await self.out_of_range(s, step)
         ckpt = await self._read_checkpoint(s.id, record, s.model)
-        raw = await self._inputs(s, record.step + 1, step)
+        raw = await self.inputs(s, record.step + 1, step)
         if not raw:
             return Rebuilt(step, record, ckpt, ckpt.state, [], [])
         # A long replay (a 130m model replays ~20 steps/s) must not stall the event loop.
@@ -217,7 +217,7 @@ class Replay:
             ) from None
         return ckpt
 
-    async def _inputs(self, s: Session, first: int, last: int) -> list[bytes]:
+    async def inputs(self, s: Session, first: int, last: int) -> list[bytes]:
         """Inputs of steps first..last: from memory when it has them, else the log."""
         if last < first:
             return []
