@@ -233,3 +233,22 @@ def test_upgrade_refuses_a_model_of_other_shapes(start_worker):
     with pytest.raises(FailedPrecondition, match="other shapes"):
         w.client.upgrade(sid, "odd")
     assert w.client.get_session(sid).model == "demo"
+
+
+def test_a_migrated_session_stays_on_its_version(redis_url, versions):
+    from tests.harness import WorkerHarness
+
+    v1 = versions["sig@1"][1]
+    x = random_inputs(v1, 24, seed=96)
+    a = WorkerHarness({k: versions[k][0] for k in ("sig@1", "sig@2")}, redis_url)
+    b = WorkerHarness({k: versions[k][0] for k in ("sig@1", "sig@2", "sig@10")}, redis_url)
+    try:
+        sid = a.client.create_session("sig@1").session_id
+        steps(a, sid, x[:12])
+        assert a.client.migrate(sid, b.address).target == b.address
+        info = b.client.get_session(sid)
+        assert (info.model, info.owner) == ("sig@1", b.address)  # not b's newest, sig@10
+        assert_bit_equal(steps(b, sid, x[12:], first_step=13), reference(v1, x)[12:])
+    finally:
+        b.stop()
+        a.stop()

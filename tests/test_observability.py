@@ -381,3 +381,47 @@ def test_plot_writes_a_png_of_the_session(start_worker, served_models, tmp_path,
     missing_dir = str(tmp_path / "no" / "x.png")
     assert main(["--server", w.address, "plot", sid, "--output", missing_dir]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- tracing
+
+
+def test_spans_cover_rpcs_engine_batches_redis_writes_and_follow_a_hand_off(
+    start_worker, served_models
+):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ssmserve.server.observability.tracing import Tracing
+
+    spans = InMemorySpanExporter()
+    a, b = start_worker(), start_worker()
+    for w in (a, b):  # one provider per worker, both into the same memory
+        w.worker.metrics.tracing = Tracing(exporter=spans, worker_id=w.worker.worker_id)
+    sid = a.client.create_session("demo").session_id
+    stream(a, sid, random_inputs(served_models["demo"], 4, seed=83))
+    with pytest.raises(NotFound):
+        a.client.get_session("nobody")
+    a.client.migrate(sid, b.address)
+    done = spans.get_finished_spans()
+    names = [s.name for s in done]
+    assert "ssmserve.v1.SessionService/Stream" in names
+    assert "engine.batch" in names and "redis.append_logs" in names
+    codes = {s.attributes["rpc.grpc.status_code"] for s in done if s.name.endswith("/GetSession")}
+    assert 5 in codes  # the refused one: NOT_FOUND
+    stream_span = next(s for s in done if s.name.endswith("/Stream"))
+    assert stream_span.attributes["rpc.method"] == "Stream"
+    assert stream_span.attributes["rpc.service"] == "ssmserve.v1.SessionService"
+    migrate = next(s for s in done if s.name.endswith("/Migrate"))
+    adopt = next(s for s in done if s.name.endswith("/AdoptSession"))
+    assert adopt.context.trace_id == migrate.context.trace_id  # one trace across workers
+    assert adopt.resource.attributes["ssmserve.worker_id"] == b.worker.worker_id
+    assert {s.resource.attributes["service.name"] for s in done} == {"ssmserve"}
+
+
+def test_tracing_is_off_and_free_unless_configured():
+    from ssmserve.server.observability.tracing import OFF, Tracing
+
+    assert not OFF.enabled and OFF.outgoing() == ()
+    with OFF.span("x") as span:
+        assert span is None
+    assert Tracing().span("a") is Tracing().span("b")  # the one shared no-op

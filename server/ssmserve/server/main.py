@@ -241,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
         "step, lease token and tenant (default text; env SSMSERVE_LOG_FORMAT)",
     )
     parser.add_argument(
+        "--trace-otlp-endpoint",
+        default=env("SSMSERVE_TRACE_OTLP_ENDPOINT", ""),
+        metavar="URL",
+        help="send OpenTelemetry spans (RPCs, engine batches, Redis writes) to this OTLP/gRPC "
+        "collector, e.g. http://localhost:4317; needs pip install 'ssmserve[tracing]' "
+        "(default: off; env SSMSERVE_TRACE_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default=env("SSMSERVE_METRICS_LISTEN", ""),
         metavar="HOST:PORT",
@@ -319,6 +327,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(memory_budget_bytes=args.memory_budget or None),
         metrics_listen=args.metrics_listen,
+        trace_otlp_endpoint=args.trace_otlp_endpoint,
     )
 
 

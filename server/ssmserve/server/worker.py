@@ -48,6 +48,7 @@ from ssmserve.server.engine.numerics import (
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
+from ssmserve.server.observability.tracing import Tracing
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
 from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.state.store import Store, StoreSettings, WorkerStats
@@ -109,6 +110,8 @@ class WorkerSettings:
     insecure: bool = False  # listen beyond loopback without tokens (a warning is logged)
     # host:port of the Prometheus endpoint (/metrics); "": none. Port 0 picks a free one.
     metrics_listen: str = ""
+    # OTLP/gRPC endpoint for OpenTelemetry spans (pip install 'ssmserve[tracing]'); "": off.
+    trace_otlp_endpoint: str = ""
     stored_count_every_s: float = 15.0  # how often ssmserve_sessions_stored is counted
 
 
@@ -184,6 +187,8 @@ class Worker:
         self.numerics = ""
         self.metrics = Metrics(enabled=bool(settings.metrics_listen))  # off: no-ops
         self.worker_id = new_worker_id()  # in the registry, the leases and the logs
+        self.metrics.tracing = Tracing(settings.trace_otlp_endpoint, self.worker_id)
+        self.peers.trace_context = lambda: self.metrics.tracing.outgoing()
         self.metrics_endpoint: MetricsEndpoint | None = None
         self.metrics_address = ""  # host:port of /metrics once started
         self._stored_sessions: int | None = None
@@ -445,6 +450,7 @@ class Worker:
         if self.metrics_endpoint is not None:
             await asyncio.to_thread(self.metrics_endpoint.stop)
             self.metrics_endpoint = None
+        await asyncio.to_thread(self.metrics.tracing.shutdown)  # flushes spans still queued
         await self.peers.close()
         if self.tokens is not None:
             await self.tokens.stop()

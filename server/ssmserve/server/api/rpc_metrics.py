@@ -1,5 +1,6 @@
 """RpcMetrics: every RPC timed by method and status code (OpenTelemetry's
-``rpc.server.call.duration``, exported as ``ssmserve_rpc_server_call_duration_seconds``).
+``rpc.server.call.duration``, exported as ``ssmserve_rpc_server_call_duration_seconds``),
+and, when tracing is on, one SERVER span per RPC (``observability.tracing``).
 
 The outermost interceptor, so a call refused by authorization is counted with its code.
 The code is the one the handler set or aborted with (``context.code()``), OK when it set
@@ -18,9 +19,12 @@ import grpc
 
 from ssmserve.server.observability.metrics import Metrics
 
+_CODES = {"OK": 0, "CANCELLED": 1, "UNKNOWN": 2}
+
 
 class RpcMetrics(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
         self.seconds = metrics.rpc_seconds
 
     async def intercept_service(
@@ -32,48 +36,60 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method: str = details.method  # type: ignore[attr-defined]
-        name = method.rsplit("/", 1)[-1]  # SessionService/Stream -> Stream (bounded set)
-        seconds = self.seconds
+        service, _, name = method.strip("/").rpartition("/")  # .../Stream -> Stream
+        seconds, metrics = self.seconds, self.metrics
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
-        def observe(context: grpc.aio.ServicerContext, started: float, fallback: str) -> None:
+        def observe(
+            context: grpc.aio.ServicerContext, started: float, fallback: str, span: Any
+        ) -> None:
             code = context.code()
             label = code.name if isinstance(code, grpc.StatusCode) else fallback
             seconds.labels(name, label).observe(time.perf_counter() - started)
+            if span is not None:
+                number = code.value[0] if isinstance(code, grpc.StatusCode) else _CODES[label]
+                span.set_attribute("rpc.grpc.status_code", number)
+
+        def traced(context: grpc.aio.ServicerContext) -> Any:
+            metadata = context.invocation_metadata()
+            return metrics.tracing.server_span(method.strip("/"), metadata, attributes)
 
         def unary_response(behavior: Any) -> Any:
             async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 started, fallback = time.perf_counter(), "OK"
-                try:
-                    return await behavior(request, context)
-                except asyncio.CancelledError:
-                    fallback = "CANCELLED"
-                    raise
-                except BaseException:
-                    fallback = "UNKNOWN"
-                    raise
-                finally:
-                    observe(context, started, fallback)
+                with traced(context) as span:
+                    try:
+                        return await behavior(request, context)
+                    except asyncio.CancelledError:
+                        fallback = "CANCELLED"
+                        raise
+                    except BaseException:
+                        fallback = "UNKNOWN"
+                        raise
+                    finally:
+                        observe(context, started, fallback, span)
 
             return timed
 
         def stream_response(behavior: Any) -> Any:
             async def timed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 started, fallback = time.perf_counter(), "OK"
-                try:
-                    responses = behavior(request, context)
-                    if hasattr(responses, "__aiter__"):
-                        async for response in responses:
-                            yield response
-                    else:  # a coroutine that writes with context.write()
-                        await responses
-                except (asyncio.CancelledError, GeneratorExit):
-                    fallback = "CANCELLED"
-                    raise
-                except BaseException:
-                    fallback = "UNKNOWN"
-                    raise
-                finally:
-                    observe(context, started, fallback)
+                with traced(context) as span:
+                    try:
+                        responses = behavior(request, context)
+                        if hasattr(responses, "__aiter__"):
+                            async for response in responses:
+                                yield response
+                        else:  # a coroutine that writes with context.write()
+                            await responses
+                    except (asyncio.CancelledError, GeneratorExit):
+                        fallback = "CANCELLED"
+                        raise
+                    except BaseException:
+                        fallback = "UNKNOWN"
+                        raise
+                    finally:
+                        observe(context, started, fallback, span)
 
             return timed
 

@@ -8,7 +8,7 @@ a hand-off (and the session it holds) forever.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -50,6 +50,8 @@ class Peers:
         self.settings = settings or PeerSettings()
         self.tls = tls  # the workers' listeners speak TLS: so do these channels
         self.metadata = metadata  # the cluster secret, when workers require one
+        # The caller's trace context for the peer (observability.tracing; none when off).
+        self.trace_context: Callable[[], tuple[tuple[str, str], ...]] = tuple
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterServiceStub]] = {}
 
     def _stub(self, address: str) -> pb_grpc.ClusterServiceStub:
@@ -80,7 +82,7 @@ class Peers:
             return await self._stub(address).AdoptSession(
                 pb.AdoptSessionRequest(session_id=session_id),
                 timeout=self.settings.adopt_timeout_s,
-                metadata=self.metadata,
+                metadata=self.metadata + self.trace_context(),
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
@@ -90,7 +92,7 @@ class Peers:
             return await self._stub(address).Undrain(
                 pb.UndrainRequest(worker=address),
                 timeout=self.settings.adopt_timeout_s,
-                metadata=self.metadata,
+                metadata=self.metadata + self.trace_context(),
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
@@ -99,7 +101,7 @@ class Peers:
         call = self._stub(address).Drain(
             pb.DrainRequest(worker=address),
             timeout=self.settings.drain_timeout_s,
-            metadata=self.metadata,
+            metadata=self.metadata + self.trace_context(),
         )
         try:
             async for progress in call:

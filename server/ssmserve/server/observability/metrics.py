@@ -34,6 +34,7 @@ from ssmserve.server.observability.loop_metrics import (
     LoopHistogram,
     LoopMetricsCollector,
 )
+from ssmserve.server.observability.tracing import OFF
 
 #: Latency buckets from 100 us (a small batch) to 10 s (a long replay or a stalled Redis).
 LATENCY_BUCKETS = (
@@ -49,6 +50,7 @@ class Metrics:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
+        self.tracing = OFF  # the worker's spans (observability.tracing), set by the worker
         self.registry = CollectorRegistry(auto_describe=True)
         made: list[LoopCounter | LoopHistogram] = []
 

@@ -243,9 +243,11 @@ class Stepper:
         if not apply:
             return any(not w.stopped and w.session.head_is_step for w in work)
         started = time.perf_counter()
-        new_batch, outputs = await self.engine.step(
-            [w.session.state for w, _ in apply], [job.value for _, job in apply]
-        )
+        attributes = {"ssmserve.model": self.model.name, "ssmserve.batch_size": len(apply)}
+        with self.store.metrics.tracing.span("engine.batch", attributes):
+            new_batch, outputs = await self.engine.step(
+                [w.session.state for w, _ in apply], [job.value for _, job in apply]
+            )
         self._batch_seconds.observe(time.perf_counter() - started)
         self._batch_size.observe(len(apply))
         self.steps += len(apply)

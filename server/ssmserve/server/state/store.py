@@ -314,6 +314,9 @@ class Store:
         StoreOutcomeUnknownError."""
         started = time.perf_counter()
         try:
+            if write:  # writes are traced (a no-op unless tracing is on)
+                with self.metrics.tracing.span(f"redis.{op}"):
+                    return await call()
             return await call()
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
             if write:
