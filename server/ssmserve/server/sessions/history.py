@@ -2,8 +2,8 @@
 
 Inputs come from memory or the log, outputs are replayed from the snapshot before the
 range (``Replay.series``: bit-exact, guards applied, so they are what was answered),
-snapshots and recorded events (``events``) from the store. The session is only read:
-held read-only while its log is replayed, so no step or rollback lands in between.
+snapshots and recorded events (``events``) from the store. The session is only read
+(held read-only while its snapshot and inputs are read, not while they are replayed).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class HistoryReader:
         max_output_bytes: int,
     ) -> None:
         self.loader, self.replay, self.memory = loader, replay, memory
-        self.store, self.residents = loader.store, loader.residents
+        self.store = loader.store
         self.max_steps, self.max_output_bytes = max_steps, max_output_bytes
 
     async def read(self, session_id: str, from_step: int, to_step: int) -> History:
@@ -54,8 +54,7 @@ class HistoryReader:
                 f"returns (at most {most}); ask for a smaller range"
             )
         with self.memory.reserve("history", count * c.output_dim * 4, f"{count} steps of history"):
-            async with self.residents.hold(s, read_only=True):
-                raw, outputs = await self.replay.series(s, first, last) if count else ([], [])
+            raw, outputs = await self.replay.series(s, first, last) if count else ([], [])
             snapshots = await self.store.list_snapshots(session_id)
             recorded = await self.store.read_events(session_id)
             events = [e for e in map(SessionEvent.decode, recorded) if e is not None]

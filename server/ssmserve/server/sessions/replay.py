@@ -179,13 +179,27 @@ class Replay:
     ) -> tuple[list[bytes], list[np.ndarray]]:
         """Inputs and outputs of steps ``first..last`` as they were answered: inputs from
         memory or the log, outputs replayed from the newest snapshot before ``first``
-        (bit-exact, guards applied). Changes nothing; the caller holds ``s`` to read."""
-        record = await self.store.snapshot_at_or_before(s.id, first - 1)
-        if record is None:
-            raise await self.out_of_range(s, first - 1)
-        rebuilt = await self.rebuild(s, last, record)
+        (bit-exact, guards applied). Changes nothing.
+
+        The session is held (read-only) only while the snapshot and the inputs are read,
+        not while they are replayed: a long range of a large model replays for a while,
+        and the session goes on stepping meanwhile (its new steps are after ``last``)."""
+        async with self.residents.hold(s, read_only=True):
+            record = await self.store.snapshot_at_or_before(s.id, first - 1)
+            if record is None:
+                raise await self.out_of_range(s, first - 1)
+            ckpt = await self._read_checkpoint(s.id, record, s.model)
+            raw = await self.inputs(s, record.step + 1, last)
+        if not raw:
+            return [], []
+        outputs, _state = await self.engines[s.model_name].run(s.codec.decode_many(raw), ckpt.state)
+        self.store.metrics.replayed_steps.inc(len(raw))
         skip = first - (record.step + 1)
-        return rebuilt.inputs[skip:], rebuilt.outputs[skip:]
+        guarded = [
+            check_output(s.config.guards, record.step + 1 + i, out).output
+            for i, out in enumerate(outputs[skip:], start=skip)
+        ]
+        return raw[skip:], guarded
 
     async def output_at(self, s: Session, step: int) -> np.ndarray:
         """The (guarded) output of an applied step that is no longer in memory: replay it."""
