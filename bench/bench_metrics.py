@@ -30,12 +30,10 @@ import threading
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_security import Target, measure
+from bench_security import Target, measure, side_by_side
 from bench_service import start
 from common import table
 
@@ -144,26 +142,16 @@ def main() -> int:
             for proc in procs:
                 proc.terminate()
                 proc.wait(20)
-    targets = [off, on]
-    p50 = {t.name: float(np.percentile(t.latency, 50)) * 1000 for t in targets}
-    p99 = {t.name: float(np.percentile(t.latency, 99)) * 1000 for t in targets}
-    rate = {t.name: float(np.median(t.throughput)) for t in targets}
-    rows = [
-        [t.name, p50[t.name], p99[t.name], p50[t.name] / p50[off.name], rate[t.name],
-         rate[t.name] / rate[off.name]]
-        for t in targets
-    ]  # fmt: skip
     print(f"# Metrics on vs off ({rounds} rounds, alternating; demo model, log durability)")
     print()
-    print(table(["worker", "step p50 ms", "step p99 ms", "p50 vs off",
-                 f"steps/s ({sessions} sessions)", "throughput vs off"], rows))  # fmt: skip
+    figures = side_by_side([off, on], "off", sessions)
     print()
     print(f"/metrics after the run: {len(exposition):,} bytes")
     print()
     print(table(["one update", "prometheus-client ns", "loop metrics ns", "ratio"],
                 update_costs()))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}))
+        args.json.write_text(json.dumps(figures))
     return 0
 
 

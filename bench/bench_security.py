@@ -146,6 +146,22 @@ async def measure(target: Target, steps: int, sessions: int) -> None:
         target.throughput.append(sum(len(d) for d in done) / elapsed)
 
 
+def side_by_side(targets: list[Target], baseline: str, sessions: int) -> dict[str, dict]:
+    """Print latency and throughput of ``targets`` with ratios to the first; the figures."""
+    base = targets[0].name
+    p50 = {t.name: float(np.percentile(t.latency, 50)) * 1000 for t in targets}
+    p99 = {t.name: float(np.percentile(t.latency, 99)) * 1000 for t in targets}
+    rate = {t.name: float(np.median(t.throughput)) for t in targets}
+    rows = [
+        [t.name, p50[t.name], p99[t.name], p50[t.name] / p50[base], rate[t.name],
+         rate[t.name] / rate[base]]
+        for t in targets
+    ]  # fmt: skip
+    print(table(["worker", "step p50 ms", "step p99 ms", f"p50 vs {baseline}",
+                 f"steps/s ({sessions} sessions)", f"throughput vs {baseline}"], rows))  # fmt: skip
+    return {"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
@@ -182,21 +198,11 @@ def main() -> int:
             for proc in procs:
                 proc.terminate()
                 proc.wait(20)
-    plain = targets[0]
-    p50 = {t.name: float(np.percentile(t.latency, 50)) * 1000 for t in targets}
-    p99 = {t.name: float(np.percentile(t.latency, 99)) * 1000 for t in targets}
-    rate = {t.name: float(np.median(t.throughput)) for t in targets}
-    rows = [
-        [t.name, p50[t.name], p99[t.name], p50[t.name] / p50[plain.name], rate[t.name],
-         rate[t.name] / rate[plain.name]]
-        for t in targets
-    ]  # fmt: skip
     print(f"# TLS and tokens vs plaintext ({rounds} rounds, alternating; demo model, log)")
     print()
-    print(table(["worker", "step p50 ms", "step p99 ms", "p50 vs plain",
-                 f"steps/s ({sessions} sessions)", "throughput vs plain"], rows))  # fmt: skip
+    figures = side_by_side(targets, "plain", sessions)
     if args.json:
-        args.json.write_text(json.dumps({"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}))
+        args.json.write_text(json.dumps(figures))
     return 0
 
 
