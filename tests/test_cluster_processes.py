@@ -54,10 +54,17 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
         for r in restarts:
             r.join(60)
         assert all(w.ready for w in workers)
-        time.sleep(1.0)  # let every stream come back after the last kill
+        # Every stream moves on after the last kill. What is promised is a bound, not a
+        # moment: a takeover within the lease TTL (1 s) once the client gives up on the
+        # dead owner (its 3 s stall timer), plus a worker start; 60 s covers that on a
+        # machine loaded with CPU hogs (a 2 s window here failed once beside the soak).
         answered = [len(o) for o in outs]
-        time.sleep(1.0)
-        assert all(len(o) > a for o, a in zip(outs, answered, strict=True)), "a stream is stuck"
+        wait_for(
+            lambda: all(len(o) > a for o, a in zip(outs, answered, strict=True)),
+            errors,
+            timeout_s=60,
+            what="every stream moving on after the last kill",
+        )
         stop.set()
         thread.join(60)
         assert not errors, errors
