@@ -17,6 +17,7 @@ from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
 from tests.harness import WorkerHarness
+from tests.redis_topologies import RedisClusterHarness, SentinelHarness
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 HF_CASES = sorted(p.name for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
@@ -104,6 +105,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     with EmbeddedRedis(EmbeddedRedisSettings(data_dir=data)) as server:
         assert server.port != 6379
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterHarness]:
+    """A 3-master Redis Cluster on loopback (started once, when a test first asks)."""
+    with RedisClusterHarness(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelHarness]:
+    """A master, a replica and three sentinels on loopback."""
+    with SentinelHarness(tmp_path_factory.mktemp("redis-sentinel")) as sentinel:
+        yield sentinel
 
 
 @pytest.fixture

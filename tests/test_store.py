@@ -62,15 +62,28 @@ def any_redis(request, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="module", params=[*_binaries(), pytest.param("cluster", id="cluster")])
+def store_url(request, tmp_path_factory):
+    """Every Redis the store must work on: each redis-server version, and a 3-master
+    Redis Cluster (``redis+cluster://``)."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("redis_cluster").url
+        return
+    binary = request.param
+    data = tmp_path_factory.mktemp("redis-" + _version(binary))
+    with EmbeddedRedis(EmbeddedRedisSettings(data_dir=data, binary=binary)) as server:
+        yield server.url
+
+
 @pytest.fixture
-def store(any_redis):
+def store(store_url):
     async def fresh() -> None:
-        s = Store(StoreSettings(url=any_redis.url, piece_bytes=1 << 20))
+        s = Store(StoreSettings(url=store_url, piece_bytes=1 << 20))
         await s.redis.flushall()
         await s.aclose()
 
     asyncio.run(fresh())
-    return lambda: Store(StoreSettings(url=any_redis.url, piece_bytes=1 << 20))
+    return lambda: Store(StoreSettings(url=store_url, piece_bytes=1 << 20))
 
 
 def run(store_factory, body):
@@ -201,9 +214,10 @@ def test_commit_without_staged_pieces_or_ahead_of_the_log_fails(store):
     async def body(s: Store):
         a = await new(s, "a")
         k = s.keys("a")
+        rec = SnapshotRecord("id", 0, "", "r", 1.0, 10, 1)
         reply = await s._commit(
-            keys=[k.meta, k.snaps, k.labels, k.log],
-            args=[k.base, "id", 0, 1, "", "r", 1.0, 10, 4, a.token],
+            keys=[k.meta, k.snaps, k.labels, k.log, *s._new_snapshot_keys(k, rec)],
+            args=[a.token, "id", 0, 1, "", "r", 1.0, 10, 4, 0],
         )
         assert reply[0] == b"ERR_STAGE"
         with pytest.raises(LogDivergedError, match="ahead of the log"):
@@ -263,7 +277,7 @@ def test_every_key_carries_the_hash_tag(store):
         t = await new(s, "tag.1")
         await s.append_logs([(t, 1, [b"x", b"y"])], 1.0)
         await s.commit_snapshot(t, record(1, 4, label="l"), b"abcd", 4)
-        keys = [k.decode() for k in await s.redis.keys("*")]
+        keys = [k.decode() async for k in s.redis.scan_iter(match="*")]  # every node
         tagged = [k for k in keys if k != "ssm:sessions"]
         assert len(tagged) == 9 and all("{tag.1}" in k for k in tagged)
 

@@ -28,6 +28,7 @@ oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt ex
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -35,17 +36,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import PipelineCommand, RedisCluster
+from redis.commands.core import AsyncScript
 
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
 from ssmserve.server.observability.metrics import Metrics
+from ssmserve.server.state import redis_topology
 from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store_errors import (
     SessionExistsError,
+    SnapshotsChangedError,
     StagedPiecesMissingError,
     StaleEpochError,
     StoreDataError,
@@ -61,6 +63,18 @@ from ssmserve.server.state.store_layout import Keys
 T = TypeVar("T")
 
 EVENTS_KEPT = 1024  # per session: the newest rollbacks and guard events
+RACE_ATTEMPTS = 4  # reads and tries again of a script that found the snapshots changed
+
+#: Redis Cluster answers that say a command was *not* run (a slot moving or not served
+#: for a moment): safe to send again, writes included, within the command deadline.
+_NOT_RUN = (
+    redis_errors.TryAgainError,
+    redis_errors.MovedError,
+    redis_errors.AskError,
+    redis_errors.ClusterDownError,
+    redis_errors.SlotNotCoveredError,
+    redis_errors.ClusterError,  # redis-py's "TTL exhausted": redirected too often
+)
 
 #: A session id as a client gives it: safe in key names (no braces, which would break the
 #: hash tag) and URLs.
@@ -271,6 +285,11 @@ class StoreSettings:
     # or it failed (a read). Small enough that a stalled Redis is noticed well within a
     # lease TTL, large enough for a 4 MiB piece on a busy loopback.
     socket_timeout_s: float = 2.0
+    # After every write, wait until this many replicas have it (Redis WAIT) before it
+    # counts as done; fewer in time makes its outcome unknown (the session reloads). 0:
+    # asynchronous replication, so a master failover can lose acknowledged steps.
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000  # the WAIT's own bound; below socket_timeout_s
 
 
 class Store:
@@ -287,13 +306,15 @@ class Store:
             raise ValueError("piece_bytes must be between 1 MiB and 4 MiB")
         self.settings = settings
         self.metrics = metrics or Metrics(enabled=False)
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            settings.url,
-            decode_responses=False,
-            socket_timeout=settings.socket_timeout_s,
-            socket_connect_timeout=settings.socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # a lost answer is an unknown outcome, not a retry
-        )
+        self.topology = redis_topology.topology_of(settings.url)
+        if settings.wait_replicas and self.topology == "cluster":
+            raise ValueError(
+                "waiting for replicas (--redis-wait-replicas) is not supported on Redis "
+                "Cluster yet; use it with one server or Sentinel"
+            )
+        if settings.wait_replicas and settings.wait_timeout_ms >= settings.socket_timeout_s * 1000:
+            raise ValueError("wait_timeout_ms must be below the command deadline")
+        self.redis: Any = redis_topology.connect(settings.url, settings.socket_timeout_s)
         self._index = f"{settings.key_prefix}:sessions"
         self._workers = f"{settings.key_prefix}:workers"
         self._create = self.redis.register_script(layout.CREATE)
@@ -316,8 +337,15 @@ class Store:
         try:
             if write:  # writes are traced (a no-op unless tracing is on)
                 with self.metrics.tracing.span(f"redis.{op}"):
-                    return await call()
-            return await call()
+                    return await self._until_run(call, started)
+            return await self._until_run(call, started)
+        except (*_NOT_RUN, redis_errors.RedisClusterException) as exc:
+            # Not run (a slot moving past the deadline, or not served), or a bug such
+            # as keys in two slots: nothing was applied either way.
+            self.metrics.redis_errors.labels(op, "unavailable").inc()
+            raise StoreUnavailableError(
+                f"the session store (Redis Cluster) did not run the command: {clip(str(exc))}"
+            ) from None
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
             if write:
                 self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
@@ -334,6 +362,102 @@ class Store:
             raise StoreError(f"the session store (Redis) failed: {exc}") from None
         finally:
             self.metrics.redis_seconds.labels(op).observe(time.perf_counter() - started)
+
+    async def _until_run(self, call: Callable[[], Awaitable[T]], started: float) -> T:
+        """``call()``, sent again while Redis Cluster answers that it did not run it (a
+        slot is moving), for at most the command deadline."""
+        delay = 0.01
+        while True:
+            try:
+                return await call()
+            except _NOT_RUN:
+                if time.perf_counter() - started + delay > self.settings.socket_timeout_s:
+                    raise
+                self.metrics.redis_errors.labels("redirect", "retried").inc()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    async def _script(
+        self, op: str, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
+    ) -> Any:
+        """Run one write script (waiting for replicas when the settings say so)."""
+        if not self.settings.wait_replicas:
+            return await self._call(op, lambda: script(keys=keys, args=args), write=True)
+        return (await self._scripts(op, script, [(keys, args)]))[0]
+
+    async def _scripts(
+        self, op: str, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+    ) -> list[Any]:
+        """Run one write script many times in one round trip (per Redis node); one reply
+        per call, errors as exceptions in the list. A lost answer raises
+        StoreOutcomeUnknownError for all of them."""
+        if not calls:
+            return []
+        if isinstance(self.redis, RedisCluster):
+            return await self._call(op, lambda: self._scripts_per_node(script, calls), True)
+        return await self._call(op, lambda: self._scripts_pipelined(script, calls), True)
+
+    async def _scripts_pipelined(
+        self, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+    ) -> list[Any]:
+        """One server: one pipeline, ending in WAIT when replicas must confirm. EVALSHA
+        straight away (redis-py's own way asks SCRIPT EXISTS first, one more round trip
+        per pipeline); a NOSCRIPT reply means the call did not run: load it, send again."""
+        todo = list(range(len(calls)))
+        replies: list[Any] = [None] * len(calls)
+        for _ in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                if self.settings.wait_replicas:
+                    pipe.wait(self.settings.wait_replicas, self.settings.wait_timeout_ms)
+                got = await pipe.execute(raise_on_error=False)
+            if self.settings.wait_replicas:
+                self._check_replicas(got.pop())
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
+            if not todo:
+                break
+            script.sha = await self.redis.script_load(script.script)
+        return replies
+
+    def _check_replicas(self, acked: Any) -> None:
+        if isinstance(acked, Exception) or int(acked) < self.settings.wait_replicas:
+            raise redis_errors.TimeoutError(
+                f"{acked} of {self.settings.wait_replicas} replicas confirmed the write "
+                f"within {self.settings.wait_timeout_ms} ms"
+            )
+
+    async def _scripts_per_node(
+        self, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+    ) -> list[Any]:
+        """Redis Cluster: one pipeline per node on that node's own connection, for the
+        slots it serves, all nodes at once (redis-py refuses EVALSHA in its cluster
+        pipelines). A call a node answers with a redirection (MOVED, ASK, TRYAGAIN) or
+        NOSCRIPT did not run there: it goes again on its own through the cluster client,
+        which follows redirections and loads the script."""
+        cluster: RedisCluster = self.redis
+        if cluster._initialize:  # first use: learn the slots
+            await cluster.initialize()
+        by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
+        commands = []
+        for i, (keys, args) in enumerate(calls):
+            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
+            command = PipelineCommand(i, "EVALSHA", script.sha, len(keys), *keys, *args)
+            by_node.setdefault(node.name, (node, []))[1].append(command)
+            commands.append(command)
+        await asyncio.gather(*(node.execute_pipeline(cmds) for node, cmds in by_node.values()))
+        replies = []
+        for command, (keys, args) in zip(commands, calls, strict=True):
+            reply = command.result
+            if isinstance(reply, (*_NOT_RUN, redis_errors.NoScriptError)):
+                reply = await self._until_run(
+                    lambda k=keys, a=args: script(keys=k, args=a), time.perf_counter()
+                )
+            replies.append(reply)
+        return replies
 
     def _check(self, raw: Any) -> list[str]:
         """``check_reply``, counting refusals by fencing."""
@@ -379,15 +503,16 @@ class Store:
         k = self.keys(meta.session_id)
         await self._stage(k, record, blob)
         args = [
-            meta.session_id, meta.owner, lease_ms, meta.token, k.base, record.snapshot_id,
-            record.step, record.pieces, record.reason, record.created_at, record.size,
-            max_snapshots, *meta.to_fields(),
+            meta.owner, lease_ms, meta.token, record.snapshot_id, record.step, record.pieces,
+            record.reason, record.created_at, record.size, max_snapshots, *meta.to_fields(),
         ]  # fmt: skip
-        keys = [k.meta, self._index, k.lease, k.snaps, k.labels, k.log]
+        keys = [k.meta, k.lease, k.snaps, k.labels, k.log, *self._new_snapshot_keys(k, record)]
+        # The index is another slot: the id goes in first (a reader skips an id whose
+        # session is not there, so a create that fails after this leaves no ghost).
+        index = {meta.session_id: 0}
+        await self._call("create_session", lambda: self.redis.zadd(self._index, index))
         try:
-            reply = await self._call(
-                "create_session", lambda: self._create(keys=keys, args=args), write=True
-            )
+            reply = await self._script("create_session", self._create, keys, args)
         except StoreOutcomeUnknownError as unknown:
             try:  # ask again: did it run?
                 current = await self.get_meta(meta.session_id)
@@ -433,15 +558,76 @@ class Store:
 
     async def close_session(self, lease: SessionLease, keep_snapshot: str = "") -> None:
         k = self.keys(lease.session_id)
-        reply = await self._call(
+
+        async def gone() -> list[str]:
+            ids = await self._call("close_session", lambda: self.redis.zrange(k.snaps, 0, -1))
+            return [i.decode() for i in ids if i.decode() != keep_snapshot]
+
+        await self._with_drops(
             "close_session",
-            lambda: self._close(
-                keys=[k.meta, k.snaps, k.labels, k.log, self._index, k.lease, k.events],
-                args=[k.base, lease.session_id, keep_snapshot, lease.token],
-            ),
-            write=True,
+            lease.session_id,
+            gone,
+            self._close,
+            [k.meta, k.snaps, k.labels, k.log, k.lease, k.events],
+            [keep_snapshot, lease.token],
         )
-        self._check(reply)
+        if not keep_snapshot:  # the index is another slot: the id leaves it after
+            await self._call(
+                "close_session", lambda: self.redis.zrem(self._index, lease.session_id)
+            )
+
+    # ------------------------------------------------------------------ declared keys
+
+    @staticmethod
+    def _new_snapshot_keys(k: Keys, record: SnapshotRecord) -> list[str]:
+        """A new snapshot's keys as ``new_snapshot`` in the scripts reads them."""
+        ids = range(record.pieces)
+        return [
+            k.snap(record.snapshot_id),
+            *(k.stage(record.snapshot_id, i) for i in ids),
+            *(k.blob(record.snapshot_id, i) for i in ids),
+        ]
+
+    async def _with_drops(
+        self,
+        op: str,
+        session_id: str,
+        doomed: Callable[[], Awaitable[list[str]]],
+        script: AsyncScript,
+        keys: list[Any],
+        args: list[Any],
+    ) -> None:
+        """Run a script that deletes snapshots: read which (``doomed``) and their pieces,
+        declare their keys after ``keys`` and ``args`` (``declared`` in the scripts), run
+        it; read again if it found them changed meanwhile (ERR_RACE)."""
+        k = self.keys(session_id)
+        for _ in range(RACE_ATTEMPTS):
+            ids = await doomed()
+            pieces: list[Any] = []
+            if ids:
+
+                async def read(ids: list[str] = ids) -> list[Any]:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for snapshot_id in ids:
+                            pipe.hget(k.snap(snapshot_id), "pieces")
+                        return await pipe.execute()
+
+                pieces = await self._call(op, read)
+            drop_keys: list[Any] = []
+            drop_args: list[Any] = [len(ids)]
+            for snapshot_id, n in zip(ids, pieces, strict=True):
+                count = int(n) if n is not None and n.isdigit() else 0
+                drop_keys += [k.snap(snapshot_id), *(k.blob(snapshot_id, i) for i in range(count))]
+                drop_args += [snapshot_id, count]
+            reply = await self._script(op, script, [*keys, *drop_keys], [*args, *drop_args])
+            try:
+                self._check(reply)
+                return
+            except SnapshotsChangedError:
+                continue
+        raise SnapshotsChangedError(
+            f"the snapshots of session {session_id!r} kept changing while {op} ran"
+        )
 
     # ------------------------------------------------------------------ ownership
 
@@ -463,9 +649,7 @@ class Store:
         """
         k = self.keys(session_id)
         args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics]
-        raw = await self._call(
-            "acquire", lambda: self._acquire(keys=[k.meta, k.lease], args=args), write=True
-        )
+        raw = await self._script("acquire", self._acquire, [k.meta, k.lease], args)
         reply = reply_fields(raw)
         if reply[0] == "ERR_OWNED":
             owner, ttl = reply[2], reply[3]
@@ -484,25 +668,16 @@ class Store:
         if not leases:
             return []
 
-        async def run() -> list[Any]:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for lease in leases:
-                    k = self.keys(lease.session_id)
-                    await self._renew(
-                        keys=[k.meta, k.lease],
-                        args=[lease.holder, lease.token, lease_ms],
-                        client=pipe,
-                    )
-                return await pipe.execute(raise_on_error=False)
-
-        return [self._outcome(r) for r in await self._call("renew_leases", run, write=True)]
+        calls = []
+        for lease in leases:
+            k = self.keys(lease.session_id)
+            calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms]))
+        return [self._outcome(r) for r in await self._scripts("renew_leases", self._renew, calls)]
 
     async def release(self, lease: SessionLease) -> None:
         k = self.keys(lease.session_id)
-        reply = await self._call(
-            "release",
-            lambda: self._release(keys=[k.meta, k.lease], args=[lease.holder, lease.token]),
-            write=True,
+        reply = await self._script(
+            "release", self._release, [k.meta, k.lease], [lease.holder, lease.token]
         )
         self._check(reply)
 
@@ -510,9 +685,7 @@ class Store:
         """Reserve the session for ``target``: only it may acquire it next."""
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
-        reply = await self._call(
-            "handoff", lambda: self._handoff(keys=[k.meta, k.lease], args=args), write=True
-        )
+        reply = await self._script("handoff", self._handoff, [k.meta, k.lease], args)
         self._check(reply)
 
     async def cancel_handoff(
@@ -521,11 +694,7 @@ class Store:
         """Take back a reservation the target never used; raises StaleEpochError if it did."""
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, address, lease_ms, target_id]
-        reply = await self._call(
-            "cancel_handoff",
-            lambda: self._cancel_handoff(keys=[k.meta, k.lease], args=args),
-            write=True,
-        )
+        reply = await self._script("cancel_handoff", self._cancel_handoff, [k.meta, k.lease], args)
         self._check(reply)
 
     async def lease_holder(self, session_id: str) -> LeaseHolder | None:
@@ -551,20 +720,20 @@ class Store:
         key = f"{self.settings.key_prefix}:worker:{record.worker_id}"
 
         async def run() -> None:
+            # The entry and its expiry at once (one key, so one slot even on a cluster);
+            # the set of ids is another slot, and readers forget ids whose entry is gone.
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=record.to_fields())
                 pipe.pexpire(key, ttl_ms)
-                pipe.sadd(self._workers, record.worker_id)
                 await pipe.execute()
+            await self.redis.sadd(self._workers, record.worker_id)
 
         await self._call("register_worker", run)
 
     async def deregister_worker(self, worker_id: str) -> None:
-        async def run() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(f"{self.settings.key_prefix}:worker:{worker_id}")
-                pipe.srem(self._workers, worker_id)
-                await pipe.execute()
+        async def run() -> None:  # two slots on a cluster: two commands
+            await self.redis.delete(f"{self.settings.key_prefix}:worker:{worker_id}")
+            await self.redis.srem(self._workers, worker_id)
 
         await self._call("deregister_worker", run)
 
@@ -605,18 +774,12 @@ class Store:
         if not appends:
             return []
 
-        async def run() -> list[Any]:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for lease, first, inputs in appends:
-                    k = self.keys(lease.session_id)
-                    await self._log_append(
-                        keys=[k.meta, k.log],
-                        args=[lease.token, first, updated_at, *inputs],
-                        client=pipe,
-                    )
-                return await pipe.execute(raise_on_error=False)
-
-        return [self._outcome(reply) for reply in await self._call("append_logs", run, write=True)]
+        calls = []
+        for lease, first, inputs in appends:
+            k = self.keys(lease.session_id)
+            calls.append(([k.meta, k.log], [lease.token, first, updated_at, *inputs]))
+        replies = await self._scripts("append_logs", self._log_append, calls)
+        return [self._outcome(reply) for reply in replies]
 
     async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
         """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""
@@ -664,19 +827,24 @@ class Store:
         blob: bytes,
         max_snapshots: int,
     ) -> None:
-        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script."""
+        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script
+        (which also drops the snapshots past ``max_snapshots``, read and declared first)."""
         k = self.keys(lease.session_id)
         await self._stage(k, record, blob)
+
+        async def retention() -> list[str]:  # as the script's ``retention`` picks them
+            ids = await self._call("commit_snapshot", lambda: self.redis.zrange(k.snaps, 0, -1))
+            older = [i.decode() for i in ids if i.decode() != record.snapshot_id]
+            return older[: max(0, len(older) + 1 - max_snapshots)]
+
         args = [
-            k.base, record.snapshot_id, record.step, record.pieces, record.label, record.reason,
-            record.created_at, record.size, max_snapshots, lease.token,
+            lease.token, record.snapshot_id, record.step, record.pieces, record.label,
+            record.reason, record.created_at, record.size, max_snapshots,
         ]  # fmt: skip
-        reply = await self._call(
-            "commit_snapshot",
-            lambda: self._commit(keys=[k.meta, k.snaps, k.labels, k.log], args=args),
-            write=True,
+        keys = [k.meta, k.snaps, k.labels, k.log, *self._new_snapshot_keys(k, record)]
+        await self._with_drops(
+            "commit_snapshot", lease.session_id, retention, self._commit, keys, args
         )
-        self._check(reply)
 
     async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
         k = self.keys(session_id)
@@ -743,12 +911,8 @@ class Store:
         """Append what happened to a session (msgpack maps, ``SessionEvent``), keeping the
         newest ``keep``."""
         k = self.keys(lease.session_id)
-        reply = await self._call(
-            "record_events",
-            lambda: self._record_events(
-                keys=[k.meta, k.events], args=[lease.token, keep, *entries]
-            ),
-            write=True,
+        reply = await self._script(
+            "record_events", self._record_events, [k.meta, k.events], [lease.token, keep, *entries]
         )
         self._check(reply)
 
@@ -820,15 +984,21 @@ class Store:
     ) -> None:
         """Delete snapshots and logged inputs after ``step``; the durable step drops to it."""
         k = self.keys(lease.session_id)
-        reply = await self._call(
+
+        async def later() -> list[str]:
+            ids = await self._call(
+                "cut_history", lambda: self.redis.zrangebyscore(k.snaps, f"({step}", "+inf")
+            )
+            return [i.decode() for i in ids]
+
+        await self._with_drops(
             "cut_history",
-            lambda: self._cut(
-                keys=[k.meta, k.snaps, k.labels, k.log],
-                args=[k.base, step, upto, updated_at, lease.token],
-            ),
-            write=True,
+            lease.session_id,
+            later,
+            self._cut,
+            [k.meta, k.snaps, k.labels, k.log],
+            [step, upto, updated_at, lease.token],
         )
-        self._check(reply)
 
     async def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session (tests and operators; SCAN, so not for hot paths)."""

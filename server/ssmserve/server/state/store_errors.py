@@ -74,6 +74,12 @@ class StagedPiecesMissingError(StoreError):
     and stages again on the next try; an import is refused and may be sent again."""
 
 
+class SnapshotsChangedError(StoreError):
+    """A script found the session's snapshots other than the caller read them just before
+    (another write of the same owner came between): nothing was changed; the store reads
+    them again and retries, and this reaches a caller only if that keeps happening."""
+
+
 class UnknownReplyError(SsmserveError):
     """A script answered something this worker does not know: a bug, or a worker and a
     store of different versions. Not transient: retrying cannot help."""
@@ -91,6 +97,7 @@ SCRIPT_ERRORS: dict[str, type[SsmserveError]] = {
     "ERR_EXPIRED": LeaseExpiredError,
     "ERR_GAP": LogDivergedError,
     "ERR_STAGE": StagedPiecesMissingError,
+    "ERR_RACE": SnapshotsChangedError,
     "ERR_STALE": StaleEpochError,
     "ERR_OWNED": SessionMovedError,
 }

@@ -3,7 +3,11 @@
 Key layout (``P`` is the key prefix, ``ssm`` by default; ``{sid}`` is a Redis Cluster hash
 tag, so all keys of one session sit in one slot and one script may touch them together)::
 
-    P:sessions                   ZSET   every session id, score 0 (paged with ZRANGEBYLEX)
+    P:sessions                   ZSET   every session id, score 0 (paged with ZRANGEBYLEX);
+                                        another slot than the sessions' keys, so an id
+                                        enters it before its session is written and
+                                        leaves after it is deleted: readers skip ids
+                                        whose meta is gone
     P:workers                    SET    ids of registered workers (some may have expired)
     P:worker:<id>                HASH   address, models, load, started_at, draining,
                                         numerics (PX ttl)
@@ -84,11 +88,6 @@ class Keys:
     def events(self) -> str:
         return self._k("events")
 
-    @property
-    def base(self) -> str:
-        """The common head of the keys scripts build themselves (snap, blob, stage)."""
-        return self._k("")
-
     def snap(self, snapshot_id: str) -> str:
         return self._k(f"snap:{snapshot_id}")
 
@@ -105,9 +104,12 @@ def upload_key(prefix: str, upload_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------- scripts
-# Each script touches only keys of one session (one hash tag). Keys derived inside a
-# script (snap:<id>, blob:<id>:<i>, stage:<id>:<i>) share that tag, so they live in the
-# same slot.
+# Each script touches only keys of one session (one hash tag), and declares every key it
+# touches in KEYS (Redis Cluster routes a script by its keys, and Redis does not promise
+# that keys a script builds itself are served). Snapshot pieces have names that depend
+# on the snapshot, so the caller reads them first and declares them; a script that finds
+# the snapshots changed since (another write of the same owner came between) answers
+# ERR_RACE and the caller reads again (``Store._with_drops``).
 
 # Helpers every script may use.
 _COMMON = """
@@ -134,29 +136,76 @@ local function fence(meta, token)
     return nil
 end
 
--- Delete one snapshot and its label.
-local function drop_snapshot(base, snaps, labels, id)
-    local snap = base .. 'snap:' .. id
-    local pieces = tonumber(redis.call('HGET', snap, 'pieces') or '0')
-    local label = redis.call('HGET', snap, 'label')
-    for i = 0, pieces - 1 do
-        redis.call('UNLINK', base .. 'blob:' .. id .. ':' .. int(i))
+-- The snapshots a caller declared for deletion: ARGV[a] says how many, then the id and
+-- piece count of each; their keys follow in KEYS from k on: the snapshot's hash, then
+-- its pieces. Returns id -> {snap = key, blobs = {keys}}.
+local function declared(k, a)
+    local drops = {}
+    for _ = 1, tonumber(ARGV[a]) do
+        local id, pieces = ARGV[a + 1], tonumber(ARGV[a + 2])
+        a = a + 2
+        local d = {snap = KEYS[k], blobs = {}}
+        for i = 1, pieces do
+            d.blobs[i] = KEYS[k + i]
+        end
+        k = k + pieces + 1
+        drops[id] = d
+    end
+    return drops
+end
+
+local function race(id)
+    return {'ERR_RACE', 'snapshot ' .. id .. ' was not declared or changed since it was read'}
+end
+
+-- Delete one snapshot (declared in `drops`) and its label.
+local function drop_snapshot(snaps, labels, drops, id)
+    local d = drops[id]
+    if not d then return race(id) end
+    local pieces = tonumber(redis.call('HGET', d.snap, 'pieces') or '0')
+    if pieces ~= #d.blobs then return race(id) end
+    local label = redis.call('HGET', d.snap, 'label')
+    for i = 1, pieces do
+        redis.call('UNLINK', d.blobs[i])
     end
     if label and label ~= '' and redis.call('HGET', labels, label) == id then
         redis.call('HDEL', labels, label)
     end
-    redis.call('DEL', snap)
+    redis.call('DEL', d.snap)
     redis.call('ZREM', snaps, id)
+    return nil
+end
+
+-- Before a script changes anything: is every snapshot `ids` names declared as it is?
+local function check_declared(drops, ids)
+    for _, id in ipairs(ids) do
+        local d = drops[id]
+        if not d then return race(id) end
+        if tonumber(redis.call('HGET', d.snap, 'pieces') or '0') ~= #d.blobs then
+            return race(id)
+        end
+    end
+    return nil
+end
+
+-- The snapshots retention drops to keep at most `keep` once one more is added: the
+-- oldest by step (ids order snapshots of one step by time).
+local function retention(snaps, keep)
+    local over = redis.call('ZCARD', snaps) + 1 - keep
+    if over <= 0 then return {} end
+    return redis.call('ZRANGE', snaps, 0, over - 1)
 end
 
 -- Commit a staged snapshot: rename its pieces into place, index it, then apply retention
--- (at most `keep` snapshots; log entries at or before the oldest kept one go). A commit
--- of an id that is already committed (a retry) only drops the re-staged pieces.
-local function commit(meta, snaps, labels, log, base, id, step, pieces, label, reason,
+-- (at most `keep` snapshots; log entries at or before the oldest kept one go). `new` holds
+-- the new snapshot's keys: snap, stages, blobs. A commit of an id that is already
+-- committed (a retry) only drops the re-staged pieces.
+local function commit(meta, snaps, labels, log, new, drops, id, step, label, reason,
                       created_at, size, keep)
+    local pieces = #new.stages
     if redis.call('ZSCORE', snaps, id) then
-        for i = 0, pieces - 1 do
-            redis.call('DEL', base .. 'stage:' .. id .. ':' .. int(i))
+        for i = 1, pieces do
+            redis.call('DEL', new.stages[i])
         end
         return nil
     end
@@ -168,27 +217,27 @@ local function commit(meta, snaps, labels, log, base, id, step, pieces, label, r
     if label ~= '' and redis.call('HEXISTS', labels, label) == 1 then
         return {'ERR_LABEL', 'label ' .. label .. ' already names a snapshot'}
     end
-    for i = 0, pieces - 1 do
-        if redis.call('EXISTS', base .. 'stage:' .. id .. ':' .. int(i)) == 0 then
-            return {'ERR_STAGE', 'staged piece ' .. int(i) .. ' of snapshot ' .. id
+    for i = 1, pieces do
+        if redis.call('EXISTS', new.stages[i]) == 0 then
+            return {'ERR_STAGE', 'staged piece ' .. int(i - 1) .. ' of snapshot ' .. id
                 .. ' is missing'}
         end
     end
-    for i = 0, pieces - 1 do
-        local blob = base .. 'blob:' .. id .. ':' .. int(i)
-        redis.call('RENAME', base .. 'stage:' .. id .. ':' .. int(i), blob)
-        redis.call('PERSIST', blob)
+    local old = retention(snaps, keep)
+    local err = check_declared(drops, old)
+    if err then return err end
+    for i = 1, pieces do
+        redis.call('RENAME', new.stages[i], new.blobs[i])
+        redis.call('PERSIST', new.blobs[i])
     end
-    redis.call('HSET', base .. 'snap:' .. id, 'step', int(step), 'label', label,
-        'reason', reason, 'created_at', created_at, 'size', size, 'pieces', int(pieces))
+    redis.call('HSET', new.snap, 'step', int(step), 'label', label, 'reason', reason,
+        'created_at', created_at, 'size', size, 'pieces', int(pieces))
     redis.call('ZADD', snaps, int(step), id)
     if label ~= '' then
         redis.call('HSET', labels, label, id)
     end
-    while redis.call('ZCARD', snaps) > keep do
-        -- the oldest by step (ids order snapshots of one step by time); never the new one
-        local two = redis.call('ZRANGE', snaps, 0, 1)
-        drop_snapshot(base, snaps, labels, two[1] == id and two[2] or two[1])
+    for _, gone in ipairs(old) do
+        drop_snapshot(snaps, labels, drops, gone)
     end
     local head = redis.call('ZRANGE', snaps, 0, 0, 'WITHSCORES')
     local new_start = tonumber(head[2]) + 1
@@ -201,38 +250,50 @@ local function commit(meta, snaps, labels, log, base, id, step, pieces, label, r
     end
     return nil
 end
+
+-- A new snapshot's keys, declared from KEYS[k] on: its hash, `pieces` staging keys, then
+-- `pieces` final keys.
+local function new_snapshot(k, pieces)
+    local new = {snap = KEYS[k], stages = {}, blobs = {}}
+    for i = 1, pieces do
+        new.stages[i] = KEYS[k + i]
+        new.blobs[i] = KEYS[k + pieces + i]
+    end
+    return new
+end
 """
 
-# KEYS: meta, index, lease, snaps, labels, log.
-# ARGV: session id, worker id, lease ms, token, base, snapshot id, step, pieces, reason,
-# created_at, size, keep, then the field/value pairs of the meta hash (token among them).
+# KEYS: meta, lease, snaps, labels, log, then the new snapshot's (``new_snapshot``).
+# ARGV: worker id, lease ms, token, snapshot id, step, pieces, reason, created_at, size,
+# keep, then the field/value pairs of the meta hash (token among them).
 # A new session and its first snapshot, at once: a session either exists whole (meta,
 # lease and base snapshot) or not at all. Sent again after a lost answer, it finds its
-# own token and only drops the re-staged pieces.
+# own token and only drops the re-staged pieces. (The session index is another slot:
+# ``Store.create_session`` adds the id to it first.)
 CREATE = (
     _COMMON
     + """
-local base, id, pieces = ARGV[5], ARGV[6], tonumber(ARGV[8])
+local pieces = tonumber(ARGV[6])
+local new = new_snapshot(6, pieces)
 if redis.call('EXISTS', KEYS[1]) == 1 then
-    if redis.call('HGET', KEYS[1], 'token') == ARGV[4] then
-        for i = 0, pieces - 1 do
-            redis.call('DEL', base .. 'stage:' .. id .. ':' .. int(i))
+    if redis.call('HGET', KEYS[1], 'token') == ARGV[3] then
+        for i = 1, pieces do
+            redis.call('DEL', new.stages[i])
         end
         return {'OK'}
     end
     return {'ERR_EXISTS', 'the session already exists'}
 end
-for i = 0, pieces - 1 do
-    if redis.call('EXISTS', base .. 'stage:' .. id .. ':' .. int(i)) == 0 then
-        return {'ERR_STAGE', 'staged piece ' .. int(i) .. ' of snapshot ' .. id
+for i = 1, pieces do
+    if redis.call('EXISTS', new.stages[i]) == 0 then
+        return {'ERR_STAGE', 'staged piece ' .. int(i - 1) .. ' of snapshot ' .. ARGV[4]
             .. ' is missing'}
     end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 13))
-redis.call('ZADD', KEYS[2], 0, ARGV[1])
-redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
-local err = commit(KEYS[1], KEYS[4], KEYS[5], KEYS[6], base, id, tonumber(ARGV[7]), pieces,
-    '', ARGV[9], ARGV[10], ARGV[11], tonumber(ARGV[12]))
+redis.call('HSET', KEYS[1], unpack(ARGV, 11))
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+local err = commit(KEYS[1], KEYS[3], KEYS[4], KEYS[5], new, {}, ARGV[4], tonumber(ARGV[5]),
+    '', ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10]))
 return err or {'OK'}
 """
 )
@@ -370,29 +431,38 @@ return {'OK'}
 """
 )
 
-# KEYS: meta, snaps, labels, log. ARGV: base, id, step, pieces, label, reason,
-# created_at, size, max_snapshots, token.
+# KEYS: meta, snaps, labels, log, the new snapshot's (``new_snapshot``), then the
+# snapshots retention may drop (``declared``). ARGV: token, id, step, pieces, label, reason,
+# created_at, size, max_snapshots, then the declared list.
 COMMIT_SNAPSHOT = (
     _COMMON
     + """
-local err = fence(KEYS[1], ARGV[10])
+local err = fence(KEYS[1], ARGV[1])
 if err then return err end
-err = commit(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], tonumber(ARGV[3]),
-    tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9]))
+local pieces = tonumber(ARGV[4])
+local new = new_snapshot(5, pieces)
+local drops = declared(6 + 2 * pieces, 10)
+err = commit(KEYS[1], KEYS[2], KEYS[3], KEYS[4], new, drops, ARGV[2], tonumber(ARGV[3]),
+    ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9]))
 return err or {'OK'}
 """
 )
 
-# KEYS: meta, snaps, labels, log. ARGV: base, step t, current in-memory step, updated_at,
-# token. History after t is cut: snapshots past t and logged inputs past t are deleted.
+# KEYS: meta, snaps, labels, log, then the snapshots after t (``declared``). ARGV: step t,
+# current in-memory step, updated_at, token, then the declared list. History after t is
+# cut: snapshots past t and logged inputs past t are deleted.
 ROLLBACK_CUT = (
     _COMMON
     + """
-local base, t, upto = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local err = fence(KEYS[1], ARGV[5])
+local t, upto = tonumber(ARGV[1]), tonumber(ARGV[2])
+local err = fence(KEYS[1], ARGV[4])
 if err then return err end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. int(t), '+inf')) do
-    drop_snapshot(base, KEYS[2], KEYS[3], id)
+local drops = declared(5, 5)
+local later = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. int(t), '+inf')
+err = check_declared(drops, later)
+if err then return err end
+for _, id in ipairs(later) do
+    drop_snapshot(KEYS[2], KEYS[3], drops, id)
 end
 local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
 for s = t + 1, math.max(durable, upto) do
@@ -401,30 +471,36 @@ end
 if durable > t then
     redis.call('HSET', KEYS[1], 'step', int(t))
 end
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[4])
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[3])
 return {'OK'}
 """
 )
 
-# KEYS: meta, snaps, labels, log, index, lease, events. ARGV: base, session id, keep (a
-# snapshot id or ''), token. Without keep: every key of the session goes. With keep: the
-# session is marked closed and only that snapshot stays (so it can still be exported).
+# KEYS: meta, snaps, labels, log, lease, events, then every snapshot but `keep`
+# (``declared``). ARGV: keep (a snapshot id or ''), token, then the declared list. Without
+# keep: every key of the session goes. With keep: the session is marked closed and only
+# that snapshot stays (so it can still be exported). (The session index is another slot:
+# ``Store.close_session`` removes the id from it after.)
 CLOSE = (
     _COMMON
     + """
-local base, keep = ARGV[1], ARGV[3]
-local err = fence(KEYS[1], ARGV[4])
+local keep = ARGV[1]
+local err = fence(KEYS[1], ARGV[2])
 if err then return err end
-redis.call('DEL', KEYS[6], KEYS[7])
+local drops = declared(7, 3)
+local gone = {}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-    if id ~= keep then
-        drop_snapshot(base, KEYS[2], KEYS[3], id)
-    end
+    if id ~= keep then gone[#gone + 1] = id end
+end
+err = check_declared(drops, gone)
+if err then return err end
+redis.call('DEL', KEYS[5], KEYS[6])
+for _, id in ipairs(gone) do
+    drop_snapshot(KEYS[2], KEYS[3], drops, id)
 end
 redis.call('DEL', KEYS[4])
 if keep == '' then
     redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-    redis.call('ZREM', KEYS[5], ARGV[2])
 else
     redis.call('HSET', KEYS[1], 'closed', '1', 'owner', '', 'owner_addr', '')
 end
@@ -460,5 +536,5 @@ WORKER_ACL_RULES = (
     "+script|load +script|exists +get +set +del +unlink +exists +rename +persist +pexpire "
     "+pttl +mget +hget +hgetall +hmget +hset +hdel +hexists +hincrby +sadd +srem +smembers "
     "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore "
-    "+zlexcount +rpush +lrange +llen +ltrim"
+    "+zlexcount +rpush +lrange +llen +ltrim +wait"
 )

