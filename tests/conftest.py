@@ -121,12 +121,42 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentine
         yield sentinel
 
 
+#: Where the store can live. A module that sets ``ALL_TOPOLOGIES = True`` runs each of its
+#: tests that use ``redis_url`` on every one (the cluster and Sentinel runs are slow-marked:
+#: ``./dev test`` and CI run them, the fast default does not).
+TOPOLOGIES = [
+    pytest.param("single", id="single"),
+    pytest.param("cluster", id="cluster", marks=pytest.mark.slow),
+    pytest.param("sentinel", id="sentinel", marks=pytest.mark.slow),
+]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "redis_url" in metafunc.fixturenames and getattr(metafunc.module, "ALL_TOPOLOGIES", False):
+        metafunc.parametrize("redis_topology", TOPOLOGIES, indirect=True)
+
+
 @pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    """The test Redis, emptied for this test."""
-    with redis.Redis.from_url(redis_server.url) as conn:
+def redis_topology(request: pytest.FixtureRequest) -> str:
+    return getattr(request, "param", "single")
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest, redis_topology: str) -> str:
+    """The test Redis, emptied for this test: one redis-server, unless the module asks
+    for every topology (``ALL_TOPOLOGIES``)."""
+    if redis_topology == "cluster":
+        cluster: RedisClusterHarness = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        return cluster.url
+    if redis_topology == "sentinel":
+        sentinel: SentinelHarness = request.getfixturevalue("redis_sentinel")
+        sentinel.flushall()
+        return sentinel.url
+    server: EmbeddedRedis = request.getfixturevalue("redis_server")
+    with redis.Redis.from_url(server.url) as conn:
         conn.flushall()
-    return redis_server.url
+    return server.url
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from contextlib import closing, suppress
 from pathlib import Path
 
 import redis
+import redis.cluster
+import redis.sentinel
 
 from ssmserve.server.embedded_redis import find_redis_server
 
@@ -246,3 +248,18 @@ class SentinelHarness:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def sync_client(url: str) -> redis.Redis:
+    """A plain (synchronous) client for any URL the store takes: tests look inside with it."""
+    from ssmserve.server.state.redis_topology import RedisUrl, topology_of
+
+    kind = topology_of(url)
+    if kind == "single":
+        return redis.Redis.from_url(url)
+    parsed = RedisUrl.parse(url)
+    if kind == "cluster":
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in parsed.hosts]
+        return redis.RedisCluster(startup_nodes=nodes)  # type: ignore[return-value]
+    sentinel = redis.sentinel.Sentinel(list(parsed.hosts), socket_timeout=5)
+    return sentinel.master_for(parsed.master_name, socket_timeout=5)

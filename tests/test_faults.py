@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import redis
 
 from ssmserve.client.aio import AsyncClient, step_input
 from ssmserve.client.errors import SessionMoved, SsmserveClientError, step_redirect
@@ -32,6 +31,7 @@ from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
 from tests.conftest import random_inputs
+from tests.redis_topologies import sync_client
 from tests.tcp_proxy import TcpProxy
 from tests.test_service import assert_bit_equal, reference
 
@@ -63,7 +63,7 @@ POLICY = {
 
 def session_dump(url: str, sid: str) -> dict[bytes, bytes]:
     """Every key of a session with its DUMP (the lease's TTL is not in a DUMP)."""
-    with redis.Redis.from_url(url) as r:
+    with sync_client(url) as r:
         return {k: r.dump(k) for k in r.scan_iter(match=f"ssm:{{{sid}}}:*")}
 
 

@@ -52,6 +52,7 @@ from ssmserve.server.observability.logs import JsonFormatter
 from ssmserve.server.observability.logs import configure as configure_logging
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.sessions.models import KEY_PATTERN
+from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl, topology_of
 from ssmserve.server.worker import Worker, WorkerSettings
 
 log = logging.getLogger("ssmserve.server")
@@ -94,7 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--redis-url",
         default=env("SSMSERVE_REDIS_URL"),
-        help="external Redis; default: start a private redis-server",
+        help="external Redis: redis://[USER:PASS@]HOST:PORT/DB (rediss:// for TLS), "
+        "redis+cluster://HOST:PORT[,HOST:PORT...] (Redis Cluster seed nodes) or "
+        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME (Sentinel); default: start a "
+        "private redis-server (env SSMSERVE_REDIS_URL)",
+    )
+    parser.add_argument(
+        "--redis-wait-replicas",
+        type=int,
+        default=int(env("SSMSERVE_REDIS_WAIT_REPLICAS", "0")),
+        metavar="N",
+        help="wait until N replicas hold every write (Redis WAIT) before it counts: "
+        "acknowledged steps then survive a master failover, at the cost of a replication "
+        "round trip per write; fewer replicas in time reloads the session (default 0; "
+        "one server or Sentinel only; env SSMSERVE_REDIS_WAIT_REPLICAS)",
     )
     parser.add_argument(
         "--data-dir",
@@ -275,6 +289,24 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit("ssmserve-server: error: --lease-ttl must be between 0.1 and 600 s")
     if not 0.05 <= args.redis_timeout <= 60:
         raise SystemExit("ssmserve-server: error: --redis-timeout must be between 0.05 and 60 s")
+    if not 0 <= args.redis_wait_replicas <= 16:
+        raise SystemExit("ssmserve-server: error: --redis-wait-replicas must be 0..16")
+    if args.redis_wait_replicas and "+cluster://" in (args.redis_url or ""):
+        raise SystemExit(
+            "ssmserve-server: error: --redis-wait-replicas is not supported on Redis Cluster "
+            "yet (use it with one server or Sentinel)"
+        )
+    if args.redis_wait_replicas and not args.redis_url:
+        raise SystemExit(
+            "ssmserve-server: error: --redis-wait-replicas needs --redis-url (the embedded "
+            "Redis has no replicas)"
+        )
+    if args.redis_url:
+        try:
+            if topology_of(args.redis_url) != "single":
+                RedisUrl.parse(args.redis_url)
+        except BadRedisUrlError as exc:
+            raise SystemExit(f"ssmserve-server: error: --redis-url: {exc}") from None
     if not (0.1 <= args.keepalive <= 3600 and 0.1 <= args.keepalive_timeout <= 600):
         raise SystemExit(
             "ssmserve-server: error: --keepalive must be 0.1..3600 s, --keepalive-timeout "
@@ -323,6 +355,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         advertise=args.advertise,
         ownership=OwnershipSettings(lease_ttl_s=args.lease_ttl, worker_ttl_s=args.lease_ttl),
         redis_timeout_s=args.redis_timeout,
+        redis_wait_replicas=args.redis_wait_replicas,
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(memory_budget_bytes=args.memory_budget or None),

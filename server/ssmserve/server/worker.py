@@ -89,6 +89,7 @@ class WorkerSettings:
     keepalive_time_s: float = 5.0
     keepalive_timeout_s: float = 3.0
     redis_timeout_s: float = 2.0  # every Redis command's deadline (StoreSettings)
+    redis_wait_replicas: int = 0  # replicas that must hold each write (StoreSettings)
     startup_timeout_s: float = 30.0  # how long a starting worker waits for Redis
     shutdown_grace_s: float = 5.0
     blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
@@ -212,7 +213,13 @@ class Worker:
             url = self.embedded.url
             log.info("embedded redis-server on %s (data in %s)", url, s.data_dir / "redis")
         self.store = Store(
-            StoreSettings(url=url, key_prefix=s.key_prefix, socket_timeout_s=s.redis_timeout_s),
+            StoreSettings(
+                url=url,
+                key_prefix=s.key_prefix,
+                socket_timeout_s=s.redis_timeout_s,
+                wait_replicas=s.redis_wait_replicas,
+                wait_timeout_ms=int(s.redis_timeout_s * 500),
+            ),
             self.metrics,
         )
         await self._patiently("reach Redis", self.store.ping)

@@ -1,0 +1,176 @@
+"""ssmserve on Redis Cluster and Sentinel: the same sessions, bit for bit, on a 3-master
+cluster (slots moving under live streams) and on a Sentinel-watched master (failing over
+under live streams)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ssmserve.client.sync import Client
+from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl
+from tests.cluster_helpers import check_exact, stream_in_background, wait_for
+from tests.conftest import random_inputs
+from tests.redis_topologies import RedisClusterHarness, SentinelHarness, sync_client
+from tests.test_service import assert_bit_equal, reference
+
+ALL_TOPOLOGIES = True  # every test here that uses redis_url runs on each topology
+
+
+def ids_on_every_master(cluster: RedisClusterHarness, count: int) -> list[str]:
+    """Session ids whose hash tags fall on different masters (all three, round robin)."""
+    with sync_client(cluster.url) as r:
+        by_port: dict[int, list[str]] = {}
+        i = 0
+        while min((len(v) for v in by_port.values()), default=0) < count or len(by_port) < 3:
+            sid = f"s{i}"
+            port = cluster.owner_of_slot(r.keyslot(f"ssm:{{{sid}}}:meta"))
+            by_port.setdefault(port, []).append(sid)
+            i += 1
+    return [sid for group in zip(*by_port.values(), strict=False) for sid in group][: 3 * count]
+
+
+def test_every_session_rpc_is_exact(start_worker, served_models, redis_url):
+    """Create, stream, snapshot, rollback, fork, forecast, export/import, list and close,
+    checked bit for bit against the offline model, on each topology."""
+    model = served_models["demo"]
+    x = random_inputs(model, 40, seed=17)
+    w = start_worker()
+    c = w.client
+    sids = [c.create_session("demo", session_id=f"t{i}", snapshot_every=8).session_id
+            for i in range(4)]  # fmt: skip
+    for sid in sids:
+        got = np.stack([o.output for o in c.stream_steps(sid, list(x[:20]), first_step=1)])
+        assert_bit_equal(got, reference(model, x[:20]))
+    sid = sids[0]
+    assert c.snapshot(sid, label="mark").step == 20
+    assert c.rollback(sid, to_step=12).step == 12
+    again = np.stack([o.output for o in c.stream_steps(sid, list(x[12:30]), first_step=13)])
+    assert_bit_equal(again, reference(model, x[:30])[12:])
+    fork = c.fork(sid, at_step=20, new_session_id="t-fork").session.session_id
+    branch = np.stack([o.output for o in c.stream_steps(fork, list(x[20:25]), first_step=21)])
+    assert_bit_equal(branch, reference(model, x[:25])[20:])
+    ahead = c.forecast(sid, 5)
+    assert ahead.from_step == 30 and ahead.outputs.shape[0] == 5
+    assert_bit_equal(c.forecast(sid, 5).outputs, ahead.outputs)  # and nothing moved
+    assert c.get_session(sid).step == 30
+    blob = c.export_checkpoint(sid)
+    c.import_checkpoint(blob, "t-copy")
+    tail = np.stack([o.output for o in c.stream_steps("t-copy", list(x[30:40]), first_step=31)])
+    assert_bit_equal(tail, reference(model, x)[30:])
+    listed = {s.session_id for s in c.list_sessions()}
+    assert listed == {*sids, "t-fork", "t-copy"}
+    c.close_session(sids[1])
+    assert {s.session_id for s in c.list_sessions()} == {*sids, "t-fork", "t-copy"} - {sids[1]}
+
+
+@pytest.mark.slow
+def test_resharding_live_sessions_while_they_stream(model_dirs, served_models, redis_cluster,
+                                                    tmp_path):  # fmt: skip
+    """Two worker processes on the cluster; six sessions (two per master) stream while
+    the slot of each moves to another master key by key (MIGRATING/IMPORTING, so the
+    workers meet ASK and TRYAGAIN). No step fails, every output is exact."""
+    from tests.cluster_helpers import start_workers
+
+    redis_cluster.flushall()
+    model = served_models["demo"]
+    workers = start_workers(2, model_dirs, redis_cluster.url, tmp_path, lease_ttl_s=2.0)
+    addresses = [w.address for w in workers]
+    try:
+        sids = ids_on_every_master(redis_cluster, 2)
+        for i, sid in enumerate(sids):
+            Client(addresses[i % 2]).create_session("demo", session_id=sid, snapshot_every=16)
+        xs = [random_inputs(model, 20_000, seed=500 + i) for i in range(len(sids))]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background(addresses, sids, xs, stop, stall_timeout_s=5)
+        wait_for(lambda: min(len(o) for o in outs) >= 20, errors)
+        with sync_client(redis_cluster.url) as r:
+            slots = [r.keyslot(f"ssm:{{{sid}}}:meta") for sid in sids]
+        for slot in slots:
+            here = redis_cluster.owner_of_slot(slot)
+            there = next(p for p in redis_cluster.ports if p != here)
+            redis_cluster.move_slot(slot, there, pause_s=0.02)
+            assert redis_cluster.owner_of_slot(slot) == there
+            answered = [len(o) for o in outs]
+            wait_for(lambda a=answered: all(len(o) > n for o, n in zip(outs, a, strict=True)),
+                     errors, timeout_s=60, what="every stream after a slot moved")  # fmt: skip
+        stop.set()
+        thread.join(60)
+        assert not errors, errors
+        with Client(addresses) as client:
+            check_exact(model, sids, xs, outs, client)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+@pytest.mark.slow
+def test_sentinel_failover_while_streaming_loses_no_acknowledged_step(
+    model_dirs, served_models, redis_sentinel: SentinelHarness, tmp_path
+):
+    """A worker on Sentinel with --redis-wait-replicas 1; four sessions stream while
+    Sentinel fails the master over. Clients see UNAVAILABLE and resume; every answered
+    step is still there on the new master and every output is exact."""
+    from tests.cluster_helpers import start_workers
+
+    redis_sentinel.flushall()
+    model = served_models["demo"]
+    workers = start_workers(
+        1, model_dirs, redis_sentinel.url, tmp_path, lease_ttl_s=2.0,
+        extra_args=("--redis-wait-replicas", "1"),
+    )  # fmt: skip
+    address = workers[0].address
+    try:
+        sids = [Client(address).create_session("demo", snapshot_every=16).session_id
+                for _ in range(4)]  # fmt: skip
+        xs = [random_inputs(model, 20_000, seed=700 + i) for i in range(4)]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background([address], sids, xs, stop, stall_timeout_s=5)
+        wait_for(lambda: min(len(o) for o in outs) >= 20, errors)
+        old = redis_sentinel.master()
+        assert redis_sentinel.failover() != old
+        answered = [len(o) for o in outs]
+        wait_for(lambda: all(len(o) > n + 20 for o, n in zip(outs, answered, strict=True)),
+                 errors, timeout_s=60, what="every stream after the failover")  # fmt: skip
+        stop.set()
+        thread.join(60)
+        assert not errors, errors
+        with Client(address) as client:
+            check_exact(model, sids, xs, outs, client)
+            for sid, out in zip(sids, outs, strict=True):  # acknowledged = durable
+                assert client.get_session(sid).step >= len(out)
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_redis_urls_are_read_or_refused_clearly():
+    cluster = RedisUrl.parse("redis+cluster://u:p%40ss@10.0.0.1:7000,[::1]:7001")
+    assert cluster.kind == "cluster" and cluster.hosts == (("10.0.0.1", 7000), ("::1", 7001))
+    assert (cluster.username, cluster.password) == ("u", "p@ss")
+    sentinel = RedisUrl.parse("rediss+sentinel://h:26379/main?ssl_ca_certs=/ca.pem")
+    assert sentinel.tls and sentinel.master_name == "main"
+    assert sentinel.options == {"ssl_ca_certs": "/ca.pem"}
+    for bad, says in [
+        ("redis+sentinel://h:26379", "master's name"),
+        ("redis+cluster://h:7000/0", "no master name"),
+        ("redis+cluster://h", "HOST:PORT"),
+        ("redis+cluster://h:99999", "HOST:PORT"),
+        ("redis+cluster://h:7000?timeout=3", "unknown option"),
+    ]:
+        with pytest.raises(BadRedisUrlError, match=says):
+            RedisUrl.parse(bad)
+
+
+def test_bad_topology_flags_are_refused_at_start():
+    from ssmserve.server.main import build_parser, settings_from_args
+
+    def settings(*argv: str) -> object:
+        return settings_from_args(build_parser().parse_args(["--demo", *argv]))
+
+    with pytest.raises(SystemExit, match="not supported on Redis Cluster"):
+        settings("--redis-url", "redis+cluster://127.0.0.1:7000", "--redis-wait-replicas", "1")
+    with pytest.raises(SystemExit, match="master's name"):
+        settings("--redis-url", "redis+sentinel://127.0.0.1:26379")
