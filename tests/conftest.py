@@ -126,8 +126,8 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentine
 #: ``./dev test`` and CI run them, the fast default does not).
 TOPOLOGIES = [
     pytest.param("single", id="single"),
-    pytest.param("cluster", id="cluster", marks=pytest.mark.slow),
-    pytest.param("sentinel", id="sentinel", marks=pytest.mark.slow),
+    pytest.param("cluster", id="cluster", marks=[pytest.mark.slow, pytest.mark.topology]),
+    pytest.param("sentinel", id="sentinel", marks=[pytest.mark.slow, pytest.mark.topology]),
 ]
 
 

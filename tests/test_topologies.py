@@ -67,6 +67,7 @@ def test_every_session_rpc_is_exact(start_worker, served_models, redis_url):
 
 
 @pytest.mark.slow
+@pytest.mark.topology
 def test_resharding_live_sessions_while_they_stream(model_dirs, served_models, redis_cluster,
                                                     tmp_path):  # fmt: skip
     """Two worker processes on the cluster; six sessions (two per master) stream while
@@ -107,6 +108,7 @@ def test_resharding_live_sessions_while_they_stream(model_dirs, served_models, r
 
 
 @pytest.mark.slow
+@pytest.mark.topology
 def test_sentinel_failover_while_streaming_loses_no_acknowledged_step(
     model_dirs, served_models, redis_sentinel: SentinelHarness, tmp_path
 ):
