@@ -91,6 +91,17 @@ def wait_for(condition, errors, timeout_s=30.0, what="the streams"):
         time.sleep(0.01)
 
 
+def moving_on(outs, errors, more: int = 20, timeout_s: float = 20.0, what: str = "") -> None:
+    """Wait until every stream has answered ``more`` steps past where it is now."""
+    counts = [len(o) for o in outs]
+    wait_for(
+        lambda: all(len(o) >= c + more for o, c in zip(outs, counts, strict=True)),
+        errors,
+        timeout_s,
+        what or "the streams after the fault",
+    )
+
+
 def check_exact(model, sids, xs, outs, client):
     for i, sid in enumerate(sids):
         steps = [o.step for o in outs[i]]

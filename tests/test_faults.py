@@ -29,7 +29,13 @@ from ssmserve.client.sync import Client
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.v1 import ssmserve_pb2 as pb
-from tests.cluster_helpers import check_exact, start_workers, stream_in_background, wait_for
+from tests.cluster_helpers import (
+    check_exact,
+    moving_on,
+    start_workers,
+    stream_in_background,
+    wait_for,
+)
 from tests.conftest import random_inputs
 from tests.redis_topologies import sync_client
 from tests.tcp_proxy import TcpProxy
@@ -65,16 +71,6 @@ def session_dump(url: str, sid: str) -> dict[bytes, bytes]:
     """Every key of a session with its DUMP (the lease's TTL is not in a DUMP)."""
     with sync_client(url) as r:
         return {k: r.dump(k) for k in r.scan_iter(match=f"ssm:{{{sid}}}:*")}
-
-
-def moving_on(outs, errors, more: int = 20, timeout_s: float = 20.0, what: str = "") -> None:
-    counts = [len(o) for o in outs]
-    wait_for(
-        lambda: all(len(o) >= c + more for o, c in zip(outs, counts, strict=True)),
-        errors,
-        timeout_s,
-        what or "the streams after the fault",
-    )
 
 
 # ---------------------------------------------------------------------------- Redis stalls

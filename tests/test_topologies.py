@@ -11,7 +11,7 @@ import pytest
 
 from ssmserve.client.sync import Client
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl
-from tests.cluster_helpers import check_exact, stream_in_background, wait_for
+from tests.cluster_helpers import check_exact, moving_on, stream_in_background, wait_for
 from tests.conftest import random_inputs
 from tests.redis_topologies import RedisClusterHarness, SentinelHarness, sync_client
 from tests.test_service import assert_bit_equal, reference
@@ -94,9 +94,7 @@ def test_resharding_live_sessions_while_they_stream(model_dirs, served_models, r
             there = next(p for p in redis_cluster.ports if p != here)
             redis_cluster.move_slot(slot, there, pause_s=0.02)
             assert redis_cluster.owner_of_slot(slot) == there
-            answered = [len(o) for o in outs]
-            wait_for(lambda a=answered: all(len(o) > n for o, n in zip(outs, a, strict=True)),
-                     errors, timeout_s=60, what="every stream after a slot moved")  # fmt: skip
+            moving_on(outs, errors, 1, timeout_s=60, what="every stream after a slot moved")
         stop.set()
         thread.join(60)
         assert not errors, errors
@@ -133,9 +131,7 @@ def test_sentinel_failover_while_streaming_loses_no_acknowledged_step(
         wait_for(lambda: min(len(o) for o in outs) >= 20, errors)
         old = redis_sentinel.master()
         assert redis_sentinel.failover() != old
-        answered = [len(o) for o in outs]
-        wait_for(lambda: all(len(o) > n + 20 for o, n in zip(outs, answered, strict=True)),
-                 errors, timeout_s=60, what="every stream after the failover")  # fmt: skip
+        moving_on(outs, errors, 21, timeout_s=60, what="every stream after the failover")
         stop.set()
         thread.join(60)
         assert not errors, errors
