@@ -52,7 +52,18 @@ def test_metrics_move_with_steps_snapshots_rollbacks_forks_and_forecasts(
     w.client.forecast(sid, 5)
     with pytest.raises(NotFound):
         w.client.get_session("nobody")
+    # An RPC is timed when its handler returns, which may be just after the client has
+    # its answer (grpc.aio sends an abort's status first): wait for those two, bounded.
+    rpc = "ssmserve_rpc_server_call_duration_seconds_count"
     after = scrape(w)
+    deadline = time.monotonic() + 10
+    while not (
+        value(after, rpc, rpc_method="Stream", rpc_grpc_status_code="OK")
+        and value(after, rpc, rpc_method="GetSession", rpc_grpc_status_code="NOT_FOUND")
+    ):
+        assert time.monotonic() < deadline, "the RPCs were never timed"
+        time.sleep(0.05)
+        after = scrape(w)
     assert value(after, "ssmserve_steps_total", model="demo", durability="log") == 10
     assert value(after, "ssmserve_step_latency_seconds_count") == 10
     assert value(after, "ssmserve_engine_batch_size_sum", model="demo") == 10
@@ -68,7 +79,6 @@ def test_metrics_move_with_steps_snapshots_rollbacks_forks_and_forecasts(
     assert value(after, "ssmserve_sessions_resident", model="demo", tenant="") == 2
     assert value(after, "ssmserve_queued_steps", model="demo") == 0
     assert value(after, "ssmserve_memory_held_bytes") > 0
-    rpc = "ssmserve_rpc_server_call_duration_seconds_count"
     assert value(after, rpc, rpc_method="Stream", rpc_grpc_status_code="OK") == 1
     assert value(after, rpc, rpc_method="GetSession", rpc_grpc_status_code="NOT_FOUND") >= 1
     assert value(after, "ssmserve_redis_command_seconds_count", operation="append_logs") >= 2
