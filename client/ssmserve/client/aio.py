@@ -40,7 +40,7 @@ import numpy as np
 from ssmserve.client.errors import from_rpc_error
 from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.client.routing import WorkerRouter, WorkerStubs
+from ssmserve.client.routing import WorkerRouter, WorkerStubs, session_metadata
 from ssmserve.client.step_values import Forecast, SessionHistory, StepOutput, step_input
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -382,7 +382,9 @@ class AsyncClient:
         header = pb.ImportHeader(session_id=session_id, model=model, replace=replace, config=config)
         info: pb.SessionInfo = await self.router.call(
             lambda w: w.sessions.ImportCheckpoint(
-                _import_requests(header, blob, progress), timeout=self.retry.import_timeout_s
+                _import_requests(header, blob, progress),
+                timeout=self.retry.import_timeout_s,
+                metadata=session_metadata(session_id),
             ),
             idempotent=False,
         )

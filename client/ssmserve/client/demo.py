@@ -103,8 +103,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=Path("ssmserve-demo.png"),
         help="where to draw the session (needs matplotlib; default ssmserve-demo.png)",
     )
+    parser.add_argument(
+        "--server",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="run against these running workers (each serving --demo) instead of starting "
+        "one; e.g. deploy/compose.yaml's",
+    )
     args = parser.parse_args(argv)
 
+    if args.server:
+        addresses = [a.strip() for a in args.server.split(",") if a.strip()]
+        with Client(addresses) as client:
+            code, sid = run_demo(client, addresses[0], args.steps)
+            draw_session(client, sid, args.plot)
+            return code
     print("starting ssmserve-server --demo (embedded Redis, demo signal model) ...")
     proc, address = start_server(args.data_dir)
     try:

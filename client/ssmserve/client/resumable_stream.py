@@ -24,7 +24,7 @@ from ssmserve.client.errors import (
     step_redirect,
 )
 from ssmserve.client.retry import Backoff
-from ssmserve.client.routing import TRANSIENT_NUMBERS, WorkerRouter
+from ssmserve.client.routing import TRANSIENT_NUMBERS, WorkerRouter, session_metadata
 from ssmserve.client.step_values import StepOutput, step_input
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -62,7 +62,9 @@ class ResumableStream:
         address = router.owner_of(session_id)
         try:
             while True:
-                call = router.worker(address).sessions.Stream(feed.requests(steps_per_message))
+                call = router.worker(address).sessions.Stream(
+                    feed.requests(steps_per_message), metadata=session_metadata(session_id)
+                )
                 try:
                     async for result in self._answers(call, feed):
                         backoff.progress()

@@ -26,6 +26,10 @@ from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 _RECONNECT_MS = 2000
+#: Every call about one session names it in this header, so that a front (Envoy, Istio)
+#: can route by a consistent hash of it and a session's calls land on one worker; the
+#: redirects stay the fallback (see the README's deployment section).
+SESSION_HEADER = "ssmserve-session-id"
 # Reasons of UNAVAILABLE that mean "this worker cannot reach the store right now".
 _STORE_TROUBLE = frozenset({"STORE_UNAVAILABLE", "STORE_OUTCOME_UNKNOWN", "STORE"})
 # Codes a call may be retried on (elsewhere): the worker is gone, stopping or unreachable.
@@ -90,7 +94,11 @@ class WorkerRouter:
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
             ]
-            interceptors: list[Any] = [_DefaultDeadline(policy.call_timeout_s)]
+            interceptors: list[Any] = [
+                _DefaultDeadline(policy.call_timeout_s),
+                _UnaryUnarySessionHeader(),
+                _UnaryStreamSessionHeader(),
+            ]
             if self.token:
                 interceptors += _bearer_interceptors(self.token)
             if self.tls is None:
@@ -274,6 +282,36 @@ class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[mi
         if client_call_details.timeout is None:
             client_call_details = client_call_details._replace(timeout=self.timeout_s)
         return await continuation(client_call_details, request)
+
+
+def session_metadata(session_id: str) -> tuple[tuple[str, str], ...]:
+    """The :data:`SESSION_HEADER` of a call about ``session_id`` (none without one)."""
+    return ((SESSION_HEADER, session_id),) if session_id else ()
+
+
+def _with_session_header(details: Any, request: Any) -> Any:
+    session_id = getattr(request, "session_id", "")
+    metadata = list(details.metadata or ())
+    if not session_id or any(key == SESSION_HEADER for key, _ in metadata):
+        return details
+    return details._replace(metadata=grpc.aio.Metadata(*metadata, (SESSION_HEADER, session_id)))
+
+
+class _UnaryUnarySessionHeader(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds :data:`SESSION_HEADER` to a unary call whose request names a session (calls
+    that stream their requests pass it themselves: their first message comes later)."""
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[[Any, Any], Awaitable[Any]], details: Any, request: Any
+    ) -> Any:
+        return await continuation(_with_session_header(details, request), request)
+
+
+class _UnaryStreamSessionHeader(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(
+        self, continuation: Callable[[Any, Any], Awaitable[Any]], details: Any, request: Any
+    ) -> Any:
+        return await continuation(_with_session_header(details, request), request)
 
 
 class _BearerToken:
