@@ -348,3 +348,27 @@ def test_long_commands_report_progress_and_speak_json(
     bar.close()
     assert screen.getvalue().endswith("export [" + "#" * 30 + "] 100% 4.0/4.0 MiB\n")
     assert ProgressBar("x", stream=io.StringIO()).enabled is False
+
+
+def test_the_demo_runs_against_two_running_workers(redis_url, tmp_path, capsys):
+    """deploy/compose.yaml's demo service: ``ssmserve-demo --server A,B`` against two
+    ``ssmserve-server --demo`` processes on one Redis; both then stop cleanly on SIGTERM."""
+    from ssmserve.client import demo
+    from tests.worker_process import WorkerProcess
+
+    workers = [
+        WorkerProcess({}, redis_url, tmp_path / name, lease_ttl_s=5.0, extra_args=("--demo",))
+        for name in ("a", "b")
+    ]
+    try:
+        for w in workers:
+            w.start()
+        servers = ",".join(w.address for w in workers)
+        code = demo.main(["--server", servers, "--steps", "64", "--plot", str(tmp_path / "p.png")])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert "bit" in out and "starting ssmserve-server" not in out  # used the running ones
+        assert [w.terminate() for w in workers] == [0, 0]
+    finally:
+        for w in workers:
+            w.kill()
