@@ -10,6 +10,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ssmserve.client.aio import step_input
 from ssmserve.client.errors import (
@@ -24,6 +25,7 @@ from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.sync import Client
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.server.worker import LIVENESS_SERVICE
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.conftest import random_inputs, write_model
 from tests.harness import WorkerHarness
@@ -239,6 +241,16 @@ def test_drain_moves_every_session_to_the_others(start_worker, served_models):
     assert a.manager.resident_count == 0
     draining = {w.address: w.draining for w in c.client.list_workers()}
     assert draining == {a.address: True, b.address: False, c.address: False}
+    # readiness ("") says not to send it new work; liveness says it must not be killed
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(a.address))
+    status = {
+        name: health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+        for name in ("", LIVENESS_SERVICE)
+    }
+    assert status == {
+        "": health_pb2.HealthCheckResponse.NOT_SERVING,
+        LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING,
+    }
     # a draining worker creates nothing itself: the client is sent to another worker
     created = a.client.create_session("demo")
     assert created.owner in (b.address, c.address)

@@ -69,6 +69,11 @@ class BadModelKeyError(SsmserveError):
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
 CLUSTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ClusterService"].full_name
+#: A health "service" for liveness probes: SERVING from start to exit, draining included
+#: (readiness probes ask for "", which turns NOT_SERVING while the worker drains; a
+#: liveness probe on "" would kill a worker in the middle of its drain). An answer also
+#: shows the event loop is turning: a frozen worker does not answer at all.
+LIVENESS_SERVICE = "ssmserve.v1.Liveness"
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ class Worker:
         await self._patiently("register in Redis", self.ownership.start)
         if s.metrics_listen:
             self._start_metrics(s.metrics_listen)
-        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
+        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME, LIVENESS_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.address
 
