@@ -24,6 +24,7 @@ from ssmserve.client.errors import (
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.sync import Client
 from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.cluster.rebalance import RebalanceSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config
 from ssmserve.server.worker import LIVENESS_SERVICE
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -380,3 +381,60 @@ def test_an_owner_whose_lease_may_have_run_out_answers_nothing_from_memory(
         assert raw.export_checkpoint(sid)  # B's too
     assert session_dump(redis_url, sid) == before
     assert sid not in a.manager.resident_ids()
+
+
+def test_sessions_spread_over_workers_as_they_join(start_worker, served_models):
+    """Rebalancing rounds, one at a time: 9 sessions on A, then B and C join; A hands
+    sessions over (at most 4 a round, down to the mean) until each holds 3, and then
+    nobody moves anything. Every session goes on exactly where it was."""
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=41)
+    a = start_worker()
+    sids = [a.client.create_session("demo").session_id for _ in range(9)]
+    for sid in sids:
+        stream(a, sid, x[:6])
+    b, c = start_worker(), start_worker()
+    workers = (a, b, c)
+
+    def rounds() -> list[int]:
+        for w in workers:  # the registry's loads as of now (a heartbeat is a few s apart)
+            w.call(w.worker.ownership.heartbeat())
+        return [w.call(w.worker.rebalancer.round()) for w in workers]
+
+    assert rounds() == [4, 0, 0]  # at most 4 a round; B and C hold fewer than the mean
+    assert rounds() == [2, 0, 0]  # down to the mean, 3
+    assert rounds() == [0, 0, 0]  # balanced: nobody moves (no back and forth)
+    assert [w.manager.resident_count for w in workers] == [3, 3, 3]
+    owners = {a.client.get_session(sid).owner for sid in sids}
+    assert owners == {a.address, b.address, c.address}
+    for sid in sids:  # through A: redirected to wherever the session went
+        got, _ = stream(a, sid, x[6:], first_step=7)
+        assert_bit_equal(got, reference(model, x)[6:])
+
+
+def test_a_joining_worker_is_filled_by_the_timer_and_drains_give_nothing_back(
+    start_worker, served_models
+):
+    """``--rebalance-every 1``: B joins next to A's 6 streaming sessions and gets half
+    of them within a bound while they stream; a draining worker takes none."""
+    model = served_models["demo"]
+    x = random_inputs(model, 40, seed=42)
+    often = RebalanceSettings(every_s=1.0)
+    fast = OwnershipSettings(lease_ttl_s=1.0, worker_ttl_s=1.0)  # heartbeats every 1/3 s
+    a = start_worker(rebalance=often, ownership=fast)
+    sids = [a.client.create_session("demo").session_id for _ in range(6)]
+    for sid in sids:
+        stream(a, sid, x[:10])
+    drained = start_worker(rebalance=often, ownership=fast)
+    list(drained.client.drain())
+    b = start_worker(rebalance=often, ownership=fast)
+    # bound: a round every 0.75..1.25 s moves up to 4; one heartbeat later A sees it
+    deadline = time.monotonic() + 30
+    while [a.manager.resident_count, b.manager.resident_count] != [3, 3]:
+        assert time.monotonic() < deadline, (a.manager.resident_count, b.manager.resident_count)
+        time.sleep(0.05)
+    assert drained.manager.resident_count == 0
+    for i, sid in enumerate(sids):  # each goes on exactly, wherever it is now
+        got, _ = stream(a if i % 2 else b, sid, x[10:], first_step=11)
+        assert_bit_equal(got, reference(model, x)[10:])
+    assert a.worker.rebalancer.moved + b.worker.rebalancer.moved == 3

@@ -45,6 +45,7 @@ from ssmserve.server.api.budgets import BudgetSettings
 from ssmserve.server.api.service import ServiceSettings
 from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.cluster.rebalance import RebalanceSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
@@ -233,6 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"budget: {what} (default {getattr(defaults, attr):,}; env {variable})",
         )
     parser.add_argument(
+        "--rebalance-every",
+        type=float,
+        default=float(env("SSMSERVE_REBALANCE_EVERY", "0")),
+        metavar="S",
+        help="every S seconds (jittered), hand sessions to a worker holding at least 2 "
+        "fewer, down to the cluster's mean and at most 4 per round: sessions spread over "
+        "workers as they join (default 0: off; env SSMSERVE_REBALANCE_EVERY)",
+    )
+    parser.add_argument(
         "--memory-budget",
         type=int,
         default=int(env("SSMSERVE_MEMORY_BUDGET", "0")),
@@ -323,6 +333,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         )
     elif args.tls_client_ca:
         raise SystemExit("ssmserve-server: error: --tls-client-ca needs --tls-cert and --tls-key")
+    if not (args.rebalance_every == 0 or 1 <= args.rebalance_every <= 3600):
+        raise SystemExit("ssmserve-server: error: --rebalance-every must be 0 (off) or 1..3600 s")
     if args.memory_budget < 0:
         raise SystemExit("ssmserve-server: error: --memory-budget must be 0 (auto) or more")
     if args.require_signed_checkpoints and not args.checkpoint_key:
@@ -359,6 +371,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(memory_budget_bytes=args.memory_budget or None),
+        rebalance=RebalanceSettings(every_s=args.rebalance_every),
         metrics_listen=args.metrics_listen,
         trace_otlp_endpoint=args.trace_otlp_endpoint,
     )

@@ -37,6 +37,7 @@ from ssmserve.server.api.tls import ReloadingCertificates, TlsSettings
 from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, Migrator
 from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings, new_worker_id
 from ssmserve.server.cluster.peers import Peers, PeerSettings
+from ssmserve.server.cluster.rebalance import Rebalancer, RebalanceSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.loader import load_model
 from ssmserve.server.engine.mamba import MambaModel
@@ -107,6 +108,7 @@ class WorkerSettings:
     service: ServiceSettings = field(default_factory=ServiceSettings)
     ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
     migration: MigrationSettings = field(default_factory=MigrationSettings)
+    rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
     peers: PeerSettings = field(default_factory=PeerSettings)
     tls: TlsSettings | None = None  # None: a plaintext listener (and plaintext peer channels)
     # Bearer tokens (TOML of sha256 hashes, tenants and roles; api/auth.py). None: no
@@ -176,6 +178,7 @@ class Worker:
         self.manager: SessionManager | None = None
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
+        self.rebalancer: Rebalancer | None = None
         self.service: SessionService | None = None
         secret = load_cluster_secret(settings.cluster_secret)
         self.tokens = TokenFile(settings.auth_tokens) if settings.auth_tokens else None
@@ -282,6 +285,8 @@ class Worker:
         )
         await self.server.start()
         await self._patiently("register in Redis", self.ownership.start)
+        self.rebalancer = Rebalancer(self.migrator, s.rebalance)
+        self.rebalancer.start()
         if s.metrics_listen:
             self._start_metrics(s.metrics_listen)
         for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME, LIVENESS_SERVICE):
@@ -414,6 +419,8 @@ class Worker:
 
     async def stop(self) -> None:
         self.stopping = True
+        if self.rebalancer is not None:
+            await self.rebalancer.stop()
         await self._not_serving()
         if self.migrator is not None and self.settings.drain_on_stop:
             try:
@@ -443,6 +450,8 @@ class Worker:
 
     async def abort(self) -> None:
         """Stop serving at once, without the shutdown snapshots (as a crash would)."""
+        if self.rebalancer is not None:
+            await self.rebalancer.stop()
         if self.ownership is not None:
             await self.ownership.stop(deregister=False)
         if self.server is not None:

@@ -1,0 +1,104 @@
+"""Rebalancing: sessions spread over the workers as they join.
+
+A session stays on the worker that created or loaded it until something moves it, so a
+worker that joins a busy cluster would get only new sessions. With rebalancing on
+(``--rebalance-every S``), every worker looks at the registry every ``S`` seconds (with
+jitter, so workers do not act in step) and, when it holds at least ``min_excess`` more
+sessions than the least loaded other worker that can take one (live, not draining,
+serving the model, same numerics), hands sessions over to it (a migration: exact, and
+clients follow). Only the more loaded side acts, it stops at the cluster's mean, and it
+moves at most ``max_moves`` per round, so sessions never go back and forth between two
+workers and a newcomer is filled over a few rounds rather than all at once by everyone.
+
+The loads are the registry's (each worker's resident sessions as of its last
+heartbeat, a few seconds old); the moves of the current round are counted on top of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from dataclasses import dataclass
+
+from ssmserve.server.cluster.migration import Migrator
+from ssmserve.server.errors import SsmserveError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    every_s: float = 0.0  # seconds between rounds (jittered +-25%); 0: never rebalance
+    min_excess: int = 2  # act only when this many more sessions than the least loaded peer
+    max_moves: int = 4  # sessions handed off per round at most
+
+
+class Rebalancer:
+    """Runs :meth:`round` every ``settings.every_s`` until stopped."""
+
+    def __init__(self, migrator: Migrator, settings: RebalanceSettings) -> None:
+        self.migrator = migrator
+        self.settings = settings
+        self.moved = 0  # sessions handed off by rebalancing since start
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.settings.every_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="rebalance")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.every_s * random.uniform(0.75, 1.25))
+            try:
+                await self.round()
+            except SsmserveError as exc:  # the store is away, a target vanished: next round
+                log.warning("rebalance: round failed: %s", exc)
+
+    async def round(self) -> int:
+        """Hand off sessions to less loaded workers, as the registry shows them now;
+        returns how many moved."""
+        migrator, ownership = self.migrator, self.migrator.ownership
+        if ownership.draining:
+            return 0
+        resident = migrator.manager.resident_ids()
+        workers = [w for w in await ownership.live_workers() if not w.draining]
+        others = [w for w in workers if w.worker_id != ownership.worker_id]
+        if not others:
+            return 0
+        mine = len(resident)
+        mean = (mine + sum(w.load for w in others)) / (1 + len(others))
+        planned: dict[str, int] = {}  # address -> sessions sent there in this round
+        moved = 0
+        for session_id in resident:
+            if moved >= self.settings.max_moves or mine - moved <= math.ceil(mean):
+                break
+            try:
+                s = await migrator.manager.session(session_id)
+                targets = await ownership.targets(s.model_name, ownership.numerics)
+                if not targets:
+                    continue
+                target = min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))
+                theirs = target.load + planned.get(target.address, 0)
+                if mine - moved - theirs < self.settings.min_excess:
+                    continue
+                await migrator.migrate(session_id, target.address)
+            except SsmserveError as exc:  # closed, moved or refused meanwhile: the next one
+                log.info("rebalance: session %s stays: %s", session_id, exc)
+                continue
+            planned[target.address] = planned.get(target.address, 0) + 1
+            moved += 1
+        if moved:
+            self.moved += moved
+            log.info(
+                "rebalance: %d sessions handed off (%d here, cluster mean %.1f): %s",
+                moved, mine - moved, mean, planned,
+            )  # fmt: skip
+        return moved
