@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import redis
 
 from ssmserve.client.errors import FailedPrecondition, StepFailed
 from ssmserve.client.sync import Client
@@ -21,8 +20,13 @@ from tests.cluster_helpers import (
     wait_for,
 )
 from tests.conftest import random_inputs
+from tests.redis_topologies import sync_client
 from tests.test_service import assert_bit_equal, reference
 from tests.worker_process import WorkerProcess
+
+#: Crashes, drains and numerics with worker processes on one Redis, a Redis Cluster and
+#: Sentinel (the last two slow-marked, see conftest).
+ALL_TOPOLOGIES = True
 
 
 @pytest.mark.slow
@@ -73,7 +77,7 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
         # asserted. That each moved on after the last kill is.)
         with Client(addresses) as client:
             check_exact(model, sids, xs, outs, client)
-        with redis.Redis.from_url(redis_url) as r:  # the kills did hit owners: takeovers
+        with sync_client(redis_url) as r:  # the kills did hit owners: takeovers
             takeovers = sum(int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) - 1 for sid in sids)
         assert takeovers >= 5
     finally:

@@ -14,7 +14,6 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
-import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -36,6 +35,11 @@ from ssmserve.server.state.checkpoint import Checkpoint
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 from tests.conftest import random_inputs
+from tests.redis_topologies import sync_client
+
+#: The service on one Redis, a Redis Cluster and Sentinel (the last two slow-marked, see
+#: conftest).
+ALL_TOPOLOGIES = True
 
 
 def reference(model, inputs):
@@ -429,7 +433,7 @@ def test_retention_keeps_n_snapshots_and_trims_the_log(worker, served_models, re
     assert [s.step for s in snaps] == [16, 18, 20]
     info = worker.client.get_session(sid)
     assert (info.snapshot_count, info.oldest_rollback_step) == (3, 16)
-    with redis.Redis.from_url(redis_url) as r:
+    with sync_client(redis_url) as r:
         logged = sorted(int(k) for k in r.hkeys(f"ssm:{{{sid}}}:log"))
         assert logged == [17, 18, 19, 20, 21]
         blobs = [k for k in r.keys(f"ssm:{{{sid}}}:blob:*")]
@@ -444,7 +448,7 @@ def test_keys_of_a_session_carry_its_hash_tag(worker, served_models, redis_url):
     sid = worker.client.create_session("demo", snapshot_every=3).session_id
     stream(worker, sid, random_inputs(model, 7, seed=12))
     worker.client.snapshot(sid, label="l")
-    with redis.Redis.from_url(redis_url) as r:
+    with sync_client(redis_url) as r:
         keys = sorted(k.decode() for k in r.keys("*"))
         global_keys = {"ssm:sessions", "ssm:workers"}
         session_keys = [k for k in keys if k not in global_keys and ":worker:" not in k]
@@ -490,7 +494,7 @@ def test_close_with_and_without_final_snapshot(worker, served_models, redis_url)
     assert reply.snapshot_id
     with pytest.raises(NotFound):
         worker.client.get_session(gone)
-    with redis.Redis.from_url(redis_url) as r:
+    with sync_client(redis_url) as r:
         assert r.keys(f"ssm:{{{gone}}}:*") == []
     info = worker.client.get_session(kept)
     assert info.closed and not info.resident and info.snapshot_count == 1
@@ -614,7 +618,7 @@ class _PausedUpload:
 
 def _staged_uploads(url: str) -> dict[bytes, int]:
     """The staging lists of running imports: key -> bytes staged."""
-    with redis.Redis.from_url(url) as r:
+    with sync_client(url) as r:
         return {k: sum(map(len, r.lrange(k, 0, -1))) for k in r.scan_iter("ssm:upload:*")}
 
 
@@ -793,14 +797,14 @@ def test_async_client_and_no_durability_mode(worker, served_models, redis_url):
             info = await client.create_session("odd", durability=pb.DURABILITY_NONE)
             sid = info.session_id
             outs = [o async for o in client.stream_steps(sid, list(x), steps_per_message=5)]
-            with redis.Redis.from_url(redis_url) as r:
+            with sync_client(redis_url) as r:
                 assert r.hlen(f"ssm:{{{sid}}}:log") == 0
                 assert r.hget(f"ssm:{{{sid}}}:meta", "step") == b"0"
             reply = await client.rollback(sid, to_step=4)
             assert (reply.step, reply.replayed_steps) == (4, 4)
             again = [o async for o in client.stream_steps(sid, list(x[4:]))]
             snap = await client.snapshot(sid)
-            with redis.Redis.from_url(redis_url) as r:
+            with sync_client(redis_url) as r:
                 assert r.hget(f"ssm:{{{sid}}}:meta", "step") == b"12"
             return outs, again, snap, await client.list_sessions()
 
