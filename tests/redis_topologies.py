@@ -213,7 +213,9 @@ class SentinelHarness:
                 if info["num-other-sentinels"] < 2 or info["num-slaves"] < 1:
                     return False
         with redis.Redis(port=self.master_port, socket_timeout=1) as m:
-            return m.info("replication")["connected_slaves"] >= 1
+            # online: the initial sync is done (until then WAIT counts no replica)
+            replica = m.info("replication").get("slave0")
+            return isinstance(replica, dict) and replica.get("state") == "online"
 
     def master(self) -> int:
         with redis.Redis(port=self.sentinel_ports[0], socket_timeout=1) as s:
