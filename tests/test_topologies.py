@@ -4,6 +4,7 @@ under live streams)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 
 from ssmserve.client.sync import Client
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl
+from ssmserve.server.state.store import Store, StoreSettings
+from ssmserve.server.state.store_errors import StoreError
 from tests.cluster_helpers import check_exact, moving_on, stream_in_background, wait_for
 from tests.conftest import random_inputs
 from tests.redis_topologies import RedisClusterHarness, SentinelHarness, sync_client
@@ -172,3 +175,62 @@ def test_bad_topology_flags_are_refused_at_start():
         settings("--redis-url", "redis+cluster://127.0.0.1:7000", "--redis-wait-replicas", "1")
     with pytest.raises(SystemExit, match="master's name"):
         settings("--redis-url", "redis+sentinel://127.0.0.1:26379")
+
+
+@pytest.mark.slow
+@pytest.mark.topology
+def test_a_worker_runs_as_a_least_privilege_acl_user_on_the_cluster(
+    model_dirs, served_models, redis_cluster
+):
+    """The README's ACL, plus its two cluster rules, set on every node, is enough for
+    every session operation on Redis Cluster; without the cluster rules it is not."""
+    from ssmserve.server.state.store_layout import WORKER_ACL_RULES, WORKER_CLUSTER_ACL_RULES
+    from tests.harness import WorkerHarness
+
+    redis_cluster.flushall()
+    hosts = ",".join(f"127.0.0.1:{p}" for p in redis_cluster.ports[:2])
+    url = f"redis+cluster://ssmserve-worker:worker-secret-1234@{hosts}"
+
+    def grant(*rules: str) -> None:
+        for port in redis_cluster.ports:
+            redis_cluster.node(port).execute_command(
+                "ACL", "SETUSER", "ssmserve-worker", "reset", "on", ">worker-secret-1234", *rules
+            )
+
+    try:
+        grant(*WORKER_ACL_RULES.split())
+        with pytest.raises(StoreError, match=r"permission|Cluster mode"):
+            asyncio.run(_connect(url))
+        grant(*WORKER_ACL_RULES.split(), *WORKER_CLUSTER_ACL_RULES.split())
+        worker = WorkerHarness(model_dirs, url)
+        try:
+            model = served_models["demo"]
+            x = random_inputs(model, 12, seed=71)
+            c = worker.client
+            sid = c.create_session("demo", snapshot_every=4).session_id
+            outs = np.stack([o.output for o in c.stream_steps(sid, list(x))])
+            assert_bit_equal(outs, reference(model, x))
+            c.snapshot(sid, label="mark")
+            c.rollback(sid, to_step=5)
+            fork = c.fork(sid).session.session_id
+            imported = c.import_checkpoint(c.export_checkpoint(sid), "acl-import").session_id
+            assert [s.session_id for s in c.list_sessions()] == sorted([sid, fork, imported])
+            again = np.stack([o.output for o in c.stream_steps(sid, list(x[5:]))])
+            assert_bit_equal(again, outs[5:])
+            for session in (sid, fork, imported):
+                c.close_session(session)
+        finally:
+            worker.stop()
+    finally:
+        for port in redis_cluster.ports:
+            redis_cluster.node(port).execute_command("ACL", "DELUSER", "ssmserve-worker")
+
+
+async def _connect(url: str) -> None:
+    """What a worker does first with the store: connect (learning the slots), read."""
+    store = Store(StoreSettings(url=url))
+    try:
+        await store.ping()
+        await store.live_workers()
+    finally:
+        await store.aclose()

@@ -538,3 +538,7 @@ WORKER_ACL_RULES = (
     "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore "
     "+zlexcount +rpush +lrange +llen +ltrim +wait"
 )
+#: What a worker needs beyond :data:`WORKER_ACL_RULES` on Redis Cluster (on every node):
+#: the cluster client learns the slot map (CLUSTER SLOTS) and each command's keys
+#: (COMMAND) when it connects.
+WORKER_CLUSTER_ACL_RULES = "+cluster|slots +command"
