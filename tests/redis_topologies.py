@@ -101,13 +101,16 @@ class RedisClusterHarness:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:2])
 
+    def _node_process(self, port: int) -> None:
+        self.processes.start(
+            port, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
+            "--appendonly", "yes", "--save", "", "--protected-mode", "no",
+        )  # fmt: skip
+
     def start(self) -> RedisClusterHarness:
         for port in self.ports:
-            self.processes.start(
-                port, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
-                "--appendonly", "yes", "--save", "", "--protected-mode", "no",
-            )  # fmt: skip
+            self._node_process(port)
         subprocess.run(
             [redis_cli(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
              "--cluster-replicas", "0", "--cluster-yes"],
@@ -123,6 +126,19 @@ class RedisClusterHarness:
 
     def node_id(self, port: int) -> str:
         return self.node(port).cluster("myid").decode()
+
+    def kill_node(self, port: int) -> None:
+        """SIGKILL one master (its slots are then not served: no replicas here)."""
+        proc = self.processes.procs.pop(port)
+        proc.kill()
+        proc.wait(10)
+
+    def restart_node(self, port: int) -> None:
+        """Start a killed master again on its port; it rejoins from its nodes.conf and AOF."""
+        self._node_process(port)
+        for p in self.ports:
+            _wait(lambda p=p: self.node(p).cluster("info")["cluster_state"] == "ok",
+                  f"cluster state ok on {p} after a restart")  # fmt: skip
 
     def flushall(self) -> None:
         for port in self.ports:

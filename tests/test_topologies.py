@@ -234,3 +234,45 @@ async def _connect(url: str) -> None:
         await store.live_workers()
     finally:
         await store.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.topology
+def test_the_store_goes_on_after_a_cluster_node_restarts(redis_cluster):
+    """A master is killed under the group commit: the appends on its slots have unknown
+    outcomes (the store never guesses), the client is told to learn the slot map again,
+    and once the node is back the same Store appends on every master without a restart."""
+    from tests.test_store import new
+
+    redis_cluster.flushall()
+    sids = ids_on_every_master(redis_cluster, 1)  # one session per master
+    victim = redis_cluster.owner_of_slot(_slot(redis_cluster, sids[0]))
+
+    async def body() -> None:
+        store = Store(StoreSettings(url=redis_cluster.url, socket_timeout_s=2.0))
+        try:
+            leases = [await new(store, sid) for sid in sids]
+            assert await store.append_logs([(le, 1, [b"a"]) for le in leases], 1.0) == [None] * 3
+            redis_cluster.kill_node(victim)
+            with pytest.raises(StoreError):
+                await store.append_logs([(le, 2, [b"b"]) for le in leases], 2.0)
+            assert store.redis._initialize  # the slot map is learned again before next use
+            redis_cluster.restart_node(victim)
+            # unknown outcomes: read where each log ends, as a reload would, and go on
+            steps = [(await store.get_meta(sid)).step for sid in sids]
+            appends = [(le, step + 1, [b"c"]) for le, step in zip(leases, steps, strict=True)]
+            assert await store.append_logs(appends, 3.0) == [None] * 3
+            assert [(await store.get_meta(sid)).step for sid in sids] == [s + 1 for s in steps]
+        finally:
+            await store.aclose()
+
+    try:
+        asyncio.run(body())
+    finally:
+        if victim not in redis_cluster.processes.procs:
+            redis_cluster.restart_node(victim)
+
+
+def _slot(cluster: RedisClusterHarness, sid: str) -> int:
+    with sync_client(cluster.url) as r:
+        return r.keyslot(f"ssm:{{{sid}}}:meta")

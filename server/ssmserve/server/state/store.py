@@ -448,7 +448,7 @@ class Store:
             command = PipelineCommand(i, "EVALSHA", script.sha, len(keys), *keys, *args)
             by_node.setdefault(node.name, (node, []))[1].append(command)
             commands.append(command)
-        await asyncio.gather(*(node.execute_pipeline(cmds) for node, cmds in by_node.values()))
+        await asyncio.gather(*(_on_node(cluster, node, cmds) for node, cmds in by_node.values()))
         replies = []
         for command, (keys, args) in zip(commands, calls, strict=True):
             reply = command.result
@@ -1006,3 +1006,24 @@ class Store:
         return sorted(
             [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
         )
+
+
+async def _on_node(cluster: RedisCluster, node: Any, commands: list[PipelineCommand]) -> None:
+    """One node's pipeline. A lost connection is handled as redis-py's cluster client
+    handles it for its own commands: the node's connections are renewed and the slot map
+    is learned again before the next use (a failover may have moved its slots).
+
+    redis-py files an error met while reading the replies as that command's result; a
+    connection error there means every command sent may or may not have run, so it is
+    raised (an unknown outcome for the whole batch), never read as a refusal."""
+    try:
+        await node.execute_pipeline(commands)
+        for command in commands:
+            if isinstance(command.result, redis_errors.ConnectionError | redis_errors.TimeoutError):
+                raise command.result
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+        node.update_active_connections_for_reconnect()
+        await node.disconnect_free_connections()
+        cluster.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
+        cluster._initialize = True
+        raise
