@@ -540,7 +540,6 @@ def test_the_readme_gives_the_acl_the_worker_needs() -> None:
 def test_a_worker_runs_as_a_least_privilege_acl_user(any_redis, model_dirs, served_models):
     """The ACL the README gives is enough for every session operation, and no more."""
     from ssmserve.server.state.store_layout import WORKER_ACL_RULES
-    from tests.conftest import random_inputs
     from tests.harness import WorkerHarness
 
     with redis.Redis.from_url(any_redis.url) as admin:
@@ -552,23 +551,30 @@ def test_a_worker_runs_as_a_least_privilege_acl_user(any_redis, model_dirs, serv
             pytest.raises(redis.exceptions.NoPermissionError),
         ):
             limited.flushall()
-        worker = WorkerHarness(model_dirs, url)
-        try:
-            model = served_models["demo"]
-            x = random_inputs(model, 12, seed=71)
-            c = worker.client
-            sid = c.create_session("demo", snapshot_every=4).session_id
-            outs = [o.output for o in c.stream_steps(sid, list(x))]
-            c.snapshot(sid, label="mark")
-            c.rollback(sid, to_step=5)
-            blob = c.export_checkpoint(sid)
-            fork = c.fork(sid).session.session_id
-            imported = c.import_checkpoint(blob, "acl-import").session_id
-            assert [s.session_id for s in c.list_sessions()] == sorted([sid, fork, imported])
-            again = [o.output for o in c.stream_steps(sid, list(x[5:]))]
-            np.testing.assert_array_equal(np.stack(again), np.stack(outs[5:]))
-            for session in (sid, fork, imported):
-                c.close_session(session)
-        finally:
-            worker.stop()
+        every_session_operation(WorkerHarness(model_dirs, url), served_models["demo"])
         admin.execute_command("ACL", "DELUSER", "ssmserve-worker")
+
+
+def every_session_operation(worker, model) -> None:
+    """Create, stream, snapshot, rollback, export, fork, import, list, stream again
+    (exactly) and close, through ``worker``; then stop it."""
+    from tests.conftest import random_inputs
+
+    try:
+        x = random_inputs(model, 12, seed=71)
+        c = worker.client
+        sid = c.create_session("demo", snapshot_every=4).session_id
+        outs = np.stack([o.output for o in c.stream_steps(sid, list(x))])
+        np.testing.assert_array_equal(outs, model.run(x)[0])
+        c.snapshot(sid, label="mark")
+        c.rollback(sid, to_step=5)
+        blob = c.export_checkpoint(sid)
+        fork = c.fork(sid).session.session_id
+        imported = c.import_checkpoint(blob, "acl-import").session_id
+        assert [s.session_id for s in c.list_sessions()] == sorted([sid, fork, imported])
+        again = [o.output for o in c.stream_steps(sid, list(x[5:]))]
+        np.testing.assert_array_equal(np.stack(again), outs[5:])
+        for session in (sid, fork, imported):
+            c.close_session(session)
+    finally:
+        worker.stop()

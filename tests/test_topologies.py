@@ -186,6 +186,7 @@ def test_a_worker_runs_as_a_least_privilege_acl_user_on_the_cluster(
     every session operation on Redis Cluster; without the cluster rules it is not."""
     from ssmserve.server.state.store_layout import WORKER_ACL_RULES, WORKER_CLUSTER_ACL_RULES
     from tests.harness import WorkerHarness
+    from tests.test_store import every_session_operation
 
     redis_cluster.flushall()
     hosts = ",".join(f"127.0.0.1:{p}" for p in redis_cluster.ports[:2])
@@ -202,25 +203,7 @@ def test_a_worker_runs_as_a_least_privilege_acl_user_on_the_cluster(
         with pytest.raises(StoreError, match=r"permission|Cluster mode"):
             asyncio.run(_connect(url))
         grant(*WORKER_ACL_RULES.split(), *WORKER_CLUSTER_ACL_RULES.split())
-        worker = WorkerHarness(model_dirs, url)
-        try:
-            model = served_models["demo"]
-            x = random_inputs(model, 12, seed=71)
-            c = worker.client
-            sid = c.create_session("demo", snapshot_every=4).session_id
-            outs = np.stack([o.output for o in c.stream_steps(sid, list(x))])
-            assert_bit_equal(outs, reference(model, x))
-            c.snapshot(sid, label="mark")
-            c.rollback(sid, to_step=5)
-            fork = c.fork(sid).session.session_id
-            imported = c.import_checkpoint(c.export_checkpoint(sid), "acl-import").session_id
-            assert [s.session_id for s in c.list_sessions()] == sorted([sid, fork, imported])
-            again = np.stack([o.output for o in c.stream_steps(sid, list(x[5:]))])
-            assert_bit_equal(again, outs[5:])
-            for session in (sid, fork, imported):
-                c.close_session(session)
-        finally:
-            worker.stop()
+        every_session_operation(WorkerHarness(model_dirs, url), served_models["demo"])
     finally:
         for port in redis_cluster.ports:
             redis_cluster.node(port).execute_command("ACL", "DELUSER", "ssmserve-worker")
