@@ -7,6 +7,8 @@
 ``store_layout``  every Redis key and Lua script, in one place
 ``store_errors``  the typed error replies of those scripts, and the exceptions they map to
 ``store``         the Redis I/O itself (``Store``), one method per script
+``script_batches``  one script for many sessions in one round trip (per node on a cluster)
+``redis_topology``  redis://, redis+cluster:// and redis+sentinel:// URLs and their clients
 
 Imports: ``engine`` only (never gRPC, never the session manager).
 """

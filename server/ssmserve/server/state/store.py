@@ -1,4 +1,5 @@
-"""Redis I/O for sessions: the only module that talks to Redis.
+"""Redis I/O for sessions: with ``script_batches`` (batched scripts on each topology), the
+only code that talks to Redis.
 
 Key names and Lua scripts live in ``store_layout``; this module runs them and turns their
 replies into records, and into the typed errors of ``store_errors``.
@@ -28,7 +29,6 @@ oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt ex
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import time
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from redis import exceptions as redis_errors
-from redis.asyncio.cluster import PipelineCommand, RedisCluster
 from redis.commands.core import AsyncScript
 
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
@@ -45,6 +44,7 @@ from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.state import redis_topology
 from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.script_batches import NOT_RUN, ScriptBatches, until_run
 from ssmserve.server.state.store_errors import (
     SessionExistsError,
     SnapshotsChangedError,
@@ -64,17 +64,6 @@ T = TypeVar("T")
 
 EVENTS_KEPT = 1024  # per session: the newest rollbacks and guard events
 RACE_ATTEMPTS = 4  # reads and tries again of a script that found the snapshots changed
-
-#: Redis Cluster answers that say a command was *not* run (a slot moving or not served
-#: for a moment): safe to send again, writes included, within the command deadline.
-_NOT_RUN = (
-    redis_errors.TryAgainError,
-    redis_errors.MovedError,
-    redis_errors.AskError,
-    redis_errors.ClusterDownError,
-    redis_errors.SlotNotCoveredError,
-    redis_errors.ClusterError,  # redis-py's "TTL exhausted": redirected too often
-)
 
 #: A session id as a client gives it: safe in key names (no braces, which would break the
 #: hash tag) and URLs.
@@ -298,7 +287,8 @@ class Store:
     Why this class is long: it is the only code that talks to Redis, one short method per
     script or read, all sharing one connection pool, one deadline and one rule for
     unknown outcomes (``_call``); splitting it by concern would scatter that rule.
-    Keys and scripts live in ``store_layout``, reply codes in ``store_errors``.
+    Keys and scripts live in ``store_layout``, reply codes in ``store_errors``, how a
+    batch of scripts is sent on each topology in ``script_batches``.
     """
 
     def __init__(self, settings: StoreSettings, metrics: Metrics | None = None) -> None:
@@ -315,6 +305,13 @@ class Store:
         if settings.wait_replicas and settings.wait_timeout_ms >= settings.socket_timeout_s * 1000:
             raise ValueError("wait_timeout_ms must be below the command deadline")
         self.redis: Any = redis_topology.connect(settings.url, settings.socket_timeout_s)
+        self.batches = ScriptBatches(
+            self.redis,
+            settings.wait_replicas,
+            settings.wait_timeout_ms,
+            settings.socket_timeout_s,
+            self._retry,
+        )
         self._index = f"{settings.key_prefix}:sessions"
         self._workers = f"{settings.key_prefix}:workers"
         self._create = self.redis.register_script(layout.CREATE)
@@ -339,7 +336,7 @@ class Store:
                 with self.metrics.tracing.span(f"redis.{op}"):
                     return await self._until_run(call, started)
             return await self._until_run(call, started)
-        except (*_NOT_RUN, redis_errors.RedisClusterException) as exc:
+        except (*NOT_RUN, redis_errors.RedisClusterException) as exc:
             # Not run (a slot moving past the deadline, or not served), or a bug such
             # as keys in two slots: nothing was applied either way.
             self.metrics.redis_errors.labels(op, "unavailable").inc()
@@ -364,18 +361,10 @@ class Store:
             self.metrics.redis_seconds.labels(op).observe(time.perf_counter() - started)
 
     async def _until_run(self, call: Callable[[], Awaitable[T]], started: float) -> T:
-        """``call()``, sent again while Redis Cluster answers that it did not run it (a
-        slot is moving), for at most the command deadline."""
-        delay = 0.01
-        while True:
-            try:
-                return await call()
-            except _NOT_RUN:
-                if time.perf_counter() - started + delay > self.settings.socket_timeout_s:
-                    raise
-                self.metrics.redis_errors.labels("redirect", "retried").inc()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)
+        return await until_run(call, started, self.settings.socket_timeout_s, self._retry)
+
+    def _retry(self) -> None:
+        self.metrics.redis_errors.labels("redirect", "retried").inc()
 
     async def _script(
         self, op: str, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
@@ -393,71 +382,7 @@ class Store:
         StoreOutcomeUnknownError for all of them."""
         if not calls:
             return []
-        if isinstance(self.redis, RedisCluster):
-            return await self._call(op, lambda: self._scripts_per_node(script, calls), True)
-        return await self._call(op, lambda: self._scripts_pipelined(script, calls), True)
-
-    async def _scripts_pipelined(
-        self, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
-    ) -> list[Any]:
-        """One server: one pipeline, ending in WAIT when replicas must confirm. EVALSHA
-        straight away (redis-py's own way asks SCRIPT EXISTS first, one more round trip
-        per pipeline); a NOSCRIPT reply means the call did not run: load it, send again."""
-        todo = list(range(len(calls)))
-        replies: list[Any] = [None] * len(calls)
-        for _ in range(2):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    keys, args = calls[i]
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                if self.settings.wait_replicas:
-                    pipe.wait(self.settings.wait_replicas, self.settings.wait_timeout_ms)
-                got = await pipe.execute(raise_on_error=False)
-            if self.settings.wait_replicas:
-                self._check_replicas(got.pop())
-            for i, reply in zip(todo, got, strict=True):
-                replies[i] = reply
-            todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
-            if not todo:
-                break
-            script.sha = await self.redis.script_load(script.script)
-        return replies
-
-    def _check_replicas(self, acked: Any) -> None:
-        if isinstance(acked, Exception) or int(acked) < self.settings.wait_replicas:
-            raise redis_errors.TimeoutError(
-                f"{acked} of {self.settings.wait_replicas} replicas confirmed the write "
-                f"within {self.settings.wait_timeout_ms} ms"
-            )
-
-    async def _scripts_per_node(
-        self, script: AsyncScript, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
-    ) -> list[Any]:
-        """Redis Cluster: one pipeline per node on that node's own connection, for the
-        slots it serves, all nodes at once (redis-py refuses EVALSHA in its cluster
-        pipelines). A call a node answers with a redirection (MOVED, ASK, TRYAGAIN) or
-        NOSCRIPT did not run there: it goes again on its own through the cluster client,
-        which follows redirections and loads the script."""
-        cluster: RedisCluster = self.redis
-        if cluster._initialize:  # first use: learn the slots
-            await cluster.initialize()
-        by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
-        commands = []
-        for i, (keys, args) in enumerate(calls):
-            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
-            command = PipelineCommand(i, "EVALSHA", script.sha, len(keys), *keys, *args)
-            by_node.setdefault(node.name, (node, []))[1].append(command)
-            commands.append(command)
-        await asyncio.gather(*(_on_node(cluster, node, cmds) for node, cmds in by_node.values()))
-        replies = []
-        for command, (keys, args) in zip(commands, calls, strict=True):
-            reply = command.result
-            if isinstance(reply, (*_NOT_RUN, redis_errors.NoScriptError)):
-                reply = await self._until_run(
-                    lambda k=keys, a=args: script(keys=k, args=a), time.perf_counter()
-                )
-            replies.append(reply)
-        return replies
+        return await self._call(op, lambda: self.batches.run(script, calls), True)
 
     def _check(self, raw: Any) -> list[str]:
         """``check_reply``, counting refusals by fencing."""
@@ -1006,24 +931,3 @@ class Store:
         return sorted(
             [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
         )
-
-
-async def _on_node(cluster: RedisCluster, node: Any, commands: list[PipelineCommand]) -> None:
-    """One node's pipeline. A lost connection is handled as redis-py's cluster client
-    handles it for its own commands: the node's connections are renewed and the slot map
-    is learned again before the next use (a failover may have moved its slots).
-
-    redis-py files an error met while reading the replies as that command's result; a
-    connection error there means every command sent may or may not have run, so it is
-    raised (an unknown outcome for the whole batch), never read as a refusal."""
-    try:
-        await node.execute_pipeline(commands)
-        for command in commands:
-            if isinstance(command.result, redis_errors.ConnectionError | redis_errors.TimeoutError):
-                raise command.result
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError):
-        node.update_active_connections_for_reconnect()
-        await node.disconnect_free_connections()
-        cluster.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
-        cluster._initialize = True
-        raise

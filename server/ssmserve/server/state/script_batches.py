@@ -1,0 +1,169 @@
+"""Running one Lua script many times in one round trip, on each Redis topology.
+
+The store's group commit (a tick's log appends) and other batched writes send many
+EVALSHAs at once. How depends on where the keys live:
+
+- **One server** (plain or Sentinel's master): one pipeline, ending in ``WAIT`` when
+  replicas must confirm each write (``--redis-wait-replicas``).
+- **Redis Cluster**: redis-py refuses EVALSHA in its cluster pipelines, so the calls are
+  grouped by the node that serves their slot and each group goes as one pipeline on that
+  node's own connection, all nodes at once (``bench/bench_scale.py`` measures this against
+  one concurrent call per script: BENCHMARKS.md).
+
+A reply that says a call did not run (MOVED, ASK, TRYAGAIN, CLUSTERDOWN while slots move;
+NOSCRIPT) is safe to send again, writes included: :func:`until_run` does, within the
+command deadline. Which outcome a lost answer has is the caller's (``Store._call``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis import exceptions as redis_errors
+from redis.asyncio.cluster import PipelineCommand, RedisCluster
+from redis.commands.core import AsyncScript
+
+T = TypeVar("T")
+
+#: One call of a script: its keys and its arguments.
+ScriptCall = tuple[Sequence[Any], Sequence[Any]]
+
+#: Redis Cluster answers that say a command was *not* run (a slot moving or not served
+#: for a moment): safe to send again, writes included, within the command deadline.
+NOT_RUN = (
+    redis_errors.TryAgainError,
+    redis_errors.MovedError,
+    redis_errors.AskError,
+    redis_errors.ClusterDownError,
+    redis_errors.SlotNotCoveredError,
+    redis_errors.ClusterError,  # redis-py's "TTL exhausted": redirected too often
+)
+
+
+async def until_run(
+    call: Callable[[], Awaitable[T]],
+    started: float,
+    deadline_s: float,
+    on_retry: Callable[[], None] = lambda: None,
+) -> T:
+    """``call()``, sent again while Redis Cluster answers that it did not run it (a slot
+    is moving), until ``deadline_s`` after ``started`` (``time.perf_counter()``)."""
+    delay = 0.01
+    while True:
+        try:
+            return await call()
+        except NOT_RUN:
+            if time.perf_counter() - started + delay > deadline_s:
+                raise
+            on_retry()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+class ScriptBatches:
+    """Runs a script for many calls in one round trip (per node); one reply per call,
+    refusals (error replies) as exceptions in the list, a lost answer raised."""
+
+    def __init__(
+        self,
+        redis: Any,
+        wait_replicas: int,
+        wait_timeout_ms: int,
+        deadline_s: float,
+        on_retry: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.redis = redis
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.deadline_s = deadline_s
+        self.on_retry = on_retry
+
+    async def run(self, script: AsyncScript, calls: Sequence[ScriptCall]) -> list[Any]:
+        if isinstance(self.redis, RedisCluster):
+            return await self.per_node(script, calls)
+        return await self.pipelined(script, calls)
+
+    async def pipelined(self, script: AsyncScript, calls: Sequence[ScriptCall]) -> list[Any]:
+        """One server: one pipeline, ending in WAIT when replicas must confirm. EVALSHA
+        straight away (redis-py's own way asks SCRIPT EXISTS first, one more round trip
+        per pipeline); a NOSCRIPT reply means the call did not run: load it, send again."""
+        todo = list(range(len(calls)))
+        replies: list[Any] = [None] * len(calls)
+        for _ in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                if self.wait_replicas:
+                    pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+                got = await pipe.execute(raise_on_error=False)
+            if self.wait_replicas:
+                self._check_replicas(got.pop())
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
+            if not todo:
+                break
+            script.sha = await self.redis.script_load(script.script)
+        return replies
+
+    def _check_replicas(self, acked: Any) -> None:
+        if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
+            raise redis_errors.TimeoutError(
+                f"{acked} of {self.wait_replicas} replicas confirmed the write "
+                f"within {self.wait_timeout_ms} ms"
+            )
+
+    async def per_node(self, script: AsyncScript, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Redis Cluster: one pipeline per node on that node's own connection, for the
+        slots it serves, all nodes at once (redis-py refuses EVALSHA in its cluster
+        pipelines). A call a node answers with a redirection (MOVED, ASK, TRYAGAIN) or
+        NOSCRIPT did not run there: it goes again on its own through the cluster client,
+        which follows redirections and loads the script."""
+        cluster: RedisCluster = self.redis
+        if cluster._initialize:  # first use, or after a lost node: learn the slots
+            await cluster.initialize()
+        by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
+        commands = []
+        for i, (keys, args) in enumerate(calls):
+            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
+            command = PipelineCommand(i, "EVALSHA", script.sha, len(keys), *keys, *args)
+            by_node.setdefault(node.name, (node, []))[1].append(command)
+            commands.append(command)
+        await asyncio.gather(*(_on_node(cluster, node, cmds) for node, cmds in by_node.values()))
+        replies = []
+        for command, (keys, args) in zip(commands, calls, strict=True):
+            reply = command.result
+            if isinstance(reply, (*NOT_RUN, redis_errors.NoScriptError)):
+                reply = await until_run(
+                    lambda k=keys, a=args: script(keys=k, args=a),
+                    time.perf_counter(),
+                    self.deadline_s,
+                    self.on_retry,
+                )
+            replies.append(reply)
+        return replies
+
+
+async def _on_node(cluster: RedisCluster, node: Any, commands: list[PipelineCommand]) -> None:
+    """One node's pipeline. A lost connection is handled as redis-py's cluster client
+    handles it for its own commands: the node's connections are renewed and the slot map
+    is learned again before the next use (a failover may have moved its slots).
+
+    redis-py files an error met while reading the replies as that command's result; a
+    connection error there means every command sent may or may not have run, so it is
+    raised (an unknown outcome for the whole batch), never read as a refusal."""
+    try:
+        await node.execute_pipeline(commands)
+        for command in commands:
+            if isinstance(command.result, redis_errors.ConnectionError | redis_errors.TimeoutError):
+                raise command.result
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+        node.update_active_connections_for_reconnect()
+        await node.disconnect_free_connections()
+        cluster.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
+        cluster._initialize = True
+        raise
