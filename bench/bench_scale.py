@@ -132,9 +132,7 @@ class GroupCommitWays:
     def __init__(self, store: Store, leases: list[SessionLease], topology: str) -> None:
         self.store, self.leases, self.step = store, leases, 0
         self.script = store._log_append
-        self.batched = (
-            store._scripts_per_node if topology == "cluster" else store._scripts_pipelined
-        )
+        self.batched = store.batches.per_node if topology == "cluster" else store.batches.pipelined
 
     async def rate(self, way: str, seconds: float) -> float:
         fn = self.grouped if way == "grouped" else self.concurrent
