@@ -61,6 +61,8 @@ class Rebalancer:
                 await self.round()
             except SsmserveError as exc:  # the store is away, a target vanished: next round
                 log.warning("rebalance: round failed: %s", exc)
+            except Exception:  # a bug must not end rebalancing for the worker's lifetime
+                log.exception("rebalance: round failed")
 
     async def round(self) -> int:
         """Hand off sessions to less loaded workers, as the registry shows them now;
