@@ -17,6 +17,7 @@ heartbeat, a few seconds old); the moves of the current round are counted on top
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -43,20 +44,32 @@ class Rebalancer:
         self.settings = settings
         self.moved = 0  # sessions handed off by rebalancing since start
         self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
 
     def start(self) -> None:
         if self.settings.every_s > 0 and self._task is None:
             self._task = asyncio.create_task(self._run(), name="rebalance")
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the hand-off under way, if any (a hand-off cut in the middle would
+        leave its session reserved for a target that never takes it, until the lease
+        runs out); cancelled if that takes longer than ``timeout_s``."""
+        self._closing.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except TimeoutError:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.every_s * random.uniform(0.75, 1.25))
+        while not self._closing.is_set():
+            pause = self.settings.every_s * random.uniform(0.75, 1.25)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), pause)
+            if self._closing.is_set():
+                return
             try:
                 await self.round()
             except SsmserveError as exc:  # the store is away, a target vanished: next round
@@ -80,6 +93,8 @@ class Rebalancer:
         planned: dict[str, int] = {}  # address -> sessions sent there in this round
         moved = 0
         for session_id in resident:
+            if self._closing.is_set():
+                break
             if moved >= self.settings.max_moves or mine - moved <= math.ceil(mean):
                 break
             try:
