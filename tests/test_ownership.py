@@ -421,12 +421,12 @@ def test_a_joining_worker_is_filled_by_the_timer_and_drains_give_nothing_back(
     x = random_inputs(model, 40, seed=42)
     often = RebalanceSettings(every_s=1.0)
     fast = OwnershipSettings(lease_ttl_s=1.0, worker_ttl_s=1.0)  # heartbeats every 1/3 s
+    drained = start_worker(rebalance=often, ownership=fast)
+    list(drained.client.drain())  # before A has sessions: nothing can have moved there
     a = start_worker(rebalance=often, ownership=fast)
     sids = [a.client.create_session("demo").session_id for _ in range(6)]
     for sid in sids:
         stream(a, sid, x[:10])
-    drained = start_worker(rebalance=often, ownership=fast)
-    list(drained.client.drain())
     b = start_worker(rebalance=often, ownership=fast)
     # bound: a round every 0.75..1.25 s moves up to 4; one heartbeat later A sees it
     deadline = time.monotonic() + 30
