@@ -415,3 +415,42 @@ def _ignore(call) -> None:
     # The worker doing it was killed: the outcome is read back from the cluster.
     with contextlib.suppress(SsmserveClientError):
         call()
+
+
+def test_a_session_dropped_as_it_loads_answers_its_step_with_an_error(worker, served_models):
+    """A session can leave memory (an unknown write outcome) between its load finishing
+    and the request that waited for the load going on. That request must not queue its
+    step on the session that left (nobody would ever answer it): it gets the error that
+    dropped the session (UNAVAILABLE, retry), and the retry loads the session again."""
+    from ssmserve.server.sessions.errors import ReloadingError
+
+    model = served_models["demo"]
+    x = random_inputs(model, 6, seed=640)
+    sid = worker.client.create_session("demo").session_id
+    stream = list(worker.client.stream_steps(sid, list(x[:5])))
+    assert len(stream) == 5
+    manager = worker.manager
+    worker.call(manager.loader.unload(manager.residents.get(sid), "test"))
+    load = manager.loader._load
+    dropped = []
+
+    async def load_then_drop(session_id: str):
+        s = await load(session_id)
+        if not dropped:  # as a failed write of another request would, once
+            dropped.append(s)
+            manager.residents.drop(s, ReloadingError(f"session {session_id!r} test drop"))
+        return s
+
+    manager.loader._load = load_then_drop
+    try:
+        with pytest.raises(ReloadingError):
+            worker.call(manager.submit(sid, 6, x[5]), timeout=10)
+        outcome = worker.call(_answer(manager, sid, 6, x[5]), timeout=10)  # the retry
+    finally:
+        manager.loader._load = load
+    assert dropped and outcome.error is None
+    assert_bit_equal(outcome.output, reference(model, x)[5])
+
+
+async def _answer(manager, sid, step, value):
+    return await asyncio.wait_for(await manager.submit(sid, step, value), 10)

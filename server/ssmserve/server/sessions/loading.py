@@ -82,19 +82,19 @@ class SessionLoader:
             return s
         pending = self._loading.get(session_id)
         if pending is not None:
-            return await asyncio.shield(pending)
+            return _still_resident(await asyncio.shield(pending))
         future: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
         self._loading[session_id] = future
         try:
             s = await self._load(session_id)
             future.set_result(s)
-            return s
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: waiters get it via shield
             raise
         finally:
             del self._loading[session_id]
+        return _still_resident(s)
 
     async def meta(self, session_id: str, allow_closed: bool = False) -> SessionMeta:
         meta = await self.store.get_meta(session_id)
@@ -356,3 +356,13 @@ def default_memory_budget() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
     except (ValueError, OSError):
         return 1 << 62  # unknown: no memory budget beyond max_sessions
+
+
+def _still_resident(s: Session) -> Session:
+    """``s``, unless it left memory before the request that waited for its load went on
+    (a write of another request had an unknown outcome, say): work queued on it then
+    would never be answered, so the request fails with what dropped it (UNAVAILABLE:
+    the retry loads the session again)."""
+    if s.gone is not None:
+        raise s.gone
+    return s

@@ -148,6 +148,9 @@ class Stepper:
         self.engine.shutdown()
 
     def submit(self, session: Session, job: StepJob) -> None:
+        if session.gone is not None:  # it left memory: nobody would run this step
+            job.future.set_result(StepOutcome(session.id, job.step, error=session.gone))
+            return
         session.queue.append(job)
         self.notify(session)
 
