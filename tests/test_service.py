@@ -436,7 +436,7 @@ def test_retention_keeps_n_snapshots_and_trims_the_log(worker, served_models, re
     with sync_client(redis_url) as r:
         logged = sorted(int(k) for k in r.hkeys(f"ssm:{{{sid}}}:log"))
         assert logged == [17, 18, 19, 20, 21]
-        blobs = [k for k in r.keys(f"ssm:{{{sid}}}:blob:*")]
+        blobs = [k for k in r.scan_iter(match=f"ssm:{{{sid}}}:blob:*")]
         assert len(blobs) == 3
     with pytest.raises(FailedPrecondition, match="oldest kept snapshot is at step 16"):
         worker.client.rollback(sid, to_step=15)
@@ -449,7 +449,7 @@ def test_keys_of_a_session_carry_its_hash_tag(worker, served_models, redis_url):
     stream(worker, sid, random_inputs(model, 7, seed=12))
     worker.client.snapshot(sid, label="l")
     with sync_client(redis_url) as r:
-        keys = sorted(k.decode() for k in r.keys("*"))
+        keys = sorted(k.decode() for k in r.scan_iter(match="*"))
         global_keys = {"ssm:sessions", "ssm:workers"}
         session_keys = [k for k in keys if k not in global_keys and ":worker:" not in k]
         assert session_keys and all(k.startswith(f"ssm:{{{sid}}}:") for k in session_keys)
@@ -495,7 +495,7 @@ def test_close_with_and_without_final_snapshot(worker, served_models, redis_url)
     with pytest.raises(NotFound):
         worker.client.get_session(gone)
     with sync_client(redis_url) as r:
-        assert r.keys(f"ssm:{{{gone}}}:*") == []
+        assert list(r.scan_iter(match=f"ssm:{{{gone}}}:*")) == []
     info = worker.client.get_session(kept)
     assert info.closed and not info.resident and info.snapshot_count == 1
     with pytest.raises(StepFailed) as err:
