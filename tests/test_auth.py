@@ -250,7 +250,8 @@ def test_cli_sends_the_token(start_worker, tokens, capsys, monkeypatch) -> None:
     assert cli_main(["--server", w.address, "session", "list"]) == 2
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert cli_main(["--server", w.address, "--token", tokens["a"], "session", "list"]) == 0
-    monkeypatch.setenv("SSMSERVE_TOKEN", tokens["operator"])
+    # as a Kubernetes Secret made from a file holds it: a trailing newline is no part of it
+    monkeypatch.setenv("SSMSERVE_TOKEN", tokens["operator"] + "\n")
     assert cli_main(["--server", w.address, "workers"]) == 0
     capsys.readouterr()
 

@@ -79,7 +79,8 @@ class AsyncClient:
             raise ValueError("give at least one worker address")
         self.address = addresses[0]
         self.retry = retry or RetryPolicy()
-        token = token if token is not None else os.environ.get("SSMSERVE_TOKEN") or None
+        token = token if token is not None else os.environ.get("SSMSERVE_TOKEN")
+        token = token.strip() or None if token else None  # a token file's newline is no part
         self.router = WorkerRouter(addresses, self.retry, max_message_bytes, discover, tls, token)
         self.channel = self.router.worker(self.address).channel
         self.stub = self.router.worker(self.address).sessions
