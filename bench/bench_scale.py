@@ -267,7 +267,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     seconds = 0.5 if args.quick else 3.0
-    sizes = [1, 16] if args.quick else [1, 16, 128]
+    sizes = [1, 16] if args.quick else [1, 16, 64]
     out: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as name:
         tmp = Path(name)
