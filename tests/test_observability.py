@@ -113,6 +113,11 @@ def test_migrations_and_takeovers_are_counted(start_worker, served_models):
     assert value(samples, "ssmserve_migrations_total", result="ok") == 1
     assert value(samples, "ssmserve_migration_downtime_seconds_count") == 1
     assert value(scrape(b), "ssmserve_takeovers_total") == 0  # a hand-off is no takeover
+    drained = b.client.create_session("demo").session_id
+    stream(b, drained, random_inputs(model, 2, seed=76))
+    assert [p.target for p in b.client.drain(b.address)] == [a.address, a.address]
+    b.client.undrain(b.address)
+    assert value(scrape(b), "ssmserve_migrations_total", result="ok") == 2  # drains count
     orphan = a.client.create_session("demo").session_id
     stream(a, orphan, random_inputs(model, 3, seed=74))
     a.crash()

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.cluster.ownership import Ownership, least_loaded
 from ssmserve.server.cluster.peers import Peers
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.state.lease import SessionLease
@@ -125,27 +125,7 @@ class Migrator:
                 return MigrationResult(session_id, self.address, self.address, s.step, "", 0.0)
             s = await self.manager.session(session_id)
             target = await self._target(target_address, s.model_name, self.ownership.numerics)
-            held = time.perf_counter()
-            try:
-                step, snapshot_id = await self.manager.hand_off(
-                    session_id, target, lambda sid: self.peers.adopt(target.address, sid)
-                )
-            except BaseException:
-                self.manager.store.metrics.migrations.labels("failed").inc()
-                raise
-            done = time.perf_counter()
-            metrics = self.manager.store.metrics
-            metrics.migrations.labels("ok").inc()
-            metrics.migration_downtime.observe(done - held)
-            elapsed = (done - started) * 1000
-            log.info(
-                "session %s migrated to %s in %.1f ms", session_id, target_address, elapsed,
-                extra={"session_id": session_id, "step": step, "event": "migrated",
-                       "target": target.address},
-            )  # fmt: skip
-            return MigrationResult(
-                session_id, self.address, target.address, step, snapshot_id, elapsed
-            )
+            return await self.hand_off(session_id, target, started)
         meta = await self.manager.store.get_meta(session_id)
         if meta is None:
             raise SessionMissingError(f"session {session_id!r} does not exist")
@@ -160,6 +140,32 @@ class Migrator:
             step = (await self.peers.adopt(target.address, session_id)).step
         elapsed = (time.perf_counter() - started) * 1000
         return MigrationResult(session_id, "", target_address, step, "", elapsed)
+
+    async def hand_off(
+        self, session_id: str, target: WorkerRecord, started: float | None = None
+    ) -> MigrationResult:
+        """Hand a resident session to ``target`` (checked by the caller: live, serving the
+        model, same numerics), counted and logged as a migration."""
+        started = time.perf_counter() if started is None else started
+        held = time.perf_counter()
+        metrics = self.manager.store.metrics
+        try:
+            step, snapshot_id = await self.manager.hand_off(
+                session_id, target, lambda sid: self.peers.adopt(target.address, sid)
+            )
+        except BaseException:
+            metrics.migrations.labels("failed").inc()
+            raise
+        done = time.perf_counter()
+        metrics.migrations.labels("ok").inc()
+        metrics.migration_downtime.observe(done - held)
+        elapsed = (done - started) * 1000
+        log.info(
+            "session %s migrated to %s in %.1f ms", session_id, target.address, elapsed,
+            extra={"session_id": session_id, "step": step, "event": "migrated",
+                   "target": target.address},
+        )  # fmt: skip
+        return MigrationResult(session_id, self.address, target.address, step, snapshot_id, elapsed)
 
     async def place(self, session_id: str, target_address: str) -> None:
         """Move a session just made here (a fork) to ``target_address``.
@@ -244,11 +250,9 @@ class Migrator:
             s = await self.manager.session(session_id)
             targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
             if targets:
-                target = min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))
+                target = least_loaded(targets, planned)
                 planned[target.address] = planned.get(target.address, 0) + 1
-                await self.manager.hand_off(
-                    session_id, target, lambda sid: self.peers.adopt(target.address, sid)
-                )
+                await self.hand_off(session_id, target)
                 return session_id, target.address, ""
         except SsmserveError as exc:
             error = str(exc)

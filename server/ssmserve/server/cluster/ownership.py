@@ -243,10 +243,16 @@ class Ownership:
     async def targets(self, model: str, numerics: str = "") -> list[WorkerRecord]:
         """Other live, non-draining workers serving ``model``, least loaded first; with
         ``numerics``, only those whose engine gives the same bits."""
+        return self.targets_among(await self.live_workers(), model, numerics)
+
+    def targets_among(
+        self, workers: Sequence[WorkerRecord], model: str, numerics: str = ""
+    ) -> list[WorkerRecord]:
+        """:meth:`targets`, from a registry read the caller already made."""
         return sorted(
             (
                 w
-                for w in await self.live_workers()
+                for w in workers
                 if w.worker_id != self.worker_id
                 and not w.draining
                 and model in w.models
@@ -254,3 +260,10 @@ class Ownership:
             ),
             key=lambda w: (w.load, w.address),
         )
+
+
+def least_loaded(targets: Sequence[WorkerRecord], planned: dict[str, int]) -> WorkerRecord:
+    """The target with the fewest sessions, counting ``planned`` (address -> sessions
+    already sent there by the caller since the registry read) on top of its heartbeat's
+    load; ties go to the lower address, so every caller picks alike."""
+    return min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))

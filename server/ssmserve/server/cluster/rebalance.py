@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 
 from ssmserve.server.cluster.migration import Migrator
+from ssmserve.server.cluster.ownership import least_loaded
 from ssmserve.server.errors import SsmserveError
 
 log = logging.getLogger(__name__)
@@ -99,14 +100,14 @@ class Rebalancer:
                 break
             try:
                 s = await migrator.manager.session(session_id)
-                targets = await ownership.targets(s.model_name, ownership.numerics)
+                targets = ownership.targets_among(workers, s.model_name, ownership.numerics)
                 if not targets:
                     continue
-                target = min(targets, key=lambda w: (w.load + planned.get(w.address, 0), w.address))
+                target = least_loaded(targets, planned)
                 theirs = target.load + planned.get(target.address, 0)
                 if mine - moved - theirs < self.settings.min_excess:
                     continue
-                await migrator.migrate(session_id, target.address)
+                await migrator.hand_off(session_id, target)
             except SsmserveError as exc:  # closed, moved or refused meanwhile: the next one
                 log.info("rebalance: session %s stays: %s", session_id, exc)
                 continue
