@@ -91,11 +91,13 @@ class _Processes:
 
 
 class RedisClusterHarness:
-    """Three masters, no replicas, every slot covered."""
+    """Three masters (``ports[:masters]``), every slot covered; with ``replicas``, that
+    many replicas of each master (the other ports)."""
 
-    def __init__(self, root: Path, masters: int = 3) -> None:
+    def __init__(self, root: Path, masters: int = 3, replicas: int = 0) -> None:
         self.processes = _Processes(root)
-        self.ports = [free_cluster_port() for _ in range(masters)]
+        self.masters, self.replicas = masters, replicas
+        self.ports = [free_cluster_port() for _ in range(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -113,13 +115,27 @@ class RedisClusterHarness:
             self._node_process(port)
         subprocess.run(
             [redis_cli(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         for port in self.ports:
             _wait(lambda p=port: self.node(p).cluster("info")["cluster_state"] == "ok",
                   f"cluster state ok on {port}")  # fmt: skip
+        if self.replicas:
+            _wait(self._replicas_in_sync, "every replica in sync with its master")
         return self
+
+    def _replicas_in_sync(self) -> bool:
+        return all(
+            self.node(p).info("replication").get("master_link_status") == "up"
+            for p in self.ports
+            if self.node(p).info("replication")["role"] == "slave"
+        )
+
+    def live_masters(self) -> list[int]:
+        return [
+            p for p in self.processes.procs if self.node(p).info("replication")["role"] == "master"
+        ]
 
     def node(self, port: int) -> redis.Redis:
         return redis.Redis(port=port, socket_timeout=10)
@@ -128,7 +144,8 @@ class RedisClusterHarness:
         return self.node(port).cluster("myid").decode()
 
     def kill_node(self, port: int) -> None:
-        """SIGKILL one master (its slots are then not served: no replicas here)."""
+        """SIGKILL one node (a master's slots are then not served until a replica of it,
+        if it has one, takes over: a cluster failover)."""
         proc = self.processes.procs.pop(port)
         proc.kill()
         proc.wait(10)
@@ -141,13 +158,13 @@ class RedisClusterHarness:
                   f"cluster state ok on {p} after a restart")  # fmt: skip
 
     def flushall(self) -> None:
-        for port in self.ports:
+        for port in self.live_masters():
             with self.node(port) as r:
                 r.flushall()
 
     def owner_of_slot(self, slot: int) -> int:
-        """The port of the master serving ``slot``."""
-        with self.node(self.ports[0]) as r:
+        """The port of the master serving ``slot``, as a live node sees it."""
+        with self.node(next(iter(self.processes.procs))) as r:
             for start, end, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
                 if start <= slot <= end:
                     return int(master[1])

@@ -147,6 +147,81 @@ def test_sentinel_failover_while_streaming_loses_no_acknowledged_step(
             w.kill()
 
 
+@pytest.fixture
+def redis_cluster_with_replicas(tmp_path_factory: pytest.TempPathFactory):
+    """Three masters with a replica each (its own, since a test fails a master over)."""
+    with RedisClusterHarness(tmp_path_factory.mktemp("redis-cluster-r"), replicas=1) as c:
+        yield c
+
+
+@pytest.mark.slow
+@pytest.mark.topology
+def test_cluster_failover_with_wait_replicas_loses_no_acknowledged_step(
+    model_dirs, served_models, redis_cluster_with_replicas: RedisClusterHarness, tmp_path
+):
+    """A worker on a Redis Cluster whose masters have a replica each, with
+    --redis-wait-replicas 1; three sessions (one per master) stream while the master
+    of one of them is killed and its replica takes over (and, restarted, the old master
+    becomes the new one's replica). Clients see UNAVAILABLE and resume; every answered
+    step is still there and every output is exact."""
+    from tests.cluster_helpers import start_workers
+
+    cluster = redis_cluster_with_replicas
+    model = served_models["demo"]
+    workers = start_workers(
+        1, model_dirs, cluster.url, tmp_path, lease_ttl_s=2.0,
+        extra_args=("--redis-wait-replicas", "1"),
+    )  # fmt: skip
+    address = workers[0].address
+    try:
+        sids = ids_on_every_master(cluster, 1)
+        for sid in sids:
+            Client(address).create_session("demo", session_id=sid, snapshot_every=16)
+        xs = [random_inputs(model, 20_000, seed=800 + i) for i in range(len(sids))]
+        stop = threading.Event()
+        thread, outs, errors = stream_in_background([address], sids, xs, stop, stall_timeout_s=5)
+        wait_for(lambda: min(len(o) for o in outs) >= 20, errors)
+        with sync_client(cluster.url) as r:
+            victim = cluster.owner_of_slot(r.keyslot(f"ssm:{{{sids[0]}}}:meta"))
+        cluster.kill_node(victim)
+        with sync_client(cluster.url) as r:  # its replica takes over its slots
+            slot = r.keyslot(f"ssm:{{{sids[0]}}}:meta")
+        wait_for(lambda: cluster.owner_of_slot(slot) != victim, errors, 60, "the failover")
+        # The new master has no replica to confirm writes until the old one rejoins as
+        # its replica: till then no write of its sessions counts (they reload, clients
+        # retry), and the sessions on the other masters go on.
+        moving_on([outs[1], outs[2]], errors, 21, timeout_s=60, what="the other masters' streams")
+        cluster.restart_node(victim)
+        moving_on(outs, errors, 21, timeout_s=60, what="every stream after the failover")
+        stop.set()
+        thread.join(60)
+        assert not errors, errors
+        with Client(address) as client:
+            check_exact(model, sids, xs, outs, client)  # acknowledged = still there
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_waiting_for_replicas_that_do_not_exist_answers_unavailable(redis_cluster):
+    """With --redis-wait-replicas 1 on a cluster without replicas, no write counts: the
+    store says the outcome is unknown (the WAIT is sent on the writing connection)."""
+    from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
+    from tests.test_store import new
+
+    redis_cluster.flushall()
+
+    async def main() -> None:
+        store = Store(StoreSettings(url=redis_cluster.url, wait_replicas=1, wait_timeout_ms=50))
+        try:
+            with pytest.raises(StoreOutcomeUnknownError, match="0 of 1 replicas confirmed"):
+                await new(store, "w-x")  # applied on the master, not confirmed
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+
+
 def test_redis_urls_are_read_or_refused_clearly():
     cluster = RedisUrl.parse("redis+cluster://u:p%40ss@10.0.0.1:7000,[::1]:7001")
     assert cluster.kind == "cluster" and cluster.hosts == (("10.0.0.1", 7000), ("::1", 7001))
@@ -171,8 +246,8 @@ def test_bad_topology_flags_are_refused_at_start():
     def settings(*argv: str) -> object:
         return settings_from_args(build_parser().parse_args(["--demo", *argv]))
 
-    with pytest.raises(SystemExit, match="not supported on Redis Cluster"):
-        settings("--redis-url", "redis+cluster://127.0.0.1:7000", "--redis-wait-replicas", "1")
+    with pytest.raises(SystemExit, match="needs --redis-url"):
+        settings("--redis-wait-replicas", "1")
     with pytest.raises(SystemExit, match="master's name"):
         settings("--redis-url", "redis+sentinel://127.0.0.1:26379")
 

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait until N replicas hold every write (Redis WAIT) before it counts: "
         "acknowledged steps then survive a master failover, at the cost of a replication "
         "round trip per write; fewer replicas in time reloads the session (default 0; "
-        "one server or Sentinel only; env SSMSERVE_REDIS_WAIT_REPLICAS)",
+        "on Redis Cluster, replicas of the master that holds the session; env "
+        "SSMSERVE_REDIS_WAIT_REPLICAS)",
     )
     parser.add_argument(
         "--data-dir",
@@ -301,11 +302,6 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit("ssmserve-server: error: --redis-timeout must be between 0.05 and 60 s")
     if not 0 <= args.redis_wait_replicas <= 16:
         raise SystemExit("ssmserve-server: error: --redis-wait-replicas must be 0..16")
-    if args.redis_wait_replicas and "+cluster://" in (args.redis_url or ""):
-        raise SystemExit(
-            "ssmserve-server: error: --redis-wait-replicas is not supported on Redis Cluster "
-            "yet (use it with one server or Sentinel)"
-        )
     if args.redis_wait_replicas and not args.redis_url:
         raise SystemExit(
             "ssmserve-server: error: --redis-wait-replicas needs --redis-url (the embedded "

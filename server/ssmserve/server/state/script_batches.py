@@ -7,8 +7,9 @@ EVALSHAs at once. How depends on where the keys live:
   replicas must confirm each write (``--redis-wait-replicas``).
 - **Redis Cluster**: redis-py refuses EVALSHA in its cluster pipelines, so the calls are
   grouped by the node that serves their slot and each group goes as one pipeline on that
-  node's own connection, all nodes at once (``bench/bench_scale.py`` measures this against
-  one concurrent call per script: BENCHMARKS.md).
+  node's own connection, all nodes at once, each ending in ``WAIT`` when replicas must
+  confirm (``bench/bench_scale.py`` measures this against one concurrent call per
+  script: BENCHMARKS.md).
 
 A reply that says a call did not run (MOVED, ASK, TRYAGAIN, CLUSTERDOWN while slots move;
 NOSCRIPT) is safe to send again, writes included: :func:`until_run` does, within the
@@ -100,8 +101,11 @@ class ScriptBatches:
                 if self.wait_replicas:
                     pipe.wait(self.wait_replicas, self.wait_timeout_ms)
                 got = await pipe.execute(raise_on_error=False)
-            if self.wait_replicas:
-                self._check_replicas(got.pop())
+            acked = got.pop() if self.wait_replicas else None
+            if self.wait_replicas and not all(
+                isinstance(reply, redis_errors.NoScriptError) for reply in got
+            ):
+                self._check_replicas(acked)
             for i, reply in zip(todo, got, strict=True):
                 replies[i] = reply
             todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
@@ -120,32 +124,83 @@ class ScriptBatches:
     async def per_node(self, script: AsyncScript, calls: Sequence[ScriptCall]) -> list[Any]:
         """Redis Cluster: one pipeline per node on that node's own connection, for the
         slots it serves, all nodes at once (redis-py refuses EVALSHA in its cluster
-        pipelines). A call a node answers with a redirection (MOVED, ASK, TRYAGAIN) or
-        NOSCRIPT did not run there: it goes again on its own through the cluster client,
-        which follows redirections and loads the script."""
+        pipelines), each ending in WAIT when replicas must confirm (on the connection
+        that wrote: WAIT counts the writes of its own connection).
+
+        A call a node answers with a redirection or NOSCRIPT did not run there; it goes
+        again in the next round, within the command deadline: after MOVED to the slot's
+        new node (the slot map patched as redis-py does), after ASK to the node named,
+        preceded by ASKING on the same connection, after NOSCRIPT once the script is
+        loaded, after TRYAGAIN or CLUSTERDOWN after a pause."""
         cluster: RedisCluster = self.redis
-        if cluster._initialize:  # first use, or after a lost node: learn the slots
-            await cluster.initialize()
-        by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
-        commands = []
-        for i, (keys, args) in enumerate(calls):
-            node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
-            command = PipelineCommand(i, "EVALSHA", script.sha, len(keys), *keys, *args)
-            by_node.setdefault(node.name, (node, []))[1].append(command)
-            commands.append(command)
-        await asyncio.gather(*(_on_node(cluster, node, cmds) for node, cmds in by_node.values()))
-        replies = []
-        for command, (keys, args) in zip(commands, calls, strict=True):
-            reply = command.result
-            if isinstance(reply, (*NOT_RUN, redis_errors.NoScriptError)):
-                reply = await until_run(
-                    lambda k=keys, a=args: script(keys=k, args=a),
-                    time.perf_counter(),
-                    self.deadline_s,
-                    self.on_retry,
-                )
-            replies.append(reply)
-        return replies
+        started = time.perf_counter()
+        replies: list[Any] = [None] * len(calls)
+        todo: dict[int, Any] = dict.fromkeys(range(len(calls)))  # call -> ASK node or None
+        delay, rounds = 0.01, 0
+        while True:
+            rounds += 1
+            if cluster._initialize:  # first use, or after a lost node: learn the slots
+                await cluster.initialize()
+            by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
+            for i, asked in todo.items():
+                keys, args = calls[i]
+                node = asked or cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
+                commands = by_node.setdefault(node.name, (node, []))[1]
+                if asked is not None:
+                    commands.append(PipelineCommand(_ASKING, "ASKING"))
+                commands.append(PipelineCommand(i, "EVALSHA", script.sha, len(keys), *keys, *args))
+            if self.wait_replicas:
+                for _node, commands in by_node.values():
+                    commands.append(
+                        PipelineCommand(_WAIT, "WAIT", self.wait_replicas, self.wait_timeout_ms)
+                    )
+            await asyncio.gather(
+                *(_on_node(cluster, node, commands) for node, commands in by_node.values())
+            )
+            todo, refused, load, pause = {}, None, False, False
+            for _node, commands in by_node.values():
+                if self.wait_replicas and any(_ran(c) for c in commands):
+                    self._check_replicas(commands[-1].result)
+                for command in commands:
+                    i, reply = command.position, command.result
+                    if i < 0:
+                        continue
+                    if not isinstance(reply, (*NOT_RUN, redis_errors.NoScriptError)):
+                        replies[i] = reply
+                        continue
+                    refused, todo[i] = reply, None
+                    if isinstance(reply, redis_errors.AskError):
+                        todo[i] = cluster.nodes_manager.get_node(reply.host, reply.port)
+                        if todo[i] is None:  # a node we do not know yet: learn the nodes
+                            cluster._initialize = True
+                    elif isinstance(reply, redis_errors.MovedError):
+                        await cluster.nodes_manager.move_slot(reply)
+                    elif isinstance(reply, redis_errors.NoScriptError):
+                        load = True
+                    else:  # TRYAGAIN, CLUSTERDOWN, not covered: give the cluster a moment
+                        pause = True
+            if refused is None:
+                return replies
+            if time.perf_counter() - started + delay > self.deadline_s:
+                raise refused
+            self.on_retry()
+            if load:
+                script.sha = await cluster.script_load(script.script)  # on every master
+            if pause or rounds > 2:  # a slot still moving: do not spin
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+
+#: Pipeline positions of the commands that are not calls (their replies are not replies).
+_ASKING, _WAIT = -1, -2
+
+
+def _ran(command: PipelineCommand) -> bool:
+    """Whether a call in a pipeline ran (a WAIT after calls that all did not run has
+    nothing to confirm)."""
+    return command.position >= 0 and not isinstance(
+        command.result, (*NOT_RUN, redis_errors.NoScriptError)
+    )
 
 
 async def _on_node(cluster: RedisCluster, node: Any, commands: list[PipelineCommand]) -> None:

@@ -297,11 +297,6 @@ class Store:
         self.settings = settings
         self.metrics = metrics or Metrics(enabled=False)
         self.topology = redis_topology.topology_of(settings.url)
-        if settings.wait_replicas and self.topology == "cluster":
-            raise ValueError(
-                "waiting for replicas (--redis-wait-replicas) is not supported on Redis "
-                "Cluster yet; use it with one server or Sentinel"
-            )
         if settings.wait_replicas and settings.wait_timeout_ms >= settings.socket_timeout_s * 1000:
             raise ValueError("wait_timeout_ms must be below the command deadline")
         self.redis: Any = redis_topology.connect(settings.url, settings.socket_timeout_s)
@@ -446,6 +441,11 @@ class Store:
                     f"session {meta.session_id!r} may or may not have been created: {unknown}"
                 ) from None
             if current is not None and current.token == meta.token:
+                if self.settings.wait_replicas:  # applied, but maybe on the master only
+                    raise StoreOutcomeUnknownError(
+                        f"session {meta.session_id!r} was created, but too few replicas "
+                        f"confirmed it: {unknown}"
+                    ) from None
                 return  # it was applied
             if current is not None:
                 raise SessionExistsError(f"session {meta.session_id!r} already exists") from None
