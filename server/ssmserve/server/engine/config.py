@@ -1,15 +1,20 @@
 """Model configuration: the dims of a Mamba stack and which kind of model it is.
 
-Two architectures share the same residual Mamba blocks:
+Four architectures share the same residual stack (embedding or input projection, blocks
+of RMSNorm + mixer + residual, final norm, head); they differ in the mixer and in what
+goes in and out:
 
 * ``mamba-lm``: Hugging Face ``MambaForCausalLM`` (token id in, logits out).
 * ``mamba-signal``: ssmserve's signal Mamba (float vector in, float vector out): a linear
   input projection replaces the embedding and a linear head replaces the LM head.
+* ``mamba2-lm``: Hugging Face ``Mamba2ForCausalLM`` (the Mamba-2 mixer, ``mamba2.py``).
+* ``mamba2-signal``: the signal model with Mamba-2 mixers.
 
 Shape letters used across the engine (see ``ssmserve.server.engine.mamba``):
-    d: hidden size            r: time-step (Δ) rank
+    d: hidden size            r: time-step (Δ) rank (Mamba-1)
     e: inner size (d_inner)   n: SSM state size
     k: conv kernel width
+    h: heads, p: head dim, g: groups of B and C (Mamba-2; e = h p)
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ssmserve.server.errors import ModelFormatError
+from ssmserve.server.errors import ModelFormatError, clip
 
 #: ``architectures`` entry that marks a signal-Mamba ``config.json``.
 SIGNAL_ARCHITECTURE_NAME = "SsmserveSignalMamba"
 HF_ARCHITECTURE_NAME = "MambaForCausalLM"
+SIGNAL2_ARCHITECTURE_NAME = "SsmserveSignalMamba2"
+HF2_ARCHITECTURE_NAME = "Mamba2ForCausalLM"
 
 # Guards against configs that would allocate absurd amounts of memory before the
 # tensor shapes could even be checked.
@@ -34,6 +41,22 @@ _MAX_LAYERS = 4096
 class Architecture(enum.StrEnum):
     LM = "mamba-lm"
     SIGNAL = "mamba-signal"
+    MAMBA2_LM = "mamba2-lm"
+    MAMBA2_SIGNAL = "mamba2-signal"
+
+    @property
+    def is_token_model(self) -> bool:
+        return self in (Architecture.LM, Architecture.MAMBA2_LM)
+
+    @property
+    def mamba_version(self) -> int:
+        """1: the selective scan of Mamba; 2: the multi-head SSD mixer of Mamba-2."""
+        return 2 if self in (Architecture.MAMBA2_LM, Architecture.MAMBA2_SIGNAL) else 1
+
+
+#: Fields only Mamba-2 has (left out of a Mamba-1 model's canonical form, so its
+#: fingerprint is what it was before Mamba-2 existed).
+_MAMBA2_FIELDS = ("num_heads", "head_dim", "n_groups", "time_step_limit")
 
 
 @dataclass(frozen=True)
@@ -54,26 +77,60 @@ class MambaConfig:
     tie_word_embeddings: bool = True  # LM only
     input_dim: int = 0  # signal only
     signal_output_dim: int = 0  # signal only; use ``output_dim``
+    # Mamba-2 only (HF ``Mamba2Config`` names):
+    num_heads: int = 0  # h
+    head_dim: int = 0  # p (h p = e)
+    n_groups: int = 0  # g: each group of h / g heads shares one B and C (h % g == 0)
+    time_step_limit: tuple[float, float] = (0.0, math.inf)  # Δ clamped to this range
 
     @property
     def output_dim(self) -> int:
         """Width of one step's output: vocab size (logits) or the signal head's width."""
-        return self.vocab_size if self.architecture is Architecture.LM else self.signal_output_dim
+        return self.vocab_size if self.is_token_model else self.signal_output_dim
 
     @property
     def is_token_model(self) -> bool:
-        return self.architecture is Architecture.LM
+        return self.architecture.is_token_model
+
+    @property
+    def mamba_version(self) -> int:
+        return self.architecture.mamba_version
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: e (Mamba-1), or x, B and C: e + 2 g n (Mamba-2)."""
+        if self.mamba_version == 2:
+            return self.intermediate_size + 2 * self.n_groups * self.state_size
+        return self.intermediate_size
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One layer's conv window: (e, k) or (e + 2 g n, k)."""
+        return (self.conv_dim, self.conv_kernel)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, ...]:
+        """One layer's SSM state: (e, n) for Mamba-1, (h, p, n) for Mamba-2."""
+        if self.mamba_version == 2:
+            return (self.num_heads, self.head_dim, self.state_size)
+        return (self.intermediate_size, self.state_size)
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of recurrent state per session: per layer conv (e, k) + ssm (e, n), float32."""
-        e, k, n = self.intermediate_size, self.conv_kernel, self.state_size
-        return self.num_hidden_layers * e * (k + n) * 4
+        """Bytes of recurrent state per session: per layer conv + ssm state, float32."""
+        per_layer = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+        return self.num_hidden_layers * per_layer * 4
 
     def canonical(self) -> dict[str, Any]:
         """The fields that define the model's math, for fingerprints and checkpoints."""
         per_arch = ("vocab_size", "tie_word_embeddings", "input_dim", "signal_output_dim")
+        if self.mamba_version == 1:
+            per_arch += _MAMBA2_FIELDS
+        else:
+            per_arch += ("time_step_rank",)
         out = {k: v for k, v in asdict(self).items() if k not in per_arch}
+        if self.mamba_version == 2:  # JSON has no infinity: name it
+            out["time_step_limit"] = [_float_text(v) for v in self.time_step_limit]
         out["architecture"] = str(self.architecture)
         out["output_dim"] = self.output_dim
         if self.is_token_model:
@@ -85,6 +142,8 @@ class MambaConfig:
 
     def to_json(self) -> dict[str, Any]:
         """A ``config.json`` for this model (HF-compatible for token models)."""
+        if self.mamba_version == 2:
+            return self._to_json_mamba2()
         common = {
             "hidden_size": self.hidden_size,
             "state_size": self.state_size,
@@ -113,6 +172,38 @@ class MambaConfig:
             **common,
         }
 
+    def _to_json_mamba2(self) -> dict[str, Any]:
+        common = {
+            "hidden_size": self.hidden_size,
+            "state_size": self.state_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "expand": self.intermediate_size // self.hidden_size,
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "n_groups": self.n_groups,
+            "conv_kernel": self.conv_kernel,
+            "use_bias": self.use_bias,
+            "use_conv_bias": self.use_conv_bias,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            # as transformers writes it (Python's json: Infinity)
+            "time_step_limit": list(self.time_step_limit),
+        }
+        if self.is_token_model:
+            return {
+                "architectures": [HF2_ARCHITECTURE_NAME],
+                "model_type": "mamba2",
+                "vocab_size": self.vocab_size,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                **common,
+            }
+        return {
+            "architectures": [SIGNAL2_ARCHITECTURE_NAME],
+            "model_type": "ssmserve-signal-mamba2",
+            "input_dim": self.input_dim,
+            "output_dim": self.signal_output_dim,
+            **common,
+        }
+
     @classmethod
     def from_json(cls, raw: Any) -> MambaConfig:
         """Parse a ``config.json`` object; unknown keys are ignored, bad values named."""
@@ -121,15 +212,29 @@ class MambaConfig:
         archs = raw.get("architectures") or []
         if not isinstance(archs, list):
             raise ModelFormatError("config.json: 'architectures' must be a list")
+        model_type = raw.get("model_type")
         if SIGNAL_ARCHITECTURE_NAME in archs:
             architecture = Architecture.SIGNAL
-        elif HF_ARCHITECTURE_NAME in archs or raw.get("model_type") == "mamba":
+        elif SIGNAL2_ARCHITECTURE_NAME in archs:
+            architecture = Architecture.MAMBA2_SIGNAL
+        elif HF_ARCHITECTURE_NAME in archs or model_type == "mamba":
             architecture = Architecture.LM
+        elif HF2_ARCHITECTURE_NAME in archs or model_type == "mamba2":
+            architecture = Architecture.MAMBA2_LM
         else:
             raise ModelFormatError(
-                f"config.json: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"expected {HF_ARCHITECTURE_NAME!r} or {SIGNAL_ARCHITECTURE_NAME!r}"
+                f"config.json: unsupported architecture {clip(str(archs or model_type))}; "
+                f"expected one of {HF_ARCHITECTURE_NAME!r}, {HF2_ARCHITECTURE_NAME!r}, "
+                f"{SIGNAL_ARCHITECTURE_NAME!r}, {SIGNAL2_ARCHITECTURE_NAME!r} (or model_type "
+                f"'mamba' or 'mamba2')"
             )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelFormatError(
+                f"config.json: hidden_act {clip(repr(act))} is not supported (only 'silu')"
+            )
+        if architecture.mamba_version == 2:
+            return cls._from_json_mamba2(raw, architecture)
 
         hidden = _int(raw, "hidden_size")
         expand = _int(raw, "expand", default=2)
@@ -154,6 +259,81 @@ class MambaConfig:
             signal_output_dim=_int(raw, "output_dim") if architecture is Architecture.SIGNAL else 0,
         )
         return cfg
+
+    @classmethod
+    def _from_json_mamba2(cls, raw: dict[str, Any], architecture: Architecture) -> MambaConfig:
+        hidden = _int(raw, "hidden_size")
+        # transformers: intermediate_size = int(expand * hidden_size), always
+        expand = raw.get("expand", 2)
+        if isinstance(expand, bool) or not isinstance(expand, int | float) or expand <= 0:
+            raise ModelFormatError(
+                f"config.json: 'expand' must be a positive number, got {expand!r}"
+            )
+        inner = int(expand * hidden)
+        heads = _int(raw, "num_heads")
+        head_dim = _int(raw, "head_dim")
+        groups = _int(raw, "n_groups", default=1)
+        if heads * head_dim != inner:
+            raise ModelFormatError(
+                f"config.json: num_heads * head_dim ({heads} * {head_dim}) must equal "
+                f"expand * hidden_size ({inner})"
+            )
+        if heads % groups:
+            raise ModelFormatError(
+                f"config.json: num_heads ({heads}) must be a multiple of n_groups ({groups})"
+            )
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden,
+            state_size=_int(raw, "state_size", default=128),
+            num_hidden_layers=_int(raw, "num_hidden_layers", maximum=_MAX_LAYERS),
+            intermediate_size=inner,
+            conv_kernel=_int(raw, "conv_kernel", default=4),
+            time_step_rank=0,
+            use_bias=_bool(raw, "use_bias", default=False),
+            use_conv_bias=_bool(raw, "use_conv_bias", default=True),
+            layer_norm_epsilon=_float(raw, "layer_norm_epsilon", default=1e-5),
+            vocab_size=_int(raw, "vocab_size") if architecture.is_token_model else 0,
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", default=False),
+            input_dim=0 if architecture.is_token_model else _int(raw, "input_dim"),
+            signal_output_dim=0 if architecture.is_token_model else _int(raw, "output_dim"),
+            num_heads=heads,
+            head_dim=head_dim,
+            n_groups=groups,
+            time_step_limit=_time_step_limit(raw.get("time_step_limit", [0.0, math.inf])),
+        )
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    """``[low, high]``, either bound a number, ``Infinity`` (Python's json reads it), or
+    ``{"__float__": "Infinity"}`` (how some writers spell a float JSON cannot hold)."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ModelFormatError(
+            f"config.json: 'time_step_limit' must be [low, high], got {clip(str(value))}"
+        )
+    bounds = []
+    for bound in value:
+        if isinstance(bound, dict) and set(bound) == {"__float__"}:
+            bound = bound["__float__"]
+            try:
+                bound = float(bound) if isinstance(bound, str) else bound
+            except ValueError:
+                bound = None
+        if isinstance(bound, bool) or not isinstance(bound, int | float) or math.isnan(bound):
+            raise ModelFormatError(
+                f"config.json: 'time_step_limit' bounds must be numbers, got {clip(str(value))}"
+            )
+        bounds.append(float(bound))
+    low, high = bounds
+    if not 0.0 <= low < high:
+        raise ModelFormatError(
+            f"config.json: 'time_step_limit' must satisfy 0 <= low < high, got {[low, high]}"
+        )
+    return low, high
+
+
+def _float_text(value: float) -> float | str:
+    return value if math.isfinite(value) else repr(value)
 
 
 def _int(raw: dict[str, Any], key: str, default: int | None = None, maximum: int = _MAX_DIM) -> int:

@@ -9,6 +9,7 @@ give the same bytes, hence the same fingerprint.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,9 +29,41 @@ class DemoSpec:
     expand: int = 2
     conv_kernel: int = 4
     seed: int = 0
+    arch: str = "mamba"  # "mamba" (Mamba-1) or "mamba2"
+    head_dim: int = 16  # Mamba-2: heads = expand * hidden / head_dim
+    groups: int = 2  # Mamba-2: groups of heads sharing B and C
+
+
+ARCHS = ("mamba", "mamba2")
 
 
 def demo_config(spec: DemoSpec) -> MambaConfig:
+    if spec.arch not in ARCHS:
+        raise ValueError(f"unknown demo architecture {spec.arch!r}; one of {', '.join(ARCHS)}")
+    if spec.arch == "mamba2":
+        inner = spec.expand * spec.hidden
+        if inner % spec.head_dim or (inner // spec.head_dim) % spec.groups:
+            raise ValueError(
+                f"a Mamba-2 needs expand * hidden ({inner}) to be a multiple of head_dim "
+                f"({spec.head_dim}) and the heads a multiple of groups ({spec.groups})"
+            )
+        return MambaConfig(
+            architecture=Architecture.MAMBA2_SIGNAL,
+            hidden_size=spec.hidden,
+            state_size=spec.state,
+            num_hidden_layers=spec.layers,
+            intermediate_size=inner,
+            conv_kernel=spec.conv_kernel,
+            time_step_rank=0,
+            use_bias=False,
+            use_conv_bias=True,
+            layer_norm_epsilon=1e-5,
+            input_dim=spec.input_dim,
+            signal_output_dim=spec.output_dim,
+            num_heads=inner // spec.head_dim,
+            head_dim=spec.head_dim,
+            n_groups=spec.groups,
+        )
     return MambaConfig(
         architecture=Architecture.SIGNAL,
         hidden_size=spec.hidden,
@@ -77,6 +110,9 @@ def random_tensors(config: MambaConfig, seed: int) -> dict[str, np.ndarray]:
     for layer in range(config.num_hidden_layers):
         p = f"backbone.layers.{layer}."
         t[p + "norm.weight"] = vec(d, 1.0, 0.1)
+        if config.mamba_version == 2:
+            t.update(_mamba2_mixer(config, p + "mixer.", rng, linear, vec))
+            continue
         t[p + "mixer.in_proj.weight"] = linear(2 * e, d)
         t[p + "mixer.conv1d.weight"] = (rng.standard_normal((e, 1, k)) * 0.4).astype(np.float32)
         t[p + "mixer.x_proj.weight"] = linear(r + 2 * n, e)
@@ -94,4 +130,37 @@ def random_tensors(config: MambaConfig, seed: int) -> dict[str, np.ndarray]:
         if config.use_conv_bias:
             t[p + "mixer.conv1d.bias"] = vec(e, 0.0, 0.1)
     t["backbone.norm_f.weight"] = vec(d, 1.0, 0.1)
+    return t
+
+
+def _mamba2_mixer(
+    config: MambaConfig,
+    p: str,
+    rng: np.random.Generator,
+    linear: Callable[[int, int], np.ndarray],
+    vec: Callable[[int, float, float], np.ndarray],
+) -> dict[str, np.ndarray]:
+    """A Mamba-2 mixer's weights, shaped as mamba_ssm initialises them and perturbed."""
+    d, e, h, k, c = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_heads,
+        config.conv_kernel,
+        config.conv_dim,
+    )
+    t: dict[str, np.ndarray] = {}
+    t[p + "in_proj.weight"] = linear(e + c + h, d)
+    t[p + "conv1d.weight"] = (rng.standard_normal((c, 1, k)) * 0.4).astype(np.float32)
+    # Δ = softplus(dt_bias) log-uniform in [1e-3, 1e-1], per head
+    dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), h))
+    t[p + "dt_bias"] = np.log(np.expm1(dt)).astype(np.float32)
+    t[p + "A_log"] = np.log(rng.uniform(1.0, 16.0, h)).astype(np.float32)  # A in [-16, -1]
+    t[p + "D"] = vec(h, 1.0, 0.3)
+    t[p + "norm.weight"] = vec(e, 1.0, 0.1)
+    t[p + "out_proj.weight"] = linear(d, e)
+    if config.use_bias:
+        t[p + "in_proj.bias"] = vec(e + c + h, 0.0, 0.1)
+        t[p + "out_proj.bias"] = vec(d, 0.0, 0.1)
+    if config.use_conv_bias:
+        t[p + "conv1d.bias"] = vec(c, 0.0, 0.1)
     return t

@@ -239,3 +239,119 @@ def selective_scan(
                 s += 1
             acc = (a0 + a1) + (a2 + a3)
             y[c] = (acc + D[c] * x[c]) * (z[c] / (_ONE + ex[c]))
+
+
+# ---------------------------------------------------------------------- Mamba-2
+
+
+@njit(**_JIT)
+def ssd_step(
+    zxbcdt: np.ndarray,
+    xbc: np.ndarray,
+    dt_bias: np.ndarray,
+    A: np.ndarray,
+    D: np.ndarray,
+    dt_min: np.float32,
+    dt_max: np.float32,
+    ssm: np.ndarray,
+    ssm_out: np.ndarray,
+    y_out: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+) -> None:
+    """One step of the Mamba-2 SSM (the recurrent form of SSD, Dao and Gu 2024,
+    arXiv:2405.21060, Section 7: each head decays by one scalar, groups of heads share
+    B and C).
+
+    zxbcdt (rows, e + c + h) in_proj output with the raw Δ of each head in its last h
+    columns; xbc (rows, c) the conv output after SiLU, [x (e = h p), B (g n), C (g n)];
+    dt_bias, A = -exp(A_log), D: (h,); ssm (b, h, p, n) = h_{t-1}. Writes ssm_out = h_t and
+    y_out[:b] (b, e) = C h_t + D x (the gated norm comes after).
+    """
+    b, H, P, N = ssm.shape
+    e = H * P
+    groups = (xbc.shape[1] - e) // (2 * N)
+    per_group = H // groups
+    width = zxbcdt.shape[1]
+    dt = scratch[:H]
+    ex = scratch[H : 2 * H]
+    for row in range(b):
+        raw = zxbcdt[row, width - H : width]
+        x = xbc[row, :e]
+        y = y_out[row]
+        # Δ = clamp(softplus(raw + dt_bias), time_step_limit) (h,); softplus as in torch.
+        for hh in range(H):
+            dt[hh] = min(raw[hh] + dt_bias[hh], _SOFTPLUS_THRESHOLD)
+        _exp_into(dt, ex, scratch_bits)
+        for hh in range(H):
+            v = raw[hh] + dt_bias[hh]
+            v = v if v > _SOFTPLUS_THRESHOLD else np.float32(math.log1p(ex[hh]))
+            dt[hh] = min(max(v, dt_min), dt_max)
+        # Zero-order hold: Ā = exp(Δ A), one scalar per head (h,)
+        for hh in range(H):
+            ex[hh] = dt[hh] * A[hh]
+        _exp_into(ex, ex, scratch_bits)
+        for hh in range(H):
+            g = hh // per_group
+            B = xbc[row, e + g * N : e + (g + 1) * N]  # (n,)
+            C = xbc[row, e + (groups + g) * N : e + (groups + g + 1) * N]  # (n,)
+            a = ex[hh]
+            d = dt[hh]
+            for pp in range(P):
+                xv = x[hh * P + pp]
+                h_prev = ssm[row, hh, pp]  # (n,)
+                h_next = ssm_out[row, hh, pp]
+                # h_t = Ā h_{t-1} + (Δ B) x  (n,)
+                for s in range(N):
+                    h_next[s] = h_prev[s] * a + (d * B[s]) * xv
+                # y = C h_t + D x, four partial sums (s mod 4) in a fixed order
+                a0 = _ZERO
+                a1 = _ZERO
+                a2 = _ZERO
+                a3 = _ZERO
+                s = 0
+                while s + 4 <= N:
+                    a0 += h_next[s] * C[s]
+                    a1 += h_next[s + 1] * C[s + 1]
+                    a2 += h_next[s + 2] * C[s + 2]
+                    a3 += h_next[s + 3] * C[s + 3]
+                    s += 4
+                while s < N:
+                    a0 += h_next[s] * C[s]
+                    s += 1
+                y[hh * P + pp] = ((a0 + a1) + (a2 + a3)) + xv * D[hh]
+
+
+@njit(**_JIT)
+def gated_rms_norm_rows(
+    y: np.ndarray,
+    zxbcdt: np.ndarray,
+    weight: np.ndarray,
+    groups: int,
+    eps: np.float32,
+    b: int,
+    out: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+) -> None:
+    """Mamba-2's gated RMSNorm of rows ``y[:b]`` (b, e), gate z = ``zxbcdt[:, :e]``:
+    ``v = y * silu(z)``, then each of ``groups`` equal slices of ``v`` is scaled by
+    ``1 / sqrt(mean(v^2) + eps)`` and by ``weight`` (e,), as transformers 5's
+    ``MambaRMSNormGated`` and mamba_ssm's ``RMSNormGated(group_size=e / g)`` compute it."""
+    e = y.shape[1]
+    size = e // groups
+    neg = scratch[:e]
+    v = scratch[e : 2 * e]
+    for row in range(b):
+        for c in range(e):
+            neg[c] = -zxbcdt[row, c]
+        _exp_into(neg, neg, scratch_bits)
+        for c in range(e):
+            v[c] = y[row, c] * (zxbcdt[row, c] / (_ONE + neg[c]))  # y * z * sigmoid(z)
+        for grp in range(groups):
+            ss = _ZERO
+            for j in range(grp * size, (grp + 1) * size):
+                ss += v[j] * v[j]
+            inv = _ONE / np.sqrt(ss / np.float32(size) + eps)
+            for j in range(grp * size, (grp + 1) * size):
+                out[row, j] = weight[j] * (v[j] * inv)

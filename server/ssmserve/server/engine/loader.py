@@ -1,6 +1,7 @@
-"""Read and write model directories: ``config.json`` + ``model.safetensors``.
+"""Read and write model directories: ``config.json`` + ``model.safetensors`` (or shards
+listed by ``model.safetensors.index.json``, as transformers writes big models).
 
-Two layouts share the residual blocks (tensor names follow Hugging Face ``MambaForCausalLM``):
+Mamba-1 layouts (tensor names follow Hugging Face ``MambaForCausalLM``):
 
 =============================================  ==============  ===========================
 tensor                                          shape           when
@@ -20,15 +21,35 @@ tensor                                          shape           when
 ``output_head.weight`` / ``.bias``              (o, d) / (o,)   signal models
 =============================================  ==============  ===========================
 
+Mamba-2 (``Mamba2ForCausalLM``; c = e + 2 g n conv channels, h heads): the same
+embeddings / input projection, norms and heads, and per layer
+
+=============================================  ==============  ===========================
+``backbone.layers.{l}.mixer.in_proj.weight``    (e + c + h, d)  ``.bias`` if use_bias
+``backbone.layers.{l}.mixer.conv1d.weight``     (c, 1, k)       ``.bias`` (c,) if use_conv_bias
+``backbone.layers.{l}.mixer.dt_bias``           (h,)
+``backbone.layers.{l}.mixer.A_log``             (h,)
+``backbone.layers.{l}.mixer.D``                 (h,)
+``backbone.layers.{l}.mixer.norm.weight``       (e,)            the gated RMSNorm
+``backbone.layers.{l}.mixer.out_proj.weight``   (d, e)          ``.bias`` (d,) if use_bias
+=============================================  ==============  ===========================
+
+(``backbone.embedding.weight``, as checkpoints converted from mamba_ssm name it, is read
+as ``backbone.embeddings.weight``, as transformers does.)
+
 Loading is strict: a missing, unexpected, misshapen, non-float or non-finite tensor is a
-:class:`~ssmserve.server.errors.ModelFormatError` that names it. Weights are converted to float32.
+:class:`~ssmserve.server.errors.ModelFormatError` that names it. Weights stored in F32, F16,
+BF16 or F64 load exactly into float32 (F16 widens exactly; BF16 is the top half of a
+float32, so a 16-bit shift; F64 rounds to nearest) and the engine computes in float32.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +58,17 @@ from safetensors.numpy import save_file
 
 from ssmserve.client.atomic_file import atomic_write
 from ssmserve.server.engine.config import MambaConfig
-from ssmserve.server.engine.mamba import MambaBlockWeights, MambaModel
+from ssmserve.server.engine.mamba import BlockWeights, MambaBlockWeights, MambaModel
+from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
 from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads
-from ssmserve.server.errors import ModelFormatError
+from ssmserve.server.errors import ModelFormatError, clip
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
-_FLOAT_DTYPES = {"F16", "F32", "F64"}
+_FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+_MAX_SHARDS = 1024
 
 
 def expected_shapes(config: MambaConfig) -> dict[str, tuple[int, ...]]:
@@ -70,6 +94,9 @@ def expected_shapes(config: MambaConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(c.num_hidden_layers):
         p = f"backbone.layers.{layer}."
         shapes[p + "norm.weight"] = (d,)
+        if c.mamba_version == 2:
+            shapes.update(_mamba2_layer_shapes(c, p + "mixer."))
+            continue
         shapes[p + "mixer.in_proj.weight"] = (2 * e, d)
         shapes[p + "mixer.conv1d.weight"] = (e, 1, k)
         shapes[p + "mixer.x_proj.weight"] = (r + 2 * n, e)
@@ -84,6 +111,25 @@ def expected_shapes(config: MambaConfig) -> dict[str, tuple[int, ...]]:
         if c.use_conv_bias:
             shapes[p + "mixer.conv1d.bias"] = (e,)
     shapes["backbone.norm_f.weight"] = (d,)
+    return shapes
+
+
+def _mamba2_layer_shapes(c: MambaConfig, p: str) -> dict[str, tuple[int, ...]]:
+    d, e, h, k, conv = c.hidden_size, c.intermediate_size, c.num_heads, c.conv_kernel, c.conv_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "in_proj.weight": (e + conv + h, d),
+        p + "conv1d.weight": (conv, 1, k),
+        p + "dt_bias": (h,),
+        p + "A_log": (h,),
+        p + "D": (h,),
+        p + "norm.weight": (e,),
+        p + "out_proj.weight": (d, e),
+    }
+    if c.use_bias:
+        shapes[p + "in_proj.bias"] = (e + conv + h,)
+        shapes[p + "out_proj.bias"] = (d,)
+    if c.use_conv_bias:
+        shapes[p + "conv1d.bias"] = (conv,)
     return shapes
 
 
@@ -103,7 +149,7 @@ def load_model(directory: str | os.PathLike[str], name: str | None = None) -> Ma
     """Load and validate a model directory. ``name`` defaults to the directory's name."""
     path = Path(directory)
     config = read_config(path)
-    tensors = read_tensors(path / WEIGHTS_FILE, config)
+    tensors = read_weights(path, config)
     return build_model(config, tensors, name=name or path.resolve().name)
 
 
@@ -120,45 +166,116 @@ def read_config(directory: Path) -> MambaConfig:
     return MambaConfig.from_json(raw)
 
 
-def read_tensors(path: Path, config: MambaConfig) -> dict[str, np.ndarray]:
-    """Read the tensors ``config`` needs from a safetensors file, checked and as float32."""
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model: ``model.safetensors``, or the shards that
+    ``model.safetensors.index.json`` names (file names in the directory, nothing else)."""
+    single = directory / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        raise ModelFormatError(f"{str(directory)!r} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{INDEX_FILE} is not valid JSON: {clip(str(exc))}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelFormatError(f"{INDEX_FILE}: 'weight_map' must map tensor names to files")
+    names = set(weight_map.values())
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or not name.endswith(".safetensors")
+            or Path(name).name != name
+            or name.startswith(".")
+        ):
+            raise ModelFormatError(
+                f"{INDEX_FILE}: shard {clip(str(name))} must be a .safetensors file name in "
+                f"the model directory"
+            )
+    if len(names) > _MAX_SHARDS:
+        raise ModelFormatError(f"{INDEX_FILE}: {len(names)} shards, at most {_MAX_SHARDS}")
+    return [directory / name for name in sorted(names)]
+
+
+def read_weights(directory: Path, config: MambaConfig) -> dict[str, np.ndarray]:
+    """Read the tensors ``config`` needs from the model's safetensors file(s), checked and
+    as float32."""
     want = expected_shapes(config)
-    if not path.is_file():
-        raise ModelFormatError(f"{str(path)!r} is missing")
+    files = weight_files(directory)
+    where: dict[str, Path] = {}  # stored name -> its file
+    for path in files:
+        if not path.is_file():
+            raise ModelFormatError(f"shard {path.name!r} is missing")
+        for stored in _keys(path):
+            if stored in where:
+                raise ModelFormatError(
+                    f"tensor {clip(stored)} is stored twice ({where[stored].name}, {path.name})"
+                )
+            where[stored] = path
+    # Checkpoints converted from mamba_ssm say "embedding", transformers "embeddings".
+    names = {_ALIASES.get(stored, stored): stored for stored in where}
+    # A tied LM head stored anyway is ignored, as transformers does.
+    tolerated = {"lm_head.weight"} if config.is_token_model else set()
+    missing = sorted(set(want) - set(names))
+    unexpected = sorted(set(names) - set(want) - tolerated)
+    if missing:
+        raise ModelFormatError(
+            f"missing tensor(s) {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + f" for a {config.architecture} model with this config"
+        )
+    if unexpected:
+        raise ModelFormatError(
+            f"unexpected tensor(s) {', '.join(unexpected[:5])} "
+            f"for a {config.architecture} model with this config"
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        mine = {name: shape for name, shape in want.items() if where[names[name]] == path}
+        tensors.update(_read_file(path, {names[n]: (n, shape) for n, shape in mine.items()}))
+    return tensors
+
+
+_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
+
+
+def _keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return list(f.keys())
+    except SafetensorError as exc:
+        raise ModelFormatError(f"{path.name}: not a valid safetensors file: {exc}") from None
+    except OSError as exc:
+        raise ModelFormatError(f"{path.name}: cannot read: {exc}") from None
+
+
+def _read_file(path: Path, wanted: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    """``wanted``: stored name -> (name, shape). Returns name -> float32 array."""
     tensors: dict[str, np.ndarray] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
-            present = set(f.keys())
-            # A tied LM head stored anyway is ignored, as transformers does.
-            tolerated = {"lm_head.weight"} if config.is_token_model else set()
-            missing = sorted(set(want) - present)
-            unexpected = sorted(present - set(want) - tolerated)
-            if missing:
-                raise ModelFormatError(
-                    f"{path.name}: missing tensor(s) {', '.join(missing[:5])}"
-                    + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-                )
-            if unexpected:
-                raise ModelFormatError(
-                    f"{path.name}: unexpected tensor(s) {', '.join(unexpected[:5])} "
-                    f"for a {config.architecture} model with this config"
-                )
-            for name, shape in want.items():
-                dtype = f.get_slice(name).get_dtype()
+            for stored, (name, shape) in wanted.items():
+                part = f.get_slice(stored)
+                dtype = part.get_dtype()
                 if dtype not in _FLOAT_DTYPES:
                     raise ModelFormatError(
-                        f"{path.name}: tensor {name!r} has dtype {dtype}; "
+                        f"{path.name}: tensor {stored!r} has dtype {dtype}; "
                         f"supported: {', '.join(sorted(_FLOAT_DTYPES))}"
                     )
-                arr = f.get_tensor(name)
-                if arr.shape != shape:
+                stored_shape = tuple(part.get_shape())
+                if stored_shape != shape:
                     raise ModelFormatError(
-                        f"{path.name}: tensor {name!r} has shape {list(arr.shape)}, "
+                        f"{path.name}: tensor {stored!r} has shape {list(stored_shape)}, "
                         f"config needs {list(shape)}"
                     )
-                arr = np.ascontiguousarray(arr, dtype=np.float32)
+                if dtype == "BF16":  # numpy has no bfloat16: widen the raw bits
+                    arr = _bf16_as_f32(path, stored, shape)
+                else:
+                    arr = np.ascontiguousarray(f.get_tensor(stored), dtype=np.float32)
                 if not np.isfinite(arr).all():
-                    raise ModelFormatError(f"{path.name}: tensor {name!r} contains NaN or Inf")
+                    raise ModelFormatError(f"{path.name}: tensor {stored!r} contains NaN or Inf")
                 tensors[name] = arr
     except SafetensorError as exc:
         raise ModelFormatError(f"{path.name}: not a valid safetensors file: {exc}") from None
@@ -167,13 +284,35 @@ def read_tensors(path: Path, config: MambaConfig) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _bf16_as_f32(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A BF16 tensor as float32, exactly: bfloat16 is the high 16 bits of a float32.
+
+    The file was opened and checked by safetensors already (header, offsets in range);
+    here only this tensor's offsets are read from its header to reach the raw bytes.
+    """
+    with path.open("rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+        begin, end = header[name]["data_offsets"]
+        count = math.prod(shape)
+        if end - begin != 2 * count:
+            raise ModelFormatError(f"{path.name}: tensor {name!r} has {end - begin} bytes")
+        fh.seek(8 + header_len + begin)
+        bits = np.frombuffer(fh.read(end - begin), dtype="<u2")
+    wide = bits.astype(np.uint32) << np.uint32(16)  # (count,)
+    return wide.view(np.float32).reshape(shape)
+
+
 def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) -> MambaModel:
     """Assemble a :class:`MambaModel` from checked float32 tensors."""
     pin_blas_threads()
     t = tensors
-    blocks = []
+    blocks: list[BlockWeights] = []
     for layer in range(config.num_hidden_layers):
         p = f"backbone.layers.{layer}.mixer."
+        if config.mamba_version == 2:
+            blocks.append(_mamba2_block(config, t, layer))
+            continue
         blocks.append(
             MambaBlockWeights(
                 norm=t[f"backbone.layers.{layer}.norm.weight"],
@@ -207,6 +346,26 @@ def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) 
         input_proj=RowStableLinear(t["input_proj.weight"], t["input_proj.bias"]),
         fingerprint=fingerprint(config, t),
         name=name,
+    )
+
+
+def _mamba2_block(c: MambaConfig, t: dict[str, np.ndarray], layer: int) -> Mamba2BlockWeights:
+    p = f"backbone.layers.{layer}.mixer."
+    return Mamba2BlockWeights(
+        norm=t[f"backbone.layers.{layer}.norm.weight"],
+        in_proj=RowStableLinear(t[p + "in_proj.weight"], t.get(p + "in_proj.bias")),
+        conv_weight=np.ascontiguousarray(t[p + "conv1d.weight"][:, 0, :]),  # (c, k)
+        conv_bias=t.get(p + "conv1d.bias"),
+        dt_bias=t[p + "dt_bias"],
+        A=-np.exp(t[p + "A_log"]),  # (h,)
+        D=t[p + "D"],
+        gated_norm=t[p + "norm.weight"],
+        out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
+        groups=c.n_groups,
+        head_dim=c.head_dim,
+        state_size=c.state_size,
+        time_step_limit=c.time_step_limit,
+        eps=c.layer_norm_epsilon,
     )
 
 

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,6 +59,89 @@ class MambaBlockWeights:
             return self.conv_bias
         return np.zeros(self.conv_weight.shape[0], np.float32)
 
+    @property
+    def linears(self) -> tuple[RowStableLinear, ...]:
+        return (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
+
+    def buffers(self, rows: int) -> MixerBuffers:
+        e, n = self.A.shape
+        r = self.dt_proj.in_features
+        return MixerBuffers(
+            xz=_zeros(rows, 2 * e),
+            xs=_zeros(rows, e),
+            x_dbl=_zeros(rows, r + 2 * n),
+            dt_low=_zeros(rows, r),
+            dt_raw=_zeros(rows, e),
+            scratch=_zeros(2 * e + e * n),
+            scratch_bits=np.zeros(max(e * n, e), np.int32),
+        )
+
+    def mix(
+        self,
+        ws: StepWorkspace,
+        conv: np.ndarray,
+        ssm: np.ndarray,
+        conv_next: np.ndarray,
+        ssm_next: np.ndarray,
+    ) -> None:
+        """The Mamba mixer for one time step ([1] Figure 3, Algorithm 2 with L = 1).
+
+        Reads ``ws.xn`` (rows, d), the normalised block input; conv (b, e, k) holds the last
+        k conv inputs and ssm (b, e, n) the hidden state h_{t-1}. Writes the new window to
+        ``conv_next``, h_t to ``ssm_next`` and y (before out_proj) to ``ws.y`` (rows, e).
+        """
+        m: MixerBuffers = ws.mixer
+        self.in_proj.into(ws.xn, m.xz)  # (rows, d) -> (rows, 2e): x branch, gate z
+        # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
+        kernels.conv_silu(
+            conv, m.xz, self.conv_weight, self.conv_bias_or_zero, self.conv_bias is not None,
+            conv_next, m.xs, m.scratch, m.scratch_bits,
+        )  # fmt: skip
+        # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
+        self.x_proj.into(m.xs, m.x_dbl)  # (rows, e) -> (rows, r + 2n)
+        m.dt_low[:] = m.x_dbl[:, : self.dt_proj.in_features]  # (rows, r), contiguous
+        self.dt_proj.into(m.dt_low, m.dt_raw)  # (rows, r) -> (rows, e), with bias
+        # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
+        kernels.selective_scan(
+            m.dt_raw, m.xs, m.x_dbl, m.xz, self.A, self.D, ssm, ssm_next, ws.y,
+            m.scratch, m.scratch_bits,
+        )  # fmt: skip
+
+
+@dataclass
+class MixerBuffers:
+    """The Mamba-1 mixer's activations for one padded batch size."""
+
+    xz: np.ndarray  # (rows, 2e) in_proj output: x branch and gate z
+    xs: np.ndarray  # (rows, e) conv branch after SiLU
+    x_dbl: np.ndarray  # (rows, r + 2n) Δ low rank, B, C
+    dt_low: np.ndarray  # (rows, r) contiguous copy of Δ low rank
+    dt_raw: np.ndarray  # (rows, e) dt_proj output
+    scratch: np.ndarray  # (2e + e n,) float32 per-row scratch of the kernels
+    scratch_bits: np.ndarray  # (e n,) int32
+
+
+class BlockWeights(Protocol):
+    """One residual block's weights: its pre-norm and a mixer (Mamba-1: ``MambaBlockWeights``
+    here; Mamba-2: ``mamba2.Mamba2BlockWeights``)."""
+
+    norm: np.ndarray  # (d,)
+    out_proj: RowStableLinear  # e -> d
+
+    @property
+    def linears(self) -> tuple[RowStableLinear, ...]: ...
+
+    def buffers(self, rows: int) -> Any: ...
+
+    def mix(
+        self,
+        ws: StepWorkspace,
+        conv: np.ndarray,
+        ssm: np.ndarray,
+        conv_next: np.ndarray,
+        ssm_next: np.ndarray,
+    ) -> None: ...
+
 
 @dataclass
 class StepWorkspace:
@@ -71,39 +155,26 @@ class StepWorkspace:
     signal: np.ndarray  # (rows, i) signal inputs
     h: np.ndarray  # (rows, d) residual stream
     xn: np.ndarray  # (rows, d) normalised block input
-    xz: np.ndarray  # (rows, 2e) in_proj output: x branch and gate z
-    xs: np.ndarray  # (rows, e) conv branch after SiLU
-    x_dbl: np.ndarray  # (rows, r + 2n) Δ low rank, B, C
-    dt_low: np.ndarray  # (rows, r) contiguous copy of Δ low rank
-    dt_raw: np.ndarray  # (rows, e) dt_proj output
     y: np.ndarray  # (rows, e) mixer output
     delta: np.ndarray  # (rows, d) out_proj output
-    scratch: np.ndarray  # (2e + e n,) float32 per-row scratch of the kernels
-    scratch_bits: np.ndarray  # (e n,) int32
+    mixer: Any  # the mixer's own buffers (``BlockWeights.buffers``)
 
     @classmethod
-    def allocate(cls, c: MambaConfig, rows: int, block: MambaBlockWeights) -> StepWorkspace:
-        d, e, n = c.hidden_size, c.intermediate_size, c.state_size
-        r = block.dt_proj.in_features
-
-        def zeros(*shape: int) -> np.ndarray:
-            return np.zeros(shape, np.float32)
-
+    def allocate(cls, c: MambaConfig, rows: int, block: BlockWeights) -> StepWorkspace:
+        d, e = c.hidden_size, c.intermediate_size
         return cls(
             rows=rows,
-            signal=zeros(rows, max(c.input_dim, 1)),
-            h=zeros(rows, d),
-            xn=zeros(rows, d),
-            xz=zeros(rows, 2 * e),
-            xs=zeros(rows, e),
-            x_dbl=zeros(rows, r + 2 * n),
-            dt_low=zeros(rows, r),
-            dt_raw=zeros(rows, e),
-            y=zeros(rows, e),
-            delta=zeros(rows, d),
-            scratch=zeros(2 * e + e * n),
-            scratch_bits=np.zeros(max(e * n, e), np.int32),
+            signal=_zeros(rows, max(c.input_dim, 1)),
+            h=_zeros(rows, d),
+            xn=_zeros(rows, d),
+            y=_zeros(rows, e),
+            delta=_zeros(rows, d),
+            mixer=block.buffers(rows),
         )
+
+
+def _zeros(*shape: int) -> np.ndarray:
+    return np.zeros(shape, np.float32)
 
 
 class MambaModel:
@@ -116,7 +187,7 @@ class MambaModel:
     def __init__(
         self,
         config: MambaConfig,
-        blocks: Sequence[MambaBlockWeights],
+        blocks: Sequence[BlockWeights],
         norm_f: np.ndarray,
         head: RowStableLinear,
         *,
@@ -141,8 +212,8 @@ class MambaModel:
 
     @property
     def linears(self) -> list[RowStableLinear]:
-        """Every product of a step: the blocks' four, the head, the signal input projection."""
-        out = [lin for b in self.blocks for lin in (b.in_proj, b.x_proj, b.dt_proj, b.out_proj)]
+        """Every product of a step: the blocks', the head, the signal input projection."""
+        out = [lin for b in self.blocks for lin in b.linears]
         out.append(self.head)
         if self.input_proj is not None:
             out.append(self.input_proj)
@@ -158,9 +229,7 @@ class MambaModel:
     def new_state(self) -> SessionState:
         """The state of a session that has seen no input (step 0): all zeros."""
         c = self.config
-        return SessionState.zeros(
-            c.num_hidden_layers, c.intermediate_size, c.conv_kernel, c.state_size
-        )
+        return SessionState.zeros(c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape)
 
     def check_state(self, state: SessionState) -> None:
         """Raise ``ModelInputError`` unless ``state`` has this model's layers, dtypes, shapes."""
@@ -169,8 +238,7 @@ class MambaModel:
             raise ModelInputError(
                 f"state has {len(state.layers)} layers, model has {c.num_hidden_layers}"
             )
-        want_conv = (c.intermediate_size, c.conv_kernel)
-        want_ssm = (c.intermediate_size, c.state_size)
+        want_conv, want_ssm = c.conv_state_shape, c.ssm_state_shape
         for i, layer in enumerate(state.layers):
             for what, arr, want in (("conv", layer.conv, want_conv), ("ssm", layer.ssm, want_ssm)):
                 if arr.dtype != np.float32 or arr.shape != want:
@@ -237,8 +305,8 @@ class MambaModel:
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
         for i, (block, conv, ssm) in enumerate(zip(blocks, state.conv, state.ssm, strict=True)):
             conv_next = np.empty_like(conv)  # (b, e, k): states are values, never updated
-            ssm_next = np.empty_like(ssm)  # (b, e, n)
-            self._mixer(block, ws, conv, ssm, conv_next, ssm_next)  # -> ws.y (rows, e)
+            ssm_next = np.empty_like(ssm)  # (b, e, n) | (b, h, p, n)
+            block.mix(ws, conv, ssm, conv_next, ssm_next)  # -> ws.y (rows, e)
             block.out_proj.into(ws.y, ws.delta)  # (rows, e) -> (rows, d)
             # Residual around the block, then the next block's norm (or the final norm).
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
@@ -248,37 +316,6 @@ class MambaModel:
         out = np.empty((ws.rows, self.head.out_features), np.float32)  # the caller keeps it
         self.head.into(ws.xn, out)  # (rows, d) -> (rows, v | o)
         return BatchState(tuple(new_conv), tuple(new_ssm)), out[:b]
-
-    def _mixer(
-        self,
-        w: MambaBlockWeights,
-        ws: StepWorkspace,
-        conv: np.ndarray,
-        ssm: np.ndarray,
-        conv_next: np.ndarray,
-        ssm_next: np.ndarray,
-    ) -> None:
-        """The Mamba mixer for one time step ([1] Figure 3, Algorithm 2 with L = 1).
-
-        Reads ``ws.xn`` (rows, d), the normalised block input; conv (b, e, k) holds the last
-        k conv inputs and ssm (b, e, n) the hidden state h_{t-1}. Writes the new window to
-        ``conv_next``, h_t to ``ssm_next`` and y (before out_proj) to ``ws.y`` (rows, e).
-        """
-        w.in_proj.into(ws.xn, ws.xz)  # (rows, d) -> (rows, 2e): x branch, gate z
-        # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
-        kernels.conv_silu(
-            conv, ws.xz, w.conv_weight, w.conv_bias_or_zero, w.conv_bias is not None,
-            conv_next, ws.xs, ws.scratch, ws.scratch_bits,
-        )  # fmt: skip
-        # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
-        w.x_proj.into(ws.xs, ws.x_dbl)  # (rows, e) -> (rows, r + 2n)
-        ws.dt_low[:] = ws.x_dbl[:, : w.dt_proj.in_features]  # (rows, r), contiguous
-        w.dt_proj.into(ws.dt_low, ws.dt_raw)  # (rows, r) -> (rows, e), with bias
-        # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
-        kernels.selective_scan(
-            ws.dt_raw, ws.xs, ws.x_dbl, ws.xz, w.A, w.D, ssm, ssm_next, ws.y,
-            ws.scratch, ws.scratch_bits,
-        )  # fmt: skip
 
     def _workspace(self, batch: int) -> StepWorkspace:
         """This thread's buffers for ``batch`` sessions (rows padded to whole tiles)."""

@@ -124,7 +124,7 @@ def padded(rows: int) -> int:
 
 #: Engine sources whose code decides the bits of a step (a change to any of them may
 #: change outputs, so workers running different versions must not share a session).
-_ENGINE_SOURCES = ("kernels.py", "mamba.py", "numerics.py")
+_ENGINE_SOURCES = ("kernels.py", "mamba.py", "mamba2.py", "numerics.py")
 
 
 def numerics_description() -> str:

@@ -1,4 +1,6 @@
-"""Recurrent state of sessions: per layer a conv window (e, k) and an SSM state (e, n).
+"""Recurrent state of sessions: per layer a conv window and an SSM state.
+
+Mamba-1: conv (e, k) and ssm (e, n); Mamba-2: conv (e + 2 g n, k) and ssm (h, p, n).
 
 ``SessionState`` is one session's state; ``BatchState`` stacks many along a leading batch
 axis so one engine call steps them all. Both are plain float32 numpy arrays: states are
@@ -18,8 +20,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class LayerState:
-    conv: np.ndarray  # (e, k) the last k conv inputs, newest at [:, -1]
-    ssm: np.ndarray  # (e, n) the selective-scan hidden state h_t
+    conv: np.ndarray  # (c, k) the last k conv inputs, newest at [:, -1]
+    ssm: np.ndarray  # (e, n) | (h, p, n) the SSM hidden state h_t
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,12 @@ class SessionState:
     layers: tuple[LayerState, ...]
 
     @classmethod
-    def zeros(cls, num_layers: int, inner: int, kernel: int, state_size: int) -> SessionState:
+    def zeros(
+        cls, num_layers: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...]
+    ) -> SessionState:
         return cls(
             tuple(
-                LayerState(
-                    np.zeros((inner, kernel), np.float32),  # (e, k)
-                    np.zeros((inner, state_size), np.float32),  # (e, n)
-                )
+                LayerState(np.zeros(conv_shape, np.float32), np.zeros(ssm_shape, np.float32))
                 for _ in range(num_layers)
             )
         )
@@ -88,8 +89,8 @@ class SessionState:
 
 @dataclass(frozen=True)
 class BatchState:
-    conv: tuple[np.ndarray, ...]  # per layer (b, e, k)
-    ssm: tuple[np.ndarray, ...]  # per layer (b, e, n)
+    conv: tuple[np.ndarray, ...]  # per layer (b, c, k)
+    ssm: tuple[np.ndarray, ...]  # per layer (b, e, n) | (b, h, p, n)
 
     @classmethod
     def stack(cls, states: Sequence[SessionState]) -> BatchState:
