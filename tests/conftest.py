@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tests.harness import WorkerHarness
 from tests.redis_topologies import RedisClusterHarness, SentinelHarness
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+HF2_FIXTURES = Path(__file__).parent / "fixtures" / "hf2"
 HF_CASES = sorted(p.name for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
 
 
@@ -66,6 +68,18 @@ def token_model(tmp_path_factory: pytest.TempPathFactory) -> MambaModel:
     return write_model(tmp_path_factory.mktemp("token"), token_config(), seed=3)
 
 
+@pytest.fixture(scope="session")
+def mamba2_model(tmp_path_factory: pytest.TempPathFactory) -> MambaModel:
+    """A signal Mamba-2 with odd dims (see ``MAMBA2_SPEC``)."""
+    return write_model(tmp_path_factory.mktemp("mamba2"), demo_config(MAMBA2_SPEC), seed=12)
+
+
+@pytest.fixture(scope="session")
+def mamba2_token_model() -> MambaModel:
+    """transformers' own Mamba2ForCausalLM files (sharded)."""
+    return load_model(HF2_FIXTURES / "g2_k3_bias_untied_sharded")
+
+
 def random_inputs(model: MambaModel, steps: int, seed: int) -> np.ndarray:
     """A sequence of valid inputs: ids (T,) or float32 (T, i)."""
     rng = np.random.default_rng(seed)
@@ -80,16 +94,30 @@ def random_inputs(model: MambaModel, steps: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Models a test worker serves: the demo signal model, an odd-dims one, a token one."""
+    """Models a test worker serves: the demo signal model, an odd-dims one, a token one,
+    a signal Mamba-2 with odd dims and a Hugging Face Mamba2ForCausalLM (sharded, as
+    transformers saved it)."""
     root = tmp_path_factory.mktemp("served-models")
     odd = DemoSpec(
         input_dim=5, output_dim=3, hidden=22, layers=3, state=7, expand=3, conv_kernel=3, seed=11
     )
-    dirs = {"demo": root / "demo", "odd": root / "odd", "lm": root / "lm"}
+    dirs = {
+        "demo": root / "demo", "odd": root / "odd", "lm": root / "lm",
+        "m2": root / "m2", "lm2": root / "lm2",
+    }  # fmt: skip
     write_model(dirs["demo"], demo_config(DemoSpec()))
     write_model(dirs["odd"], demo_config(odd), seed=11)
     write_model(dirs["lm"], token_config(), seed=3)
+    write_model(dirs["m2"], demo_config(MAMBA2_SPEC), seed=12)
+    shutil.copytree(HF2_FIXTURES / "g2_k3_bias_untied_sharded", dirs["lm2"])
     return dirs
+
+
+#: The served signal Mamba-2: odd dims (e = 48, 6 heads of 8 in 3 groups, n = 5, k = 3).
+MAMBA2_SPEC = DemoSpec(
+    input_dim=3, output_dim=3, hidden=24, layers=2, state=5, expand=2, conv_kernel=3,
+    seed=12, arch="mamba2", head_dim=8, groups=3,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

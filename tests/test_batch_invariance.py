@@ -28,7 +28,10 @@ def _step_one(
     return new.session(0), out[0]
 
 
-@pytest.mark.parametrize("model_name", ["signal_model", "token_model", "demo_model"])
+@pytest.mark.parametrize(
+    "model_name",
+    ["signal_model", "token_model", "demo_model", "mamba2_model", "mamba2_token_model"],
+)
 def test_random_batch_compositions(model_name: str, request: pytest.FixtureRequest) -> None:
     model: MambaModel = request.getfixturevalue(model_name)
     rng = np.random.default_rng(7)
@@ -46,8 +49,9 @@ def test_random_batch_compositions(model_name: str, request: pytest.FixtureReque
             assert new.session(row).bit_equal(state_solo), f"state differs: batch {size}, row {row}"
 
 
-def test_large_batches(demo_model: MambaModel) -> None:
-    model = demo_model
+@pytest.mark.parametrize("model_name", ["demo_model", "mamba2_model"])
+def test_large_batches(model_name: str, request: pytest.FixtureRequest) -> None:
+    model: MambaModel = request.getfixturevalue(model_name)
     pool = _warm_states(model, 8, seed=3)
     inputs = random_inputs(model, 8, seed=4)
     solo = [_step_one(model, pool[i], inputs[i])[1] for i in range(8)]

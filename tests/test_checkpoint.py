@@ -61,7 +61,9 @@ def header_of(blob: bytes) -> dict:
     return msgpack.unpackb(blob[24 : 24 + hlen], raw=False)
 
 
-@pytest.mark.parametrize("model_name", ["signal_model", "token_model"])
+@pytest.mark.parametrize(
+    "model_name", ["signal_model", "token_model", "mamba2_model", "mamba2_token_model"]
+)
 def test_round_trip_and_exact_continuation(model_name: str, request: pytest.FixtureRequest) -> None:
     model: MambaModel = request.getfixturevalue(model_name)
     ckpt, inputs = make_checkpoint(model)

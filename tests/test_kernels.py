@@ -166,8 +166,8 @@ async def main():
         and f.__name__ != "exp_f32"  # the tests' handle on the inlined exp; steps never call it
     ]
     cold_before = [f.__name__ for f in dispatchers if not f.signatures]
-    w = Worker(WorkerSettings(models=(("demo", sys.argv[1]),), listen="127.0.0.1:0",
-                              redis_url=sys.argv[2]))
+    w = Worker(WorkerSettings(models=(("demo", sys.argv[1]), ("m2", sys.argv[3])),
+                              listen="127.0.0.1:0", redis_url=sys.argv[2]))
     await w.start()  # registered and SERVING when this returns
     cold_after = [f.__name__ for f in dispatchers if not f.signatures]
     await w.stop()
@@ -183,9 +183,10 @@ def test_a_worker_compiles_its_kernels_before_it_serves(model_dirs, redis_url, t
     compile holds up the event loop and its lease renewals."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     out = subprocess.run(
-        [sys.executable, "-c", WARM_CHECK, str(model_dirs["demo"]), redis_url],
+        [sys.executable, "-c", WARM_CHECK, str(model_dirs["demo"]), redis_url,
+         str(model_dirs["m2"])],
         capture_output=True, text=True, env=env, timeout=300, check=True,
     )  # fmt: skip
     cold_before, cold_after = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(cold_before) == 4  # the check sees the four kernels a step runs
+    assert len(cold_before) == 6  # the kernels a step runs: 4 of Mamba-1, 2 more of Mamba-2
     assert cold_after == []

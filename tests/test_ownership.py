@@ -60,7 +60,8 @@ def test_workers_register_and_list_each_other(start_worker):
     a, b = start_worker(), start_worker()
     workers = a.client.list_workers()
     assert sorted(w.address for w in workers) == sorted([a.address, b.address])
-    assert all(set(w.models) == {"demo", "odd", "lm"} and not w.draining for w in workers)
+    served = {"demo", "odd", "lm", "m2", "lm2"}
+    assert all(set(w.models) == served and not w.draining for w in workers)
     a.client.create_session("demo")
     # A client given one worker learns the others from ListWorkers.
     with Client(a.address) as learner:

@@ -74,7 +74,7 @@ def stub(worker):
 # ---------------------------------------------------------------------------- streaming
 
 
-@pytest.mark.parametrize("name", ["demo", "odd", "lm"])
+@pytest.mark.parametrize("name", ["demo", "odd", "lm", "m2", "lm2"])
 def test_served_outputs_equal_the_offline_engine(worker, served_models, name):
     model = served_models[name]
     x = random_inputs(model, 30, seed=1)

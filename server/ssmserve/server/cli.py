@@ -35,9 +35,10 @@ from ssmserve.server.api.auth import (
     token_entry,
     token_hash,
 )
-from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import (
     CONFIG_FILE,
+    INDEX_FILE,
     WEIGHTS_FILE,
     expected_shapes,
     load_model,
@@ -54,7 +55,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     model = commands.add_parser("model", help="work with model directories offline")
     model_cmds = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
 
-    init = model_cmds.add_parser("init-demo", help="write a deterministic random signal Mamba")
+    init = model_cmds.add_parser(
+        "init-demo", help="write a deterministic random signal Mamba or Mamba-2"
+    )
     init.add_argument("dir", type=Path, help="directory to write config.json and weights to")
     defaults = DemoSpec()
     for flag, attr, help_text in (
@@ -70,6 +73,24 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
             default=getattr(defaults, attr),
             help=f"{help_text} (default {getattr(defaults, attr)})",
         )
+    init.add_argument(
+        "--arch",
+        choices=ARCHS,
+        default=defaults.arch,
+        help="mamba (Mamba-1, selective scan) or mamba2 (multi-head SSD) (default mamba)",
+    )
+    init.add_argument(
+        "--head-dim",
+        type=positive_int,
+        default=defaults.head_dim,
+        help=f"Mamba-2 head dim p (default {defaults.head_dim})",
+    )
+    init.add_argument(
+        "--groups",
+        type=positive_int,
+        default=defaults.groups,
+        help=f"Mamba-2 groups of heads sharing B and C (default {defaults.groups})",
+    )
     init.add_argument("--seed", type=int, default=defaults.seed, help="weights seed (default 0)")
     init.add_argument("--force", action="store_true", help="overwrite an existing model in DIR")
     init.set_defaults(handler=_offline(_init_demo))
@@ -148,7 +169,7 @@ def _offline(
 
 def _init_demo(args: argparse.Namespace) -> None:
     directory: Path = args.dir
-    existing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if (directory / f).exists()]
+    existing = [f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if (directory / f).exists()]
     if existing and not args.force:
         raise CliError(f"{directory} already holds {', '.join(existing)}; pass --force to replace")
     spec = DemoSpec(
@@ -158,14 +179,21 @@ def _init_demo(args: argparse.Namespace) -> None:
         layers=args.layers,
         state=args.state,
         seed=args.seed,
+        arch=args.arch,
+        head_dim=args.head_dim,
+        groups=args.groups,
     )
-    config = demo_config(spec)
+    try:
+        config = demo_config(spec)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         save_model(directory, config, random_tensors(config, spec.seed))
     except OSError as exc:
         raise CliError(f"cannot write {directory}: {exc.strerror or exc}") from None
     model = load_model(directory)
-    print(f"wrote signal Mamba to {directory} (fingerprint {model.fingerprint[:16]})")
+    kind = "Mamba-2" if args.arch == "mamba2" else "Mamba"
+    print(f"wrote signal {kind} to {directory} (fingerprint {model.fingerprint[:16]})")
 
 
 def describe(directory: Path) -> dict[str, object]:
@@ -180,7 +208,16 @@ def describe(directory: Path) -> dict[str, object]:
         "intermediate_size": c.intermediate_size,
         "state_size": c.state_size,
         "conv_kernel": c.conv_kernel,
-        "time_step_rank": c.time_step_rank,
+        **(
+            {
+                "num_heads": c.num_heads,
+                "head_dim": c.head_dim,
+                "n_groups": c.n_groups,
+                "time_step_limit": list(c.time_step_limit),
+            }
+            if c.mamba_version == 2
+            else {"time_step_rank": c.time_step_rank}
+        ),
         "input": "token id" if c.is_token_model else f"float32[{c.input_dim}]",
         "output": f"logits[{c.vocab_size}]" if c.is_token_model else f"float32[{c.output_dim}]",
         "parameters": params,

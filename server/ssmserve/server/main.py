@@ -24,8 +24,9 @@ SIGTERM or SIGINT drains the worker (its sessions move to the other live workers
 snapshotted for later pickup when none is left), then stops it.
 
 ``--demo`` also serves the demo signal model as ``demo`` (written once to
-``DATA_DIR/models/demo``). When the server is ready it prints one line,
-``ssmserve-server listening on HOST:PORT``, on stdout.
+``DATA_DIR/models/demo``; ``--demo mamba2``: a signal Mamba-2, in ``demo-mamba2``).
+When the server is ready it prints one line, ``ssmserve-server listening on
+HOST:PORT``, on stdout.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ssmserve.server.api.service import ServiceSettings
 from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.cluster.rebalance import RebalanceSettings
-from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.observability.logs import JsonFormatter
@@ -252,7 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
         "forecasts and imports being decoded, all together; past it they are refused "
         "(default 0: three quarters of the machine's memory; env SSMSERVE_MEMORY_BUDGET)",
     )
-    parser.add_argument("--demo", action="store_true", help="also serve the demo signal model")
+    parser.add_argument(
+        "--demo",
+        nargs="?",
+        const="mamba",
+        choices=ARCHS,
+        metavar="ARCH",
+        help="also serve the demo signal model as 'demo': a Mamba (default) or, with "
+        "--demo mamba2, a Mamba-2",
+    )
     parser.add_argument(
         "--log-level",
         default=env("SSMSERVE_LOG_LEVEL", "INFO"),
@@ -288,7 +297,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     if not models and os.environ.get("SSMSERVE_MODELS"):
         models = [_model_arg(item.strip()) for item in os.environ["SSMSERVE_MODELS"].split(",")]
     if args.demo:
-        models.append(("demo", ensure_demo_model(args.data_dir / "models" / "demo")))
+        folder = "demo" if args.demo == "mamba" else f"demo-{args.demo}"
+        models.append(("demo", ensure_demo_model(args.data_dir / "models" / folder, args.demo)))
     names = [name for name, _ in models]
     if not models:
         raise SystemExit(
@@ -373,10 +383,11 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     )
 
 
-def ensure_demo_model(directory: Path) -> Path:
+def ensure_demo_model(directory: Path, arch: str = "mamba") -> Path:
     if not (directory / CONFIG_FILE).exists():
-        config = demo_config(DemoSpec())
-        save_model(directory, config, random_tensors(config, DemoSpec().seed))
+        spec = DemoSpec(arch=arch)
+        config = demo_config(spec)
+        save_model(directory, config, random_tensors(config, spec.seed))
     return directory
 
 

@@ -11,6 +11,10 @@ Layout (all integers little-endian)::
     24      H     header: msgpack map (session, step, model, array table, history, meta)
     24+H    P     payload: raw little-endian array bytes, each array at a 64-byte offset
 
+State arrays are 2-D, or 3-D for a Mamba-2's SSM state (h, p, n); the table format
+did not change for that (readers that predate Mamba-2 refuse such a checkpoint with a
+layout error, and they could not serve its model anyway), so the version stays 1.
+
 The header may also hold ``output``: the (guarded) output of step s, float32 ``(o,)``, so
 a session restored at s can answer a resend of s and start a forecast there without a
 replay. It is optional (older checkpoints lack it; readers that predate it ignore it).
@@ -257,9 +261,9 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
         if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[0], str):
             raise CheckpointLayoutError(f"arrays[{i}] must be [name, dtype, shape, offset, nbytes]")
         arr = payload.array(f"array {clip(entry[0])}", entry[1:], (STATE_DTYPE,))
-        if arr.ndim != 2:
+        if arr.ndim not in (2, 3):
             raise CheckpointLayoutError(
-                f"array {clip(entry[0])} must be 2-D, got shape {arr.shape}"
+                f"array {clip(entry[0])} must be 2-D or 3-D, got shape {arr.shape}"
             )
         named.append((entry[0], arr))
     try:
@@ -269,11 +273,14 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
     if not state.layers:
         raise CheckpointLayoutError("checkpoint holds no layers")
     for i, layer in enumerate(state.layers):
-        if (
-            layer.conv.shape[0] != layer.ssm.shape[0]
-            or layer.conv.shape != state.layers[0].conv.shape
-        ):
+        # Mamba-1: conv (e, k), ssm (e, n); Mamba-2: conv (e + 2 g n, k), ssm (h, p, n).
+        # Which one, and the exact sizes, the model checks (``check_model``).
+        if layer.conv.ndim != 2:
+            raise CheckpointLayoutError(f"layer {i} conv state must be 2-D")
+        if layer.ssm.ndim == 2 and layer.conv.shape[0] != layer.ssm.shape[0]:
             raise CheckpointLayoutError(f"layer {i} state shapes disagree with each other")
+        if layer.conv.shape != state.layers[0].conv.shape:
+            raise CheckpointLayoutError(f"layer {i} conv state shape differs from layer 0")
         if layer.ssm.shape != state.layers[0].ssm.shape:
             raise CheckpointLayoutError(f"layer {i} ssm state shape differs from layer 0")
 
