@@ -2,9 +2,12 @@
 
 ``config``    what a model is (dims, architecture), parsed from ``config.json``
 ``numerics``  the BLAS settings and the batch-invariant matrix product
-``mamba``     the math: one recurrent step of a stack of Mamba blocks, batched
-``loader``    Hugging Face ``MambaForCausalLM`` and signal-Mamba directories
-``demo``      a deterministic random signal Mamba for demos and tests
+``mamba``     the math: one recurrent step of a stack of Mamba blocks, batched, and the
+              Mamba-1 mixer
+``mamba2``    the Mamba-2 mixer (multi-head SSD step, gated norm)
+``loader``    Hugging Face ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` and signal-model
+              directories (F32, F16, BF16, F64; sharded)
+``demo``      a deterministic random signal Mamba or Mamba-2 for demos and tests
 ``kernels``   the fused numba loops between a step's products
 ``recurrent_state``  per-layer state arrays of one session, and of a batch
 ``lane``      one engine thread per model, shared by steps, forecasts and replays
