@@ -222,6 +222,47 @@ def test_waiting_for_replicas_that_do_not_exist_answers_unavailable(redis_cluste
     asyncio.run(main())
 
 
+def test_a_batch_whose_slot_stays_refused_answers_per_call_and_runs_nothing_twice(
+    redis_cluster,
+):
+    """One call of a batch lands on a slot left MIGRATING to a node that does not import
+    it (ASK there, MOVED back, for as long as it lasts): past the deadline that call gets
+    its refusal (a "did not run" error: UNAVAILABLE, retried by clients) and the other
+    call's result stands; the batch is not sent again as a whole, so it ran once."""
+    from ssmserve.server.state import redis_topology
+    from ssmserve.server.state.script_batches import ScriptBatches
+    from ssmserve.server.state.store_errors import StoreUnavailableError, reply_outcome
+
+    redis_cluster.flushall()
+    with sync_client(redis_cluster.url) as r:
+        stuck_slot, fine_slot = r.keyslot("{stuck}:n"), r.keyslot("{fine}:n")
+    here = redis_cluster.owner_of_slot(stuck_slot)
+    there = next(p for p in redis_cluster.ports if p != here)
+    source = redis_cluster.node(here)
+    source.execute_command(
+        "CLUSTER", "SETSLOT", stuck_slot, "MIGRATING", redis_cluster.node_id(there)
+    )
+    assert fine_slot != stuck_slot
+
+    async def main() -> list:
+        cluster = redis_topology.connect(redis_cluster.url, 2.0)
+        try:
+            script = cluster.register_script("return redis.call('INCR', KEYS[1])")
+            batches = ScriptBatches(cluster, 0, 0, deadline_s=0.5)
+            return await batches.run(script, [(["{stuck}:n"], []), (["{fine}:n"], [])])
+        finally:
+            await cluster.aclose()
+
+    try:
+        stuck, fine = asyncio.run(main())
+    finally:
+        source.execute_command("CLUSTER", "SETSLOT", stuck_slot, "STABLE")
+    assert fine == 1
+    assert isinstance(reply_outcome(stuck), StoreUnavailableError)
+    with sync_client(redis_cluster.url) as r:
+        assert r.get("{fine}:n") == b"1" and r.get("{stuck}:n") is None
+
+
 def test_redis_urls_are_read_or_refused_clearly():
     cluster = RedisUrl.parse("redis+cluster://u:p%40ss@10.0.0.1:7000,[::1]:7001")
     assert cluster.kind == "cluster" and cluster.hosts == (("10.0.0.1", 7000), ("::1", 7001))

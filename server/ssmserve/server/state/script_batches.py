@@ -66,7 +66,8 @@ async def until_run(
 
 class ScriptBatches:
     """Runs a script for many calls in one round trip (per node); one reply per call,
-    refusals (error replies) as exceptions in the list, a lost answer raised."""
+    refusals (error replies, or "did not run" once the deadline passed) as exceptions in
+    the list, a lost answer raised."""
 
     def __init__(
         self,
@@ -142,9 +143,17 @@ class ScriptBatches:
             if cluster._initialize:  # first use, or after a lost node: learn the slots
                 await cluster.initialize()
             by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
+            unserved: dict[int, Exception] = {}  # calls whose slot has no node right now
             for i, asked in todo.items():
                 keys, args = calls[i]
-                node = asked or cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
+                try:
+                    node = asked or cluster.nodes_manager.get_node_from_slot(
+                        cluster.keyslot(keys[0])
+                    )
+                except redis_errors.SlotNotCoveredError as exc:  # a failover under way
+                    unserved[i] = exc
+                    cluster._initialize = True
+                    continue
                 commands = by_node.setdefault(node.name, (node, []))[1]
                 if asked is not None:
                     commands.append(PipelineCommand(_ASKING, "ASKING"))
@@ -158,6 +167,8 @@ class ScriptBatches:
                 *(_on_node(cluster, node, commands) for node, commands in by_node.values())
             )
             todo, refused, load, pause = {}, None, False, False
+            for i, exc in unserved.items():
+                todo[i], refused, pause = None, exc, True
             for _node, commands in by_node.values():
                 if self.wait_replicas and any(_ran(c) for c in commands):
                     self._check_replicas(commands[-1].result)
@@ -182,7 +193,13 @@ class ScriptBatches:
             if refused is None:
                 return replies
             if time.perf_counter() - started + delay > self.deadline_s:
-                raise refused
+                if len(todo) == len(calls):  # nothing ran: the caller may send it all again
+                    raise refused
+                # Some ran: each of the others gets its refusal (it did not run), and the
+                # batch is never sent again as a whole.
+                for i in todo:
+                    replies[i] = refused
+                return replies
             self.on_retry()
             if load:
                 script.sha = await cluster.script_load(script.script)  # on every master

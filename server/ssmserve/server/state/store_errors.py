@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError
+from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
+from ssmserve.server.state.script_batches import NOT_RUN
 
 
 class StoreError(SsmserveError):
@@ -131,6 +132,10 @@ def check_reply(raw: Any) -> list[str]:
 
 def reply_outcome(raw: Any) -> SsmserveError | None:
     """A pipelined script reply as None (success) or the typed error it stands for."""
+    if isinstance(raw, NOT_RUN):  # Redis Cluster did not run it (a slot moving): retry
+        return StoreUnavailableError(
+            f"the session store (Redis Cluster) did not run the command: {clip(str(raw))}"
+        )
     if isinstance(raw, Exception):
         return StoreError(f"the session store (Redis) failed: {raw}")
     try:
