@@ -94,6 +94,27 @@ def test_migration_and_a_crash_lose_nothing(start_worker, served_models, name):
     assert b.client.get_session(sid).step == 36
 
 
+@pytest.mark.parametrize("name", MAMBA2)
+def test_served_outputs_equal_ssmserve_model_run(worker, model_dirs, served_models, name, tmp_path):
+    """What a client is answered is what ``ssmserve model run`` writes, bit for bit (the
+    CLI in its own process)."""
+    import subprocess
+    import sys
+
+    model = served_models[name]
+    x = random_inputs(model, 25, seed=64)
+    np.save(tmp_path / "in.npy", x)
+    run = subprocess.run(
+        [sys.executable, "-m", "ssmserve.client.cli", "model", "run", str(model_dirs[name]),
+         "--input", str(tmp_path / "in.npy"), "--output", str(tmp_path / "out.npy")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    sid = worker.client.create_session(name).session_id
+    got, _ = stream(worker, sid, as_inputs(model, x))
+    assert_bit_equal(got, np.load(tmp_path / "out.npy"))
+
+
 def test_the_demo_cli_writes_a_signal_mamba2(tmp_path, capsys):
     from ssmserve.client.cli import main
     from ssmserve.server.engine.loader import load_model
