@@ -272,7 +272,7 @@ class MambaConfig:
         inner = int(expand * hidden)
         heads = _int(raw, "num_heads")
         head_dim = _int(raw, "head_dim")
-        groups = _int(raw, "n_groups", default=1)
+        groups = _int(raw, "n_groups", default=8)  # transformers' Mamba2Config default
         if heads * head_dim != inner:
             raise ModelFormatError(
                 f"config.json: num_heads * head_dim ({heads} * {head_dim}) must equal "
