@@ -6,7 +6,7 @@ Usage (from the repo root)::
 
 Needs torch and transformers in ``.venv-bench`` (not project dependencies)::
 
-    .venv-bench/bin/pip install torch==2.13.0 transformers==5.23.0
+    .venv-bench/bin/pip install torch==2.13.0 transformers==5.24.0
 
 (``torch==2.13.0`` is the local CPU wheel; transformers does not require torch, so this
 does not move it.) Without them the script prints one line, writes ``{"skipped": 1, ...}``
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median_seconds, table
 
-INSTALL = ".venv-bench/bin/pip install torch==2.13.0 transformers==5.23.0"
+INSTALL = ".venv-bench/bin/pip install torch==2.13.0 transformers==5.24.0"
 TORCH_THREADS = 2
 TARGET_RATIO = 0.7
 
