@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -270,3 +272,32 @@ def test_signed_exports_verify_and_forgeries_are_refused() -> None:
     ):
         with pytest.raises(CheckpointSignatureError):
             unwrap(bad, None if bad is signed else key, required)
+
+
+OLD = Path(__file__).parent / "fixtures" / "checkpoint_v1"
+
+
+def test_a_checkpoint_written_before_mamba2_still_loads_and_continues_exactly() -> None:
+    """A Mamba-1 model and a checkpoint written by ssmserve before Mamba-2 existed: the
+    model keeps its fingerprint, the checkpoint decodes and fits it, and stepping on from
+    it gives the outputs that version computed (bit for bit on the same numerics: CPU,
+    BLAS build and threads, library versions; within 1e-6 elsewhere)."""
+    from ssmserve.server.engine.loader import load_model
+    from ssmserve.server.engine.numerics import numerics_description
+
+    meta = json.loads((OLD / "meta.json").read_text())
+    model = load_model(OLD / "model")
+    assert model.fingerprint == meta["fingerprint"]
+    ckpt = Checkpoint.decode((OLD / "checkpoint.bin").read_bytes())
+    ckpt.check_model(model)
+    assert (ckpt.session_id, ckpt.step, ckpt.meta.label) == ("old-session", 12, "before-mamba2")
+    x, expected = np.load(OLD / "inputs.npy"), np.load(OLD / "outputs.npy")
+    got, _ = model.run(x[12:], ckpt.state)
+    same_numerics = (
+        numerics_description().rsplit(" | engine ", 1)[0]
+        == (meta["numerics"].rsplit(" | engine ", 1)[0])
+    )
+    if same_numerics:
+        assert np.array_equal(got.view(np.uint32), expected[12:].view(np.uint32))
+    else:
+        np.testing.assert_allclose(got, expected[12:], atol=1e-6)
