@@ -1,30 +1,51 @@
-"""Mamba-2, mamba2-130m-shaped: ssmserve's engine vs transformers on CPU, and snapshots.
+"""Mamba-2, mamba2-130m-shaped: ssmserve's engine vs transformers on CPU, and one snapshot.
 
 Usage (from the repo root)::
 
-    .venv-bench/bin/python bench/bench_mamba2.py [--tokens 20] [--batch 64] [--json OUT]
-    .venv-bench/bin/python bench/bench_mamba2.py --small      # a tiny shape, to check it runs
+    .venv-bench/bin/python bench/bench_mamba2.py [--warmup 5] [--tokens 20] [--batch 64]
+        [--batch-steps 10] [--snapshots 5] [--json OUT.json]
+    .venv-bench/bin/python bench/bench_mamba2.py --small    # a tiny shape: checks it runs
 
-Needs torch and transformers in ``.venv-bench`` (``bench/run`` installs them); without
-them the transformers column says "skipped" and the rest still runs.
+Needs torch and transformers in ``.venv-bench`` (not project dependencies)::
 
-The model: hidden 768, 24 layers, state 128, head dim 64 (24 heads), 1 group, expand 2,
-conv 4, vocab 50280, tied embeddings (``Mamba2ForCausalLM``), random weights
-(``random_tensors(config, 0)``) written once to a model directory that both sides load:
-ssmserve with ``load_model``, transformers with a strict ``load_state_dict`` of the same
-tensors. Each side runs in its own subprocess (no shared thread pools), 2 threads each
-(``pin_blas_threads`` / ``torch.set_num_threads(2)``), fed the same token ids one at a time:
+    .venv-bench/bin/pip install torch==2.13.0 transformers==5.24.0
 
-* **batch 1**: wall time per token (after 3 warm-up tokens), p50 and p99;
-* **batch ``--batch``**: tokens per second over ``--tokens // 2`` steps of that many
-  sessions at once (ssmserve: one ``model.step`` of the stacked states, as the stepper
-  does; transformers: one forward of ``--batch`` rows through its cache);
-* agreement: max abs difference of the batch-1 logits, ours vs transformers.
+Without them the script prints one line, writes ``{"skipped": 1, ...}`` and exits 0
+(nothing is measured: the figures are a comparison).
 
-Then, in the parent: the state bytes of one session, and a snapshot of it through the
-real store on a private redis-server: encode (``Checkpoint.encode``), write
-(``Store.commit_snapshot``: the blob SET in pieces of at most 4 MiB, then the commit
-script), read (``Store.read_blob``, one MGET of the pieces) and decode.
+What is measured. One model of mamba2-130m's shape (``Architecture.MAMBA2_LM``: hidden
+768, 24 layers, state 128, head dim 64, so 24 heads over an inner size of 1536 (expand 2),
+1 group, conv 4, vocab 50280, tied embeddings) with the SAME random weights on both
+sides: the numpy tensors of ``random_tensors(config, 0)``, given to ``build_model`` and
+loaded into ``transformers.Mamba2ForCausalLM`` with ``load_state_dict`` (nothing
+unexpected, only the tied ``lm_head.weight`` missing; both asserted). Both are fed the
+same token ids from an empty state:
+
+* ssmserve: what the stepper does per tick (``engine.lane``): ``BatchState.stack`` of
+  the sessions' states (a copy, ~19.5 MB per session), ``model.step``, ``.session(row)``
+  (views); BLAS pinned to 2 threads (``pin_blas_threads``).
+* transformers 5.24: its recurrent cache path, ``out = model(input_ids=ids, cache=cache,
+  use_cache=True, logits_to_keep=1); cache = out.cache`` (the first call makes the cache
+  and runs the prefill path, in the warm-up; later calls the one-token update).
+  ``torch.set_num_threads(2)``, eval mode, ``torch.no_grad()``.
+
+Batch 1: one session, wall time per token; ``--warmup`` tokens discarded, then p50 / p99
+over ``--tokens``. Batch ``--batch``: that many sessions stepped at once, one warm-up
+tick, then tokens/s = batch x ``--batch-steps`` / wall time of those ticks. Agreement:
+max abs difference of the logits, ssmserve vs transformers, over the timed batch-1 tokens
+and over the last batch tick (with the largest |logit| for scale).
+
+Snapshot (in the ssmserve process, after its timings): the batch-1 session after all its
+tokens as a ``Checkpoint`` (state + input history), through the real store on a private
+redis-server (``EmbeddedRedis``, AOF on) with the default ``StoreSettings``; the session
+is made first with ``Store.create_session``. Medians over ``--snapshots`` snapshots of:
+encode (``Checkpoint.encode``: copy + sha256); write (``Store.commit_snapshot``, as a
+periodic snapshot: the blob SET in pieces of at most ``piece_bytes`` (4 MiB) in one
+pipeline, then the commit script; fewer snapshots than the default retention of 16, so
+none is dropped); read (``Store.read_blob``: one MGET of the pieces); decode
+(``Checkpoint.decode``: sha256 check + zero-copy views).
+
+Each side runs in its own subprocess (no shared thread pools or allocator).
 """
 
 from __future__ import annotations
@@ -33,6 +54,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -40,6 +62,7 @@ import tempfile
 import time
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,13 +72,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_seconds, table
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
-from ssmserve.server.engine.demo import random_tensors
-from ssmserve.server.engine.loader import save_model
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
 
+INSTALL = ".venv-bench/bin/pip install torch==2.13.0 transformers==5.24.0"
 THREADS = 2
+SESSION = "bench-mamba2"
+EMBEDDINGS = "backbone.embeddings.weight"
+#: Defaults of the counts (``--small``: a few of each, to check the script end to end).
+#: transformers' first two one-token updates in a process are slow (~80 and ~30 ms even
+#: at the small shape), so keep at least 3 warm-up tokens.
+FULL = {"warmup": 5, "tokens": 20, "batch": 64, "batch_steps": 10, "snapshots": 5}
+SMALL = {"warmup": 3, "tokens": 5, "batch": 4, "batch_steps": 3, "snapshots": 3}
 
 
 def mamba2_config(small: bool) -> MambaConfig:
+    """mamba2-130m's dims (``small``: a tiny model of the same kind, to check the script)."""
     d, layers, n, p, vocab = (64, 2, 16, 16, 100) if small else (768, 24, 128, 64, 50280)
     return MambaConfig(
         architecture=Architecture.MAMBA2_LM,
@@ -76,233 +108,399 @@ def mamba2_config(small: bool) -> MambaConfig:
     )
 
 
-# ---------------------------------------------------------------------- one side each
+def token_ids(
+    vocab: int, warmup: int, tokens: int, batch: int, steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch-1 ids ``(warmup + tokens,)`` and the batch ids ``(1 + steps, batch)``."""
+    rng = np.random.default_rng(0)
+    return rng.integers(0, vocab, warmup + tokens), rng.integers(0, vocab, (1 + steps, batch))
 
 
-def run_ssmserve(model_dir: str, ids: np.ndarray, batch: int, steps: int) -> dict:
-    from ssmserve.server.engine.loader import load_model
-    from ssmserve.server.engine.numerics import pin_blas_threads
+def percentiles_ms(samples: list[float]) -> tuple[float, float]:
+    ms = np.asarray(samples) * 1e3
+    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+
+
+# ---------------------------------------------------------------------------- children
+
+
+def child_ours(args: argparse.Namespace) -> dict[str, Any]:
+    from ssmserve.server.engine.demo import random_tensors
+    from ssmserve.server.engine.loader import build_model
+    from ssmserve.server.engine.numerics import blas_signature, pin_blas_threads
     from ssmserve.server.engine.recurrent_state import BatchState
 
-    pin_blas_threads(THREADS)
-    model = load_model(model_dir)
-    state = BatchState.stack([model.new_state()])
-    per_token, logits = [], []
-    for t, token in enumerate(ids):
-        started = time.perf_counter()
-        state, out = model.step(state, np.asarray([token]))
-        per_token.append(time.perf_counter() - started)
-        logits.append(out[0].copy())
-        del t
-    states = BatchState.stack([model.new_state()] * batch)
-    row = ids[:batch] if len(ids) >= batch else np.resize(ids, batch)
-    states, _ = model.step(states, row)  # warm-up at this batch size
-    started = time.perf_counter()
-    for _ in range(steps):
-        states, _ = model.step(states, row)
-    elapsed = time.perf_counter() - started
-    return {"per_token": per_token, "logits": np.stack(logits), "batch_s": elapsed}
+    threads = pin_blas_threads(THREADS)
+    config = mamba2_config(args.small)
+    name = "mamba2-small" if args.small else "mamba2-130m-shaped"
+    model = build_model(config, random_tensors(config, 0), name=name)
+    ids, batch_ids = token_ids(
+        config.vocab_size, args.warmup, args.tokens, args.batch, args.batch_steps
+    )
 
+    # Batch 1: stack + step + split, as the stepper does for a lone session.
+    state = model.new_state()
+    samples: list[float] = []
+    stack_1: list[float] = []
+    logits: list[np.ndarray] = []
+    for i, token in enumerate(ids):
+        t0 = time.perf_counter()
+        stacked = BatchState.stack([state])
+        t1 = time.perf_counter()
+        batch, out = model.step(stacked, np.array([token]))
+        state = batch.session(0)
+        elapsed = time.perf_counter() - t0
+        if i >= args.warmup:
+            samples.append(elapsed)
+            stack_1.append(t1 - t0)
+            logits.append(np.array(out[0], np.float32))
+    np.save(args.out_dir / "ours_b1.npy", np.stack(logits))
 
-def run_transformers(model_dir: str, ids: np.ndarray, batch: int, steps: int) -> dict:
-    import torch
-    from safetensors.numpy import load_file
-    from transformers import Mamba2Config, Mamba2ForCausalLM
+    # Batch B: every tick stacks B states (a copy of each), steps, splits into views.
+    states = [model.new_state() for _ in range(args.batch)]
+    batch, out = model.step(BatchState.stack(states), batch_ids[0])  # warm-up tick
+    states = batch.sessions()
+    stack_b = 0.0
+    t0 = time.perf_counter()
+    for row in batch_ids[1:]:
+        s0 = time.perf_counter()
+        stacked = BatchState.stack(states)
+        stack_b += time.perf_counter() - s0
+        batch, out = model.step(stacked, row)
+        states = batch.sessions()
+        del stacked  # (B x 19.5 MB at full size: hold at most one copy of the states)
+    batch_s = time.perf_counter() - t0
+    np.save(args.out_dir / "ours_bB.npy", np.array(out[: args.batch], np.float32))
+    del batch, states
 
-    torch.set_num_threads(THREADS)
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    config = Mamba2Config(**{k: v for k, v in raw.items() if k != "architectures"})
-    model = Mamba2ForCausalLM(config).to(torch.float32).eval()
-    tensors = {
-        k: torch.from_numpy(v) for k, v in load_file(f"{model_dir}/model.safetensors").items()
+    snapshot = asyncio.run(snapshot_figures(model, state.copy(), ids, args.snapshots))
+    return {
+        "samples": samples,
+        "stack_1_s": statistics.median(stack_1),
+        "batch_s": batch_s,
+        "stack_b_s": stack_b,
+        "blas_threads": threads,
+        "blas": blas_signature(),
+        "state_bytes": config.state_bytes,
+        "snapshot": snapshot,
     }
-    result = model.load_state_dict(tensors, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys
-    assert set(result.missing_keys) <= {"lm_head.weight"}, result.missing_keys
-    model.tie_weights()
-    assert torch.equal(model.lm_head.weight, tensors["backbone.embeddings.weight"])
-    per_token, logits = [], []
-    with torch.no_grad():
-        cache = None
-        for token in ids:
-            started = time.perf_counter()
-            out = model(
-                input_ids=torch.tensor([[int(token)]]), cache=cache, use_cache=True,
-                logits_to_keep=1,
-            )  # fmt: skip
-            cache = out.cache
-            per_token.append(time.perf_counter() - started)
-            logits.append(out.logits[0, -1].float().numpy().copy())
-        row = ids[:batch] if len(ids) >= batch else np.resize(ids, batch)
-        tokens = torch.tensor(row[:, None])
-        out = model(input_ids=tokens, use_cache=True, logits_to_keep=1)  # prefill: warm-up
-        cache = out.cache
-        started = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1)
-            cache = out.cache
-        elapsed = time.perf_counter() - started
-    return {"per_token": per_token, "logits": np.stack(logits), "batch_s": elapsed}
 
 
-def side(name: str, model_dir: str, ids: np.ndarray, batch: int, steps: int) -> dict | None:
-    """Run one side in its own process; None when it cannot run here (no torch)."""
-    if name == "transformers" and not (find_spec("torch") and find_spec("transformers")):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.npz"
-        np.save(Path(tmp) / "ids.npy", ids)
-        code = (
-            "import sys, numpy as np; sys.path.insert(0, sys.argv[1]);"
-            "import bench_mamba2 as b;"
-            f"r = b.run_{name}(sys.argv[2], np.load(sys.argv[3]), int(sys.argv[4]),"
-            " int(sys.argv[5]));"
-            "np.savez(sys.argv[6], per_token=r['per_token'], logits=r['logits'],"
-            " batch_s=r['batch_s'])"
-        )
-        env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-        subprocess.run(
-            [sys.executable, "-c", code, str(Path(__file__).parent), model_dir,
-             str(Path(tmp) / "ids.npy"), str(batch), str(steps), str(out)],
-            check=True, env=env, timeout=3600,
-        )  # fmt: skip
-        got = np.load(out)
-        return {k: got[k] for k in got.files}
-
-
-# ---------------------------------------------------------------------- snapshots
-
-
-async def snapshot_timings(model_dir: str, repeats: int) -> dict:
+async def snapshot_figures(
+    model: MambaModel, state: SessionState, ids: np.ndarray, repeats: int
+) -> dict[str, Any]:
+    """Encode, write, read and decode one session's snapshot through the real store."""
     from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
-    from ssmserve.server.engine.loader import load_model
-    from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
-    from ssmserve.server.state.lease import SessionLease
+    from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
+    from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
+    from ssmserve.server.state.lease import SessionLease, new_incarnation
     from ssmserve.server.state.store import SessionMeta, SnapshotRecord, Store, StoreSettings
 
-    model = load_model(model_dir)
-    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 8)
-    _, state = model.run(ids)
-    ckpt = Checkpoint("bench", 8, model.name, model.fingerprint, state, InputHistory(1, ids))
+    step = len(ids)
+    ckpt = Checkpoint(
+        session_id=SESSION,
+        step=step,
+        model_id=model.name,
+        fingerprint=model.fingerprint,
+        state=state,
+        history=InputHistory(1, np.asarray(ids, np.int64)),
+        meta=CheckpointMeta(reason="periodic"),
+    )
     blob = ckpt.encode()
+    encode_s = median_seconds(ckpt.encode, repeats)
+    decoded = Checkpoint.decode(blob)
+    if not decoded.state.bit_equal(state):
+        raise RuntimeError("the decoded checkpoint's state differs from the encoded one")
+    decode_s = median_seconds(lambda: Checkpoint.decode(blob), repeats)
+
+    # A session with the worker's defaults: keeps 16 snapshots (fewer are written here,
+    # so no commit drops one).
+    config = SessionConfig().resolve(SessionDefaults(), model.config.output_dim)
+    writes: list[float] = []
+    reads: list[float] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp))) as redis,
     ):
-        store = Store(StoreSettings(url=redis.url, socket_timeout_s=30.0))
+        store = Store(StoreSettings(url=redis.url))
+        piece_bytes = store.settings.piece_bytes
+        pieces = max(1, -(-len(blob) // piece_bytes))
+
+        def record() -> SnapshotRecord:  # a new id each time, as ``SessionCheckpoints.encode``
+            snapshot_id = f"{step:012d}-{time.time_ns() // 1000:014x}-{secrets.token_hex(2)}"
+            return SnapshotRecord(snapshot_id, step, "", "periodic", time.time(), len(blob), pieces)
+
         try:
-            piece = store.settings.piece_bytes
-            pieces = -(-len(blob) // piece)
-
-            def record(i: int) -> SnapshotRecord:
-                return SnapshotRecord(f"{8 + i:012d}-b", 8, "", "bench", 1.0, len(blob), pieces)
-
-            token = "0123456789abcdef0123456789abcdef.1"
+            lease = SessionLease(SESSION, f"{new_incarnation()}.1", "bench-worker")
+            now = time.time()
             meta = SessionMeta(
-                "bench", model.name, model.fingerprint, 8, 9, b"cfg", 1.0, 1.0, False, 1,
-                "w1", "addr:1", token, "n" * 16,
+                SESSION, model.name, model.fingerprint, step, step + 1, config.to_bytes(), now,
+                now, False, epoch=1, owner=lease.holder, owner_addr="127.0.0.1:0",
+                token=lease.token,
             )  # fmt: skip
-            await store.create_session(meta, 600_000, record(0), blob, 4)
-            lease = SessionLease("bench", token, "w1")
-            writes, reads = [], []
-            for i in range(1, repeats + 1):
-                started = time.perf_counter()
-                await store.commit_snapshot(lease, record(i), blob, 4)
-                writes.append(time.perf_counter() - started)
-                started = time.perf_counter()
-                assert await store.read_blob("bench", record(i)) == blob
-                reads.append(time.perf_counter() - started)
+            await store.create_session(meta, 600_000, record(), blob, config.max_snapshots)
+            for _ in range(repeats):
+                rec = record()
+                t0 = time.perf_counter()
+                await store.commit_snapshot(lease, rec, blob, config.max_snapshots)
+                writes.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = await store.read_blob(SESSION, rec)
+                reads.append(time.perf_counter() - t0)
+                if got != blob:
+                    raise RuntimeError("the snapshot read back differs from the one written")
         finally:
             await store.aclose()
     return {
         "state_bytes": state.nbytes,
         "blob_bytes": len(blob),
+        "piece_bytes": piece_bytes,
         "pieces": pieces,
-        "encode_s": median_seconds(ckpt.encode, repeats),
-        "decode_s": median_seconds(lambda: Checkpoint.decode(blob), repeats),
+        "max_snapshots": config.max_snapshots,
+        "encode_s": encode_s,
         "write_s": statistics.median(writes),
         "read_s": statistics.median(reads),
+        "decode_s": decode_s,
     }
 
 
-# ---------------------------------------------------------------------- main
+def child_torch(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    from ssmserve.server.engine.demo import random_tensors
+
+    torch.set_num_threads(THREADS)
+    c = mamba2_config(args.small)
+    hf_config = Mamba2Config(
+        hidden_size=c.hidden_size,
+        num_heads=c.num_heads,
+        head_dim=c.head_dim,
+        n_groups=c.n_groups,
+        state_size=c.state_size,
+        num_hidden_layers=c.num_hidden_layers,
+        expand=c.intermediate_size // c.hidden_size,
+        conv_kernel=c.conv_kernel,
+        vocab_size=c.vocab_size,
+        tie_word_embeddings=c.tie_word_embeddings,
+        use_bias=c.use_bias,
+        use_conv_bias=c.use_conv_bias,
+        layer_norm_epsilon=c.layer_norm_epsilon,
+        time_step_limit=c.time_step_limit,
+    )
+    model = Mamba2ForCausalLM(hf_config).to(torch.float32).eval()
+    tensors = {k: torch.from_numpy(v) for k, v in random_tensors(c, 0).items()}
+    result = model.load_state_dict(tensors, strict=False)
+    if result.unexpected_keys or set(result.missing_keys) != {"lm_head.weight"}:
+        raise RuntimeError(
+            f"load_state_dict: missing {result.missing_keys}, unexpected "
+            f"{result.unexpected_keys} (expected only the tied lm_head.weight missing)"
+        )
+    model.tie_weights()
+    emb, head = model.backbone.embeddings.weight, model.lm_head.weight
+    if emb.data_ptr() != head.data_ptr() or not torch.equal(emb, tensors[EMBEDDINGS]):
+        raise RuntimeError("lm_head is not tied to the loaded embeddings")
+    ids, batch_ids = token_ids(c.vocab_size, args.warmup, args.tokens, args.batch, args.batch_steps)
+    ids_t, batch_t = torch.from_numpy(ids), torch.from_numpy(batch_ids)
+
+    samples: list[float] = []
+    logits: list[np.ndarray] = []
+    with torch.no_grad():
+        cache = None
+        for i in range(ids_t.shape[0]):
+            t0 = time.perf_counter()
+            out = model(
+                input_ids=ids_t[None, i : i + 1], cache=cache, use_cache=True, logits_to_keep=1
+            )
+            cache = out.cache
+            elapsed = time.perf_counter() - t0
+            if i >= args.warmup:
+                samples.append(elapsed)
+                logits.append(out.logits[0, -1].numpy().astype(np.float32))
+        np.save(args.out_dir / "torch_b1.npy", np.stack(logits))
+
+        out = model(input_ids=batch_t[0, :, None], use_cache=True, logits_to_keep=1)  # warm-up
+        cache = out.cache
+        t0 = time.perf_counter()
+        for row in batch_t[1:]:
+            out = model(input_ids=row[:, None], cache=cache, use_cache=True, logits_to_keep=1)
+            cache = out.cache
+        batch_s = time.perf_counter() - t0
+        np.save(args.out_dir / "torch_bB.npy", out.logits[:, -1].numpy().astype(np.float32))
+    return {
+        "samples": samples,
+        "batch_s": batch_s,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def run_child(which: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", which, "--out-dir", str(out_dir)]
+    for name in ("warmup", "tokens", "batch", "batch_steps", "snapshots"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.small:
+        cmd.append("--small")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+def skipped(reason: str, json_path: Path | None) -> int:
+    print(f"bench_mamba2: skipped ({reason}); install with: {INSTALL}")
+    if json_path:
+        json_path.write_text(json.dumps({"skipped": 1, "notes": f"skipped: {reason}"}) + "\n")
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=20, help="batch-1 tokens timed")
-    parser.add_argument("--batch", type=int, default=64, help="sessions stepped at once")
-    parser.add_argument("--small", action="store_true", help="a tiny shape, to check it runs")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--warmup", type=int, help="batch-1 tokens discarded first (5)")
+    parser.add_argument("--tokens", type=int, help="batch-1 tokens timed (20)")
+    parser.add_argument("--batch", type=int, help="sessions stepped at once (64)")
+    parser.add_argument("--batch-steps", type=int, help="batch ticks timed (10)")
+    parser.add_argument("--snapshots", type=int, help="snapshots written and read (5)")
+    parser.add_argument("--small", action="store_true", help="a tiny shape, few of each")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--child", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    config = mamba2_config(args.small)
-    warm = 3
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, warm + args.tokens)
-    steps = max(2, args.tokens // 2)
+    for name, value in (SMALL if args.small else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+    if args.child:
+        fn = child_ours if args.child == "ours" else child_torch
+        print(json.dumps(fn(args)))
+        return 0
+
+    missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
+    if missing:
+        return skipped(f"{' and '.join(missing)} not installed", args.json)
+
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(Path(tmp) / "mamba2-130m-shaped")
-        save_model(model_dir, config, random_tensors(config, 0))
-        ours = side("ssmserve", model_dir, ids, args.batch, steps)
-        theirs = side("transformers", model_dir, ids, args.batch, steps)
-        snap = asyncio.run(snapshot_timings(model_dir, repeats=5))
-    assert ours is not None
+        out_dir = Path(tmp)
+        ours = run_child("ours", args, out_dir)
+        peer = run_child("torch", args, out_dir)
+        ours_1, torch_1 = np.load(out_dir / "ours_b1.npy"), np.load(out_dir / "torch_b1.npy")
+        ours_b, torch_b = np.load(out_dir / "ours_bB.npy"), np.load(out_dir / "torch_bB.npy")
 
-    def p(result: dict | None, q: float) -> float | str:
-        if result is None:
-            return "skipped"
-        return float(np.quantile(result["per_token"][warm:], q)) * 1e3
-
-    def rate(result: dict | None) -> float | str:
-        return "skipped" if result is None else args.batch * steps / float(result["batch_s"])
-
-    def ratio(a: float | str, b: float | str) -> float | str:
-        return a / b if isinstance(a, float) and isinstance(b, float) else "-"
-
-    rows = []
-    for label, ours_v, theirs_v in (
-        ("batch 1: ms per token, p50", p(ours, 0.5), p(theirs, 0.5)),
-        ("batch 1: ms per token, p99", p(ours, 0.99), p(theirs, 0.99)),
-        (f"batch {args.batch}: tokens/s", rate(ours), rate(theirs)),
-    ):
-        rows.append([label, ours_v, theirs_v, ratio(ours_v, theirs_v)])
-    agreement = (
-        "skipped"
-        if theirs is None
-        else float(np.abs(ours["logits"][warm:] - theirs["logits"][warm:]).max())
+    o50, o99 = percentiles_ms(ours["samples"])
+    t50, t99 = percentiles_ms(peer["samples"])
+    ticks = args.batch * args.batch_steps
+    o_tps, t_tps = ticks / ours["batch_s"], ticks / peer["batch_s"]
+    diff_1 = float(np.abs(ours_1 - torch_1).max())
+    diff_b = float(np.abs(ours_b - torch_b).max())
+    scale_1, scale_b = float(np.abs(torch_1).max()), float(np.abs(torch_b).max())
+    snap = ours["snapshot"]
+    c = mamba2_config(args.small)
+    shape = (
+        f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, state {c.state_size}, "
+        f"{c.num_heads} heads of {c.head_dim}, {c.n_groups} group, conv {c.conv_kernel}, "
+        f"vocab {c.vocab_size}"
     )
-    c = config
+
     print(
-        f"# Mamba-2 {'(small) ' if args.small else ''}hidden {c.hidden_size}, "
-        f"{c.num_hidden_layers} layers, state {c.state_size}, {c.num_heads} heads of "
-        f"{c.head_dim}, {c.n_groups} group, vocab {c.vocab_size}; {THREADS} threads each"
+        f"# Mamba-2, {'--small' if args.small else 'mamba2-130m-shaped'}: {shape}; "
+        f"same random weights\n"
+        f"ssmserve: numpy engine, {ours['blas']}\n"
+        f"torch {peer['torch']}, transformers {peer['transformers']}: "
+        f"torch.set_num_threads({THREADS}) -> {peer['threads']} threads\n"
+        f"batch 1: {args.warmup} warmup + {args.tokens} timed tokens; batch {args.batch}: "
+        f"1 warm-up + {args.batch_steps} timed ticks; load average before: {load[0]:.2f}"
     )
-    print(table(["", "ssmserve", "transformers", "ssmserve / transformers"], rows))
-    print(f"max |logits difference| at batch 1: {agreement}")
-    print()
     print(
         table(
-            ["one session's snapshot", "value"],
+            ["what", "ssmserve", "transformers", "ssmserve / transformers"],
             [
-                ["state bytes", f"{snap['state_bytes']:,}"],
-                ["checkpoint bytes", f"{snap['blob_bytes']:,}"],
-                ["pieces in Redis (<= 4 MiB each)", snap["pieces"]],
-                ["encode, ms", snap["encode_s"] * 1e3],
-                ["write to Redis (pieces + commit), ms", snap["write_s"] * 1e3],
-                ["read from Redis, ms", snap["read_s"] * 1e3],
-                ["decode, ms", snap["decode_s"] * 1e3],
+                ["batch 1: ms per token, p50", o50, t50, o50 / t50],
+                ["batch 1: ms per token, p99", o99, t99, o99 / t99],
+                [f"batch {args.batch}: tokens/s", o_tps, t_tps, o_tps / t_tps],
             ],
         )
     )
+    print(
+        f"ssmserve time in BatchState.stack (copying states in): batch 1 "
+        f"{ours['stack_1_s'] * 1e3:.3g} ms per token ({ours['stack_1_s'] * 1e3 / o50:.0%} "
+        f"of p50); batch {args.batch} {ours['stack_b_s'] / ours['batch_s']:.0%} of the ticks"
+    )
+    print(
+        f"logits, max |ssmserve - transformers|: batch 1 over {args.tokens} tokens "
+        f"{diff_1:.3g} (max |logit| {scale_1:.3g}, relative {diff_1 / scale_1:.2g}); "
+        f"batch {args.batch}, last tick {diff_b:.3g} (relative {diff_b / scale_b:.2g})"
+    )
+    mib = snap["piece_bytes"] / (1 << 20)
+    print(
+        table(
+            ["one session's snapshot (real store, private redis-server)", "value"],
+            [
+                ["state bytes (model.config.state_bytes)", f"{ours['state_bytes']:,}"],
+                ["checkpoint blob bytes (state + input history)", f"{snap['blob_bytes']:,}"],
+                [f"pieces in Redis (<= {mib:g} MiB each)", snap["pieces"]],
+                ["encode ms (Checkpoint.encode)", snap["encode_s"] * 1e3],
+                ["write ms (Store.commit_snapshot: SET pieces + commit)", snap["write_s"] * 1e3],
+                ["read ms (Store.read_blob: MGET of the pieces)", snap["read_s"] * 1e3],
+                ["decode ms (Checkpoint.decode)", snap["decode_s"] * 1e3],
+                ["snapshot total ms (encode + write)", (snap["encode_s"] + snap["write_s"]) * 1e3],
+                ["restore total ms (read + decode)", (snap["read_s"] + snap["decode_s"]) * 1e3],
+            ],
+        )
+    )
+
     if args.json:
-        figures = {
-            "rows": rows,
-            "agreement": agreement,
-            "snapshot": snap,
+        notes = (
+            f"{'small shape' if args.small else 'mamba2-130m-shaped'} ({shape}), random "
+            f"weights (random_tensors seed 0) shared by both; ssmserve: stack+step+split per "
+            f"tick, {ours['blas']}; torch {peer['torch']} transformers "
+            f"{peer['transformers']} cache path (cache=, use_cache, logits_to_keep=1), "
+            f"{peer['threads']} threads; snapshot medians over {args.snapshots} "
+            f"(Store.commit_snapshot / read_blob on an EmbeddedRedis); load average before "
+            f"{load[0]:.2f}"
+        )
+        report: dict[str, object] = {
+            "small": int(args.small),
+            "ours_p50_ms": o50,
+            "ours_p99_ms": o99,
+            "torch_p50_ms": t50,
+            "torch_p99_ms": t99,
+            "ratio_p50": o50 / t50,
+            "ratio_p99": o99 / t99,
+            "batch": args.batch,
+            "ours_batch_tokens_per_s": o_tps,
+            "torch_batch_tokens_per_s": t_tps,
+            "ratio_batch_tokens_per_s": o_tps / t_tps,
+            "ours_stack_ms_batch_1": ours["stack_1_s"] * 1e3,
+            "ours_stack_share_batch": ours["stack_b_s"] / ours["batch_s"],
+            "max_abs_logit_diff_batch_1": diff_1,
+            "max_abs_logit_batch_1": scale_1,
+            "max_abs_logit_diff_batch_last_tick": diff_b,
+            "max_abs_logit_batch_last_tick": scale_b,
+            "state_bytes": ours["state_bytes"],
+            "snapshot_blob_bytes": snap["blob_bytes"],
+            "snapshot_pieces": snap["pieces"],
+            "snapshot_piece_bytes": snap["piece_bytes"],
+            "snapshot_encode_ms": snap["encode_s"] * 1e3,
+            "snapshot_write_ms": snap["write_s"] * 1e3,
+            "snapshot_read_ms": snap["read_s"] * 1e3,
+            "snapshot_decode_ms": snap["decode_s"] * 1e3,
+            "torch_threads": peer["threads"],
+            "blas_threads": ours["blas_threads"],
+            "warmup_tokens": args.warmup,
+            "timed_tokens": args.tokens,
+            "batch_steps": args.batch_steps,
+            "load_average_1m": load[0],
             "config": c.canonical(),
+            "notes": notes,
         }
-        args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
