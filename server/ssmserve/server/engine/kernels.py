@@ -70,6 +70,29 @@ def _exp_into(x: np.ndarray, out: np.ndarray, scale_bits: np.ndarray) -> None:
         out[i] = out[i] * scale[i]
 
 
+@njit(**_JIT, inline="always")
+def _dot_in_order(h: np.ndarray, base: int, c: np.ndarray) -> np.float32:
+    """``sum_s h[base + s] * c[s]`` over ``c``'s length, as four partial sums (s mod 4)
+    added in a fixed order: one order whatever the batch, four times the parallelism of
+    one chain (the readout of both scans)."""
+    n = c.shape[0]
+    a0 = _ZERO
+    a1 = _ZERO
+    a2 = _ZERO
+    a3 = _ZERO
+    s = 0
+    while s + 4 <= n:
+        a0 += h[base + s] * c[s]
+        a1 += h[base + s + 1] * c[s + 1]
+        a2 += h[base + s + 2] * c[s + 2]
+        a3 += h[base + s + 3] * c[s + 3]
+        s += 4
+    while s < n:
+        a0 += h[base + s] * c[s]
+        s += 1
+    return (a0 + a1) + (a2 + a3)
+
+
 @njit(**_JIT)
 def exp_f32(x: np.ndarray) -> np.ndarray:
     """The kernels' exp on a 1-d float32 array (for tests and the accuracy check)."""
@@ -219,25 +242,9 @@ def selective_scan(
         for c in range(e):
             ex[c] = -z[c]
         _exp_into(ex, ex, scratch_bits)
-        # Readout ([1] Eq. 2b) and gate: y = (C h_t + D x) * silu(z)  (e,). Four partial
-        # sums (s mod 4) instead of one chain: a fixed order, four times the parallelism.
+        # Readout ([1] Eq. 2b) and gate: y = (C h_t + D x) * silu(z)  (e,).
         for c in range(e):
-            a0 = _ZERO
-            a1 = _ZERO
-            a2 = _ZERO
-            a3 = _ZERO
-            base = c * n
-            s = 0
-            while s + 4 <= n:
-                a0 += h_next[base + s] * C[s]
-                a1 += h_next[base + s + 1] * C[s + 1]
-                a2 += h_next[base + s + 2] * C[s + 2]
-                a3 += h_next[base + s + 3] * C[s + 3]
-                s += 4
-            while s < n:
-                a0 += h_next[base + s] * C[s]
-                s += 1
-            acc = (a0 + a1) + (a2 + a3)
+            acc = _dot_in_order(h_next, c * n, C)
             y[c] = (acc + D[c] * x[c]) * (z[c] / (_ONE + ex[c]))
 
 
@@ -304,22 +311,8 @@ def ssd_step(
                 # h_t = Ā h_{t-1} + (Δ B) x  (n,)
                 for s in range(N):
                     h_next[s] = h_prev[s] * a + (d * B[s]) * xv
-                # y = C h_t + D x, four partial sums (s mod 4) in a fixed order
-                a0 = _ZERO
-                a1 = _ZERO
-                a2 = _ZERO
-                a3 = _ZERO
-                s = 0
-                while s + 4 <= N:
-                    a0 += h_next[s] * C[s]
-                    a1 += h_next[s + 1] * C[s + 1]
-                    a2 += h_next[s + 2] * C[s + 2]
-                    a3 += h_next[s + 3] * C[s + 3]
-                    s += 4
-                while s < N:
-                    a0 += h_next[s] * C[s]
-                    s += 1
-                y[hh * P + pp] = ((a0 + a1) + (a2 + a3)) + xv * D[hh]
+                # y = C h_t + D x
+                y[hh * P + pp] = _dot_in_order(h_next, 0, C) + xv * D[hh]
 
 
 @njit(**_JIT)

@@ -362,8 +362,6 @@ def _mamba2_block(c: MambaConfig, t: dict[str, np.ndarray], layer: int) -> Mamba
         gated_norm=t[p + "norm.weight"],
         out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
         groups=c.n_groups,
-        head_dim=c.head_dim,
-        state_size=c.state_size,
         time_step_limit=c.time_step_limit,
         eps=c.layer_norm_epsilon,
     )

@@ -51,8 +51,6 @@ class Mamba2BlockWeights:
     gated_norm: np.ndarray  # (e,) weight of the gated RMSNorm
     out_proj: RowStableLinear  # e -> d
     groups: int  # g
-    head_dim: int  # p
-    state_size: int  # n
     time_step_limit: tuple[float, float]
     eps: float  # of the gated norm (the config's layer_norm_epsilon)
 

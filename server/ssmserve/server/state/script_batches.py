@@ -43,6 +43,9 @@ NOT_RUN = (
     redis_errors.ClusterError,  # redis-py's "TTL exhausted": redirected too often
 )
 
+#: Replies in a batch that say the call did not run: NOT_RUN, or NOSCRIPT (load, resend).
+_DID_NOT_RUN = (*NOT_RUN, redis_errors.NoScriptError)
+
 
 async def until_run(
     call: Callable[[], Awaitable[T]],
@@ -176,7 +179,7 @@ class ScriptBatches:
                     i, reply = command.position, command.result
                     if i < 0:
                         continue
-                    if not isinstance(reply, (*NOT_RUN, redis_errors.NoScriptError)):
+                    if not isinstance(reply, _DID_NOT_RUN):
                         replies[i] = reply
                         continue
                     refused, todo[i] = reply, None
@@ -215,9 +218,7 @@ _ASKING, _WAIT = -1, -2
 def _ran(command: PipelineCommand) -> bool:
     """Whether a call in a pipeline ran (a WAIT after calls that all did not run has
     nothing to confirm)."""
-    return command.position >= 0 and not isinstance(
-        command.result, (*NOT_RUN, redis_errors.NoScriptError)
-    )
+    return command.position >= 0 and not isinstance(command.result, _DID_NOT_RUN)
 
 
 async def _on_node(cluster: RedisCluster, node: Any, commands: list[PipelineCommand]) -> None:
