@@ -86,21 +86,48 @@ def step_time(model: MambaModel, batch: int, repeats: int) -> float:
 
 
 class PlainProducts:
-    """Context manager: swap RowStableLinear for plain ``x @ W.T`` (not batch-invariant)."""
+    """Context manager: swap RowStableLinear for plain BLAS ``x @ W.T`` (not batch-invariant)."""
 
     def __enter__(self) -> None:
         self.saved = RowStableLinear.into
+        weights: dict[int, np.ndarray] = {}
 
-        def plain(lin: RowStableLinear, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-            np.matmul(x, lin.weight.T, out=out)
+        def plain(
+            lin: RowStableLinear, x: np.ndarray, out: np.ndarray, rows: int | None = None
+        ) -> np.ndarray:
+            n = x.shape[0] if rows is None else rows
+            w = weights.get(id(lin))
+            if w is None:
+                w = weights[id(lin)] = np.ascontiguousarray(lin.weight)  # (o, i)
+            np.matmul(x[:n], w.T, out=out[:n])
             if lin.bias is not None:
-                out += lin.bias
+                out[:n] += lin.bias
             return out
 
         RowStableLinear.into = plain  # type: ignore[method-assign]
 
     def __exit__(self, *exc: object) -> None:
         RowStableLinear.into = self.saved  # type: ignore[method-assign]
+
+
+def memory_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second of a large copy (one read + one write of 256 MiB), measured now."""
+    src = np.ones(64 * 2**20, np.float32)
+    dst = np.empty_like(src)
+    return 2 * src.nbytes / median_seconds(lambda: np.copyto(dst, src), repeats)
+
+
+def products_floor(model: MambaModel, batch: int, repeats: int) -> float:
+    """Seconds for the step's products done the fastest plain way: one matrix-vector
+    product each at batch 1 (``W @ x``), one sgemm each above (``x @ W.T``)."""
+    rng = np.random.default_rng(1)
+    ws = [np.ascontiguousarray(lin.weight) for lin in model.linears]  # (o, i) each
+    xs = [rng.standard_normal((batch, w.shape[1])).astype(np.float32) for w in ws]
+    if batch == 1:
+        vs = [x[0] for x in xs]
+        return median_seconds(lambda: [w @ v for w, v in zip(ws, vs, strict=True)], repeats)
+    wts = [w.T for w in ws]
+    return median_seconds(lambda: [x @ w for x, w in zip(xs, wts, strict=True)], repeats)
 
 
 def sgemm_gflops(model: MambaModel, rows: int = 64, repeats: int = 5) -> float:
@@ -137,12 +164,32 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
     )
     rows = []
     results: dict[str, object] = {"model": model.name, "batches": {}}
+    bandwidth = memory_bandwidth()
+    state_bytes = c.state_bytes
     for batch in BATCHES:
         repeats = max(3, (12 if big else 400) // batch)
         t = step_time(model, batch, repeats)
-        results["batches"][batch] = {"step_ms": t * 1e3, "steps_per_s": batch / t}  # type: ignore[index]
-        rows.append([batch, t * 1e3, t * 1e6 / batch, batch / t])
-    print(table(["batch", "step ms", "us/session-step", "steps/s"], rows))
+        products = products_floor(model, batch, repeats)
+        # The goal's floor: the products, plus (batch > 1) one read and one write of the
+        # batch's state at the bandwidth measured in this run.
+        floor = products + (2 * batch * state_bytes / bandwidth if batch > 1 else 0.0)
+        results["batches"][batch] = {  # type: ignore[index]
+            "step_ms": t * 1e3,
+            "steps_per_s": batch / t,
+            "floor_ms": floor * 1e3,
+            "products_ms": products * 1e3,
+            "vs_floor": t / floor,
+        }
+        rows.append([batch, t * 1e3, t * 1e6 / batch, batch / t, products * 1e3, floor * 1e3,
+                     t / floor])  # fmt: skip
+    heads = ["batch", "step ms", "us/session-step", "steps/s", "plain products ms"]
+    print(table([*heads, "floor ms", "step / floor"], rows))
+    print(
+        f"floor: plain matrix-vector products at batch 1, sgemm above, plus one read and one "
+        f"write of the batch's state ({state_bytes:,} B/session) at {bandwidth / 1e9:.1f} GB/s "
+        f"(a 256 MiB copy, this run); goal: step <= 1.5x floor"
+    )
+    results["bandwidth_gb_s"] = bandwidth / 1e9
 
     with PlainProducts():
         plain = {b: step_time(model, b, max(3, (12 if big else 400) // b)) for b in (1, 64)}

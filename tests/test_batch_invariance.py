@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ssmserve.server.engine.mamba import MambaModel
-from ssmserve.server.engine.numerics import TILE_ROWS, RowStableLinear
+from ssmserve.server.engine.numerics import RowStableLinear
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 from tests.conftest import random_inputs
 
@@ -80,10 +80,14 @@ def test_row_stable_linear_is_row_independent(shape: tuple[int, int]) -> None:
     out_f, in_f = shape
     rng = np.random.default_rng(out_f * in_f)
     lin = RowStableLinear(rng.standard_normal(shape).astype(np.float32), rng.standard_normal(out_f))
-    x = rng.standard_normal((3 * TILE_ROWS + 5, in_f)).astype(np.float32)
+    x = rng.standard_normal((53, in_f)).astype(np.float32)
     solo = np.concatenate([lin(x[i : i + 1]) for i in range(len(x))])
-    for size in (1, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, 2 * TILE_ROWS, len(x)):
+    for size in (*range(1, 10), 23, 24, 25, 48, len(x)):
         assert np.array_equal(lin(x[:size]), solo[:size]), f"batch {size}"
+        # and the rows past ``rows`` are left alone
+        out = np.full((size + 3, out_f), 7.0, np.float32)
+        lin.into(x[:size], out, size)
+        assert np.array_equal(out[:size], solo[:size]) and (out[size:] == 7.0).all()
     perm = rng.permutation(len(x))
     assert np.array_equal(lin(x[perm]), solo[perm])
     # non-contiguous input rows (a column slice) give the same bits
@@ -92,6 +96,28 @@ def test_row_stable_linear_is_row_independent(shape: tuple[int, int]) -> None:
     # and it is the linear map it claims to be
     exact = x.astype(np.float64) @ lin.weight.T.astype(np.float64) + lin.bias
     np.testing.assert_allclose(solo, exact, rtol=1e-5, atol=1e-4 * np.sqrt(in_f))
+
+
+@pytest.mark.parametrize("shape", [(50, 7), (24, 64), (30, 256)])
+def test_row_stable_linear_is_the_fixed_order_fma_chain(shape: tuple[int, int]) -> None:
+    """Each element is ``acc = fma(x[k], w[k], acc)`` for k in order, then ``+ bias``: the
+    arithmetic ``products.py`` defines (no CPU- or batch-dependent order). The reference
+    emulates fma in float64, where a float32 product is exact."""
+    out_f, in_f = shape
+    rng = np.random.default_rng(in_f)
+    w = rng.standard_normal(shape).astype(np.float32)
+    bias = rng.standard_normal(out_f).astype(np.float32)
+    x = rng.standard_normal((11, in_f)).astype(np.float32)
+    acc = np.zeros((11, out_f), np.float32)
+    for k in range(in_f):
+        exact = x[:, k, None].astype(np.float64) * w[None, :, k] + acc  # (b, o), one rounding
+        acc = exact.astype(np.float32)
+    want = acc + bias
+    got = RowStableLinear(w, bias)(x)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(RowStableLinear(w).weight, w)
+    ids = np.array([0, out_f - 1, 3, 3])
+    assert np.array_equal(RowStableLinear(w).weight_rows(ids), w[ids])
 
 
 def test_step_does_not_modify_its_input_state(signal_model: MambaModel) -> None:

@@ -177,3 +177,39 @@ def test_help_lists_service_and_server_side_commands():
         assert f"\n    {command} " in result.stdout, result.stdout
     model_help = ssmserve("model", "init-demo", "--help").stdout
     assert "--input-dim" in model_help and "directory" in model_help
+
+
+def test_bench_prints_step_times(demo_dir: Path) -> None:
+    result = ssmserve("model", "bench", demo_dir, "--batch", "3", "--steps", "7", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (report["batch"], report["steps"]) == (3, 7)
+    assert 0 < report["step_us_p10"] <= report["step_us_median"] <= report["step_us_p90"]
+    assert report["steps_per_s"] == pytest.approx(3 / (report["step_us_median"] / 1e6))
+    assert report["fingerprint"] == load_model(demo_dir).fingerprint
+    text = ssmserve("model", "bench", demo_dir, "--steps", "3")
+    assert text.returncode == 0 and "median" in text.stdout and "session-steps/s" in text.stdout
+
+
+def test_bench_refuses_bad_sizes(demo_dir: Path, tmp_path: Path) -> None:
+    assert_one_line_error(
+        ssmserve("model", "bench", demo_dir, "--batch", "5000"), "batch must be in [1, 4096]"
+    )
+    assert ssmserve("model", "bench", demo_dir, "--batch", "0").returncode == 2
+    assert ssmserve("model", "bench", demo_dir, "--steps", "-1").returncode == 2
+    assert_one_line_error(ssmserve("model", "bench", tmp_path / "none"), "none")
+
+
+def test_bench_refuses_a_batch_whose_state_does_not_fit_in_memory(tmp_path: Path) -> None:
+    import os
+
+    big = tmp_path / "big"  # 2 layers x (e 512 x n 512) floats: 2 MiB of state a session
+    args = ("--input-dim", "1", "--output-dim", "1", "--hidden", "256", "--layers", "2")
+    assert ssmserve("model", "init-demo", big, *args, "--state", "512").returncode == 0
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = 2 * 4096 * load_model(big).config.state_bytes
+    if need <= 0.5 * ram:
+        pytest.skip(f"this machine's RAM ({ram} B) holds {need} B of state")
+    assert_one_line_error(
+        ssmserve("model", "bench", big, "--batch", "4096"), "use a smaller --batch"
+    )

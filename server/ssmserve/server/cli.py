@@ -8,6 +8,7 @@ when the server is installed::
                                  [--layers N] [--state N] [--seed N] [--force]
     ssmserve model inspect DIR [--json]
     ssmserve model run DIR --input IN.npy --output OUT.npy
+    ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--json]
     ssmserve auth token --tenant T --role client|operator|admin --file TOKENS.toml [--note N]
 
 Server errors become the CLI's one-line ``CliError`` here, at the boundary.
@@ -35,6 +36,7 @@ from ssmserve.server.api.auth import (
     token_entry,
     token_hash,
 )
+from ssmserve.server.engine.bench import MAX_BATCH, MAX_STEPS, bench_model
 from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import (
     CONFIG_FILE,
@@ -105,6 +107,22 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--input", required=True, type=Path, help="(T,) int ids or (T, i) float32")
     run.add_argument("--output", required=True, type=Path, help="where to write (T, o) float32")
     run.set_defaults(handler=_offline(_run))
+
+    bench = model_cmds.add_parser(
+        "bench", help="time batched engine steps of a model on this machine"
+    )
+    bench.add_argument("dir", type=Path, help="model directory")
+    bench.add_argument(
+        "--batch", type=positive_int, default=1, help=f"sessions per step, <= {MAX_BATCH} (1)"
+    )
+    bench.add_argument(
+        "--steps", type=positive_int, default=100, help=f"timed steps, <= {MAX_STEPS} (100)"
+    )
+    bench.add_argument("--warmup", type=positive_int, default=5, help="untimed steps first (5)")
+    bench.add_argument(
+        "--json", action="store_true", help="print one JSON object (batch, step_us_median, ...)"
+    )
+    bench.set_defaults(handler=_offline(_bench))
 
 
 def _add_auth_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -260,3 +278,22 @@ def _run(args: argparse.Namespace) -> None:
         raise ModelInputError(f"{args.input}: {exc}") from None
     save_npy(args.output, outputs)
     print(f"wrote {outputs.shape[0]} steps of {outputs.shape[1]} outputs to {args.output}")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    model = load_model(args.dir)
+    result = bench_model(model, args.batch, args.steps, args.warmup)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return
+    c = model.config
+    print(
+        f"model       {args.dir} ({c.architecture}, hidden {c.hidden_size}, "
+        f"{c.num_hidden_layers} layers, state {c.state_size})\n"
+        f"batch       {result.batch} sessions, {result.steps} timed steps "
+        f"after {result.warmup} warm-up\n"
+        f"step        median {result.step_us_median:,.1f} us   p10 {result.step_us_p10:,.1f} us"
+        f"   p90 {result.step_us_p90:,.1f} us\n"
+        f"throughput  {result.steps_per_s:,.0f} session-steps/s (batch / median step)\n"
+        f"numerics    {result.numerics} (engine alone: no gRPC, no Redis)"
+    )

@@ -328,13 +328,13 @@ def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) 
         )
     if config.is_token_model:
         embeddings = t["backbone.embeddings.weight"]
-        head_weight = embeddings if config.tie_word_embeddings else t["lm_head.weight"]
+        tied = config.tie_word_embeddings
         return MambaModel(
             config,
             blocks,
             t["backbone.norm_f.weight"],
-            RowStableLinear(head_weight),
-            embeddings=embeddings,
+            RowStableLinear(embeddings if tied else t["lm_head.weight"]),
+            embeddings=None if tied else embeddings,  # tied: looked up in the head's panels
             fingerprint=fingerprint(config, t),
             name=name,
         )

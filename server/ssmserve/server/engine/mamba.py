@@ -17,8 +17,8 @@ Glossary of shape letters:
     v: vocabulary size (token models);  i / o: signal input / output width
 
 Every product goes through :class:`~ssmserve.server.engine.numerics.RowStableLinear`, so a row's
-result does not depend on the other rows; everything else is elementwise or a last-axis
-reduction, which numpy computes per row. Hence batch invariance (see ``numerics.py``).
+result does not depend on the other rows; everything else is a numba kernel that treats
+each row alike (``kernels.py``). Hence batch invariance (see ``numerics.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ class MambaBlockWeights:
             xz=_zeros(rows, 2 * e),
             xs=_zeros(rows, e),
             x_dbl=_zeros(rows, r + 2 * n),
-            dt_low=_zeros(rows, r),
             dt_raw=_zeros(rows, e),
             scratch=_zeros(2 * e + e * n),
             scratch_bits=np.zeros(max(e * n, e), np.int32),
@@ -91,16 +90,17 @@ class MambaBlockWeights:
         ``conv_next``, h_t to ``ssm_next`` and y (before out_proj) to ``ws.y`` (rows, e).
         """
         m: MixerBuffers = ws.mixer
-        self.in_proj.into(ws.xn, m.xz)  # (rows, d) -> (rows, 2e): x branch, gate z
+        b = conv.shape[0]
+        self.in_proj.into(ws.xn, m.xz, b)  # (b, d) -> (b, 2e): x branch, gate z
         # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
         kernels.conv_silu(
             conv, m.xz, self.conv_weight, self.conv_bias_or_zero, self.conv_bias is not None,
             conv_next, m.xs, m.scratch, m.scratch_bits,
         )  # fmt: skip
         # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
-        self.x_proj.into(m.xs, m.x_dbl)  # (rows, e) -> (rows, r + 2n)
-        m.dt_low[:] = m.x_dbl[:, : self.dt_proj.in_features]  # (rows, r), contiguous
-        self.dt_proj.into(m.dt_low, m.dt_raw)  # (rows, r) -> (rows, e), with bias
+        self.x_proj.into(m.xs, m.x_dbl, b)  # (b, e) -> (b, r + 2n)
+        dt_low = m.x_dbl[:, : self.dt_proj.in_features]  # (rows, r) view, rows contiguous
+        self.dt_proj.into(dt_low, m.dt_raw, b)  # (b, r) -> (b, e), with bias
         # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
         kernels.selective_scan(
             m.dt_raw, m.xs, m.x_dbl, m.xz, self.A, self.D, ssm, ssm_next, ws.y,
@@ -115,7 +115,6 @@ class MixerBuffers:
     xz: np.ndarray  # (rows, 2e) in_proj output: x branch and gate z
     xs: np.ndarray  # (rows, e) conv branch after SiLU
     x_dbl: np.ndarray  # (rows, r + 2n) Δ low rank, B, C
-    dt_low: np.ndarray  # (rows, r) contiguous copy of Δ low rank
     dt_raw: np.ndarray  # (rows, e) dt_proj output
     scratch: np.ndarray  # (2e + e n,) float32 per-row scratch of the kernels
     scratch_bits: np.ndarray  # (e n,) int32
@@ -147,8 +146,8 @@ class BlockWeights(Protocol):
 class StepWorkspace:
     """Preallocated activations for one padded batch size: a step allocates only its results.
 
-    Every array has ``rows`` rows (a whole number of 16-row tiles, see ``numerics.py``);
-    rows past the batch hold leftovers that nothing reads.
+    Every array has ``rows`` rows (the batch rounded up, see ``numerics.padded``); rows
+    past the batch are never computed and never read.
     """
 
     rows: int
@@ -181,7 +180,8 @@ class MambaModel:
     """Read-only weights plus the pure, batched :meth:`step`.
 
     Token models (``mamba-lm``) take int token ids ``(b,)`` and return logits ``(b, v)``;
-    signal models take float32 ``(b, i)`` and return ``(b, o)``.
+    signal models take float32 ``(b, i)`` and return ``(b, o)``. A token model whose head
+    is tied to its embeddings passes no ``embeddings``: rows are read from the head.
     """
 
     def __init__(
@@ -196,15 +196,15 @@ class MambaModel:
         fingerprint: str = "",
         name: str = "",
     ) -> None:
-        if config.is_token_model and embeddings is None:
-            raise ValueError("a token model needs embeddings")
+        if config.is_token_model and embeddings is None and not config.tie_word_embeddings:
+            raise ValueError("a token model with an untied head needs embeddings")
         if not config.is_token_model and input_proj is None:
             raise ValueError("a signal model needs an input projection")
         self.config = config
         self.blocks = tuple(blocks)
         self.norm_f = norm_f  # (d,)
         self.head = head  # d -> v | o
-        self.embeddings = embeddings  # (v, d)
+        self.embeddings = embeddings  # (v, d), or None: tied to the head
         self.input_proj = input_proj  # i -> d
         self.fingerprint = fingerprint
         self.name = name
@@ -295,10 +295,11 @@ class MambaModel:
         eps = np.float32(c.layer_norm_epsilon)
         if self.embeddings is not None:
             ws.h[:b] = self.embeddings[inputs]  # (b, d)
+        elif self.input_proj is None:
+            ws.h[:b] = self.head.weight_rows(inputs)  # (b, d): the tied head's rows
         else:
-            assert self.input_proj is not None
             ws.signal[:b] = inputs  # (b, i)
-            self.input_proj.into(ws.signal, ws.h)  # (rows, i) -> (rows, d)
+            self.input_proj.into(ws.signal, ws.h, b)  # (b, i) -> (b, d)
         new_conv: list[np.ndarray] = []
         new_ssm: list[np.ndarray] = []
         blocks = self.blocks
@@ -307,18 +308,18 @@ class MambaModel:
             conv_next = np.empty_like(conv)  # (b, e, k): states are values, never updated
             ssm_next = np.empty_like(ssm)  # (b, e, n) | (b, h, p, n)
             block.mix(ws, conv, ssm, conv_next, ssm_next)  # -> ws.y (rows, e)
-            block.out_proj.into(ws.y, ws.delta)  # (rows, e) -> (rows, d)
+            block.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
             # Residual around the block, then the next block's norm (or the final norm).
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
             kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)
             new_conv.append(conv_next)
             new_ssm.append(ssm_next)
-        out = np.empty((ws.rows, self.head.out_features), np.float32)  # the caller keeps it
-        self.head.into(ws.xn, out)  # (rows, d) -> (rows, v | o)
-        return BatchState(tuple(new_conv), tuple(new_ssm)), out[:b]
+        out = np.empty((b, self.head.out_features), np.float32)  # the caller keeps it
+        self.head.into(ws.xn, out, b)  # (b, d) -> (b, v | o)
+        return BatchState(tuple(new_conv), tuple(new_ssm)), out
 
     def _workspace(self, batch: int) -> StepWorkspace:
-        """This thread's buffers for ``batch`` sessions (rows padded to whole tiles)."""
+        """This thread's buffers for ``batch`` sessions (rows rounded up, ``padded``)."""
         cache: dict[int, StepWorkspace] | None = getattr(self._buffers, "by_rows", None)
         if cache is None:
             cache = self._buffers.by_rows = {}

@@ -105,7 +105,7 @@ class Mamba2BlockWeights:
         e = self.gated_norm.shape[0]
         c = self.conv_weight.shape[0]
         b = conv.shape[0]
-        self.in_proj.into(ws.xn, m.zxbcdt)  # (rows, d) -> (rows, e + c + h): z, xBC, Δ
+        self.in_proj.into(ws.xn, m.zxbcdt, b)  # (b, d) -> (b, e + c + h): z, xBC, Δ
         # Causal depthwise conv of x, B and C together, then SiLU: (b, c).
         kernels.conv_silu(
             conv, m.zxbcdt[:, e : e + c], self.conv_weight, self.conv_bias_or_zero,

@@ -1,28 +1,20 @@
-"""Numerics that make steps exact: pinned BLAS threads and a batch-invariant product.
+"""Numerics that make steps exact: a batch-invariant product and pinned BLAS threads.
 
 Why this module exists. ssmserve promises that a session's outputs are bit-identical
 whether it steps alone or inside any batch (so replay after a restore reproduces history
-exactly). Elementwise numpy ufuncs and last-axis reductions already are (measured: each
-row of ``exp``, ``log1p``, ``tanh``, ``sum``, ``mean`` equals its solo result for batch
-sizes 1..300). BLAS products are not, and on this machine (AMD EPYC, OpenBLAS 0.3.31
-with Haswell kernels) the obvious fixes fail too:
+exactly). The numba kernels (``kernels.py``) treat every row alike, and the products go
+through :class:`RowStableLinear`, whose micro-kernel (``products.py``) sums each output
+element in one fixed order with one fused multiply-add per term: a row's bits cannot
+depend on the batch's size or the row's position, by construction.
 
-* ``x @ w`` for one row (matrix-vector) differs from the same row in a matrix product;
-* padding the batch to a multiple of 8 rows does not help: rows differ for batches > 16;
-* inside one fixed-shape product, a row's result can depend on its position; for
-  ``x_tile @ w`` this happens already at 16 rows.
+BLAS is no longer on the step's path. It was, through 16-row tiles: on this machine
+(AMD EPYC, OpenBLAS 0.3.31, Haswell kernels) ``x @ w`` for one row differs from the same
+row in a matrix product, rows of one product can differ by position from 16 rows up, and
+only ``w (o, i) @ x_tile.T (i, 16)`` on exactly 16 rows was stable, at 16x the work of a
+matrix-vector product for a lone session. :func:`pin_blas_threads` still fixes the BLAS
+thread count (1 and 2 threads give different bits), for the numpy code around the engine.
 
-What holds (checked for every weight shape the engine uses, for 1 and 2 threads): the
-product ``w (o, i) @ x_tile.T (i, 16)`` on a tile of exactly ``TILE_ROWS`` = 16 rows gives
-each row the same bits whatever its position and neighbours. :class:`RowStableLinear`
-therefore pads a batch to a multiple of 16 rows and issues one such product per tile.
-Cost (this machine, 2 threads): ~115-140 GFLOP/s at 64+ rows against ~165-230 for one
-plain product, and 16x the work of a matrix-vector product for a lone session; see
-``BENCHMARKS.md``. ``tests/test_batch_invariance.py`` guards all of it.
-
-The BLAS thread count changes which kernels run (1 thread and 2 threads give different
-bits), so :func:`pin_blas_threads` fixes it for the whole process; the same machine kind,
-numpy/OpenBLAS build and thread count give the same bits in every process.
+``tests/test_batch_invariance.py`` guards all of it.
 """
 
 from __future__ import annotations
@@ -40,8 +32,7 @@ import numpy as np
 from numba.core import config as numba_config
 from threadpoolctl import threadpool_info, threadpool_limits
 
-#: Rows per BLAS call; see the module docstring for why exactly 16.
-TILE_ROWS = 16
+from ssmserve.server.engine import products
 
 #: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
 DEFAULT_BLAS_THREADS = 2
@@ -82,57 +73,72 @@ def blas_signature() -> str:
 class RowStableLinear:
     """``y = x @ weight.T + bias`` whose every row is independent of the other rows.
 
-    ``weight`` is ``(o, i)``, the layout PyTorch/HF store for ``nn.Linear``.
+    ``weight`` is ``(o, i)``, the layout PyTorch/HF store for ``nn.Linear``; it is kept
+    only as packed panels (``products.pack_panels``), so a model holds its weights once.
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "weight")
+    __slots__ = ("bias", "in_features", "out_features", "panels")
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
-        self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # (o, i)
-        self.out_features, self.in_features = self.weight.shape
+        self.out_features, self.in_features = weight.shape
+        self.panels = products.pack_panels(np.asarray(weight, dtype=np.float32))  # (o/24, i, 24)
         self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """``x``: (b, i) float32 -> (b, o) float32 (a view into a fresh padded buffer)."""
-        b = x.shape[0]
-        padded_rows = padded(b)
-        if padded_rows == b and x.flags.c_contiguous:
-            xp = x  # (b, i)
-        else:
-            xp = np.zeros((padded_rows, self.in_features), dtype=np.float32)  # (bp, i)
-            xp[:b] = x
-        out = np.empty((padded_rows, self.out_features), dtype=np.float32)  # (bp, o)
-        return self.into(xp, out)[:b]
+    @property
+    def weight(self) -> np.ndarray:
+        """The ``(o, i)`` weight, rebuilt from the panels (a copy: for tests and tools)."""
+        return self.weight_rows(np.arange(self.out_features))
 
-    def into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``x`` (bp, i) -> ``out`` (bp, o), both C-contiguous, bp a multiple of 16 rows."""
-        for start in range(0, x.shape[0], TILE_ROWS):
-            stop = start + TILE_ROWS
-            # (o, i) @ (i, 16) -> (o, 16). Not ``out=out[start:stop].T``: given an
-            # F-ordered destination numpy swaps the operands, which is the
-            # position-dependent x_tile @ w.T form again.
-            out[start:stop] = (self.weight @ x[start:stop].T).T
-        if self.bias is not None:
-            out += self.bias
+    def weight_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``weight[rows]`` (len(rows), i), read from the panels: a tied head's matrix
+        doubles as the embedding table without a second copy."""
+        rows = np.asarray(rows)
+        return self.panels[rows // products.COLUMNS, :, rows % products.COLUMNS]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """``x``: (b, i) float32 -> (b, o) float32, freshly allocated."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return self.into(x, np.empty((x.shape[0], self.out_features), np.float32))
+
+    def into(self, x: np.ndarray, out: np.ndarray, rows: int | None = None) -> np.ndarray:
+        """``out[:rows] = x[:rows] @ weight.T + bias``; ``rows`` defaults to all of ``x``.
+
+        ``x`` (>= rows, i) and ``out`` (>= rows, o) float32 with contiguous rows (views
+        such as ``a[:, :i]`` are fine); rows past ``rows`` are left as they are.
+        """
+        n = x.shape[0] if rows is None else rows
+        if x.strides[1] != 4 or out.strides[1] != 4 or x.shape[0] < n or out.shape[0] < n:
+            raise ValueError(f"product needs row-contiguous float32 with >= {n} rows")
+        bias = self.bias if self.bias is not None else _NO_BIAS
+        products.product_rows(x, self.panels, bias, self.bias is not None, 0, n, out)
         return out
 
 
+_NO_BIAS = np.zeros(1, np.float32)
+
+
 def padded(rows: int) -> int:
-    """``rows`` rounded up to whole tiles of :data:`TILE_ROWS` (at least one tile)."""
-    return max(1, -(-rows // TILE_ROWS)) * TILE_ROWS
+    """The row count a workspace for ``rows`` sessions is allocated with: whole groups of
+    :data:`WORKSPACE_ROWS`, so a few workspaces serve every batch size."""
+    return max(1, -(-rows // WORKSPACE_ROWS)) * WORKSPACE_ROWS
+
+
+#: Workspace allocation granularity in rows (the products compute only the rows asked for).
+WORKSPACE_ROWS = 16
 
 
 #: Engine sources whose code decides the bits of a step (a change to any of them may
 #: change outputs, so workers running different versions must not share a session).
-_ENGINE_SOURCES = ("kernels.py", "mamba.py", "mamba2.py", "numerics.py")
+_ENGINE_SOURCES = ("kernels.py", "mamba.py", "mamba2.py", "numerics.py", "products.py")
 
 
 def numerics_description() -> str:
     """Everything a step's bits depend on besides weights and inputs, one line.
 
     The CPU the numba kernels were compiled for (its name and instruction-set features),
-    the BLAS build, kernel family and thread count, the numpy / numba / llvmlite versions,
-    and a hash of the engine's own source. Two workers with the same description give the
+    the numpy / numba / llvmlite versions, and a hash of the engine's own source. (Not the
+    BLAS build or its threads: no BLAS call decides a step's bits any more, see
+    ``products.py``.) Two workers with the same description give the
     same bits for the same weights and inputs; with different ones, replay of a session's
     history may not reproduce what was answered.
     """
@@ -145,7 +151,7 @@ def numerics_description() -> str:
         source.update((here / name).read_bytes())
     return (
         f"{platform.machine()} cpu={cpu} features={_short(enabled)}"
-        f" | {blas_signature()} | numpy {np.__version__} numba {numba.__version__}"
+        f" | numpy {np.__version__} numba {numba.__version__}"
         f" llvmlite {llvmlite.__version__} | engine {source.hexdigest()[:12]}"
     )
 

@@ -1,0 +1,206 @@
+"""Batch-invariant matrix products: one register-blocked micro-kernel, emitted as LLVM IR.
+
+Why this module exists. A session's outputs must have the same bits alone or inside any
+batch (``numerics.py``). BLAS does not promise that: the order in which it sums a row's
+products depends on the batch's shape. ssmserve used to force one shape (a 16-row tile per
+BLAS call), which cost 16x the work of a matrix-vector product for a lone session. Here the
+order is fixed by construction, and the kernel runs at matrix-vector speed at batch 1 and
+near sgemm speed from a few rows up (``bench/bench_engine.py``, ``BENCHMARKS.md``).
+
+The exact arithmetic. For ``out = x @ w.T + bias`` with ``x`` (b, i) and ``w`` (o, i)::
+
+    acc = 0.0
+    for k in 0 .. i-1:  acc = fma(x[r, k], w[j, k], acc)     # one rounding per k
+    out[r, j] = acc + bias[j]
+
+Every element of every batch goes through exactly these operations in this order, whatever
+tile computes it, however many rows the batch has and wherever the row sits in it. The fma
+is LLVM's ``llvm.fma`` intrinsic, correctly rounded by definition (hardware FMA where the
+CPU has it, a correctly rounded library routine where it does not), so the bits do not
+depend on the CPU's vector width either.
+
+Speed. The micro-kernel (:func:`_tile_kernel`) keeps a ``ROWS`` x ``COLUMNS`` (4 x 24)
+block of ``out`` in twelve 8-float vector registers while it walks k: per k it loads three
+vectors of a packed weight panel, broadcasts four inputs and issues twelve fmas, so the
+fma units, not memory, set its pace (the classic GotoBLAS / BLIS register block). Weights
+are packed once at load into panels of 24 output columns, ``(o / 24, i, 24)``, so each k
+reads 96 contiguous bytes. A batch that is not a multiple of 4 rows ends with a 1..3-row
+tile: same per-element arithmetic, so the same bits.
+
+numba compiles the driver; the micro-kernel is written with llvmlite's IR builder inside a
+numba ``intrinsic`` because numba's own loops do not keep an accumulator block in
+registers (its auto-vectorised version ran at ~25 GFLOP/s here against ~85 for this one).
+Glossary: b rows (sessions), i input features (k runs over them), o output features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: Rows of ``out`` one micro-kernel call computes (a batch's last tile may have fewer).
+ROWS = 4
+#: Output columns per packed weight panel and micro-kernel call: 3 vectors of 8 floats.
+COLUMNS = 24
+_LANES = 8  # floats per vector register (256-bit; narrower machines split it, same bits)
+
+_JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
+
+
+def pack_panels(weight: np.ndarray) -> np.ndarray:
+    """``weight`` (o, i) -> panels (ceil(o / 24), i, 24) float32, zero-padded columns:
+    panel p, row k holds ``weight[24 p : 24 p + 24, k]``."""
+    o, i = weight.shape
+    padded_o = -(-o // COLUMNS) * COLUMNS
+    w = np.zeros((padded_o, i), np.float32)  # (o', i)
+    w[:o] = weight
+    # (o', i) -> (o' / 24, 24, i) -> (o' / 24, i, 24)
+    return np.ascontiguousarray(w.reshape(padded_o // COLUMNS, COLUMNS, i).transpose(0, 2, 1))
+
+
+def _tile_kernel(rows: int) -> Any:
+    """The micro-kernel for a ``rows`` x 24 block (``rows`` <= 4), as a numba intrinsic:
+
+    ``tile(x, x_row, panels, p, out, out_row, out_col)`` sets
+    ``out[out_row + r, out_col + j] = sum_k x[x_row + r, k] * panels[p, k, j]`` (fma chain
+    over k in order) for r < rows, j < 24. Rows of ``x`` and ``out`` must be contiguous.
+    """
+
+    def typer(
+        typingctx: Any, x: Any, x_row: Any, panels: Any, p: Any, out: Any, out_row: Any,
+        out_col: Any,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        sig = types.void(x, types.intp, panels, types.intp, out, types.intp, types.intp)
+        return sig, lambda context, builder, signature, args: _emit_tile(
+            rows, context, builder, signature, args
+        )
+
+    return intrinsic(typer)
+
+
+def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+    """LLVM IR of one micro-kernel call (see :func:`_tile_kernel`)."""
+    vectors = COLUMNS // _LANES
+    x_arr = context.make_array(signature.args[0])(context, builder, args[0])
+    p_arr = context.make_array(signature.args[2])(context, builder, args[2])
+    o_arr = context.make_array(signature.args[4])(context, builder, args[4])
+    x_row, panel, out_row, out_col = args[1], args[3], args[5], args[6]
+    intp = context.get_value_type(types.intp)
+
+    def const(v: int) -> ir.Constant:
+        return ir.Constant(intp, v)
+
+    # Row pitches in floats (strides are bytes).
+    x_pitch = builder.sdiv(cgutils.unpack_tuple(builder, x_arr.strides)[0], const(4))
+    o_pitch = builder.sdiv(cgutils.unpack_tuple(builder, o_arr.strides)[0], const(4))
+    depth = cgutils.unpack_tuple(builder, p_arr.shape)[1]  # i
+    vec = ir.VectorType(ir.FloatType(), _LANES)
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32"
+    )
+    undef = ir.Constant(vec, ir.Undefined)
+    lane0 = ir.Constant(ir.IntType(32), 0)
+    broadcast = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+    # The accumulator block, rows x vectors of 8 floats: allocas in the entry block that
+    # LLVM's mem2reg turns into registers.
+    zero = ir.Constant(vec, [0.0] * _LANES)
+    acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(rows)]
+    x_rows = [
+        builder.gep(x_arr.data, [builder.mul(builder.add(x_row, const(r)), x_pitch)])
+        for r in range(rows)
+    ]
+    panel_base = builder.gep(p_arr.data, [builder.mul(panel, builder.mul(depth, const(COLUMNS)))])
+    with cgutils.for_range(builder, depth) as loop:
+        k = loop.index
+        w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k (24,)
+        w = [
+            builder.load(
+                builder.bitcast(builder.gep(w_row, [const(v * _LANES)]), vec.as_pointer()),
+                align=4,
+            )
+            for v in range(vectors)
+        ]
+        for r in range(rows):
+            xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
+            xk = builder.shuffle_vector(builder.insert_element(undef, xk, lane0), undef, broadcast)
+            for v in range(vectors):
+                total = builder.call(fma, [xk, w[v], builder.load(acc[r][v])])
+                builder.store(total, acc[r][v])
+    for r in range(rows):
+        o_row = builder.gep(
+            o_arr.data, [builder.add(builder.mul(builder.add(out_row, const(r)), o_pitch), out_col)]
+        )
+        for v in range(vectors):
+            dst = builder.bitcast(builder.gep(o_row, [const(v * _LANES)]), vec.as_pointer())
+            builder.store(builder.load(acc[r][v]), dst, align=4)
+    return context.get_dummy_value()
+
+
+_tile4 = _tile_kernel(4)
+_tile3 = _tile_kernel(3)
+_tile2 = _tile_kernel(2)
+_tile1 = _tile_kernel(1)
+
+
+@njit(**_JIT)
+def _tile(
+    x: np.ndarray,
+    x_row: int,
+    panels: np.ndarray,
+    p: int,
+    out: np.ndarray,
+    out_row: int,
+    out_col: int,
+    rows: int,
+) -> None:
+    """One micro-kernel call for ``rows`` (1..4) rows."""
+    if rows == 4:
+        _tile4(x, x_row, panels, p, out, out_row, out_col)
+    elif rows == 3:
+        _tile3(x, x_row, panels, p, out, out_row, out_col)
+    elif rows == 2:
+        _tile2(x, x_row, panels, p, out, out_row, out_col)
+    else:
+        _tile1(x, x_row, panels, p, out, out_row, out_col)
+
+
+@njit(**_JIT)
+def product_rows(
+    x: np.ndarray,
+    panels: np.ndarray,
+    bias: np.ndarray,
+    has_bias: bool,
+    first: int,
+    stop: int,
+    out: np.ndarray,
+) -> None:
+    """``out[first:stop] = x[first:stop] @ w.T (+ bias)``, w packed by :func:`pack_panels`.
+
+    x (>= stop, i) and out (>= stop, o): rows contiguous. Rows outside ``first:stop`` are
+    neither read nor written.
+    """
+    o = out.shape[1]
+    edge = np.empty((ROWS, COLUMNS), np.float32)  # the last panel's block when o % 24 != 0
+    for p in range(panels.shape[0]):  # a panel (i x 24 floats) stays in cache over all rows
+        col = p * COLUMNS
+        whole = col + COLUMNS <= o
+        r = first
+        while r < stop:
+            rows = min(ROWS, stop - r)
+            if whole:
+                _tile(x, r, panels, p, out, r, col, rows)
+            else:  # the last, partial panel: through ``edge``, then the valid columns
+                _tile(x, r, panels, p, edge, 0, 0, rows)
+                for rr in range(rows):
+                    for j in range(o - col):
+                        out[r + rr, col + j] = edge[rr, j]
+            r += rows
+    if has_bias:
+        for r in range(first, stop):
+            for j in range(o):
+                out[r, j] += bias[j]
