@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from ssmserve.server.engine.kernels import exp_f32
+from ssmserve.server.engine.kernels import exp_f32, log1p_f32
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState
 from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter
@@ -27,6 +27,22 @@ def test_exp_is_within_two_ulp_of_the_true_value() -> None:
     ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
     assert np.max(np.abs(got - want) / ulp) <= 2.0
     assert exp_f32(np.zeros(3, np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_log1p_is_within_two_ulp_of_the_true_value() -> None:
+    """Over softplus's whole range: log1p(exp(x)) for x in [-87, 20], and tiny inputs."""
+    y = np.concatenate(
+        [
+            np.exp(np.linspace(-87.0, 20.0, 2_000_001)).astype(np.float32),
+            np.array([0.0, 1e-38, 1e-10, 6e-8, 1.0, 1.4142135, 1e8], np.float32),
+        ]
+    )
+    got = log1p_f32(y).astype(np.float64)
+    want = np.log1p(y.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    ulp[want == 0] = np.spacing(np.float32(0))
+    assert np.max(np.abs(got - want) / ulp) <= 2.0
+    assert log1p_f32(np.zeros(2, np.float32)).tolist() == [0.0, 0.0]
 
 
 def test_exp_flushes_below_the_normal_range_and_clamps_above() -> None:
@@ -156,14 +172,15 @@ def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> N
 WARM_CHECK = """
 import asyncio, json, sys
 from numba.core.registry import CPUDispatcher
-from ssmserve.server.engine import kernels
+from ssmserve.server.engine import kernels, products
 from ssmserve.server.worker import Worker, WorkerSettings
 
 async def main():
     dispatchers = [
-        f for f in vars(kernels).values()
+        f for f in [*vars(kernels).values(), *vars(products).values()]
         if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline") != "always"
-        and f.__name__ != "exp_f32"  # the tests' handle on the inlined exp; steps never call it
+        # the tests' handles on the inlined exp and log1p; steps never call them
+        and f.__name__ not in ("exp_f32", "log1p_f32")
     ]
     cold_before = [f.__name__ for f in dispatchers if not f.signatures]
     w = Worker(WorkerSettings(models=(("demo", sys.argv[1]), ("m2", sys.argv[3])),
@@ -188,5 +205,6 @@ def test_a_worker_compiles_its_kernels_before_it_serves(model_dirs, redis_url, t
         capture_output=True, text=True, env=env, timeout=300, check=True,
     )  # fmt: skip
     cold_before, cold_after = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(cold_before) == 6  # the kernels a step runs: 4 of Mamba-1, 2 more of Mamba-2
+    # the kernels a step runs: the product and its tile, 4 of Mamba-1, 2 more of Mamba-2
+    assert len(cold_before) == 8, cold_before
     assert cold_after == []

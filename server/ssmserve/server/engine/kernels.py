@@ -8,10 +8,11 @@ and writes the state once. See ``BENCHMARKS.md`` for the before and after.
 
 Exactness. Every kernel handles each row (session) with the same instructions in the same
 order, whatever the other rows are, so batch invariance (``numerics.py``) still holds;
-``tests/test_batch_invariance.py`` checks it end to end. ``exp`` is our own (Cephes
-``expf``, within 2 ulp of the true value, flushing results below ``2**-126`` to 0)
-because numba's ``math.exp`` is a scalar libm call that does not vectorise; it is written
-with float multiplies and adds only, so it gives the same bits wherever it is inlined. The
+``tests/test_batch_invariance.py`` checks it end to end. ``exp`` and ``log1p`` are our own
+(Cephes ``expf`` and ``logf``, within 2 ulp of the true value; exp flushes results below
+``2**-126`` to 0) because numba's ``math.exp`` and ``math.log1p`` are scalar libm calls
+that do not vectorise (and whose bits depend on the C library); they are written with
+float and integer arithmetic only, so they give the same bits wherever they are inlined. The
 only ``contract`` fast-math flag is on (fused multiply-add), which changes no order.
 
 Glossary (as in ``mamba.py``): b sessions, d hidden, e inner, n state, k conv width,
@@ -20,10 +21,12 @@ r rank of Δ. Activations are ``(rows, ...)`` with rows >= b; rows past b are ig
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 _JIT = {
     "nogil": True,
@@ -52,22 +55,110 @@ _ZERO = np.float32(0.0)
 _SOFTPLUS_THRESHOLD = np.float32(20.0)
 
 
+@intrinsic
+def _f32_from_bits(typingctx: Any, bits: Any) -> tuple[Any, Any]:
+    """The float32 whose bits are the int32 ``bits`` (a register move, no memory)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
 @njit(**_JIT, inline="always")
-def _exp_into(x: np.ndarray, out: np.ndarray, scale_bits: np.ndarray) -> None:
-    """``out[i] = exp(x[i])`` for 1-d float32 arrays; ``scale_bits`` is int32 scratch."""
+def _exp(x: np.float32) -> np.float32:
+    """exp(x) in float32, within 2 ulp; results below ``2**-126`` flush to 0, x above 88
+    gives exp(88). Float multiplies and adds plus one bit cast: LLVM vectorises the loops
+    that call it."""
+    v = min(max(x, _EXP_LO), _EXP_HI)
+    m = np.floor(v * _LOG2E + _HALF)  # nearest integer to x / ln2
+    g = v - m * _LN2_HI
+    g = g - m * _LN2_LO  # |g| <= ln2 / 2
+    p = ((((_P0 * g + _P1) * g + _P2) * g + _P3) * g + _P4) * g + _P5
+    # 2^m from its bits, or 0.0 below the normal range (flush rather than denormals).
+    scale = _f32_from_bits((np.int32(m) + np.int32(127)) << np.int32(23)) if x >= _EXP_LO else _ZERO
+    return (p * (g * g) + g + _ONE) * scale  # exp(g) 2^m
+
+
+@njit(**_JIT, inline="always")
+def _exp_into(x: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = exp(x[i])`` for 1-d float32 arrays (out may be x)."""
     for i in range(x.shape[0]):
-        v = min(max(x[i], _EXP_LO), _EXP_HI)
-        m = np.floor(v * _LOG2E + _HALF)  # nearest integer to x / ln2
-        g = v - m * _LN2_HI
-        g = g - m * _LN2_LO  # |g| <= ln2 / 2
-        p = ((((_P0 * g + _P1) * g + _P2) * g + _P3) * g + _P4) * g + _P5
-        # The bits of 2^m, or of 0.0 below the normal range (flush rather than denormals).
-        # Before writing out[i]: x may be out.
-        scale_bits[i] = (np.int32(m) + np.int32(127)) << np.int32(23) if x[i] >= _EXP_LO else 0
-        out[i] = p * (g * g) + g + _ONE  # exp(g)
-    scale = scale_bits.view(np.float32)
-    for i in range(x.shape[0]):
-        out[i] = out[i] * scale[i]
+        out[i] = _exp(x[i])
+
+
+# Cephes logf constants: log(m 2^k) = k ln2 + log(m), m in [sqrt(1/2), sqrt(2)).
+_SQRT2_BITS = np.int32(0x3FB504F3)  # the bits of float32 sqrt(2)
+_MANTISSA = np.int32(0x007FFFFF)
+_ONE_BITS = np.int32(0x3F800000)
+_EXP_STEP = np.int32(0x00800000)  # one in the exponent field: halves or doubles a float
+_L0 = np.float32(7.0376836292e-2)
+_L1 = np.float32(-1.1514610310e-1)
+_L2 = np.float32(1.1676998740e-1)
+_L3 = np.float32(-1.2420140846e-1)
+_L4 = np.float32(1.4249322787e-1)
+_L5 = np.float32(-1.6668057665e-1)
+_L6 = np.float32(2.0000714765e-1)
+_L7 = np.float32(-2.4999993993e-1)
+_L8 = np.float32(3.3333331174e-1)
+
+
+@njit(**_JIT, inline="always")
+def _log1p_into(y: np.ndarray, out: np.ndarray, bits: np.ndarray, expo: np.ndarray) -> None:
+    """``out[i] = log1p(y[i])`` for finite ``y >= 0`` (float32, 1-d; out may be y).
+
+    Cephes ``logf`` of u = 1 + y (within ~1 ulp), plus the rounding error of 1 + y as a
+    first-order correction, (y - (u - 1)) / u: so tiny y give y, not 0. Written with
+    float and integer arithmetic only, in three loops LLVM vectorises (numba's
+    ``math.log1p`` is a scalar libm call, ~20 ns each). ``bits`` int32 and ``expo``
+    float32 are scratch of y's length.
+    """
+    n = y.shape[0]
+    u = bits.view(np.float32)
+    for i in range(n):
+        v = y[i]
+        ui = _ONE + v
+        u[i] = ui
+        out[i] = (v - (ui - _ONE)) / ui  # what 1 + y lost to rounding, relative to u
+    for i in range(n):  # u = m 2^k, m in [sqrt(1/2), sqrt(2)): through the bits (u >= 1)
+        b = bits[i]
+        k = (b >> np.int32(23)) - np.int32(127)
+        m = (b & _MANTISSA) | _ONE_BITS  # m in [1, 2)
+        big = m >= _SQRT2_BITS
+        bits[i] = m - _EXP_STEP if big else m  # m / 2 when m >= sqrt(2)
+        expo[i] = np.float32(k + np.int32(1) if big else k)
+    for i in range(n):
+        x = u[i] - _ONE  # m - 1, in [-0.29, 0.41]
+        z = x * x
+        p = ((((((((_L0 * x + _L1) * x + _L2) * x + _L3) * x + _L4) * x + _L5) * x + _L6) * x
+              + _L7) * x + _L8) * x * z  # fmt: skip
+        k = expo[i]
+        p = p + k * _LN2_LO
+        p = p - _HALF * z
+        out[i] = ((x + p) + k * _LN2_HI) + out[i]
+
+
+@njit(**_JIT, inline="always")
+def _softplus_into(raw: np.ndarray, out: np.ndarray, scratch: np.ndarray, bits: np.ndarray) -> None:
+    """``out = softplus(raw) = log1p(exp(raw))``, and ``raw`` itself above 20, as torch's
+    default threshold (HF uses it). ``scratch`` float32 (2 len,), ``bits`` int32 (len,)."""
+    n = raw.shape[0]
+    ex = scratch[:n]
+    expo = scratch[n : 2 * n]
+    for i in range(n):
+        out[i] = min(raw[i], _SOFTPLUS_THRESHOLD)
+    _exp_into(out, ex)
+    _log1p_into(ex, out, bits, expo)
+    for i in range(n):
+        out[i] = raw[i] if raw[i] > _SOFTPLUS_THRESHOLD else out[i]
+
+
+@njit(**_JIT)
+def log1p_f32(y: np.ndarray) -> np.ndarray:
+    """The kernels' log1p on a 1-d float32 array of values >= 0 (for tests)."""
+    out = np.empty_like(y)
+    _log1p_into(y, out, np.empty(y.shape[0], np.int32), np.empty_like(y))
+    return out
 
 
 @njit(**_JIT, inline="always")
@@ -97,7 +188,7 @@ def _dot_in_order(h: np.ndarray, base: int, c: np.ndarray) -> np.float32:
 def exp_f32(x: np.ndarray) -> np.ndarray:
     """The kernels' exp on a 1-d float32 array (for tests and the accuracy check)."""
     out = np.empty_like(x)
-    _exp_into(x, out, np.empty(x.shape[0], np.int32))
+    _exp_into(x, out)
     return out
 
 
@@ -157,7 +248,6 @@ def conv_silu(
     conv_out: np.ndarray,
     xs_out: np.ndarray,
     scratch: np.ndarray,
-    scratch_bits: np.ndarray,
 ) -> None:
     """Causal depthwise conv of one new input, then SiLU ([1] Figure 3, the conv branch).
 
@@ -179,7 +269,7 @@ def conv_silu(
                 s += bias[c]
             xs_out[row, c] = s
             scratch[c] = -s
-        _exp_into(scratch[:e], scratch[e : 2 * e], scratch_bits)
+        _exp_into(scratch[:e], scratch[e : 2 * e])
         for c in range(e):
             xs_out[row, c] = xs_out[row, c] / (_ONE + scratch[e + c])  # x * sigmoid(x)
 
@@ -209,7 +299,7 @@ def selective_scan(
     r = x_dbl.shape[1] - 2 * n
     dt = scratch[:e]
     ex = scratch[e : 2 * e]
-    dA = scratch[2 * e : 2 * e + e * n]  # Δ A for a whole row, then exp(Δ A) in place
+    soft = scratch[e : 3 * e]  # the softplus's scratch (ex's and dA's room; n >= 1)
     A_flat = A.reshape(e * n)
     for row in range(b):
         B = x_dbl[row, r : r + n]  # (n,)
@@ -221,27 +311,19 @@ def selective_scan(
         z = xz[row, e : 2 * e]
         y = y_out[row]
         # Δ = softplus(dt_raw) (e,): log1p(exp(x)), linear above 20 like torch.
-        for c in range(e):
-            dt[c] = min(raw[c], _SOFTPLUS_THRESHOLD)
-        _exp_into(dt, ex, scratch_bits)
-        for c in range(e):
-            dt[c] = raw[c] if raw[c] > _SOFTPLUS_THRESHOLD else np.float32(math.log1p(ex[c]))
-        # Zero-order hold ([1] Eq. 4): Ā = exp(Δ A)  (e, n)
+        _softplus_into(raw, dt, soft, scratch_bits)
+        # Zero-order hold ([1] Eq. 4), Ā = exp(Δ A), and the recurrence ([1] Eq. 2a),
+        # h_t = Ā h_{t-1} + B̄ x_t with B̄ x = Δ B x: one pass over the (e, n) state.
         for c in range(e):
             dtc = dt[c]
-            for s in range(n):
-                dA[c * n + s] = dtc * A_flat[c * n + s]
-        _exp_into(dA, dA, scratch_bits)
-        # Recurrence ([1] Eq. 2a): h_t = Ā h_{t-1} + B̄ x_t, with B̄ x = Δ B x  (e, n)
-        for c in range(e):
-            dx = dt[c] * x[c]
+            dx = dtc * x[c]
             for s in range(n):
                 i = c * n + s
-                h_next[i] = dA[i] * h_prev[i] + dx * B[s]
+                h_next[i] = _exp(dtc * A_flat[i]) * h_prev[i] + dx * B[s]
         # silu(z) needs exp(-z)  (e,)
         for c in range(e):
             ex[c] = -z[c]
-        _exp_into(ex, ex, scratch_bits)
+        _exp_into(ex, ex)
         # Readout ([1] Eq. 2b) and gate: y = (C h_t + D x) * silu(z)  (e,).
         for c in range(e):
             acc = _dot_in_order(h_next, c * n, C)
@@ -282,22 +364,21 @@ def ssd_step(
     width = zxbcdt.shape[1]
     dt = scratch[:H]
     ex = scratch[H : 2 * H]
+    soft = scratch[2 * H : 4 * H]
     for row in range(b):
         raw = zxbcdt[row, width - H : width]
         x = xbc[row, :e]
         y = y_out[row]
         # Δ = clamp(softplus(raw + dt_bias), time_step_limit) (h,); softplus as in torch.
         for hh in range(H):
-            dt[hh] = min(raw[hh] + dt_bias[hh], _SOFTPLUS_THRESHOLD)
-        _exp_into(dt, ex, scratch_bits)
+            ex[hh] = raw[hh] + dt_bias[hh]
+        _softplus_into(ex, dt, soft, scratch_bits)
         for hh in range(H):
-            v = raw[hh] + dt_bias[hh]
-            v = v if v > _SOFTPLUS_THRESHOLD else np.float32(math.log1p(ex[hh]))
-            dt[hh] = min(max(v, dt_min), dt_max)
+            dt[hh] = min(max(dt[hh], dt_min), dt_max)
         # Zero-order hold: Ā = exp(Δ A), one scalar per head (h,)
         for hh in range(H):
             ex[hh] = dt[hh] * A[hh]
-        _exp_into(ex, ex, scratch_bits)
+        _exp_into(ex, ex)
         for hh in range(H):
             g = hh // per_group
             B = xbc[row, e + g * N : e + (g + 1) * N]  # (n,)
@@ -325,7 +406,6 @@ def gated_rms_norm_rows(
     b: int,
     out: np.ndarray,
     scratch: np.ndarray,
-    scratch_bits: np.ndarray,
 ) -> None:
     """Mamba-2's gated RMSNorm of rows ``y[:b]`` (b, e), gate z = ``zxbcdt[:, :e]``:
     ``v = y * silu(z)``, then each of ``groups`` equal slices of ``v`` is scaled by
@@ -338,7 +418,7 @@ def gated_rms_norm_rows(
     for row in range(b):
         for c in range(e):
             neg[c] = -zxbcdt[row, c]
-        _exp_into(neg, neg, scratch_bits)
+        _exp_into(neg, neg)
         for c in range(e):
             v[c] = y[row, c] * (zxbcdt[row, c] / (_ONE + neg[c]))  # y * z * sigmoid(z)
         for grp in range(groups):

@@ -71,8 +71,8 @@ class MambaBlockWeights:
             xs=_zeros(rows, e),
             x_dbl=_zeros(rows, r + 2 * n),
             dt_raw=_zeros(rows, e),
-            scratch=_zeros(2 * e + e * n),
-            scratch_bits=np.zeros(max(e * n, e), np.int32),
+            scratch=_zeros(3 * e),
+            scratch_bits=np.zeros(e, np.int32),
         )
 
     def mix(
@@ -95,7 +95,7 @@ class MambaBlockWeights:
         # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
         kernels.conv_silu(
             conv, m.xz, self.conv_weight, self.conv_bias_or_zero, self.conv_bias is not None,
-            conv_next, m.xs, m.scratch, m.scratch_bits,
+            conv_next, m.xs, m.scratch,
         )  # fmt: skip
         # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
         self.x_proj.into(m.xs, m.x_dbl, b)  # (b, e) -> (b, r + 2n)
@@ -116,8 +116,8 @@ class MixerBuffers:
     xs: np.ndarray  # (rows, e) conv branch after SiLU
     x_dbl: np.ndarray  # (rows, r + 2n) Δ low rank, B, C
     dt_raw: np.ndarray  # (rows, e) dt_proj output
-    scratch: np.ndarray  # (2e + e n,) float32 per-row scratch of the kernels
-    scratch_bits: np.ndarray  # (e n,) int32
+    scratch: np.ndarray  # (3e,) float32 per-row scratch of the kernels
+    scratch_bits: np.ndarray  # (e,) int32
 
 
 class BlockWeights(Protocol):

@@ -82,8 +82,8 @@ class Mamba2BlockWeights:
         return Mamba2Buffers(
             zxbcdt=np.zeros((rows, self.in_proj.out_features), np.float32),
             xbc=np.zeros((rows, c), np.float32),
-            scratch=np.zeros(max(2 * c, 2 * e, 2 * self.heads), np.float32),
-            scratch_bits=np.zeros(max(c, e, self.heads), np.int32),
+            scratch=np.zeros(max(2 * c, 2 * e, 4 * self.heads), np.float32),
+            scratch_bits=np.zeros(self.heads, np.int32),
         )
 
     def mix(
@@ -109,7 +109,7 @@ class Mamba2BlockWeights:
         # Causal depthwise conv of x, B and C together, then SiLU: (b, c).
         kernels.conv_silu(
             conv, m.zxbcdt[:, e : e + c], self.conv_weight, self.conv_bias_or_zero,
-            self.conv_bias is not None, conv_next, m.xbc, m.scratch, m.scratch_bits,
+            self.conv_bias is not None, conv_next, m.xbc, m.scratch,
         )  # fmt: skip
         # Discretize, update the (b, h, p, n) state, read out with C, add D x: (b, e).
         dt_min, dt_max = self.dt_bounds
@@ -120,7 +120,7 @@ class Mamba2BlockWeights:
         # Gate with silu(z) and normalise per group: (b, e), in place.
         kernels.gated_rms_norm_rows(
             ws.y, m.zxbcdt, self.gated_norm, self.groups, np.float32(self.eps), b, ws.y,
-            m.scratch, m.scratch_bits,
+            m.scratch,
         )  # fmt: skip
 
 
