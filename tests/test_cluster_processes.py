@@ -126,12 +126,13 @@ def test_sigterm_drains_to_the_other_worker(model_dirs, served_models, redis_url
 def test_workers_with_other_numerics_never_replay_a_session(
     model_dirs, served_models, redis_url, tmp_path
 ):
-    """B pins another BLAS thread count, so its bits may differ from A's: B never loads,
-    adopts or drains A's sessions; it sends clients to A, or says why it cannot serve."""
+    """B compiles its kernels for another CPU model (``NUMBA_CPU_NAME=generic``), so its
+    bits may differ from A's: B never loads, adopts or drains A's sessions; it sends
+    clients to A, or says why it cannot serve."""
     model = served_models["demo"]
     a = WorkerProcess({"demo": model_dirs["demo"]}, redis_url, tmp_path / "a").start()
     b = WorkerProcess(
-        {"demo": model_dirs["demo"]}, redis_url, tmp_path / "b", env={"SSMSERVE_BLAS_THREADS": "1"}
+        {"demo": model_dirs["demo"]}, redis_url, tmp_path / "b", env={"NUMBA_CPU_NAME": "generic"}
     ).start()
     try:
         x = random_inputs(model, 30, seed=700)
