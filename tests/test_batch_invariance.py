@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.mamba import MIN_ROWS_PER_THREAD, MambaModel, row_ranges
 from ssmserve.server.engine.numerics import RowStableLinear
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 from tests.conftest import random_inputs
@@ -129,3 +131,42 @@ def test_step_does_not_modify_its_input_state(signal_model: MambaModel) -> None:
     assert all(
         np.array_equal(b, s.layers[0].ssm) for b, s in zip(before, batch.sessions(), strict=True)
     )
+
+
+@pytest.mark.parametrize("model_name", ["signal_model", "mamba2_token_model"])
+def test_a_step_cut_over_threads_gives_the_same_bits(
+    model_name: str, request: pytest.FixtureRequest
+) -> None:
+    """Row ranges on several engine threads (``row_ranges``) change nothing: each thread
+    writes only its rows of the new state and outputs."""
+    model: MambaModel = request.getfixturevalue(model_name)
+    pool = _warm_states(model, 12, seed=8)
+    inputs = random_inputs(model, 12, seed=9)
+    saved = model.threads
+    try:
+        for size in (7, 8, 9, 33, 100):
+            members = np.arange(size) % 12
+            batch = BatchState.stack([pool[i] for i in members])
+            results = []
+            for threads in (1, 2, 3):
+                model.threads = threads
+                results.append(model.step(batch, inputs[members]))
+            (state_1, out_1), *others = results
+            for state_n, out_n in others:
+                assert np.array_equal(out_n.view(np.uint32), out_1.view(np.uint32)), size
+                for a, b in zip(
+                    state_n.conv + state_n.ssm, state_1.conv + state_1.ssm, strict=True
+                ):
+                    assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), size
+    finally:
+        model.threads = saved
+
+
+def test_row_ranges_cover_the_batch_once() -> None:
+    for batch in range(1, 70):
+        for threads in (1, 2, 3, 8):
+            parts = row_ranges(batch, threads)
+            assert parts[0][0] == 0 and parts[-1][1] == batch
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
+            assert len(parts) <= threads
+            assert len(parts) == 1 or min(hi - lo for lo, hi in parts) >= MIN_ROWS_PER_THREAD

@@ -23,8 +23,11 @@ each row alike (``kernels.py``). Hence batch invariance (see ``numerics.py``).
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
@@ -208,6 +211,8 @@ class MambaModel:
         self.input_proj = input_proj  # i -> d
         self.fingerprint = fingerprint
         self.name = name
+        #: Threads one step may use (row ranges; see :meth:`step`). Changes no bits.
+        self.threads = engine_threads()
         self._buffers = threading.local()  # StepWorkspace per thread and padded batch size
 
     @property
@@ -288,35 +293,69 @@ class MambaModel:
         ``state`` is not modified. Outputs are logits ``(b, v)`` or signal ``(b, o)``.
         Inputs must already satisfy :meth:`check_inputs` (the hot path does not re-check).
         Safe to call from several threads at once (each thread has its own buffers).
+
+        A batch of at least ``2 * MIN_ROWS_PER_THREAD`` rows is cut into up to
+        :attr:`threads` row ranges stepped at once (every kernel releases the GIL). Rows
+        are independent, so this changes no bits.
         """
-        c = self.config
         b = state.batch_size
+        new_conv = tuple(np.empty_like(conv) for conv in state.conv)  # (b, e, k) per layer
+        new_ssm = tuple(np.empty_like(ssm) for ssm in state.ssm)  # (b, e, n) | (b, h, p, n)
+        out = np.empty((b, self.head.out_features), np.float32)  # the caller keeps it
+        parts = row_ranges(b, self.threads)
+        helpers: list[Future[None]] = [
+            engine_pool().submit(self._step_rows, state, inputs, new_conv, new_ssm, out, lo, hi)
+            for lo, hi in parts[1:]
+        ]
+        try:
+            self._step_rows(state, inputs, new_conv, new_ssm, out, *parts[0])
+        finally:
+            for helper in helpers:  # wait for all before raising: they write into our arrays
+                helper.exception()
+        for helper in helpers:
+            helper.result()
+        return BatchState(new_conv, new_ssm), out
+
+    def _step_rows(
+        self,
+        state: BatchState,
+        inputs: np.ndarray,
+        new_conv: tuple[np.ndarray, ...],
+        new_ssm: tuple[np.ndarray, ...],
+        out: np.ndarray,
+        lo: int,
+        hi: int,
+    ) -> None:
+        """The step for rows ``lo:hi`` of the batch, written into those rows of
+        ``new_conv``, ``new_ssm`` and ``out`` (views: the other rows are not touched)."""
+        c = self.config
+        b = hi - lo
         ws = self._workspace(b)
         eps = np.float32(c.layer_norm_epsilon)
+        x = inputs[lo:hi]
         if self.embeddings is not None:
-            ws.h[:b] = self.embeddings[inputs]  # (b, d)
+            ws.h[:b] = self.embeddings[x]  # (b, d)
         elif self.input_proj is None:
-            ws.h[:b] = self.head.weight_rows(inputs)  # (b, d): the tied head's rows
+            ws.h[:b] = self.head.weight_rows(x)  # (b, d): the tied head's rows
         else:
-            ws.signal[:b] = inputs  # (b, i)
+            ws.signal[:b] = x  # (b, i)
             self.input_proj.into(ws.signal, ws.h, b)  # (b, i) -> (b, d)
-        new_conv: list[np.ndarray] = []
-        new_ssm: list[np.ndarray] = []
         blocks = self.blocks
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
-        for i, (block, conv, ssm) in enumerate(zip(blocks, state.conv, state.ssm, strict=True)):
-            conv_next = np.empty_like(conv)  # (b, e, k): states are values, never updated
-            ssm_next = np.empty_like(ssm)  # (b, e, n) | (b, h, p, n)
-            block.mix(ws, conv, ssm, conv_next, ssm_next)  # -> ws.y (rows, e)
+        for i, block in enumerate(blocks):
+            # States are values, never updated: the new ones go to new arrays.
+            block.mix(
+                ws,
+                state.conv[i][lo:hi],
+                state.ssm[i][lo:hi],
+                new_conv[i][lo:hi],
+                new_ssm[i][lo:hi],
+            )  # fmt: skip  -> ws.y (b, e)
             block.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
             # Residual around the block, then the next block's norm (or the final norm).
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
             kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)
-            new_conv.append(conv_next)
-            new_ssm.append(ssm_next)
-        out = np.empty((b, self.head.out_features), np.float32)  # the caller keeps it
-        self.head.into(ws.xn, out, b)  # (b, d) -> (b, v | o)
-        return BatchState(tuple(new_conv), tuple(new_ssm)), out
+        self.head.into(ws.xn, out[lo:hi], b)  # (b, d) -> (b, v | o)
 
     def _workspace(self, batch: int) -> StepWorkspace:
         """This thread's buffers for ``batch`` sessions (rows rounded up, ``padded``)."""
@@ -347,3 +386,47 @@ class MambaModel:
             batch, out = self.step(batch, seq[t : t + 1])
             outputs[t] = out[0]
         return outputs, batch.session(0)
+
+
+# ---------------------------------------------------------------------- engine threads
+
+#: Threads a step uses unless ``SSMSERVE_ENGINE_THREADS`` says otherwise.
+DEFAULT_ENGINE_THREADS = 2
+#: Fewest rows worth a thread of their own: below this the hand-off costs more than it saves.
+MIN_ROWS_PER_THREAD = 4
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def engine_threads() -> int:
+    """``$SSMSERVE_ENGINE_THREADS`` or :data:`DEFAULT_ENGINE_THREADS` (>= 1)."""
+    raw = os.environ.get("SSMSERVE_ENGINE_THREADS", str(DEFAULT_ENGINE_THREADS))
+    try:
+        threads = int(raw)
+    except ValueError:
+        raise ValueError(f"SSMSERVE_ENGINE_THREADS must be an integer, got {raw!r}") from None
+    if not 1 <= threads <= 64:
+        raise ValueError(f"SSMSERVE_ENGINE_THREADS must be in [1, 64], got {threads}")
+    return threads
+
+
+def engine_pool() -> ThreadPoolExecutor:
+    """The process's helper threads for steps (created on first use; every model shares
+    them, and a step queued behind another's part only waits, it never deadlocks: helpers
+    run row ranges and wait for nothing)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, engine_threads() - 1), thread_name_prefix="ssmserve-engine"
+            )
+        return _pool
+
+
+def row_ranges(batch: int, threads: int) -> list[tuple[int, int]]:
+    """``batch`` rows cut into at most ``threads`` near-equal ranges of at least
+    :data:`MIN_ROWS_PER_THREAD` rows each."""
+    parts = max(1, min(threads, batch // MIN_ROWS_PER_THREAD))
+    bounds = [batch * k // parts for k in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
