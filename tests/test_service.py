@@ -173,6 +173,57 @@ def test_bad_inputs_are_refused_and_change_nothing(worker, served_models, value,
     assert_bit_equal(rest, reference(model, x)[3:])
 
 
+def test_packed_vectors_in_and_out_are_the_same_bits(worker, served_models):
+    """Vector.packed (little-endian float32 bytes) carries inputs, and packed_outputs asks
+    for outputs in it: the same bits as ``values``; a malformed one is refused per step,
+    the session untouched."""
+    model = served_models["demo"]
+    x = random_inputs(model, 8, seed=31)
+    sid = worker.client.create_session("demo").session_id
+
+    def packed_step(step, raw, packed_out=True):
+        vector = pb.Vector(packed=raw)
+        request = pb.StreamRequest(
+            steps=[pb.StepInput(session_id=sid, step=step, vector=vector)],
+            packed_outputs=packed_out,
+        )
+        (response,) = stub(worker).Stream(iter([request]), timeout=10)
+        (result,) = response.results
+        return result
+
+    got = []
+    for t in range(4):
+        result = packed_step(t + 1, x[t].astype("<f4").tobytes(), packed_out=t % 2 == 0)
+        assert not result.HasField("error"), result.error
+        assert (len(result.output.packed) > 0) == (t % 2 == 0)
+        assert (len(result.output.values) > 0) == (t % 2 == 1)
+        got.append(
+            np.frombuffer(result.output.packed, "<f4")
+            if t % 2 == 0
+            else np.asarray(result.output.values, np.float32)
+        )
+    assert_bit_equal(np.stack(got), reference(model, x[:4]))
+    bad = {
+        x[4].astype("<f4").tobytes()[:-1]: "15 bytes, not a multiple of 4",
+        x[4].astype("<f4").tobytes()[:-4]: "takes vectors of 4 values, got 3",
+        np.array([0, np.nan, 0, 0], "<f4").tobytes(): "NaN or Inf",
+    }
+    for raw, words in bad.items():
+        result = packed_step(5, raw)
+        assert result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], result
+        assert words in result.error.message
+    both = pb.Vector(values=[0.0] * 4, packed=x[4].astype("<f4").tobytes())
+    request = pb.StreamRequest(steps=[pb.StepInput(session_id=sid, step=5, vector=both)])
+    (response,) = stub(worker).Stream(iter([request]), timeout=10)
+    assert "values or packed, not both" in response.results[0].error.message
+    assert worker.client.get_session(sid).step == 4
+    rest, _ = stream(worker, sid, x[4:])
+    assert_bit_equal(rest, reference(model, x)[4:])
+    forecast = worker.client.forecast(sid, 3)  # the client asks for packed outputs
+    fed = np.concatenate([x, rest[-1:], forecast.outputs[:2]])  # each output is the next input
+    assert_bit_equal(forecast.outputs, model.run(fed)[0][8:])
+
+
 def test_token_model_refuses_vectors_and_bad_ids(worker):
     sid = worker.client.create_session("lm").session_id
     for value, words in ((np.zeros(4), "takes token ids"), (37, "outside [0, 37)")):

@@ -41,7 +41,13 @@ from ssmserve.client.errors import from_rpc_error
 from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.routing import WorkerRouter, WorkerStubs, session_metadata
-from ssmserve.client.step_values import Forecast, SessionHistory, StepOutput, step_input
+from ssmserve.client.step_values import (
+    Forecast,
+    SessionHistory,
+    StepOutput,
+    step_input,
+    vector_array,
+)
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -259,7 +265,9 @@ class AsyncClient:
     ) -> Forecast:
         """Run the session's model ``horizon`` steps ahead on its own outputs, from its
         current step or from ``at_step``; the session is not changed."""
-        request = pb.ForecastRequest(session_id=session_id, horizon=horizon, at_step=at_step)
+        request = pb.ForecastRequest(
+            session_id=session_id, horizon=horizon, at_step=at_step, packed_outputs=True
+        )
 
         async def forecast(w: WorkerStubs) -> Forecast:
             from_step, stopped = 0, None
@@ -271,7 +279,7 @@ class AsyncClient:
                 for item in reply.steps:
                     events.extend(item.guard_events)
                     if item.HasField("output"):
-                        outputs.append(np.asarray(item.output.values, np.float32))
+                        outputs.append(vector_array(item.output))
                     if item.HasField("token"):
                         tokens.append(item.token)
                 if reply.HasField("stopped"):

@@ -218,7 +218,7 @@ class _StepFeed:
                 group.append(step_input(self.session_id, step, value))
                 step += 1
             if group:
-                yield pb.StreamRequest(steps=group)
+                yield pb.StreamRequest(steps=group, packed_outputs=True)
             if len(group) < per_message:
                 return
 

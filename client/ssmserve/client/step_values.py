@@ -26,7 +26,7 @@ class StepOutput:
         return cls(
             session_id=result.session_id,
             step=result.step,
-            output=np.asarray(result.output.values, np.float32),
+            output=vector_array(result.output),
             replayed=result.replayed,
             guard_events=list(result.guard_events),
             snapshot_events=list(result.snapshot_events),
@@ -49,6 +49,14 @@ class Forecast:
     def steps(self) -> np.ndarray:
         """(h,) the step number of each output."""
         return np.arange(self.from_step + 1, self.from_step + 1 + len(self.outputs))
+
+
+def vector_array(vector: pb.Vector) -> np.ndarray:
+    """A Vector's floats as a float32 array, whichever form the worker sent (``packed``
+    little-endian bytes when asked for, ``values`` otherwise or from older workers)."""
+    if vector.packed:
+        return np.frombuffer(vector.packed, "<f4").astype(np.float32)  # own, writable copy
+    return np.asarray(vector.values, np.float32)
 
 
 def step_input(session_id: str, step: int, value: Any) -> pb.StepInput:

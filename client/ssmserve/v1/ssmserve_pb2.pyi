@@ -186,10 +186,12 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., snapshot_id: _Optional[str] = ...) -> None: ...
 
 class Vector(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "packed")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class StepInput(_message.Message):
     __slots__ = ("session_id", "step", "token", "vector")
@@ -204,10 +206,12 @@ class StepInput(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token: _Optional[int] = ..., vector: _Optional[_Union[Vector, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "packed_outputs")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[StepInput]
-    def __init__(self, steps: _Optional[_Iterable[_Union[StepInput, _Mapping]]] = ...) -> None: ...
+    packed_outputs: bool
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepInput, _Mapping]]] = ..., packed_outputs: _Optional[bool] = ...) -> None: ...
 
 class GuardEvent(_message.Message):
     __slots__ = ("guard", "action", "step", "dims", "detail", "rolled_back_to")
@@ -462,14 +466,16 @@ class ImportCheckpointRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
 
 class ForecastRequest(_message.Message):
-    __slots__ = ("session_id", "horizon", "at_step")
+    __slots__ = ("session_id", "horizon", "at_step", "packed_outputs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HORIZON_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     horizon: int
     at_step: int
-    def __init__(self, session_id: _Optional[str] = ..., horizon: _Optional[int] = ..., at_step: _Optional[int] = ...) -> None: ...
+    packed_outputs: bool
+    def __init__(self, session_id: _Optional[str] = ..., horizon: _Optional[int] = ..., at_step: _Optional[int] = ..., packed_outputs: _Optional[bool] = ...) -> None: ...
 
 class ForecastStep(_message.Message):
     __slots__ = ("step", "output", "token", "guard_events")

@@ -178,9 +178,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
         try:
             latency = self.manager.metrics.step_latency
             while (message := await reader.answers.get()) is not None:
-                received, futures = message
+                received, futures, packed = message
                 outcomes = [await f for f in futures]
-                results = [result_to_pb(o, scope) for o in outcomes]
+                results = [result_to_pb(o, scope, packed) for o in outcomes]
                 for response in split_results(results, budget):
                     yield response
                 reader.slots.release()
@@ -250,7 +250,8 @@ class SessionService(pb_grpc.SessionServiceServicer):
             try:
                 async for steps in job.batches(self.manager.settings.forecast.message_bytes):
                     yield pb.ForecastResponse(
-                        from_step=job.from_step, steps=[forecast_step_to_pb(x) for x in steps]
+                        from_step=job.from_step,
+                        steps=[forecast_step_to_pb(x, request.packed_outputs) for x in steps],
                     )
                 if job.stopped is not None:
                     if job.stopped.kind is ErrorKind.UNAVAILABLE:  # the worker stopped: retry
@@ -404,10 +405,11 @@ class _StreamReader:
         self.manager = manager
         self.settings = settings
         self.scope = scope
-        # Per message: when it arrived, and the futures of its steps.
-        self.answers: asyncio.Queue[tuple[float, list[asyncio.Future[StepOutcome]]] | None] = (
-            asyncio.Queue()
-        )
+        # Per message: when it arrived, the futures of its steps, whether it asked for
+        # packed outputs.
+        self.answers: asyncio.Queue[
+            tuple[float, list[asyncio.Future[StepOutcome]], bool] | None
+        ] = asyncio.Queue()
         self.slots = asyncio.Semaphore(settings.max_inflight_messages)
         self.failure: SsmserveError | None = None
 
@@ -421,7 +423,8 @@ class _StreamReader:
                 except StopAsyncIteration:
                     return
                 received = time.perf_counter()
-                self.answers.put_nowait((received, await self._submit(request)))
+                futures = await self._submit(request)
+                self.answers.put_nowait((received, futures, request.packed_outputs))
         except SsmserveError as exc:
             self.failure = exc
         finally:
@@ -478,7 +481,7 @@ def step_value(step: pb.StepInput) -> int | np.ndarray:
     if which == "token":
         return int(step.token)
     if which == "vector":
-        return np.asarray(step.vector.values, np.float32)
+        return vector_value(step.vector, f"step {step.step} of session {step.session_id!r}")
     raise RequestError(f"step {step.step} of session {step.session_id!r} carries no input")
 
 
@@ -627,18 +630,20 @@ def _snapshot_event_to_pb(event: SnapshotEvent) -> pb.SnapshotEvent:
     return pb.SnapshotEvent(snapshot_id=event.snapshot_id, step=event.step, reason=event.reason)
 
 
-def forecast_step_to_pb(item: ForecastStep) -> pb.ForecastStep:
+def forecast_step_to_pb(item: ForecastStep, packed: bool = False) -> pb.ForecastStep:
     out = pb.ForecastStep(
         step=item.step, guard_events=[_guard_event_to_pb(e) for e in item.guard_events]
     )
     if item.output is not None:
-        out.output.values.extend(item.output.tolist())
+        _set_vector(out.output, item.output, packed)
     if item.token is not None:
         out.token = item.token
     return out
 
 
-def result_to_pb(outcome: StepOutcome, scope: TenantScope = _ALL) -> pb.StepResult:
+def result_to_pb(
+    outcome: StepOutcome, scope: TenantScope = _ALL, packed: bool = False
+) -> pb.StepResult:
     result = pb.StepResult(
         session_id=scope.shown(outcome.session_id),
         step=outcome.step,
@@ -647,7 +652,29 @@ def result_to_pb(outcome: StepOutcome, scope: TenantScope = _ALL) -> pb.StepResu
         snapshot_events=[_snapshot_event_to_pb(e) for e in outcome.snapshot_events],
     )
     if outcome.output is not None:
-        result.output.values.extend(outcome.output.tolist())
+        _set_vector(result.output, outcome.output, packed)
     if outcome.error is not None:
         result.error.CopyFrom(status.step_error(outcome.error, scope.clean))
     return result
+
+
+def _set_vector(vector: pb.Vector, values: np.ndarray, packed: bool) -> None:
+    """``values`` (float32) into ``vector``: as little-endian bytes when ``packed``."""
+    if packed:
+        vector.packed = values.astype("<f4", copy=False).tobytes()
+    else:
+        vector.values.extend(values.tolist())
+
+
+def vector_value(vector: pb.Vector, what: str) -> np.ndarray:
+    """A Vector's floats as float32 (either form); a malformed one is a RequestError."""
+    if not vector.packed:
+        return np.asarray(vector.values, np.float32)
+    if len(vector.values):
+        raise RequestError(f"{what}: a vector sets values or packed, not both")
+    if len(vector.packed) % 4:
+        raise RequestError(
+            f"{what}: packed vector has {len(vector.packed)} bytes, not a multiple of 4 "
+            "(little-endian float32)"
+        )
+    return np.frombuffer(vector.packed, "<f4").astype(np.float32)
