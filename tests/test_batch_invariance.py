@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from ssmserve.server.engine import mamba
 from ssmserve.server.engine.mamba import MIN_ROWS_PER_THREAD, MambaModel, row_ranges
 from ssmserve.server.engine.numerics import RowStableLinear
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
@@ -135,11 +136,14 @@ def test_step_does_not_modify_its_input_state(signal_model: MambaModel) -> None:
 
 @pytest.mark.parametrize("model_name", ["signal_model", "mamba2_token_model"])
 def test_a_step_cut_over_threads_gives_the_same_bits(
-    model_name: str, request: pytest.FixtureRequest
+    model_name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Row ranges on several engine threads (``row_ranges``) change nothing: each thread
     writes only its rows of the new state and outputs."""
     model: MambaModel = request.getfixturevalue(model_name)
+    # The test models are small: let any work be cut, so the ranges really run apart.
+    monkeypatch.setattr(mamba, "MIN_FLOP_PER_THREAD", 0.0)
+    assert len(row_ranges(9, 3, model.flops_per_step)) == 2
     pool = _warm_states(model, 12, seed=8)
     inputs = random_inputs(model, 12, seed=9)
     saved = model.threads
@@ -170,3 +174,6 @@ def test_row_ranges_cover_the_batch_once() -> None:
             assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
             assert len(parts) <= threads
             assert len(parts) == 1 or min(hi - lo for lo, hi in parts) >= MIN_ROWS_PER_THREAD
+    # and work: no range below MIN_FLOP_PER_THREAD
+    assert row_ranges(64, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 64)]
+    assert row_ranges(80, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 40), (40, 80)]

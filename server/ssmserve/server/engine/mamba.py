@@ -213,6 +213,7 @@ class MambaModel:
         self.name = name
         #: Threads one step may use (row ranges; see :meth:`step`). Changes no bits.
         self.threads = engine_threads()
+        self._flops_per_row = self.flops_per_step
         self._buffers = threading.local()  # StepWorkspace per thread and padded batch size
 
     @property
@@ -294,15 +295,16 @@ class MambaModel:
         Inputs must already satisfy :meth:`check_inputs` (the hot path does not re-check).
         Safe to call from several threads at once (each thread has its own buffers).
 
-        A batch of at least ``2 * MIN_ROWS_PER_THREAD`` rows is cut into up to
-        :attr:`threads` row ranges stepped at once (every kernel releases the GIL). Rows
-        are independent, so this changes no bits.
+        A batch big enough to pay for the hand-off (``row_ranges``: at least
+        :data:`MIN_FLOP_PER_THREAD` of products and :data:`MIN_ROWS_PER_THREAD` rows per
+        range) is cut into up to :attr:`threads` row ranges stepped at once (every kernel
+        releases the GIL). Rows are independent, so this changes no bits.
         """
         b = state.batch_size
         new_conv = tuple(np.empty_like(conv) for conv in state.conv)  # (b, e, k) per layer
         new_ssm = tuple(np.empty_like(ssm) for ssm in state.ssm)  # (b, e, n) | (b, h, p, n)
         out = np.empty((b, self.head.out_features), np.float32)  # the caller keeps it
-        parts = row_ranges(b, self.threads)
+        parts = row_ranges(b, self.threads, self._flops_per_row)
         helpers: list[Future[None]] = [
             engine_pool().submit(self._step_rows, state, inputs, new_conv, new_ssm, out, lo, hi)
             for lo, hi in parts[1:]
@@ -394,6 +396,11 @@ class MambaModel:
 DEFAULT_ENGINE_THREADS = 2
 #: Fewest rows worth a thread of their own: below this the hand-off costs more than it saves.
 MIN_ROWS_PER_THREAD = 4
+#: Fewest FLOPs of products worth a thread of their own (~0.3-0.5 ms of step here): on a
+#: busy machine a hand-off to a pool thread can cost a few hundred microseconds, and
+#: smaller parts ran slower on 2 threads than on 1 (the demo model up to batch 64 in
+#: one measurement beside two soaks; signal 256x4 gained from batch 16).
+MIN_FLOP_PER_THREAD = 40e6
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -424,9 +431,13 @@ def engine_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def row_ranges(batch: int, threads: int) -> list[tuple[int, int]]:
-    """``batch`` rows cut into at most ``threads`` near-equal ranges of at least
-    :data:`MIN_ROWS_PER_THREAD` rows each."""
-    parts = max(1, min(threads, batch // MIN_ROWS_PER_THREAD))
+def row_ranges(batch: int, threads: int, flops_per_row: float = 0.0) -> list[tuple[int, int]]:
+    """``batch`` rows cut into at most ``threads`` near-equal ranges, each of at least
+    :data:`MIN_ROWS_PER_THREAD` rows and :data:`MIN_FLOP_PER_THREAD` of work
+    (``flops_per_row`` each; 0: rows alone decide)."""
+    parts = min(threads, batch // MIN_ROWS_PER_THREAD)
+    if flops_per_row > 0 and MIN_FLOP_PER_THREAD > 0:
+        parts = min(parts, int(batch * flops_per_row // MIN_FLOP_PER_THREAD))
+    parts = max(1, parts)
     bounds = [batch * k // parts for k in range(parts + 1)]
     return list(itertools.pairwise(bounds))
