@@ -182,3 +182,7 @@ class Session:
                 self.queue.remove(item)
                 if not item.future.done():
                     item.future.set_result(StepOutcome(self.id, item.step, error=error))
+        # A control operation that waited behind those steps is at the head now: open its
+        # gate so it sees ``gone`` and raises. Nothing else would (the session has left
+        # the stepper and the residents), and it would wait forever.
+        self.open_gate()
