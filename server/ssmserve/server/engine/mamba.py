@@ -345,14 +345,14 @@ class MambaModel:
         blocks = self.blocks
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
         for i, block in enumerate(blocks):
-            # States are values, never updated: the new ones go to new arrays.
+            # States are values, never updated: the new ones go to new arrays. -> ws.y (b, e)
             block.mix(
                 ws,
                 state.conv[i][lo:hi],
                 state.ssm[i][lo:hi],
                 new_conv[i][lo:hi],
                 new_ssm[i][lo:hi],
-            )  # fmt: skip  -> ws.y (b, e)
+            )  # fmt: skip
             block.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
             # Residual around the block, then the next block's norm (or the final norm).
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
