@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,20 +47,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median_seconds, table
+from common import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
 
-INSTALL = ".venv-bench/bin/pip install torch==2.13.0 transformers==5.24.0"
 TORCH_THREADS = 2
 TARGET_RATIO = 0.7
 
 
 def token_ids(vocab: int, count: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab, count)
-
-
-def percentiles_ms(samples: list[float]) -> tuple[float, float]:
-    ms = np.asarray(samples) * 1e3
-    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
 # ---------------------------------------------------------------------------- children
@@ -189,19 +182,10 @@ def run_child(which: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         "--out-dir",
         str(out_dir),
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_peer_child(cmd)
 
 
 # ---------------------------------------------------------------------------- parent
-
-
-def skipped(reason: str, json_path: Path | None) -> int:
-    print(f"bench_hf_peer: skipped ({reason}); install with: {INSTALL}")
-    if json_path:
-        json_path.write_text(json.dumps({"skipped": 1, "notes": f"skipped: {reason}"}) + "\n")
-    return 0
 
 
 def main() -> int:
@@ -220,7 +204,7 @@ def main() -> int:
 
     missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
     if missing:
-        return skipped(f"{' and '.join(missing)} not installed", args.json)
+        return peer_skipped("bench_hf_peer", f"{' and '.join(missing)} not installed", args.json)
 
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

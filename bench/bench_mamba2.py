@@ -56,7 +56,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,13 +68,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median_seconds, table
+from common import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 
-INSTALL = ".venv-bench/bin/pip install torch==2.13.0 transformers==5.24.0"
 THREADS = 2
 SESSION = "bench-mamba2"
 EMBEDDINGS = "backbone.embeddings.weight"
@@ -114,11 +112,6 @@ def token_ids(
     """The batch-1 ids ``(warmup + tokens,)`` and the batch ids ``(1 + steps, batch)``."""
     rng = np.random.default_rng(0)
     return rng.integers(0, vocab, warmup + tokens), rng.integers(0, vocab, (1 + steps, batch))
-
-
-def percentiles_ms(samples: list[float]) -> tuple[float, float]:
-    ms = np.asarray(samples) * 1e3
-    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
 # ---------------------------------------------------------------------------- children
@@ -343,19 +336,10 @@ def run_child(which: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.small:
         cmd.append("--small")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_peer_child(cmd)
 
 
 # ---------------------------------------------------------------------------- parent
-
-
-def skipped(reason: str, json_path: Path | None) -> int:
-    print(f"bench_mamba2: skipped ({reason}); install with: {INSTALL}")
-    if json_path:
-        json_path.write_text(json.dumps({"skipped": 1, "notes": f"skipped: {reason}"}) + "\n")
-    return 0
 
 
 def main() -> int:
@@ -381,7 +365,7 @@ def main() -> int:
 
     missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
     if missing:
-        return skipped(f"{' and '.join(missing)} not installed", args.json)
+        return peer_skipped("bench_mamba2", f"{' and '.join(missing)} not installed", args.json)
 
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

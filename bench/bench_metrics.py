@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_security import Target, measure, side_by_side
-from bench_service import start
-from common import table
+from common import start_server, table
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
@@ -121,9 +120,9 @@ def main() -> int:
         metrics_at = f"127.0.0.1:{free_port()}"
         procs = []
         try:
-            off_proc, off_address = start(base)
+            off_proc, off_address = start_server(base)
             procs.append(off_proc)
-            on_proc, on_address = start([*base, "--metrics-listen", metrics_at])
+            on_proc, on_address = start_server([*base, "--metrics-listen", metrics_at])
             procs.append(on_proc)
             off = Target("metrics off", off_address, None, None)
             on = Target("metrics on, scraped 1/s", on_address, None, None)

@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
-from bench_service import start
-from common import table
+from common import start_server, table
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -188,7 +187,7 @@ def main() -> int:
                 ("TLS", tls, True, None),
                 ("TLS + token", [*tls, "--auth-tokens", str(tokens)], True, TOKEN),
             ):
-                proc, address = start(base + extra)
+                proc, address = start_server(base + extra)
                 procs.append(proc)
                 targets.append(Target(name, address, ca if use_ca else None, token))
             for r in range(rounds):

@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
-from common import table
+from common import start_server, table
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -109,18 +109,6 @@ def cpu_seconds(pid: int) -> float:
 
 
 # ---------------------------------------------------------------------------- server
-
-
-def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        proc.wait()
-        raise SystemExit(f"{shlex.join(cmd)} did not start")
-    return proc, line.split()[-1]
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
@@ -444,7 +432,7 @@ def main() -> int:
             redis_server = stack.enter_context(
                 EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / f"redis{i}"))
             )
-            proc, address = start(
+            proc, address = start_server(
                 [*cmd, "--model", f"demo={model_dir}", "--listen", "127.0.0.1:0",
                  "--redis-url", redis_server.url]
             )  # fmt: skip

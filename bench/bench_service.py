@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
 from bench_checkpoint import mamba130m_checkpoint
-from common import table
+from common import start_server, table
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -47,17 +45,6 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 ECHO = Path(__file__).resolve().parent / "echo_server.py"
-
-
-def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"{cmd[2]} did not start")
-    return proc, line.split()[-1]
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -414,11 +401,11 @@ def main() -> int:
         EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / "redis")) as redis_server,
     ):
         model_dir = ensure_demo_model(Path(tmp) / "demo")
-        server, address = start(
+        server, address = start_server(
             [sys.executable, "-m", "ssmserve.server.main", "--model", f"demo={model_dir}",
              "--listen", "127.0.0.1:0", "--redis-url", redis_server.url]
         )  # fmt: skip
-        echo, echo_address = start([sys.executable, str(ECHO)])
+        echo, echo_address = start_server([sys.executable, str(ECHO)])
         try:
             report = asyncio.run(bench(address, echo_address, redis_server.url, args.quick))
             if args.json:
