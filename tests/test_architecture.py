@@ -21,6 +21,7 @@ SHARED = {"errors", "observability"}
 CLIENT_HELPERS = {
     "ssmserve.client.atomic_file",
     "ssmserve.client.tls",
+    "ssmserve.client.step_values",  # the wire's Vector decoded one way on both sides
     "ssmserve.v1",
 }  # the server builds on these
 MAX_CLASS_LINES = 400

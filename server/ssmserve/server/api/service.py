@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from ssmserve.client.step_values import vector_array
 from ssmserve.server.api import status
 from ssmserve.server.api.auth import Authenticator, caller
 from ssmserve.server.api.budgets import Budgets, BudgetSettings
@@ -667,14 +668,13 @@ def _set_vector(vector: pb.Vector, values: np.ndarray, packed: bool) -> None:
 
 
 def vector_value(vector: pb.Vector, what: str) -> np.ndarray:
-    """A Vector's floats as float32 (either form); a malformed one is a RequestError."""
-    if not vector.packed:
-        return np.asarray(vector.values, np.float32)
-    if len(vector.values):
+    """A Vector's floats as float32 (either form, decoded as the client decodes them); a
+    malformed one is a RequestError."""
+    if vector.packed and len(vector.values):
         raise RequestError(f"{what}: a vector sets values or packed, not both")
     if len(vector.packed) % 4:
         raise RequestError(
             f"{what}: packed vector has {len(vector.packed)} bytes, not a multiple of 4 "
             "(little-endian float32)"
         )
-    return np.frombuffer(vector.packed, "<f4").astype(np.float32)
+    return vector_array(vector)
