@@ -86,20 +86,22 @@ def step_time(model: MambaModel, batch: int, repeats: int) -> float:
 
 
 class PlainProducts:
-    """Context manager: swap RowStableLinear for plain BLAS ``x @ W.T`` (not batch-invariant)."""
+    """Context manager: swap RowStableLinear for plain BLAS ``x @ W.T`` (not batch-invariant).
+
+    ``weights``: each product's ``(o, i)`` matrix by ``id(lin)`` (``plain_weights``)."""
+
+    def __init__(self, weights: dict[int, np.ndarray]) -> None:
+        self.weights = weights
 
     def __enter__(self) -> None:
         self.saved = RowStableLinear.into
-        weights: dict[int, np.ndarray] = {}
+        weights = self.weights
 
         def plain(
             lin: RowStableLinear, x: np.ndarray, out: np.ndarray, rows: int | None = None
         ) -> np.ndarray:
             n = x.shape[0] if rows is None else rows
-            w = weights.get(id(lin))
-            if w is None:
-                w = weights[id(lin)] = np.ascontiguousarray(lin.weight)  # (o, i)
-            np.matmul(x[:n], w.T, out=out[:n])
+            np.matmul(x[:n], weights[id(lin)].T, out=out[:n])
             if lin.bias is not None:
                 out[:n] += lin.bias
             return out
@@ -110,6 +112,12 @@ class PlainProducts:
         RowStableLinear.into = self.saved  # type: ignore[method-assign]
 
 
+def plain_weights(model: MambaModel) -> dict[int, np.ndarray]:
+    """Every product's ``(o, i)`` weight as a plain array, by ``id(lin)``: rebuilt from the
+    packed panels once per model, for the BLAS comparisons."""
+    return {id(lin): np.ascontiguousarray(lin.weight) for lin in model.linears}
+
+
 def memory_bandwidth(repeats: int = 5) -> float:
     """Bytes per second of a large copy (one read + one write of 256 MiB), measured now."""
     src = np.ones(64 * 2**20, np.float32)
@@ -117,25 +125,17 @@ def memory_bandwidth(repeats: int = 5) -> float:
     return 2 * src.nbytes / median_seconds(lambda: np.copyto(dst, src), repeats)
 
 
-def products_floor(model: MambaModel, batch: int, repeats: int) -> float:
-    """Seconds for the step's products done the fastest plain way: one matrix-vector
-    product each at batch 1 (``W @ x``), one sgemm each above (``x @ W.T``)."""
+def products_floor(weights: list[np.ndarray], batch: int, repeats: int) -> float:
+    """Seconds for the step's products (``weights``, each (o, i)) done the fastest plain
+    way: one matrix-vector product each at batch 1 (``W @ x``), one sgemm each above
+    (``x @ W.T``)."""
     rng = np.random.default_rng(1)
-    ws = [np.ascontiguousarray(lin.weight) for lin in model.linears]  # (o, i) each
-    xs = [rng.standard_normal((batch, w.shape[1])).astype(np.float32) for w in ws]
+    xs = [rng.standard_normal((batch, w.shape[1])).astype(np.float32) for w in weights]
     if batch == 1:
         vs = [x[0] for x in xs]
-        return median_seconds(lambda: [w @ v for w, v in zip(ws, vs, strict=True)], repeats)
-    wts = [w.T for w in ws]
+        return median_seconds(lambda: [w @ v for w, v in zip(weights, vs, strict=True)], repeats)
+    wts = [w.T for w in weights]
     return median_seconds(lambda: [x @ w for x, w in zip(xs, wts, strict=True)], repeats)
-
-
-def sgemm_gflops(model: MambaModel, rows: int = 64, repeats: int = 5) -> float:
-    rng = np.random.default_rng(0)
-    xs = [rng.standard_normal((rows, lin.in_features)).astype(np.float32) for lin in model.linears]
-    ws = [lin.weight.T for lin in model.linears]
-    seconds = median_seconds(lambda: [x @ w for x, w in zip(xs, ws, strict=True)], repeats)
-    return rows * model.flops_per_step / seconds / 1e9
 
 
 def measure_peer() -> dict[str, float] | None:
@@ -166,10 +166,11 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
     results: dict[str, object] = {"model": model.name, "batches": {}}
     bandwidth = memory_bandwidth()
     state_bytes = c.state_bytes
+    weights = plain_weights(model)
     for batch in BATCHES:
         repeats = max(3, (12 if big else 400) // batch)
         t = step_time(model, batch, repeats)
-        products = products_floor(model, batch, repeats)
+        products = products_floor(list(weights.values()), batch, repeats)
         # The goal's floor: the products, plus (batch > 1) one read and one write of the
         # batch's state at the bandwidth measured in this run.
         floor = products + (2 * batch * state_bytes / bandwidth if batch > 1 else 0.0)
@@ -191,10 +192,12 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
     )
     results["bandwidth_gb_s"] = bandwidth / 1e9
 
-    with PlainProducts():
+    with PlainProducts(weights):
         plain = {b: step_time(model, b, max(3, (12 if big else 400) // b)) for b in (1, 64)}
     exact = {b: results["batches"][b]["step_ms"] / 1e3 for b in (1, 64)}  # type: ignore[index]
-    gflops = sgemm_gflops(model, repeats=3 if big else 20)
+    # sgemm speed on these weights: the floor's own 64-row products, measured above.
+    products_64 = results["batches"][64]["products_ms"] / 1e3  # type: ignore[index]
+    gflops = 64 * model.flops_per_step / products_64 / 1e9
     ceiling = gflops * 1e9 / model.flops_per_step
     reached = results["batches"][64]["steps_per_s"] / ceiling  # type: ignore[index]
     print(
