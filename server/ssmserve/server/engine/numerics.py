@@ -117,14 +117,14 @@ class RowStableLinear:
 _NO_BIAS = np.zeros(1, np.float32)
 
 
+#: Workspace allocation granularity in rows (the products compute only the rows asked for).
+WORKSPACE_ROWS = 16
+
+
 def padded(rows: int) -> int:
     """The row count a workspace for ``rows`` sessions is allocated with: whole groups of
     :data:`WORKSPACE_ROWS`, so a few workspaces serve every batch size."""
     return max(1, -(-rows // WORKSPACE_ROWS)) * WORKSPACE_ROWS
-
-
-#: Workspace allocation granularity in rows (the products compute only the rows asked for).
-WORKSPACE_ROWS = 16
 
 
 #: Engine sources whose code decides the bits of a step (a change to any of them may
