@@ -101,6 +101,7 @@ class Ownership:
         self.started_at = time.time()
         self.renewals = 0  # rounds that reached Redis (tests, operators)
         self.late_rounds = 0  # rounds that started over a period late (a blocked loop)
+        self.worst_late_s = 0.0  # the latest start of a round after its due time (tests)
         self._held = held
         self._on_lost = on_lost
         self._on_expired = on_expired
@@ -218,6 +219,7 @@ class Ownership:
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            self.worst_late_s = max(self.worst_late_s, now - due)
             if now - due > period:
                 self.late_rounds += 1
                 log.warning("lease renewal ran %.2f s late (the event loop was blocked)", now - due)
