@@ -177,3 +177,29 @@ def test_row_ranges_cover_the_batch_once() -> None:
     # and work: no range below MIN_FLOP_PER_THREAD
     assert row_ranges(64, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 64)]
     assert row_ranges(80, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 40), (40, 80)]
+
+
+def test_rows_of_one_batch_step_again_without_a_copy(signal_model: MambaModel) -> None:
+    """A stepper's next tick passes the rows of the last batch: all of them in order *are*
+    that batch (no stacking); a subset or another order is gathered; the bits of every row
+    equal the row stepped alone."""
+    states = _warm_states(signal_model, 5, seed=11)
+    x = random_inputs(signal_model, 5, seed=12)
+    batch, _ = signal_model.step(BatchState.stack(states), x)
+    rows = batch.sessions()
+    assert all(r.is_view for r in rows)
+    assert BatchState.stack(rows) is batch
+    for picked in ([3, 1], [4, 3, 2, 1, 0], [0, 1, 2, 3]):
+        gathered = BatchState.stack([rows[i] for i in picked])
+        assert gathered is not batch and gathered.batch_size == len(picked)
+        y = random_inputs(signal_model, len(picked), seed=13)
+        stepped, out = signal_model.step(gathered, y)
+        for k, i in enumerate(picked):
+            alone, out_alone = _step_one(signal_model, rows[i].copy(), y[k])
+            assert stepped.session(k).bit_equal(alone)
+            assert out[k].tobytes() == out_alone.tobytes()
+    # a row read as per-layer views (a snapshot) is still recognised as a row
+    assert rows[2].layers[0].ssm.base is not None
+    assert BatchState.stack(rows) is batch
+    own = rows[2].copy()
+    assert not own.is_view and own.bit_equal(rows[2])

@@ -24,9 +24,39 @@ class LayerState:
     ssm: np.ndarray  # (e, n) | (h, p, n) the SSM hidden state h_t
 
 
-@dataclass(frozen=True)
 class SessionState:
-    layers: tuple[LayerState, ...]
+    """One session's state: per layer a conv window and an SSM state.
+
+    A state made by a batched step is a *row* of that step's :class:`BatchState`: it holds
+    the batch and its row number, and builds its per-layer views only when asked
+    (``layers``). A stepper runs several ticks of the same sessions in a row, and
+    :meth:`BatchState.stack` recognises rows of one batch in order and steps that batch
+    again as it is: per step, no views, no per-layer objects and no stacking.
+    """
+
+    __slots__ = ("_batch", "_layers", "_row")
+
+    def __init__(self, layers: tuple[LayerState, ...]) -> None:
+        self._layers: tuple[LayerState, ...] | None = layers
+        self._batch: BatchState | None = None
+        self._row = -1
+
+    @classmethod
+    def row_of(cls, batch: BatchState, row: int) -> SessionState:
+        """Row ``row`` of ``batch`` (views into it once ``layers`` is read; no copy)."""
+        state = cls.__new__(cls)
+        state._layers, state._batch, state._row = None, batch, row
+        return state
+
+    @property
+    def layers(self) -> tuple[LayerState, ...]:
+        if self._layers is None:
+            batch, row = self._batch, self._row
+            assert batch is not None
+            self._layers = tuple(
+                LayerState(c[row], s[row]) for c, s in zip(batch.conv, batch.ssm, strict=True)
+            )
+        return self._layers
 
     @classmethod
     def zeros(
@@ -46,6 +76,8 @@ class SessionState:
     @property
     def is_view(self) -> bool:
         """True while the arrays are rows of a stepper batch (which they keep alive)."""
+        if self._batch is not None:
+            return True
         return any(layer.ssm.base is not None for layer in self.layers)
 
     def copy(self) -> SessionState:
@@ -94,8 +126,24 @@ class BatchState:
 
     @classmethod
     def stack(cls, states: Sequence[SessionState]) -> BatchState:
+        """The states as one batch (new arrays; ``states`` are not changed).
+
+        All rows of one batch, in order, *are* that batch: it is returned as it is (the
+        engine never writes into the state it steps). Rows of one batch in another order
+        or a subset are gathered with one take per array.
+        """
         if not states:
             raise ValueError("cannot stack an empty list of session states")
+        source = states[0]._batch
+        if source is not None and all(s._batch is source for s in states):
+            rows = [s._row for s in states]
+            if len(rows) == source.batch_size and rows == list(range(len(rows))):
+                return source
+            index = np.asarray(rows, np.intp)
+            return cls(
+                tuple(c.take(index, axis=0) for c in source.conv),
+                tuple(s.take(index, axis=0) for s in source.ssm),
+            )
         num_layers = len(states[0].layers)
         return cls(
             tuple(np.stack([s.layers[i].conv for s in states]) for i in range(num_layers)),
@@ -108,9 +156,7 @@ class BatchState:
 
     def session(self, row: int) -> SessionState:
         """Row ``row`` as a session state (views into this batch, no copy)."""
-        return SessionState(
-            tuple(LayerState(c[row], s[row]) for c, s in zip(self.conv, self.ssm, strict=True))
-        )
+        return SessionState.row_of(self, row)
 
     def sessions(self) -> list[SessionState]:
         return [self.session(i) for i in range(self.batch_size)]
