@@ -2,7 +2,7 @@
 counts, in one run.
 
 Usage: ``.venv/bin/python bench/bench_server_cpu.py [--sessions 64,256,3000] [--steps 40]
-[--quick] [--json OUT.json]``
+[--quick] [--json OUT.json] [--baseline OTHER/.venv/bin/python]``
 
 Processes: one redis-server (private, as in ``bench_service.py``), one ``ssmserve-server``
 serving the demo model (log level WARNING); this process is the client (grpc.aio). On a
@@ -18,8 +18,9 @@ Each round (session counts ascending, the same server process throughout):
    Every message of a stream carries 8 consecutive steps of each of its sessions (400
    steps); a stream sends a message, reads all its answers (a response may be split into
    several with ``continued``), then sends the next, until each session has done
-   ``--steps`` steps. All streams run at once; requests ask for ``packed_outputs``. The
-   messages (random float32 inputs of the model's input_dim) are built before the phase.
+   ``--steps`` steps. All streams run at once; inputs are packed vectors and requests ask
+   for ``packed_outputs``. The messages (random float32 inputs of the model's input_dim)
+   are built before the phase.
    Server CPU (utime + stime) is read right before and right after.
 3. RSS right after the phase and again after 2.5 s idle (by then the manager has given
    each idle session state arrays of its own instead of views into its last batch's
@@ -173,7 +174,7 @@ def messages(
         last = min(first + STEPS_PER_MESSAGE - 1, steps)
         x = rng.standard_normal((len(sids), last - first + 1, input_dim)).astype(np.float32)
         inputs = [
-            step_input(sid, step, x[i, step - first])
+            step_input(sid, step, x[i, step - first], packed=True)
             for i, sid in enumerate(sids)
             for step in range(first, last + 1)
         ]
@@ -414,6 +415,13 @@ def main() -> int:
         "--quick", action="store_true", help="smoke run: sessions 64,256,500, 16 steps"
     )
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="PYTHON",
+        help="also run the server of another checkout side by side: the Python of its "
+        "venv (e.g. a clone of main before a change, set up with ./dev lint)",
+    )
     args = parser.parse_args()
     if args.quick:
         counts, steps = [64, 256, 500], 16
@@ -426,6 +434,8 @@ def main() -> int:
         model_dir = ensure_demo_model(Path(tmp) / "demo")
         state_bytes = read_config(model_dir).state_bytes
         variants = {"as shipped": [sys.executable, "-m", "ssmserve.server.main"]}
+        if args.baseline is not None:
+            variants["baseline"] = [str(args.baseline), "-m", "ssmserve.server.main"]
         servers = []
         for i, (label, cmd) in enumerate(variants.items()):
             # A Redis each: two workers on one Redis would form a cluster and share sessions.

@@ -59,12 +59,21 @@ def vector_array(vector: pb.Vector) -> np.ndarray:
     return np.asarray(vector.values, np.float32)
 
 
-def step_input(session_id: str, step: int, value: Any) -> pb.StepInput:
-    """A token id (int) or a vector (anything numpy turns into floats) as a StepInput."""
+def step_input(session_id: str, step: int, value: Any, packed: bool = False) -> pb.StepInput:
+    """A token id (int) or a vector (anything numpy turns into floats) as a StepInput.
+
+    ``packed``: the vector as little-endian float32 bytes (``Vector.packed``), which a
+    worker decodes in one copy instead of float by float. Workers older than packed
+    vectors read only ``values``: send packed only to workers that have it.
+    """
     if isinstance(value, int | np.integer):
         return pb.StepInput(session_id=session_id, step=step, token=int(value))
-    values = np.asarray(value, np.float32).reshape(-1).tolist()
-    return pb.StepInput(session_id=session_id, step=step, vector=pb.Vector(values=values))
+    array = np.asarray(value, np.float32).reshape(-1)
+    if packed:
+        vector = pb.Vector(packed=array.astype("<f4", copy=False).tobytes())
+    else:
+        vector = pb.Vector(values=array.tolist())
+    return pb.StepInput(session_id=session_id, step=step, vector=vector)
 
 
 @dataclass(frozen=True)
