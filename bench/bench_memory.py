@@ -13,7 +13,7 @@ What is measured. Each (model, pattern) runs in a fresh subprocess so allocator 
 not carry over. The child builds the model, then N sessions exactly as
 ``SessionManager._resident`` does (``Session`` with its resolved default ``SessionConfig``,
 ``RecentSteps(history_window, output_window)`` from the default ``ManagerSettings``,
-``model.new_state()``, a real ``Stepper``'s ``notify``), and advances each by ``--steps``
+``model.new_state()``), and advances each by ``--steps``
 real engine steps the way the stepper's tick does (``BatchState.stack``, ``model.step``,
 ``new_batch.session(row)``, the guard check, ``recent.record``, then the log commit
 empties ``unflushed``); then, as the manager does for a session idle for a second, each
@@ -31,9 +31,9 @@ buffers). Per session:
 
   state      conv + ssm ``nbytes`` (the recurrent state itself)
   history    bytes of the recent inputs and output rows held in ``RecentSteps``
-  pinned     bytes of the distinct numpy buffers that the state arrays and the output rows
-             keep alive, divided by N (a stored output row is a view: it keeps its whole
-             batch output buffer, padded to 16-row tiles, alive); compare with state + history
+  pinned     bytes of the distinct numpy buffers that the state arrays keep alive, divided
+             by N, plus what the session's input and output rings have allocated (they
+             grow by doubling up to their windows); compare with state + history
   overhead   RSS/session - state - history, in bytes and as a fraction of state + history
 """
 
@@ -99,24 +99,19 @@ def root(arr: np.ndarray) -> np.ndarray:
 
 
 def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
-    from ssmserve.server.engine.lane import EngineLane
     from ssmserve.server.engine.numerics import pin_blas_threads
     from ssmserve.server.engine.recurrent_state import BatchState
     from ssmserve.server.sessions.config import SessionConfig
     from ssmserve.server.sessions.guards import check_output
     from ssmserve.server.sessions.manager import ManagerSettings
     from ssmserve.server.sessions.session import Session
-    from ssmserve.server.sessions.stepper import Stepper
     from ssmserve.server.state.input_log import RecentSteps
+    from ssmserve.server.state.lease import SessionLease
 
     pin_blas_threads()
     model = build(which)
     c = model.config
     settings = ManagerSettings()
-    stepper = Stepper(
-        model, None, None, settings.stepper,  # type: ignore[arg-type]
-        EngineLane(model, settings.stepper.offload_min_flop),
-    )  # fmt: skip
     rng = np.random.default_rng(0)
 
     def value() -> np.ndarray:
@@ -131,7 +126,7 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
         batch = BatchState.stack([s.state for s in group])
         new_batch, outputs = model.step(batch, np.stack(values))
         for row, s in enumerate(group):
-            verdict = check_output(s.config.guards, step, outputs[row].copy())  # as Stepper
+            verdict = check_output(s.config.guards, step, outputs[row])  # the ring copies it
             s.state, s.step = new_batch.session(row), step
             s.recent.record(step, s.codec.encode(values[row]), verdict.output)
         for s in group:  # log durability: the group commit empties unflushed
@@ -148,7 +143,7 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
             recent = RecentSteps(max(config.history_window, 1), settings.output_window)
             sessions[sid] = Session(
                 sid, model, "bench", config, model.new_state(), 0, time.time(), recent,
-                stepper.notify,
+                SessionLease(sid, "1.1", "bench"), lambda _s: None,
             )  # fmt: skip
         everyone = list(sessions.values())
         for _ in range(steps):
@@ -175,37 +170,32 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
     after = rss()
 
     state_bytes = [s.state.nbytes for s in sessions.values()]
+    out_row = c.output_dim * 4
+    in_raw = len(next(iter(sessions.values())).codec.encode(value()))
     history_bytes = [
-        sum(len(raw) for _, raw in s.recent.inputs)
-        + sum(out.nbytes for _, out in s.recent.outputs)
+        len(s.recent.inputs) * in_raw
+        + len(s.recent.outputs) * out_row
         + sum(len(raw) for _, raw in s.recent.unflushed)
         for s in sessions.values()
     ]
     state_buffers: dict[int, int] = {}
-    output_buffers: dict[int, int] = {}
-    stored_outputs = 0
     for s in sessions.values():
         for layer in s.state.layers:
             for a in (layer.conv, layer.ssm):
                 state_buffers[id(root(a))] = root(a).nbytes
-        for _, out in s.recent.outputs:
-            output_buffers[id(root(out))] = root(out).nbytes
-            stored_outputs += 1
     pinned_state = sum(state_buffers.values()) / n
-    pinned_per_output = sum(output_buffers.values()) / max(stored_outputs, 1)
-    out_row = c.output_dim * 4
-    in_raw = len(next(iter(sessions.values())).codec.encode(value()))
+    rings = sum(s.recent.nbytes for s in sessions.values()) / n  # allocated so far
     full_inputs = config.history_window * in_raw
     return {
         "n": n,
         "steps": steps,
         "state_bytes": float(np.mean(state_bytes)),
         "history_bytes": float(np.mean(history_bytes)),
-        "pinned_bytes": pinned_state + sum(output_buffers.values()) / n,
+        "pinned_bytes": pinned_state + rings,
         "rss_bytes": (after - before) / n,
         "rss_untrimmed_bytes": (untrimmed - before) / n,
         "full_ring_history_bytes": settings.output_window * out_row + full_inputs,
-        "full_ring_pinned_bytes": pinned_state + settings.output_window * pinned_per_output,
+        "full_ring_pinned_bytes": pinned_state + settings.output_window * out_row + full_inputs,
         "step_seconds": step_s,
     }
 

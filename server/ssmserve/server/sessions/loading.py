@@ -346,8 +346,9 @@ class SessionLoader:
 
 def remember_history(s: Session, history: InputHistory) -> None:
     """Put a checkpoint's input history window into the session's memory of recent steps."""
-    for i in range(len(history.inputs)):
-        s.recent.inputs.append((history.first_step + i, s.codec.encode(history.inputs[i])))
+    s.recent.remember_inputs(
+        history.first_step, [s.codec.encode(value) for value in history.inputs]
+    )
 
 
 def default_memory_budget() -> int:

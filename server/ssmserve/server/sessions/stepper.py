@@ -257,9 +257,8 @@ class Stepper:
         applied = dict.fromkeys(Durability, 0)
         for row, (w, job) in enumerate(apply):
             s = w.session
-            # A copy: kept in the session's recent outputs, a view would pin the whole
-            # output array of this tick (~12 MB per tick of 64 rows of 130m logits).
-            output = outputs[row].copy()
+            # A view until answered; the session's recent outputs keep a copy in their ring.
+            output = outputs[row]
             if not s.config.guards:  # the common case, without a verdict per step
                 w.done[-1][1].output = output
                 self._apply(w, job, new_batch.session(row), output)

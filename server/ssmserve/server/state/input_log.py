@@ -9,7 +9,6 @@ every tick, in the other modes at each snapshot).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,52 +38,131 @@ class InputCodec:
         return np.empty((0,) if self.token else (0, self.width), self.dtype)
 
 
+class StepRing:
+    """The newest ``window`` rows of one width, by step number, in one array (a ring).
+
+    One array instead of an object per step: a resident session holds hundreds of recent
+    inputs and outputs, and per-step tuples, bytes and arrays cost ~10x their data in
+    memory and give the garbage collector millions of objects to walk. Storage grows by
+    doubling up to ``window`` rows, so a short session does not pay for its whole window.
+
+    Steps are contiguous: a step that does not follow the newest one starts the ring over
+    (a gap can only follow a cut; what the ring lost is a cache miss, read from the log).
+    """
+
+    def __init__(self, window: int, dtype: np.dtype | type) -> None:
+        self.window = max(window, 0)  # 0: holds nothing
+        self.dtype = np.dtype(dtype)
+        self._rows: np.ndarray | None = None  # (capacity, width), allocated on first use
+        self._start = 0  # index in _rows of the oldest row
+        self.first = 0  # step of the oldest row
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def last(self) -> int:
+        """Step of the newest row (``first - 1`` when empty)."""
+        return self.first + self.count - 1
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._rows is None else self._rows.nbytes
+
+    def append(self, step: int, row: np.ndarray) -> None:
+        """``row`` (w,) as step ``step``, copied in; the oldest row goes once full."""
+        if not self.window:
+            return
+        if self.count and step != self.first + self.count:
+            self.count = 0
+        if self.count == 0:
+            self.first, self._start = step, 0
+        rows = self._rows
+        if rows is None or rows.shape[1] != row.shape[-1]:
+            rows = self._rows = np.empty((min(8, self.window), row.shape[-1]), self.dtype)
+            self.count, self.first, self._start = 0, step, 0
+        capacity = rows.shape[0]
+        if self.count == capacity:
+            if capacity < self.window:  # grow: the rows in order, then room
+                grown = np.empty((min(2 * capacity, self.window), rows.shape[1]), self.dtype)
+                grown[: capacity - self._start] = rows[self._start :]
+                grown[capacity - self._start : capacity] = rows[: self._start]
+                rows, self._rows, self._start = grown, grown, 0
+                capacity = rows.shape[0]
+            else:  # full: the new row takes the oldest's place
+                rows[self._start] = row
+                self._start = (self._start + 1) % capacity
+                self.first += 1
+                return
+        rows[(self._start + self.count) % capacity] = row
+        self.count += 1
+
+    def row(self, step: int) -> np.ndarray | None:
+        """Step ``step``'s row (a view: copy it before the ring moves on), or None."""
+        if self._rows is None or not self.first <= step < self.first + self.count:
+            return None
+        return self._rows[(self._start + step - self.first) % self._rows.shape[0]]
+
+    def cut_after(self, step: int) -> None:
+        """Forget the rows after ``step``."""
+        self.count = max(0, min(self.count, step - self.first + 1))
+
+
 class RecentSteps:
-    """The newest inputs and outputs of one session, by step, plus its unflushed inputs."""
+    """The newest inputs and outputs of one session, by step, plus its unflushed inputs.
+
+    Inputs are kept as the log's raw bytes (a ring of uint8 rows), outputs as float32
+    rows; ``unflushed`` lists the inputs not yet in Redis as (step, raw) pairs."""
 
     def __init__(self, input_window: int, output_window: int) -> None:
-        self.inputs: deque[tuple[int, bytes]] = deque(maxlen=input_window)
-        self.outputs: deque[tuple[int, np.ndarray]] = deque(maxlen=output_window)
+        self.inputs = StepRing(input_window, np.uint8)
+        self.outputs = StepRing(output_window, np.float32)
         self.unflushed: list[tuple[int, bytes]] = []
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two rings (what they have allocated so far)."""
+        return self.inputs.nbytes + self.outputs.nbytes
+
     def record(self, step: int, raw_input: bytes, output: np.ndarray) -> None:
-        self.inputs.append((step, raw_input))
-        self.outputs.append((step, output))
+        """A step just applied: its input (also unflushed) and its output ``(o,)``."""
+        self.inputs.append(step, np.frombuffer(raw_input, np.uint8))
+        self.outputs.append(step, output)
         self.unflushed.append((step, raw_input))
 
     def remember(self, first: int, raw: Sequence[bytes], outputs: Sequence[np.ndarray]) -> None:
         """Steps ``first, first + 1, ...`` recomputed by replay: already in the log."""
         for i, (raw_input, output) in enumerate(zip(raw, outputs, strict=True)):
-            self.inputs.append((first + i, raw_input))
-            self.outputs.append((first + i, output))
+            self.inputs.append(first + i, np.frombuffer(raw_input, np.uint8))
+            self.outputs.append(first + i, output)
+
+    def remember_inputs(self, first: int, raw: Sequence[bytes]) -> None:
+        """Inputs of steps ``first, first + 1, ...`` known from elsewhere (a checkpoint's
+        history window): already in the log."""
+        for i, raw_input in enumerate(raw):
+            self.inputs.append(first + i, np.frombuffer(raw_input, np.uint8))
 
     def remember_output(self, step: int, output: np.ndarray) -> None:
         """The output of ``step`` known from elsewhere (a fork's first step)."""
-        self.outputs.append((step, output))
+        self.outputs.append(step, output)
 
     def output_at(self, step: int) -> np.ndarray | None:
-        if self.outputs and self.outputs[0][0] <= step <= self.outputs[-1][0]:
-            found_step, output = self.outputs[step - self.outputs[0][0]]
-            if found_step == step:
-                return output
-        return None
+        """A copy of step ``step``'s output ``(o,)``, or None when not held."""
+        row = self.outputs.row(step)
+        return None if row is None else row.copy()
 
     def input_at(self, step: int) -> bytes | None:
-        if self.inputs and self.inputs[0][0] <= step <= self.inputs[-1][0]:
-            found_step, raw = self.inputs[step - self.inputs[0][0]]
-            if found_step == step:
-                return raw
-        return None
+        row = self.inputs.row(step)
+        return None if row is None else row.tobytes()
 
     def history(self, upto: int, window: int) -> tuple[int, list[bytes]]:
         """(first step, inputs) of the newest contiguous ``window`` inputs ending at ``upto``."""
-        chosen: list[bytes] = []
-        step = upto
-        while len(chosen) < window and (raw := self.input_at(step)) is not None:
-            chosen.append(raw)
-            step -= 1
-        chosen.reverse()
-        return step + 1, chosen
+        if self.inputs.row(upto) is None:
+            return upto + 1, []
+        first = max(self.inputs.first, upto - window + 1)
+        rows = [self.inputs.row(step) for step in range(first, upto + 1)]
+        return first, [row.tobytes() for row in rows if row is not None]
 
     def take_unflushed(self) -> list[tuple[int, bytes]]:
         out, self.unflushed = self.unflushed, []
@@ -96,7 +174,6 @@ class RecentSteps:
 
     def cut_after(self, step: int) -> None:
         """Forget everything after ``step`` (rollback)."""
-        for ring in (self.inputs, self.outputs):
-            while ring and ring[-1][0] > step:
-                ring.pop()
+        self.inputs.cut_after(step)
+        self.outputs.cut_after(step)
         self.unflushed = [(s, raw) for s, raw in self.unflushed if s <= step]
