@@ -440,3 +440,35 @@ def test_tracing_is_off_and_free_unless_configured():
     with OFF.span("x") as span:
         assert span is None
     assert Tracing().span("a") is Tracing().span("b")  # the one shared no-op
+
+
+def test_the_serving_gc_sets_its_threshold_freezes_times_pauses_and_puts_all_back():
+    import gc
+
+    from ssmserve.server.observability.garbage_collector import GcSettings, ServingGc
+    from ssmserve.server.observability.loop_metrics import LoopHistogram
+
+    pauses = LoopHistogram("ssmserve_gc_pause_seconds", "pauses", ["generation"], (0.01, 1.0))
+    before, frozen_before = gc.get_threshold(), gc.get_freeze_count()
+    collector = ServingGc(GcSettings(young_threshold=12_345), pauses)
+    collector.start()
+    try:
+        assert gc.get_threshold() == (12_345, *before[1:])
+        assert gc.get_freeze_count() > frozen_before  # the heap as it was when ready
+        gc.collect(0)
+        gc.collect(2)
+        counts = {values: sum(child.counts) for values, child in pauses._children.items()}
+        assert counts[("0",)] >= 1 and counts[("2",)] >= 1 and counts[("1",)] == 0
+    finally:
+        collector.stop()
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+    gc.collect(0)  # no longer observed
+    assert sum(sum(c.counts) for c in pauses._children.values()) == 2
+
+
+def test_the_gc_flag_and_python_defaults():
+    from ssmserve.server.main import build_parser
+
+    assert build_parser().parse_args([]).gc_young_threshold == 50_000
+    assert build_parser().parse_args(["--gc-young-threshold", "0"]).gc_young_threshold == 0

@@ -50,6 +50,11 @@ from ssmserve.server.cluster.rebalance import RebalanceSettings
 from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.observability.garbage_collector import (
+    PYTHON_DEFAULT_YOUNG,
+    GcSettings,
+    ServingGc,
+)
 from ssmserve.server.observability.logs import JsonFormatter
 from ssmserve.server.observability.logs import configure as configure_logging
 from ssmserve.server.sessions.manager import ManagerSettings
@@ -283,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: off; env SSMSERVE_TRACE_OTLP_ENDPOINT)",
     )
     parser.add_argument(
+        "--gc-young-threshold",
+        type=int,
+        default=int(env("SSMSERVE_GC_YOUNG_THRESHOLD", str(GcSettings.young_threshold))),
+        metavar="N",
+        help="net allocations between young garbage collections while serving (default "
+        f"{GcSettings.young_threshold:,}; Python's own is {PYTHON_DEFAULT_YOUNG}, which "
+        "makes a busy worker walk its whole heap again and again); 0 leaves Python's "
+        "settings and does not freeze the startup heap (env SSMSERVE_GC_YOUNG_THRESHOLD)",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default=env("SSMSERVE_METRICS_LISTEN", ""),
         metavar="HOST:PORT",
@@ -391,12 +406,17 @@ def ensure_demo_model(directory: Path, arch: str = "mamba") -> Path:
     return directory
 
 
-async def serve(settings: WorkerSettings, json_logs: JsonFormatter | None = None) -> None:
+async def serve(
+    settings: WorkerSettings,
+    json_logs: JsonFormatter | None = None,
+    gc_settings: GcSettings | None = None,
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     worker = Worker(settings)
+    collector: ServingGc | None = None
     if worker.tokens is not None:  # SIGHUP: read the token file again now
         tokens = worker.tokens
         loop.add_signal_handler(signal.SIGHUP, lambda: tokens.reload(force=True))
@@ -404,19 +424,27 @@ async def serve(settings: WorkerSettings, json_logs: JsonFormatter | None = None
         if json_logs is not None:
             json_logs.worker_id = worker.worker_id
         address = await worker.start()
+        collector = ServingGc(gc_settings or GcSettings(), worker.metrics.gc_pause)
+        collector.start()  # the worker is ready: its startup heap is final
         print(f"ssmserve-server listening on {address}", flush=True)
         await stop.wait()
         log.info("shutting down")
     finally:
         with contextlib.suppress(asyncio.CancelledError):
             await worker.stop()
+        if collector is not None:
+            collector.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     json_logs = configure_logging(args.log_level, args.log_format)
     try:
-        asyncio.run(serve(settings_from_args(args), json_logs))
+        gc_settings = GcSettings(
+            young_threshold=max(args.gc_young_threshold, 0),
+            freeze_when_ready=args.gc_young_threshold > 0,
+        )
+        asyncio.run(serve(settings_from_args(args), json_logs, gc_settings))
     except (SsmserveError, OSError) as exc:
         print(f"ssmserve-server: error: {exc}", file=sys.stderr)
         return 2

@@ -444,7 +444,10 @@ class _StreamReader:
                         f"{len(request.steps)}; none of them was applied"
                     )
                 sid = self.scope.stored(step.session_id)
-                future = await self.manager.submit(sid, step.step, step_value(step))
+                value = step_value(step)
+                future = self.manager.submit_resident(sid, step.step, value)
+                if future is None:  # not in memory: load it first
+                    future = await self.manager.submit(sid, step.step, value)
             except SsmserveError as exc:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
@@ -645,13 +648,13 @@ def forecast_step_to_pb(item: ForecastStep, packed: bool = False) -> pb.Forecast
 def result_to_pb(
     outcome: StepOutcome, scope: TenantScope = _ALL, packed: bool = False
 ) -> pb.StepResult:
-    result = pb.StepResult(
-        session_id=scope.shown(outcome.session_id),
-        step=outcome.step,
-        replayed=outcome.replayed,
-        guard_events=[_guard_event_to_pb(e) for e in outcome.guard_events],
-        snapshot_events=[_snapshot_event_to_pb(e) for e in outcome.snapshot_events],
-    )
+    result = pb.StepResult(session_id=scope.shown(outcome.session_id), step=outcome.step)
+    if outcome.replayed:
+        result.replayed = True
+    if outcome.guard_events:
+        result.guard_events.extend(_guard_event_to_pb(e) for e in outcome.guard_events)
+    if outcome.snapshot_events:
+        result.snapshot_events.extend(_snapshot_event_to_pb(e) for e in outcome.snapshot_events)
     if outcome.output is not None:
         _set_vector(result.output, outcome.output, packed)
     if outcome.error is not None:

@@ -144,6 +144,13 @@ class Metrics:
             "ssmserve_fenced_writes_total",
             "Writes the store refused because this worker's fencing token was stale.",
         )
+        self.gc_pause = histogram(
+            "ssmserve_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector (the event loop stands still), "
+            "by generation.",
+            ["generation"],
+            LATENCY_BUCKETS,
+        )
         # Redis and RPCs
         self.redis_seconds = histogram(
             "ssmserve_redis_command_seconds",

@@ -337,15 +337,30 @@ class SessionManager:
         Raises for problems found before queueing (unknown session, bad input); the session
         is untouched then.
         """
+        future = self.submit_resident(session_id, step, value)
+        if future is None:  # not in memory: load it (or learn why not)
+            future = self._submit(await self.loader.session(session_id), step, value)
+        return future
+
+    def submit_resident(
+        self, session_id: str, step: int, value: object
+    ) -> asyncio.Future[StepOutcome] | None:
+        """:meth:`submit` without a coroutine, for a session in memory; None if it is not.
+
+        A stream calls this for every step it reads, so the common case makes no
+        coroutine and no task switch."""
         if step > MAX_STEP:
             raise StepRangeError(
                 f"step {step} is beyond the last step a session can take ({MAX_STEP})"
             )
-        s = await self.loader.session(session_id)
+        s = self.loader.residents.get(session_id)
+        return None if s is None else self._submit(s, step, value)
+
+    def _submit(self, s: Session, step: int, value: object) -> asyncio.Future[StepOutcome]:
         arr = self._check_input(s, value)
         if len(s.queue) >= self.settings.max_queued_steps:
             raise CapacityError(
-                f"session {session_id!r} already has {len(s.queue)} steps queued "
+                f"session {s.id!r} already has {len(s.queue)} steps queued "
                 f"(limit {self.settings.max_queued_steps}); wait for answers before sending more"
             )
         future: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()

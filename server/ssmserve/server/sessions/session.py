@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,18 +60,19 @@ class SnapshotEvent:
     reason: str
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutcome:
     session_id: str
     step: int
     output: np.ndarray | None = None  # (o,)
     replayed: bool = False
-    guard_events: list[GuardEvent] = field(default_factory=list)
-    snapshot_events: list[SnapshotEvent] = field(default_factory=list)
+    # Tuples, replaced when they change: most steps have none, and () costs no object.
+    guard_events: tuple[GuardEvent, ...] = ()
+    snapshot_events: tuple[SnapshotEvent, ...] = ()
     error: SsmserveError | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StepJob:
     step: int
     value: np.ndarray  # () int64 token id or (i,) float32, already validated

@@ -208,7 +208,8 @@ class Stepper:
         finally:
             for w in work:
                 if w.done and w.session.snapshot_events:  # committed since the last answer
-                    w.done[-1][1].snapshot_events.extend(w.session.snapshot_events)
+                    last = w.done[-1][1]
+                    last.snapshot_events += tuple(w.session.snapshot_events)
                     w.session.snapshot_events.clear()
                 for job, outcome in w.done:
                     if not job.future.done():
@@ -286,7 +287,7 @@ class Stepper:
         s = w.session
         outcome = w.done[-1][1]
         verdict = check_output(s.config.guards, job.step, output)
-        outcome.guard_events.extend(verdict.events)
+        outcome.guard_events += verdict.events
         for event in verdict.events:
             self._guard_events.labels(event.action.name.lower()).inc()
         outcome.output = verdict.output
@@ -360,7 +361,7 @@ class Stepper:
             w.fenced = True
             for _job, outcome in w.done:  # resends too: a new owner may have rolled back
                 outcome.output, outcome.replayed, outcome.error = None, False, error
-                outcome.guard_events.clear()
+                outcome.guard_events = ()
             if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.hooks.drop(w.session, error)
 
@@ -375,7 +376,7 @@ class Stepper:
         for job, outcome in w.done:
             if not outcome.replayed or job.step > w.start_step:
                 outcome.output, outcome.replayed, outcome.error = None, False, error
-                outcome.guard_events.clear()
+                outcome.guard_events = ()
 
     def _snapshots(self, work: list[_SessionBatch]) -> None:
         """Hand due snapshots to the sessions' background writers."""
@@ -411,12 +412,12 @@ class Stepper:
                     f"rollback that failed ({exc}); the session stays at step {s.step}"
                 )
                 continue
-            outcome.guard_events[:] = [
+            outcome.guard_events = tuple(
                 GuardEvent(e.guard, e.action, e.step, e.dims, e.detail, step)
                 if e.action == GuardAction.ROLLBACK
                 else e
                 for e in outcome.guard_events
-            ]
+            )
             outcome.error = GuardRolledBackError(
                 f"step {job.step} was not applied: guard {events[0].guard!r} found its output "
                 f"{events[0].detail}; the session returned to step {step}, so the next input "
