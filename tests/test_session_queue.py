@@ -54,3 +54,78 @@ def test_a_control_operation_queued_behind_steps_is_answered_when_the_session_le
         assert not s.queue and not s.busy
 
     asyncio.run(scenario())
+
+
+def test_a_stream_cancelled_while_its_session_loads_does_not_fail_the_other_streams(
+    start_worker, served_models
+) -> None:
+    """Found by the soak (a black-holed Redis, then two streams on a reloading session): the
+    first stream's reader ran the load itself, so cancelling that stream cancelled the load
+    under a second stream waiting for it. The second stream's handler then raised a
+    CancelledError that was not its own, gRPC sent its client no status, and the client
+    waited for its stall timer. Now the load is a task of its own."""
+    import threading
+    import time
+
+    import grpc
+
+    from ssmserve.client.aio import step_input
+    from ssmserve.v1 import ssmserve_pb2 as pb
+    from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+    from tests.conftest import random_inputs
+
+    w = start_worker()
+    x = random_inputs(served_models["demo"], 4, seed=3)
+    sid = w.client.create_session("demo").session_id
+    list(w.client.stream_steps(sid, list(x[:3]), first_step=1))
+    w.call(w.manager.loader.park(sid, "test"))  # out of memory: the next step loads it
+    loader = w.manager.loader
+    gate = w.call(_make_event())
+    real_load = loader._load
+
+    async def held_load(session_id: str):  # the load waits until the test lets it go
+        await gate.wait()
+        return await real_load(session_id)
+
+    loader._load = held_load
+    request = pb.StreamRequest(steps=[step_input(sid, 4, x[3])])
+    keep_open = threading.Event()
+
+    def requests():
+        yield request
+        keep_open.wait(30)
+
+    def loading() -> bool:
+        return w.call(_has_load(loader, sid))
+
+    with grpc.insecure_channel(w.address) as channel:
+        stub = pb_grpc.SessionServiceStub(channel)
+        first = stub.Stream(requests())
+        _wait(loading, "the first stream's load to start")
+        second = stub.Stream(requests(), timeout=20)
+        _wait(lambda: w.worker.service.open_streams == 2, "the second stream to wait for it")
+        time.sleep(0.2)  # its reader is waiting for the same load now (no bound needed)
+        first.cancel()
+        _wait(lambda: w.worker.service.open_streams == 1, "the first stream to end")
+        w.loop.call_soon_threadsafe(gate.set)
+        response = next(second)  # before the fix: no answer, DEADLINE_EXCEEDED after 20 s
+        keep_open.set()
+    (result,) = response.results
+    assert result.step == 4 and not result.HasField("error")
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+async def _has_load(loader, sid: str) -> bool:
+    return sid in loader._loading
+
+
+def _wait(condition, what: str, timeout_s: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -39,7 +39,7 @@ from ssmserve.server.sessions.guards import (
 from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.sessions.models import ServedModels, split_key, version_order
 from ssmserve.server.sessions.records import RollbackTarget, SessionView
-from ssmserve.server.sessions.session import SnapshotEvent, StepOutcome
+from ssmserve.server.sessions.session import SessionGoneError, SnapshotEvent, StepOutcome
 from ssmserve.server.state import checkpoint_signing
 from ssmserve.server.state.store import SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -451,8 +451,26 @@ class _StreamReader:
             except SsmserveError as exc:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
+            except asyncio.CancelledError:
+                if _being_cancelled():  # this stream is ending
+                    raise
+                # Something this step waited on was cancelled under it, not this stream.
+                # Ending the stream with that CancelledError would never reach the client
+                # (gRPC sends no status for it): answer the step with a retryable error.
+                future = loop.create_future()
+                error = SessionGoneError(
+                    f"step {step.step} of session {clip(step.session_id)} was interrupted "
+                    "on this worker; retry"
+                )
+                future.set_result(StepOutcome(step.session_id, step.step, error=error))
             futures.append(future)
         return futures
+
+
+def _being_cancelled() -> bool:
+    """True when the running task itself was asked to stop (``Task.cancel``)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 #: Room left in a message for what is not results (framing, the continued flag).

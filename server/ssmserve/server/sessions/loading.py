@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -73,28 +74,40 @@ class SessionLoader:
         self.output_window = output_window
         self.memory = memory  # the worker's one memory budget
         self.max_unflushed = max_unflushed  # inputs a non-log session holds before a flush
-        self._loading: dict[str, asyncio.Future[Session]] = {}
+        self._loading: dict[str, asyncio.Task[Session]] = {}  # loads under way, by session
 
     async def session(self, session_id: str) -> Session:
-        """The resident session, loading it from the store if it is not in memory."""
+        """The resident session, loading it from the store if it is not in memory.
+
+        A load runs as a task of its own, which every request for the session waits on:
+        a request that goes away (its stream was cancelled) must not cancel the load under
+        the others. They would see a CancelledError that is not theirs, and a gRPC handler
+        that raises one never sends a status: its client would wait for good.
+        """
         s = self.residents.get(session_id)
         if s is not None:
             return s
-        pending = self._loading.get(session_id)
-        if pending is not None:
-            return _still_resident(await asyncio.shield(pending))
-        future: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
-        self._loading[session_id] = future
-        try:
-            s = await self._load(session_id)
-            future.set_result(s)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: waiters get it via shield
-            raise
-        finally:
+        load = self._loading.get(session_id)
+        if load is None or load.done():
+            load = asyncio.get_running_loop().create_task(
+                self._load(session_id), name=f"load-session-{session_id}"
+            )
+            self._loading[session_id] = load
+            load.add_done_callback(functools.partial(self._loaded, session_id))
+        return _still_resident(await asyncio.shield(load))
+
+    def _loaded(self, session_id: str, load: asyncio.Task[Session]) -> None:
+        if self._loading.get(session_id) is load:
             del self._loading[session_id]
-        return _still_resident(s)
+        if not load.cancelled():
+            load.exception()  # retrieved: its waiters have it, if any are left
+
+    async def close(self) -> None:
+        """Cancel the loads still running (the worker is stopping)."""
+        loads = list(self._loading.values())
+        for load in loads:
+            load.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
 
     async def meta(self, session_id: str, allow_closed: bool = False) -> SessionMeta:
         meta = await self.store.get_meta(session_id)

@@ -220,6 +220,7 @@ class SessionManager:
     async def stop(self) -> None:
         """Snapshot every resident session that moved since its last snapshot, then stop."""
         await self._stop_reaper()
+        await self.loader.close()  # no load lands after the unloads
         await asyncio.gather(
             *(self.loader.unload(s, "shutdown") for s in list(self.residents.by_id.values())),
             return_exceptions=True,
@@ -229,6 +230,7 @@ class SessionManager:
     async def abandon(self) -> None:
         """Stop at once and write nothing: what a crash leaves behind in Redis."""
         await self._stop_reaper()
+        await self.loader.close()
         await self._stop_engines()
         for s in list(self.residents.by_id.values()):
             s.fail_queued(SessionGoneError(f"session {s.id!r}: the worker stopped"))
