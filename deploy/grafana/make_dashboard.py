@@ -270,6 +270,20 @@ ts(
     "s",
     desc="Stream and Forecast calls last as long as the client keeps them open.",
 )
+ts(
+    "Garbage collector pauses: p99 and seconds/s by generation",
+    [
+        (q("ssmserve_gc_pause_seconds", "generation").format(0.99), "p99 gen {{generation}}"),
+        (
+            f"sum by (instance, generation) (rate(ssmserve_gc_pause_seconds_sum{sel()}[$__rate_interval]))",
+            "{{instance}} gen {{generation}} s/s",
+        ),
+    ],
+    "s",
+    desc="While Python's collector runs, the event loop stands still (no answers, no lease "
+    "renewals). A full collection (generation 2) of a big heap takes ~100 ms; see "
+    "--gc-young-threshold.",
+)
 
 # lay out: three panels per row line
 x = 0
