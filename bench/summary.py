@@ -72,11 +72,16 @@ def main() -> int:
             rows.append([f"  message p50 / p99 ms, {count} x 8 steps",
                          t["mux_8_msg_p50_ms"], f"p99 {t['mux_8_msg_p99_ms']:.2f}",
                          "-", "-", "-"])  # fmt: skip
-        rise = service["snapshot_p99_rise"]
         p99 = service["snapshot_p99_ms"]
-        rows.append(["p99 with snapshots being written, ms", p99["busy"],
-                     f"without {p99['quiet']:.2f}", rise, "<= 1.10x",
-                     verdict(rise <= 1.10)])  # fmt: skip
+        quiet = p99["no snapshot due"]
+        rows.append(["p99 with snapshots being written (one phase), ms",
+                     p99["snapshot every 8 steps, one phase"], f"without {quiet:.2f}",
+                     service["snapshot_p99_rise"], "<= 1.25x",
+                     verdict(service["snapshot_p99_rise"] <= 1.25)])  # fmt: skip
+        rows.append(["p99 with snapshots being written (phases spread), ms",
+                     p99["snapshot every 8 steps, phases spread"], f"without {quiet:.2f}",
+                     service["snapshot_p99_rise_spread"], "<= 1.25x",
+                     verdict(service["snapshot_p99_rise_spread"] <= 1.25)])  # fmt: skip
         lat = service["latency_ms"]
         rows.append(["served step p50, 1 session (log), ms", lat["log"][0],
                      f"bare echo {lat['echo'][0]:.3f}", lat["log"][0] / lat["echo"][0],

@@ -999,3 +999,52 @@ def test_the_memory_budget_bounds_what_resident_sessions_may_hold(start_worker, 
     w.client.close_session(first)
     assert w.manager.residents.footprint_bytes == each
     w.client.create_session("demo")  # room again
+
+
+def test_a_snapshot_phase_places_periodic_snapshots_and_stays_with_the_session(
+    start_worker, served_models
+):
+    """Periodic snapshots at steps s with s % snapshot_every == snapshot_phase; the phase is
+    part of the session's config (it survives a reload from Redis); a worker started with
+    spread snapshots gives each session that does not choose one a phase of its own, so
+    sessions created together come due on different ticks."""
+    from ssmserve.server.sessions.config import SessionDefaults
+
+    model = served_models["demo"]
+    x = random_inputs(model, 20, seed=31)
+    spread = ManagerSettings(defaults=SessionDefaults(spread_snapshots=True))
+    w = start_worker(manager=spread)
+    sid = w.client.create_session("demo", snapshot_every=8, snapshot_phase=3).session_id
+    got, _ = stream(w, sid, x, per_message=4)
+    assert_bit_equal(got, reference(model, x))
+    steps = sorted(s.step for s in w.client.list_snapshots(sid))
+    assert steps == [0, 3, 11, 19], steps  # the creation snapshot, then s % 8 == 3
+    w.call(w.manager.loader.park(sid, "test"))  # out of memory: the phase comes from Redis
+    more = random_inputs(model, 8, seed=32)
+    again, _ = stream(w, sid, more, first_step=21, per_message=4)
+    assert_bit_equal(again, reference(model, np.concatenate([x, more]))[20:])
+    assert max(s.step for s in w.client.list_snapshots(sid)) == 27
+    assert w.client.get_session(sid).config.snapshot_phase == 3
+
+    phases = {
+        w.client.create_session("demo", snapshot_every=1000).config.snapshot_phase for _ in range(8)
+    }
+    assert len(phases) > 1 and all(0 <= p < 1000 for p in phases)
+    aligned = start_worker()  # the default: snapshots at multiples of snapshot_every
+    assert aligned.client.create_session("demo", snapshot_every=8).config.snapshot_phase == 0
+
+    with pytest.raises(InvalidArgument, match=r"snapshot_phase must be in .*\[0, 8\), got 8"):
+        w.client.create_session("demo", snapshot_every=8, snapshot_phase=8)
+
+
+def test_configs_stored_before_snapshot_phases_keep_their_snapshots_at_multiples():
+    import msgpack
+
+    from ssmserve.server.sessions.config import SessionConfig
+
+    new = SessionConfig(snapshot_every=8, snapshot_phase=5)
+    old = msgpack.unpackb(new.to_bytes())
+    del old["snapshot_phase"]
+    restored = SessionConfig.from_bytes(msgpack.packb(old))
+    assert restored.snapshot_phase == 0 and restored.snapshot_due(16)
+    assert SessionConfig.from_bytes(new.to_bytes()).snapshot_due(13)

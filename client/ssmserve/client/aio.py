@@ -132,7 +132,9 @@ class AsyncClient:
         durability: int = pb.DURABILITY_UNSPECIFIED,
         idle_ttl_s: float = 0.0,
         labels: Mapping[str, str] | None = None,
+        snapshot_phase: int | None = None,
     ) -> pb.SessionInfo:
+        """``snapshot_phase``: periodic snapshots at s % snapshot_every == it (None: worker's)."""
         config = pb.SessionConfig(
             snapshot_every=snapshot_every,
             max_snapshots=max_snapshots,
@@ -142,6 +144,8 @@ class AsyncClient:
             idle_ttl_s=idle_ttl_s,
             labels=dict(labels or {}),
         )
+        if snapshot_phase is not None:
+            config.snapshot_phase = snapshot_phase
         request = pb.CreateSessionRequest(model=model, session_id=session_id, config=config)
         info: pb.SessionInfo = await self.router.call(
             lambda w: w.sessions.CreateSession(request), idempotent=False

@@ -1,7 +1,8 @@
 """The CLI commands that talk to a worker (``ssmserve --server HOST:PORT ...``).
 
-    session create --model NAME [--session-id SID] [--snapshot-every K] [--max-snapshots N]
-                   [--history-window N] [--durability log|snapshot|none] [--idle-ttl S]
+    session create --model NAME [--session-id SID] [--snapshot-every K] [--snapshot-phase P]
+                   [--max-snapshots N] [--history-window N] [--durability log|snapshot|none]
+                   [--idle-ttl S]
                    [--label KEY=VALUE]... [--guard SPEC]...
     session stream SID --input IN.npy --output OUT.npy [--steps-per-message N]
     session inspect SID [--json] | session list [--model NAME] [--json] | session close SID
@@ -125,6 +126,11 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     create.add_argument(
         "--snapshot-every", type=count, default=0, metavar="K",
         help="steps between periodic snapshots (default: the server's, 64)",
+    )  # fmt: skip
+    create.add_argument(
+        "--snapshot-phase", type=int, default=None, metavar="P",
+        help="periodic snapshots at steps s with s %% K == P, 0 <= P < K (default: the "
+        "worker picks one at random, so sessions made together snapshot apart)",
     )  # fmt: skip
     create.add_argument(
         "--max-snapshots", type=count, default=0, metavar="N",
@@ -340,6 +346,7 @@ def _create(client: Client, args: argparse.Namespace) -> None:
         durability=_DURABILITY[args.durability] if args.durability else 0,
         idle_ttl_s=args.idle_ttl,
         labels=dict(args.label),
+        snapshot_phase=args.snapshot_phase,
     )
     print(f"created session on model {info.model} at step {info.step}")
     print(info.session_id)
@@ -391,7 +398,10 @@ def _inspect(client: Client, args: argparse.Namespace) -> None:
     print(f"session   {info.session_id}")
     print(f"model     {info.model} ({info.model_fingerprint[:16]})")
     print(f"step      {info.step} (rollback reaches back to {info.oldest_rollback_step})")
-    print(f"snapshots {info.snapshot_count} (every {c.snapshot_every}, keep {c.max_snapshots})")
+    print(
+        f"snapshots {info.snapshot_count} (every {c.snapshot_every} at phase "
+        f"{c.snapshot_phase}, keep {c.max_snapshots})"
+    )
     print(f"durability {pb.Durability.Name(c.durability).removeprefix('DURABILITY_').lower()}")
     print(
         f"resident  {'yes, on ' + info.owner if info.resident else 'no'}"

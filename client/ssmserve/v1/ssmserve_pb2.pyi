@@ -75,7 +75,7 @@ class GuardRule(_message.Message):
     def __init__(self, name: _Optional[str] = ..., check: _Optional[_Union[GuardRule.Check, str]] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., dims: _Optional[_Iterable[int]] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ...) -> None: ...
 
 class SessionConfig(_message.Message):
-    __slots__ = ("snapshot_every", "max_snapshots", "history_window", "guards", "durability", "idle_ttl_s", "labels")
+    __slots__ = ("snapshot_every", "max_snapshots", "history_window", "guards", "durability", "idle_ttl_s", "labels", "snapshot_phase")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class SessionConfig(_message.Message):
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
     IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_PHASE_FIELD_NUMBER: _ClassVar[int]
     snapshot_every: int
     max_snapshots: int
     history_window: int
@@ -97,7 +98,8 @@ class SessionConfig(_message.Message):
     durability: Durability
     idle_ttl_s: float
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, snapshot_every: _Optional[int] = ..., max_snapshots: _Optional[int] = ..., history_window: _Optional[int] = ..., guards: _Optional[_Iterable[_Union[GuardRule, _Mapping]]] = ..., durability: _Optional[_Union[Durability, str]] = ..., idle_ttl_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    snapshot_phase: int
+    def __init__(self, snapshot_every: _Optional[int] = ..., max_snapshots: _Optional[int] = ..., history_window: _Optional[int] = ..., guards: _Optional[_Iterable[_Union[GuardRule, _Mapping]]] = ..., durability: _Optional[_Union[Durability, str]] = ..., idle_ttl_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ..., snapshot_phase: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("model", "session_id", "config")

@@ -57,6 +57,7 @@ from ssmserve.server.observability.garbage_collector import (
 )
 from ssmserve.server.observability.logs import JsonFormatter
 from ssmserve.server.observability.logs import configure as configure_logging
+from ssmserve.server.sessions.config import SessionDefaults
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl, topology_of
@@ -250,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
         "workers as they join (default 0: off; env SSMSERVE_REBALANCE_EVERY)",
     )
     parser.add_argument(
+        "--spread-snapshots",
+        action="store_true",
+        default=env("SSMSERVE_SPREAD_SNAPSHOTS", "") not in ("", "0", "false"),
+        help="a session that does not choose a snapshot phase gets a random one, so sessions "
+        "created together do not all snapshot on the same tick (default: phase 0, snapshots "
+        "at multiples of snapshot_every; env SSMSERVE_SPREAD_SNAPSHOTS=1)",
+    )
+    parser.add_argument(
         "--memory-budget",
         type=int,
         default=int(env("SSMSERVE_MEMORY_BUDGET", "0")),
@@ -391,7 +400,10 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         redis_wait_replicas=args.redis_wait_replicas,
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
-        manager=ManagerSettings(memory_budget_bytes=args.memory_budget or None),
+        manager=ManagerSettings(
+            memory_budget_bytes=args.memory_budget or None,
+            defaults=SessionDefaults(spread_snapshots=args.spread_snapshots),
+        ),
         rebalance=RebalanceSettings(every_s=args.rebalance_every),
         metrics_listen=args.metrics_listen,
         trace_otlp_endpoint=args.trace_otlp_endpoint,

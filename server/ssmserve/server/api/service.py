@@ -552,11 +552,12 @@ def config_from_pb(config: pb.SessionConfig) -> SessionConfig:
         durability=_DURABILITY[config.durability],
         idle_ttl_s=config.idle_ttl_s,
         labels=dict(config.labels),
+        snapshot_phase=config.snapshot_phase if config.HasField("snapshot_phase") else None,
     )
 
 
 def config_to_pb(config: SessionConfig) -> pb.SessionConfig:
-    return pb.SessionConfig(
+    out = pb.SessionConfig(
         snapshot_every=config.snapshot_every,
         max_snapshots=config.max_snapshots,
         history_window=config.history_window,
@@ -575,6 +576,9 @@ def config_to_pb(config: SessionConfig) -> pb.SessionConfig:
         idle_ttl_s=config.idle_ttl_s,
         labels=dict(config.labels),
     )
+    if config.snapshot_phase is not None:
+        out.snapshot_phase = config.snapshot_phase
+    return out
 
 
 def info_to_pb(view: SessionView, scope: TenantScope = _ALL) -> pb.SessionInfo:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +34,10 @@ class SessionDefaults:
     """Worker-wide defaults and limits for session settings."""
 
     snapshot_every: int = 64  # steps between periodic snapshots
+    # A session that does not ask for a snapshot phase gets phase 0 (snapshots at multiples
+    # of snapshot_every), or with this set a random one, so that sessions created together
+    # (lockstep streams) do not all come due on the same tick (--spread-snapshots).
+    spread_snapshots: bool = False
     max_snapshots: int = 16  # snapshots kept per session (retention)
     history_window: int = 256  # inputs carried in each checkpoint's history
     idle_ttl_s: float = 0.0  # 0: sessions stay in memory until closed
@@ -51,6 +56,13 @@ class SessionConfig:
     durability: Durability = Durability.LOG
     idle_ttl_s: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Periodic snapshots at steps s with s % snapshot_every == snapshot_phase; None: the
+    # worker picks (resolve).
+    snapshot_phase: int | None = None
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether a periodic snapshot is due after ``step`` (a resolved config)."""
+        return step % self.snapshot_every == self.snapshot_phase
 
     def resolve(self, defaults: SessionDefaults, output_dim: int) -> SessionConfig:
         """Fill defaults in for zeros; raise SessionConfigError on anything out of range."""
@@ -64,6 +76,14 @@ class SessionConfig:
             labels=dict(self.labels),
         )
         _at_most("snapshot_every", out.snapshot_every, d.max_snapshot_every)
+        if out.snapshot_phase is None:
+            phase = secrets.randbelow(out.snapshot_every) if d.spread_snapshots else 0
+            out = replace(out, snapshot_phase=phase)
+        elif not 0 <= out.snapshot_phase < out.snapshot_every:
+            raise SessionConfigError(
+                f"snapshot_phase must be in [0, snapshot_every) = [0, {out.snapshot_every}), "
+                f"got {out.snapshot_phase}"
+            )
         _at_most("max_snapshots", out.max_snapshots, d.max_snapshots_limit)
         _at_most("history_window", out.history_window, d.max_history_window)
         if not (math.isfinite(out.idle_ttl_s) and out.idle_ttl_s >= 0):
@@ -93,6 +113,7 @@ class SessionConfig:
                 "durability": int(self.durability),
                 "idle_ttl_s": self.idle_ttl_s,
                 "labels": dict(self.labels),
+                "snapshot_phase": self.snapshot_phase,
             },
             use_bin_type=True,
         )
@@ -108,6 +129,8 @@ class SessionConfig:
             durability=Durability(d["durability"]),
             idle_ttl_s=float(d["idle_ttl_s"]),
             labels=dict(d["labels"]),
+            # Configs stored before snapshot phases had them at multiples.
+            snapshot_phase=int(d.get("snapshot_phase") or 0),
         )
 
 

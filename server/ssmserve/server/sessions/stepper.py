@@ -277,7 +277,7 @@ class Stepper:
         s = w.session
         s.state, s.step = state, job.step
         s.recent.record(job.step, job.raw, output)
-        if job.step % s.config.snapshot_every == 0 and s.config.durability != Durability.NONE:
+        if s.config.snapshot_due(job.step) and s.config.durability != Durability.NONE:
             w.snapshots_due.append((job.step, state))
 
     def _settle(
