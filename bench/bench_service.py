@@ -15,7 +15,10 @@ Measured:
 - snapshot write of a 2.8 MiB (mamba-130m-shaped) state: encode + SET pieces + commit;
 - rollback latency with 0, 8, 32 replayed steps (demo model);
 - limits in the same run: a bare grpc.aio echo of the same bytes (ping-pong and
-  concurrent streams), bare Redis SET of a log entry and of the 2.8 MiB blob.
+  concurrent streams), bare Redis SET of a log entry and of the 2.8 MiB blob;
+- where a served step's time goes: the served p50 (durability log) beside the sum of its
+  parts measured in this run, bare echo p50 + the demo model's engine step at batch 1 (in
+  this process) + the log append p50, and issue 19's budget (that sum + 0.1 ms).
 """
 
 from __future__ import annotations
@@ -258,7 +261,26 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
 # ---------------------------------------------------------------------------- main
 
 
-async def bench(address: str, echo: str, redis_url: str, quick: bool) -> dict[str, object]:
+def engine_step_ms(model_dir: Path, reps: int) -> float:
+    """p50 of one engine step of the model at batch 1, here (what a served step computes)."""
+    from ssmserve.server.engine.loader import load_model
+    from ssmserve.server.engine.recurrent_state import BatchState
+
+    model = load_model(model_dir)
+    state = BatchState.stack([model.new_state()])
+    x = np.zeros((1, model.config.input_dim), np.float32)
+    times = []
+    for i in range(reps + 50):
+        t0 = time.perf_counter()
+        state, _ = model.step(state, x)
+        if i >= 50:  # the first calls compile or load the kernels
+            times.append(time.perf_counter() - t0)
+    return pct(times, 50)
+
+
+async def bench(
+    address: str, echo: str, redis_url: str, quick: bool, model_dir: Path
+) -> dict[str, object]:
     report: dict[str, object] = {}
     channel = grpc.aio.insecure_channel(address)
     stub = pb_grpc.SessionServiceStub(channel)
@@ -397,6 +419,25 @@ async def bench(address: str, echo: str, redis_url: str, quick: bool) -> dict[st
         "snapshot_big_p50_ms": pct(lim["big"], 50),
     }
     report["rollback_p50_ms"] = {k: pct(v, 50) for k, v in rb.items()}
+
+    served, echo_p50 = pct(lat_log, 50), pct(lat_echo, 50)
+    engine, append = engine_step_ms(model_dir, 200 if quick else 2000), pct(lim["log"], 50)
+    parts = echo_p50 + engine + append
+    print("\n# where a served step goes (one session, durability log, p50)\n")
+    rows = [
+        ["served step", served],
+        ["  bare grpc.aio echo of the same bytes", echo_p50],
+        ["  engine step, demo model, batch 1 (in this process)", engine],
+        ["  log append (Lua script, 16 B input)", append],
+        ["  the rest (stepper, stream, answer, event loop hops)", served - parts],
+        ["issue 19 budget: echo + engine + append + 0.1 ms", parts + 0.1],
+    ]
+    print(table(["what", "ms"], rows))
+    print(f"\nserved / budget: {served / (parts + 0.1):.2f}\n")
+    report["served_p50_parts_ms"] = {
+        "served": served, "echo": echo_p50, "engine": engine, "append": append,
+        "budget": parts + 0.1,
+    }  # fmt: skip
     return report
 
 
@@ -416,7 +457,9 @@ def main() -> int:
         )  # fmt: skip
         echo, echo_address = start_server([sys.executable, str(ECHO)])
         try:
-            report = asyncio.run(bench(address, echo_address, redis_server.url, args.quick))
+            report = asyncio.run(
+                bench(address, echo_address, redis_server.url, args.quick, model_dir)
+            )
             if args.json:
                 args.json.write_text(json.dumps(report, indent=2))
         finally:
