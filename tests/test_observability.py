@@ -467,8 +467,13 @@ def test_the_serving_gc_sets_its_threshold_freezes_times_pauses_and_puts_all_bac
     assert sum(sum(c.counts) for c in pauses._children.values()) == 2
 
 
-def test_the_gc_flag_and_python_defaults():
-    from ssmserve.server.main import build_parser
+def test_the_gc_and_snapshot_spread_flags(tmp_path):
+    from ssmserve.server.main import build_parser, settings_from_args
 
     assert build_parser().parse_args([]).gc_young_threshold == 50_000
     assert build_parser().parse_args(["--gc-young-threshold", "0"]).gc_young_threshold == 0
+    base = ["--demo", "--data-dir", str(tmp_path)]
+    plain = settings_from_args(build_parser().parse_args(base))
+    spread = settings_from_args(build_parser().parse_args([*base, "--spread-snapshots"]))
+    assert not plain.manager.defaults.spread_snapshots
+    assert spread.manager.defaults.spread_snapshots
