@@ -83,7 +83,8 @@ STEPS_PER_MESSAGE = 8  # consecutive steps of each session in one message
 STREAMS_PER_CHANNEL = 50  # below the server's default of 100 concurrent streams/connection
 CREATE_AT_ONCE = 64
 UNARY_TIMEOUT_S = 10.0
-STREAM_TIMEOUT_S = 60.0
+STREAM_TIMEOUT_S = 60.0  # plus MESSAGE_TIMEOUT_S per message of the stream
+MESSAGE_TIMEOUT_S = 5.0  # a bound for long rounds on a loaded machine, not an expectation
 SETTLE_S = 2.5  # idle time before the second RSS reading of a round
 IDLE_S = 5.0  # then server CPU over this long with the sessions resident and idle
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -186,7 +187,7 @@ async def run_stream(
     stub: pb_grpc.SessionServiceStub, requests: list[pb.StreamRequest], output_bytes: int
 ) -> int:
     """Ping-pong the requests on one stream; every answer checked. Returns steps answered."""
-    call = stub.Stream(timeout=STREAM_TIMEOUT_S)
+    call = stub.Stream(timeout=STREAM_TIMEOUT_S + MESSAGE_TIMEOUT_S * len(requests))
     answered = 0
     for req in requests:
         await call.write(req)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -339,11 +340,13 @@ class SessionLoader:
         while True:
             await asyncio.sleep(check_every_s)
             now = time.monotonic()
+            copied = 0
             for s in list(self.residents.by_id.values()):
                 if not s.busy and s.state.is_view and now - s.last_active > 1.0:
                     # A batch row keeps its whole batch array alive: a session that stopped
                     # stepping gets arrays of its own, so its memory is its state's size.
                     s.state = s.state.copy()
+                    copied += 1
                 ttl = s.config.idle_ttl_s
                 if ttl and not s.queue and not s.busy and now - s.last_active > ttl:
                     try:
@@ -355,6 +358,30 @@ class SessionLoader:
                         )  # fmt: skip
                     except SsmserveError as exc:
                         log.warning("session %s: idle eviction failed: %s", s.id, exc)
+            if copied:
+                # The batch arrays those rows kept alive are free now; glibc keeps freed
+                # heap for itself unless asked, so a worker's RSS would stay at its peak.
+                return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere
+    nothing). Engine batches are large numpy arrays from the C heap, freed once their
+    sessions have arrays of their own."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (glibc only: musl and macOS have none)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _glibc()
 
 
 def remember_history(s: Session, history: InputHistory) -> None:
