@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--spread-snapshots",
         action="store_true",
-        default=env("SSMSERVE_SPREAD_SNAPSHOTS", "") not in ("", "0", "false"),
+        default=env("SSMSERVE_SPREAD_SNAPSHOTS", "") == "1",
         help="a session that does not choose a snapshot phase gets a random one, so sessions "
         "created together do not all snapshot on the same tick (default: phase 0, snapshots "
         "at multiples of snapshot_every; env SSMSERVE_SPREAD_SNAPSHOTS=1)",
