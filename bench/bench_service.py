@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -258,6 +259,42 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     return out
 
 
+async def snapshot_p99(
+    session: Any, stub: Any, secs: float, rounds: int, report: dict[str, object]
+) -> None:
+    """p99 while snapshots are written: 64 sessions ping-pong (1 step each per message),
+    without snapshots during the run, then with one due every 8 steps of every session:
+    all in the same phase (every session's snapshot comes due on the same tick), and with
+    the phases spread over the 8 steps (as --spread-snapshots does at random)."""
+    print("\n# step latency while snapshots are written (64 sessions, one stream, log)\n")
+    groups = {
+        "no snapshot due": [await session(pb.DURABILITY_LOG) for _ in range(64)],
+        "snapshot every 8 steps, one phase": [
+            await session(pb.DURABILITY_LOG, snapshot_every=8) for _ in range(64)
+        ],
+        "snapshot every 8 steps, phases spread": [
+            await session(pb.DURABILITY_LOG, snapshot_every=8, phase=i % 8) for i in range(64)
+        ],
+    }
+    lat: dict[str, list[float]] = {name: [] for name in groups}
+    for _ in range(rounds):  # interleaved, so drift in machine load hits them alike
+        for name, sids in groups.items():
+            _rate, rtts = await pipelined(stub, sids, secs / 2, per_session=1, depth=1)
+            lat[name].extend(rtts)
+    quiet_p99 = pct(lat["no snapshot due"], 99)
+    rows = [
+        [name, pct(v, 50), pct(v, 99), round(pct(v, 99) / quiet_p99, 3), len(v)]
+        for name, v in lat.items()
+    ]
+    headers = ["64 sessions, a step of each per message", "p50 ms", "p99 ms", "p99 / none"]
+    print(table([*headers, "messages"], rows))
+    aligned = pct(lat["snapshot every 8 steps, one phase"], 99) / quiet_p99
+    spread = pct(lat["snapshot every 8 steps, phases spread"], 99) / quiet_p99
+    report["snapshot_p99_rise"] = aligned
+    report["snapshot_p99_rise_spread"] = spread
+    report["snapshot_p99_ms"] = {name: pct(v, 99) for name, v in lat.items()}
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -279,7 +316,13 @@ def engine_step_ms(model_dir: Path, reps: int) -> float:
 
 
 async def bench(
-    address: str, echo: str, redis_url: str, quick: bool, model_dir: Path
+    address: str,
+    echo: str,
+    redis_url: str,
+    quick: bool,
+    model_dir: Path,
+    only_snapshots: bool = False,
+    rounds: int = 2,
 ) -> dict[str, object]:
     report: dict[str, object] = {}
     channel = grpc.aio.insecure_channel(address)
@@ -292,6 +335,11 @@ async def bench(
         cfg.snapshot_phase = phase
         reply = await stub.CreateSession(pb.CreateSessionRequest(model="demo", config=cfg))
         return reply.session_id
+
+    if only_snapshots:
+        await snapshot_p99(session, stub, secs, rounds, report)
+        await channel.close()
+        return report
 
     log_sid, none_sid = await session(pb.DURABILITY_LOG), await session(pb.DURABILITY_NONE)
     await ping_pong(stub, log_sid, 100)  # warm up
@@ -351,37 +399,7 @@ async def bench(
         )
     )
 
-    # p99 while snapshots are written: 64 sessions ping-pong (1 step each per message),
-    # without snapshots during the run, then with one due every 8 steps of every session:
-    # all in the same phase (every session's snapshot comes due on the same tick), and
-    # with the phases spread over the 8 steps (as --spread-snapshots does at random).
-    print("\n# step latency while snapshots are written (64 sessions, one stream, log)\n")
-    groups = {
-        "no snapshot due": [await session(pb.DURABILITY_LOG) for _ in range(64)],
-        "snapshot every 8 steps, one phase": [
-            await session(pb.DURABILITY_LOG, snapshot_every=8) for _ in range(64)
-        ],
-        "snapshot every 8 steps, phases spread": [
-            await session(pb.DURABILITY_LOG, snapshot_every=8, phase=i % 8) for i in range(64)
-        ],
-    }
-    lat: dict[str, list[float]] = {name: [] for name in groups}
-    for _ in range(2):  # interleaved, so drift in machine load hits them alike
-        for name, sids in groups.items():
-            _rate, rtts = await pipelined(stub, sids, secs / 2, per_session=1, depth=1)
-            lat[name].extend(rtts)
-    quiet_p99 = pct(lat["no snapshot due"], 99)
-    rows = [
-        [name, pct(v, 50), pct(v, 99), round(pct(v, 99) / quiet_p99, 3), len(v)]
-        for name, v in lat.items()
-    ]
-    headers = ["64 sessions, a step of each per message", "p50 ms", "p99 ms", "p99 / none"]
-    print(table([*headers, "messages"], rows))
-    aligned = pct(lat["snapshot every 8 steps, one phase"], 99) / quiet_p99
-    spread = pct(lat["snapshot every 8 steps, phases spread"], 99) / quiet_p99
-    report["snapshot_p99_rise"] = aligned
-    report["snapshot_p99_rise_spread"] = spread
-    report["snapshot_p99_ms"] = {name: pct(v, 99) for name, v in lat.items()}
+    await snapshot_p99(session, stub, secs, rounds, report)
 
     rb = await rollbacks(stub, log_sid, 10 if quick else 40)
     print("\n# rollback latency (demo model, Rollback RPC; snapshot + replay)\n")
@@ -445,6 +463,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument(
+        "--only-snapshots", action="store_true", help="only the p99-while-snapshots section"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of it")
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -458,7 +480,15 @@ def main() -> int:
         echo, echo_address = start_server([sys.executable, str(ECHO)])
         try:
             report = asyncio.run(
-                bench(address, echo_address, redis_server.url, args.quick, model_dir)
+                bench(
+                    address,
+                    echo_address,
+                    redis_server.url,
+                    args.quick,
+                    model_dir,
+                    args.only_snapshots,
+                    args.rounds,
+                )
             )
             if args.json:
                 args.json.write_text(json.dumps(report, indent=2))

@@ -18,6 +18,7 @@ from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import (
     BadSessionIdError,
     SessionMeta,
+    SnapshotCommit,
     SnapshotRecord,
     Store,
     StoreSettings,
@@ -206,6 +207,47 @@ def test_big_snapshots_are_staged_in_pieces_and_commits_are_repeatable(store):
         assert len([k for k in keys if ":blob:" + rec.snapshot_id in k]) == 3
         kept = [k for k in keys if not k.endswith(":lease")]  # the lease is meant to expire
         assert [await s.redis.ttl(k) for k in kept] == [-1] * len(kept)  # no staging TTL left
+
+    run(store, body)
+
+
+def test_many_snapshots_commit_in_one_batch_each_with_its_own_outcome(store):
+    """``commit_snapshots``: sessions of different slots, one with a blob in two pieces,
+    one with retention to apply, one fenced and one ahead of its log, in one call. Each
+    gets its own outcome; the refused ones change nothing of their sessions."""
+    big = bytes(range(256)) * (5 * 1024 + 3)  # 1.25 MiB: two 1 MiB pieces
+
+    async def body(s: Store):
+        leases = {sid: await new(s, sid) for sid in ("a", "b", "c", "d")}
+        for step in (1, 2, 3):
+            await s.append_logs([(leases["b"], step, [b"x"])], 1.0)
+            await s.append_logs([(leases["a"], step, [b"y"])], 1.0)
+        for step in (1, 2):  # b keeps 3: its next commit drops its oldest (the base)
+            await s.commit_snapshot(leases["b"], record(step, 4, sid="b"), b"bbbb", 3)
+        await s.redis.delete(s.keys("c").lease)
+        await acquire(s, "c", "w2")  # c moved on: w1's lease is stale
+        before_c = sorted(await s.session_keys("c")), await s.redis.hgetall(s.keys("c").meta)
+        commits = [
+            SnapshotCommit(leases["a"], record(3, len(big), sid="a"), big, 4),
+            SnapshotCommit(leases["b"], record(3, 4, sid="b"), b"BBBB", 3),
+            SnapshotCommit(leases["c"], record(0, 4, sid="c"), b"cccc", 4),
+            SnapshotCommit(leases["d"], record(5, 4, sid="d"), b"dddd", 4),
+        ]
+        errors = await s.commit_snapshots(commits)
+        assert errors[0] is None and errors[1] is None
+        assert isinstance(errors[2], StaleEpochError)
+        assert isinstance(errors[3], LogDivergedError)
+        assert await s.read_blob("a", commits[0].record) == big
+        assert [r.step for r in await s.list_snapshots("b")] == [1, 2, 3]
+        assert (await s.get_meta("b")).log_start == 2  # the log before the oldest is gone
+        assert await s.read_blob("b", commits[1].record) == b"BBBB"
+        after_c = sorted(k for k in await s.session_keys("c") if ":stage:" not in k)
+        assert (after_c, await s.redis.hgetall(s.keys("c").meta)) == before_c
+        assert [r.step for r in await s.list_snapshots("d")] == [0]
+        # Sent again (a retry after a lost answer): nothing changes, nothing fails anew.
+        assert (await s.commit_snapshots(commits[:2])) == [None, None]
+        assert [r.step for r in await s.list_snapshots("b")] == [1, 2, 3]
+        assert await s.commit_snapshots([]) == []
 
     run(store, body)
 

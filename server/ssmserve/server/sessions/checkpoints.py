@@ -19,8 +19,9 @@ from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SnapshotEvent
+from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
-from ssmserve.server.state.store import SnapshotRecord, Store
+from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store
 
 # Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
 # keeps the event loop answering meanwhile; smaller ones cost less than the hop.
@@ -34,7 +35,12 @@ class Checkpoints:
         self.store = store
         self.residents = residents
         self._slots = asyncio.Semaphore(writes_in_flight)
+        self.commits = SnapshotCommits(store)  # commits due together, written together
         self.committed = 0  # snapshots committed by this worker
+
+    def close(self) -> None:
+        """The worker stops: commits not yet written are not written."""
+        self.commits.close()
 
     async def settled(self, session_id: str) -> None:
         """Read your writes: snapshots already due here are committed before we answer."""
@@ -84,7 +90,10 @@ class Checkpoints:
         await self.flush_unflushed(s, step)
         blob, record = await self.encode(ckpt)
         await self.residents.write(
-            s, lambda lease: self.store.commit_snapshot(lease, record, blob, s.config.max_snapshots)
+            s,
+            lambda lease: self.commits.commit(
+                SnapshotCommit(lease, record, blob, s.config.max_snapshots)
+            ),
         )
         s.last_snapshot_step = max(s.last_snapshot_step, step)
         self.committed += 1

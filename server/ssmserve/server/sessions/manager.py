@@ -225,11 +225,13 @@ class SessionManager:
             *(self.loader.unload(s, "shutdown") for s in list(self.residents.by_id.values())),
             return_exceptions=True,
         )
+        self.checkpoints.close()
         await self._stop_engines()
 
     async def abandon(self) -> None:
         """Stop at once and write nothing: what a crash leaves behind in Redis."""
         await self._stop_reaper()
+        self.checkpoints.close()
         await self.loader.close()
         await self._stop_engines()
         for s in list(self.residents.by_id.values()):

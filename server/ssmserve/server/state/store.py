@@ -265,6 +265,17 @@ class SnapshotRecord:
 
 
 @dataclass(frozen=True)
+class SnapshotCommit:
+    """One snapshot for :meth:`Store.commit_snapshots`: its owner's lease, its record, its
+    bytes, and how many snapshots its session keeps (retention drops the oldest)."""
+
+    lease: SessionLease
+    record: SnapshotRecord
+    blob: bytes
+    max_snapshots: int
+
+
+@dataclass(frozen=True)
 class StoreSettings:
     url: str
     key_prefix: str = "ssm"
@@ -528,22 +539,8 @@ class Store:
         k = self.keys(session_id)
         for _ in range(RACE_ATTEMPTS):
             ids = await doomed()
-            pieces: list[Any] = []
-            if ids:
-
-                async def read(ids: list[str] = ids) -> list[Any]:
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for snapshot_id in ids:
-                            pipe.hget(k.snap(snapshot_id), "pieces")
-                        return await pipe.execute()
-
-                pieces = await self._call(op, read)
-            drop_keys: list[Any] = []
-            drop_args: list[Any] = [len(ids)]
-            for snapshot_id, n in zip(ids, pieces, strict=True):
-                count = int(n) if n is not None and n.isdigit() else 0
-                drop_keys += [k.snap(snapshot_id), *(k.blob(snapshot_id, i) for i in range(count))]
-                drop_args += [snapshot_id, count]
+            (pieces,) = await self._piece_counts([(session_id, ids)], op)
+            drop_keys, drop_args = _declared_drops(k, ids, pieces)
             reply = await self._script(op, script, [*keys, *drop_keys], [*args, *drop_args])
             try:
                 self._check(reply)
@@ -723,28 +720,6 @@ class Store:
 
     # ------------------------------------------------------------------ snapshots
 
-    async def _stage(self, k: Keys, record: SnapshotRecord, blob: bytes) -> None:
-        """Put ``blob`` into the record's staging keys with plain SETs (they expire)."""
-        piece = self.settings.piece_bytes
-        view = memoryview(blob)
-        pieces = max(1, -(-len(blob) // piece))
-        if record.pieces != pieces:
-            raise ValueError(f"record says {record.pieces} pieces, blob needs {pieces}")
-
-        async def stage() -> None:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i in range(pieces):
-                    pipe.set(
-                        k.stage(record.snapshot_id, i),
-                        view[i * piece : (i + 1) * piece],
-                        ex=self.settings.stage_ttl_s,
-                    )
-                await pipe.execute()
-
-        # Staging keys are private to this commit (its id is new): a lost answer here is
-        # harmless, the commit that follows finds out whether every piece arrived.
-        await self._call("stage_snapshot", stage)
-
     async def commit_snapshot(
         self,
         lease: SessionLease,
@@ -752,24 +727,150 @@ class Store:
         blob: bytes,
         max_snapshots: int,
     ) -> None:
-        """Stage ``blob`` with plain SETs in pieces, then commit it with one small script
-        (which also drops the snapshots past ``max_snapshots``, read and declared first)."""
-        k = self.keys(lease.session_id)
-        await self._stage(k, record, blob)
+        """Commit one snapshot (:meth:`commit_snapshots` for one); raises its error."""
+        (error,) = await self.commit_snapshots([SnapshotCommit(lease, record, blob, max_snapshots)])
+        if error is not None:
+            raise error
 
-        async def retention() -> list[str]:  # as the script's ``retention`` picks them
-            ids = await self._call("commit_snapshot", lambda: self.redis.zrange(k.snaps, 0, -1))
-            older = [i.decode() for i in ids if i.decode() != record.snapshot_id]
-            return older[: max(0, len(older) + 1 - max_snapshots)]
+    async def commit_snapshots(
+        self, commits: Sequence[SnapshotCommit]
+    ) -> list[SsmserveError | None]:
+        """Commit many snapshots (of different sessions) in three round trips per node.
 
-        args = [
-            lease.token, record.snapshot_id, record.step, record.pieces, record.label,
-            record.reason, record.created_at, record.size, max_snapshots,
-        ]  # fmt: skip
-        keys = [k.meta, k.snaps, k.labels, k.log, *self._new_snapshot_keys(k, record)]
-        await self._with_drops(
-            "commit_snapshot", lease.session_id, retention, self._commit, keys, args
-        )
+        1. One pipeline: every blob into its record's staging keys with plain ``SET``s in
+           pieces (they expire), and every session's snapshot index read (``ZRANGE``).
+        2. One pipeline: the piece counts of the snapshots that retention will drop (the
+           oldest past ``max_snapshots``), so the scripts can declare their keys.
+        3. One batch of commit scripts (``ScriptBatches``): each renames its pieces into
+           place, updates the index and drops the declared snapshots.
+
+        A script that found its session's snapshots changed since step 1 (ERR_RACE) is
+        read and sent again, up to ``RACE_ATTEMPTS`` times. Returns one entry per commit:
+        None when committed, else its error (fenced, pieces gone, ...). Trouble that hits
+        them all raises: Redis unreachable, or a lost answer (``StoreOutcomeUnknownError``).
+        """
+        if not commits:
+            return []
+        piece = self.settings.piece_bytes
+        for c in commits:
+            if c.record.pieces != max(1, -(-len(c.blob) // piece)):
+                raise ValueError(
+                    f"record says {c.record.pieces} pieces, its blob of {len(c.blob)} bytes "
+                    f"needs {max(1, -(-len(c.blob) // piece))}"
+                )
+        errors: list[SsmserveError | None] = [None] * len(commits)
+        todo = list(range(len(commits)))
+        for attempt in range(RACE_ATTEMPTS):
+            indexes = await self._stage_and_list([commits[i] for i in todo], stage=attempt == 0)
+            doomed = [
+                _retention(ids, commits[i].record.snapshot_id, commits[i].max_snapshots)
+                for i, ids in zip(todo, indexes, strict=True)
+            ]
+            pieces = await self._piece_counts(
+                [(commits[i].lease.session_id, ids) for i, ids in zip(todo, doomed, strict=True)]
+            )
+            calls = []
+            for i, ids, counts in zip(todo, doomed, pieces, strict=True):
+                c = commits[i]
+                k = self.keys(c.lease.session_id)
+                drop_keys, drop_args = _declared_drops(k, ids, counts)
+                r = c.record
+                args = [
+                    c.lease.token, r.snapshot_id, r.step, r.pieces, r.label, r.reason,
+                    r.created_at, r.size, c.max_snapshots, *drop_args,
+                ]  # fmt: skip
+                keys = [k.meta, k.snaps, k.labels, k.log, *self._new_snapshot_keys(k, r)]
+                calls.append(([*keys, *drop_keys], args))
+            replies = await self._scripts("commit_snapshot", self._commit, calls)
+            raced = []
+            for i, reply in zip(todo, replies, strict=True):
+                outcome = self._outcome(reply)
+                if isinstance(outcome, SnapshotsChangedError):
+                    raced.append(i)
+                else:
+                    errors[i] = outcome
+            todo = raced
+            if not todo:
+                return errors
+        for i in todo:
+            errors[i] = SnapshotsChangedError(
+                f"the snapshots of session {commits[i].lease.session_id!r} kept changing "
+                f"while commit_snapshot ran"
+            )
+        return errors
+
+    async def _stage(self, k: Keys, record: SnapshotRecord, blob: bytes) -> None:
+        """Put ``blob`` into the record's staging keys (one pipeline)."""
+        if record.pieces != max(1, -(-len(blob) // self.settings.piece_bytes)):
+            raise ValueError(f"record says {record.pieces} pieces for {len(blob)} bytes")
+
+        async def stage() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                self._stage_pieces(pipe, k, record, blob)
+                await pipe.execute()
+
+        # Staging keys are private to this commit (its id is new): a lost answer here is
+        # harmless, the commit that follows finds out whether every piece arrived.
+        await self._call("stage_snapshot", stage)
+
+    def _stage_pieces(self, pipe: Any, k: Keys, record: SnapshotRecord, blob: bytes) -> None:
+        """Queue the ``SET``s of ``blob``'s pieces into its staging keys (they expire)."""
+        piece = self.settings.piece_bytes
+        view = memoryview(blob)
+        for i in range(record.pieces):
+            pipe.set(
+                k.stage(record.snapshot_id, i),
+                view[i * piece : (i + 1) * piece],
+                ex=self.settings.stage_ttl_s,
+            )
+
+    async def _stage_and_list(
+        self, commits: Sequence[SnapshotCommit], stage: bool
+    ) -> list[list[str]]:
+        """Step 1 of :meth:`commit_snapshots`: stage the blobs (when ``stage``) and read each
+        session's snapshot ids, in one pipeline."""
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for c in commits:
+                    k = self.keys(c.lease.session_id)
+                    if stage:
+                        self._stage_pieces(pipe, k, c.record, c.blob)
+                    pipe.zrange(k.snaps, 0, -1)
+                return await pipe.execute()
+
+        # Staging keys are private to a commit (its id is new): a lost answer here is
+        # harmless, the commit that follows finds out whether every piece arrived.
+        replies = await self._call("stage_snapshot" if stage else "commit_snapshot", run)
+        indexes, at = [], 0
+        for c in commits:
+            at += c.record.pieces if stage else 0
+            indexes.append([i.decode() for i in replies[at]])
+            at += 1
+        return indexes
+
+    async def _piece_counts(
+        self, doomed: Sequence[tuple[str, list[str]]], op: str = "commit_snapshot"
+    ) -> list[list[Any]]:
+        """Step 2: the ``pieces`` field of each ``(session id, snapshot ids)`` pair's
+        snapshots, in one pipeline (nothing to read: no round trip)."""
+        if not any(ids for _, ids in doomed):
+            return [[] for _ in doomed]
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for session_id, ids in doomed:
+                    k = self.keys(session_id)
+                    for snapshot_id in ids:
+                        pipe.hget(k.snap(snapshot_id), "pieces")
+                return await pipe.execute()
+
+        flat = await self._call(op, run)
+        counts, at = [], 0
+        for _, ids in doomed:
+            counts.append(flat[at : at + len(ids)])
+            at += len(ids)
+        return counts
 
     async def list_snapshots(self, session_id: str) -> list[SnapshotRecord]:
         k = self.keys(session_id)
@@ -931,3 +1032,22 @@ class Store:
         return sorted(
             [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
         )
+
+
+def _retention(ids: list[str], new_id: str, max_snapshots: int) -> list[str]:
+    """The snapshots a commit of ``new_id`` drops, as the commit script's ``retention``
+    picks them: the oldest of ``ids`` (sorted oldest first) past ``max_snapshots``."""
+    older = [i for i in ids if i != new_id]
+    return older[: max(0, len(older) + 1 - max_snapshots)]
+
+
+def _declared_drops(k: Keys, ids: list[str], pieces: Sequence[Any]) -> tuple[list[str], list[Any]]:
+    """The keys and arguments that declare the snapshots ``ids`` (with their ``pieces``
+    fields as read) to a script that drops them (``declared`` in the scripts)."""
+    keys: list[str] = []
+    args: list[Any] = [len(ids)]
+    for snapshot_id, n in zip(ids, pieces, strict=True):
+        count = int(n) if n is not None and n.isdigit() else 0
+        keys += [k.snap(snapshot_id), *(k.blob(snapshot_id, i) for i in range(count))]
+        args += [snapshot_id, count]
+    return keys, args
