@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
-from common import start_server, table
+from common import cpu_seconds, start_server, table
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -87,7 +87,6 @@ STREAM_TIMEOUT_S = 60.0  # plus MESSAGE_TIMEOUT_S per message of the stream
 MESSAGE_TIMEOUT_S = 5.0  # a bound for long rounds on a loaded machine, not an expectation
 SETTLE_S = 2.5  # idle time before the second RSS reading of a round
 IDLE_S = 5.0  # then server CPU over this long with the sessions resident and idle
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------- /proc
@@ -100,14 +99,6 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        text = f.read()
-    fields = text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on
-    return (int(fields[14 - 3]) + int(fields[15 - 3])) / CLK_TCK
 
 
 # ---------------------------------------------------------------------------- server

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
 from bench_checkpoint import mamba130m_checkpoint
-from common import start_server, table
+from common import cpu_seconds, start_server, table
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -260,12 +260,14 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
 
 
 async def snapshot_p99(
-    session: Any, stub: Any, secs: float, rounds: int, report: dict[str, object]
+    session: Any, stub: Any, secs: float, rounds: int, report: dict[str, object], server_pid: int
 ) -> None:
     """p99 while snapshots are written: 64 sessions ping-pong (1 step each per message),
     without snapshots during the run, then with one due every 8 steps of every session:
     all in the same phase (every session's snapshot comes due on the same tick), and with
-    the phases spread over the 8 steps (as --spread-snapshots does at random)."""
+    the phases spread over the 8 steps (as --spread-snapshots does at random). Also the
+    server's CPU per message in each group (``/proc``): what the snapshots cost, less
+    noisy than a p99 on a shared machine."""
     print("\n# step latency while snapshots are written (64 sessions, one stream, log)\n")
     groups = {
         "no snapshot due": [await session(pb.DURABILITY_LOG) for _ in range(64)],
@@ -277,22 +279,31 @@ async def snapshot_p99(
         ],
     }
     lat: dict[str, list[float]] = {name: [] for name in groups}
+    cpu = dict.fromkeys(groups, 0.0)
     for _ in range(rounds):  # interleaved, so drift in machine load hits them alike
         for name, sids in groups.items():
+            before = cpu_seconds(server_pid)
             _rate, rtts = await pipelined(stub, sids, secs / 2, per_session=1, depth=1)
+            cpu[name] += cpu_seconds(server_pid) - before
             lat[name].extend(rtts)
     quiet_p99 = pct(lat["no snapshot due"], 99)
+    quiet_cpu = cpu["no snapshot due"] / len(lat["no snapshot due"])
     rows = [
-        [name, pct(v, 50), pct(v, 99), round(pct(v, 99) / quiet_p99, 3), len(v)]
+        [name, pct(v, 50), pct(v, 99), round(pct(v, 99) / quiet_p99, 3),
+         cpu[name] / len(v) * 1e3, round(cpu[name] / len(v) / quiet_cpu, 3), len(v)]
         for name, v in lat.items()
-    ]
-    headers = ["64 sessions, a step of each per message", "p50 ms", "p99 ms", "p99 / none"]
+    ]  # fmt: skip
+    headers = ["64 sessions, a step of each per message", "p50 ms", "p99 ms", "p99 / none",
+               "server CPU ms/msg", "CPU / none"]  # fmt: skip
     print(table([*headers, "messages"], rows))
     aligned = pct(lat["snapshot every 8 steps, one phase"], 99) / quiet_p99
     spread = pct(lat["snapshot every 8 steps, phases spread"], 99) / quiet_p99
     report["snapshot_p99_rise"] = aligned
     report["snapshot_p99_rise_spread"] = spread
     report["snapshot_p99_ms"] = {name: pct(v, 99) for name, v in lat.items()}
+    report["snapshot_server_cpu_ms_per_message"] = {
+        name: cpu[name] / len(v) * 1e3 for name, v in lat.items()
+    }
 
 
 # ---------------------------------------------------------------------------- main
@@ -321,6 +332,7 @@ async def bench(
     redis_url: str,
     quick: bool,
     model_dir: Path,
+    server_pid: int,
     only_snapshots: bool = False,
     rounds: int = 2,
 ) -> dict[str, object]:
@@ -337,7 +349,7 @@ async def bench(
         return reply.session_id
 
     if only_snapshots:
-        await snapshot_p99(session, stub, secs, rounds, report)
+        await snapshot_p99(session, stub, secs, rounds, report, server_pid)
         await channel.close()
         return report
 
@@ -399,7 +411,7 @@ async def bench(
         )
     )
 
-    await snapshot_p99(session, stub, secs, rounds, report)
+    await snapshot_p99(session, stub, secs, rounds, report, server_pid)
 
     rb = await rollbacks(stub, log_sid, 10 if quick else 40)
     print("\n# rollback latency (demo model, Rollback RPC; snapshot + replay)\n")
@@ -486,6 +498,7 @@ def main() -> int:
                     redis_server.url,
                     args.quick,
                     model_dir,
+                    server.pid,
                     args.only_snapshots,
                     args.rounds,
                 )

@@ -83,3 +83,11 @@ def peer_skipped(script: str, reason: str, json_path: Path | None) -> int:
     if json_path:
         json_path.write_text(json.dumps({"skipped": 1, "notes": f"skipped: {reason}"}) + "\n")
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    fields = text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on
+    return (int(fields[14 - 3]) + int(fields[15 - 3])) / os.sysconf("SC_CLK_TCK")

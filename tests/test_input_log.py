@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ssmserve.server.state.input_log import RecentSteps, StepRing
+from ssmserve.server.engine.config import Architecture, MambaConfig
+from ssmserve.server.state.input_log import InputCodec, RecentSteps, StepRing
 
 
 def _row(step: int, width: int = 3) -> np.ndarray:
@@ -24,6 +25,16 @@ def test_a_ring_holds_the_newest_window_rows_as_it_grows_and_wraps(window: int) 
         for t in held:
             row = ring.row(t)
             assert row is not None and row.tobytes() == _row(t).tobytes()
+        # Any held range as one copy, in order, across the wrap too.
+        for first in (held[0], held[len(held) // 2], step):
+            rows = ring.rows(first, step)
+            assert rows.tobytes() == np.stack([_row(t) for t in range(first, step + 1)]).tobytes()
+            rows[:] = -1  # a copy
+            assert ring.row(step).tobytes() == _row(step).tobytes()  # type: ignore[union-attr]
+        with pytest.raises(IndexError):
+            ring.rows(held[0] - 1, step)
+        with pytest.raises(IndexError):
+            ring.rows(held[0], step + 1)
     assert ring.nbytes == window * 3 * 4  # grew to the window, never past it
 
 
@@ -68,11 +79,42 @@ def test_recent_steps_answers_copies_and_history_by_step() -> None:
     assert recent.output_at(7).tobytes() == _row(7).tobytes()  # type: ignore[union-attr]
     assert recent.output_at(4) is None  # outputs hold 5..7
     assert recent.input_at(4) == np.float32([4, -4]).tobytes()  # inputs hold 4..7
-    first, raw = recent.history(6, 10)
-    assert first == 4 and raw == [np.float32([t, -t]).tobytes() for t in (4, 5, 6)]
-    assert recent.history(9, 10) == (10, [])
+    first, rows = recent.history(6, 10)
+    assert first == 4 and rows is not None and rows.dtype == np.uint8
+    assert rows.tobytes() == np.float32([[t, -t] for t in (4, 5, 6)]).tobytes()
+    first, rows = recent.history(6, 2)
+    assert first == 5 and rows.tobytes() == np.float32([[5, -5], [6, -6]]).tobytes()
+    assert recent.history(9, 10) == (10, None)
+    assert recent.history(6, 0) == (7, None)
     recent.cut_after(5)
     assert recent.input_at(6) is None and recent.output_at(5) is not None
     recent.remember(6, [np.float32([60, -60]).tobytes()], [_row(60)])
     assert recent.input_at(6) == np.float32([60, -60]).tobytes()
     assert recent.output_at(6).tobytes() == _row(60).tobytes()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("architecture", [Architecture.SIGNAL, Architecture.LM])
+def test_held_rows_decode_as_the_log_bytes_do(architecture: Architecture) -> None:
+    """``decode_rows`` of the ring's raw rows equals ``decode_many`` of the same inputs'
+    log bytes, for token ids and for vectors; a row of the wrong width is refused."""
+    config = MambaConfig(
+        architecture=architecture, hidden_size=8, state_size=2, num_hidden_layers=1,
+        intermediate_size=16, conv_kernel=2, time_step_rank=1, use_bias=False,
+        use_conv_bias=True, layer_norm_epsilon=1e-5, input_dim=3, signal_output_dim=2,
+        vocab_size=50,
+    )  # fmt: skip
+    codec = InputCodec(config)
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 50, 5) if config.is_token_model else rng.random((5, 3))
+    raw = [codec.encode(v) for v in values]
+    recent = RecentSteps(input_window=8, output_window=1)
+    for step, r in enumerate(raw, start=1):
+        recent.record(step, r, np.zeros(2, np.float32))
+    first, rows = recent.history(5, 4)
+    assert first == 2 and rows is not None
+    decoded = codec.decode_rows(rows)
+    expected = codec.decode_many(raw[1:])
+    assert decoded.dtype == expected.dtype and decoded.shape == expected.shape
+    assert decoded.tobytes() == expected.tobytes()
+    with pytest.raises(ValueError, match="wrong size"):
+        codec.decode_rows(rows[:, :-1])

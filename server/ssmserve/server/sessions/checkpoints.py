@@ -163,5 +163,5 @@ class Checkpoints:
 
 def recent_history(s: Session, step: int) -> InputHistory:
     """The history window ending at ``step``, from the inputs the session holds."""
-    first, raw = s.recent.history(step, s.config.history_window)
-    return InputHistory(first, s.codec.decode_many(raw) if raw else s.codec.empty())
+    first, rows = s.recent.history(step, s.config.history_window)
+    return InputHistory(first, s.codec.empty() if rows is None else s.codec.decode_rows(rows))

@@ -34,6 +34,14 @@ class InputCodec:
             raise ValueError("a logged input has the wrong size for this model")
         return flat.copy() if self.token else flat.reshape(len(raw), self.width).copy()
 
+    def decode_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Inputs held as raw rows (T, bytes per input) uint8 -> ``(T,)`` token ids or
+        ``(T, i)`` float32 (a view of ``rows``)."""
+        if rows.ndim != 2 or rows.shape[1] != self.width * self.dtype.itemsize:
+            raise ValueError("a held input has the wrong size for this model")
+        values = np.ascontiguousarray(rows).view(self.dtype)  # (T, width)
+        return values.reshape(rows.shape[0]) if self.token else values
+
     def empty(self) -> np.ndarray:
         return np.empty((0,) if self.token else (0, self.width), self.dtype)
 
@@ -104,6 +112,16 @@ class StepRing:
             return None
         return self._rows[(self._start + step - self.first) % self._rows.shape[0]]
 
+    def rows(self, first: int, last: int) -> np.ndarray:
+        """A copy of the rows of steps ``first..last`` (all held), oldest first: (n, w)."""
+        if self._rows is None or not self.first <= first <= last <= self.last:
+            raise IndexError(f"steps {first}..{last} are not all held ({self.first}..{self.last})")
+        n, capacity = last - first + 1, self._rows.shape[0]
+        start = (self._start + first - self.first) % capacity
+        if start + n <= capacity:
+            return self._rows[start : start + n].copy()
+        return np.concatenate([self._rows[start:], self._rows[: start + n - capacity]])
+
     def cut_after(self, step: int) -> None:
         """Forget the rows after ``step``."""
         self.count = max(0, min(self.count, step - self.first + 1))
@@ -156,13 +174,13 @@ class RecentSteps:
         row = self.inputs.row(step)
         return None if row is None else row.tobytes()
 
-    def history(self, upto: int, window: int) -> tuple[int, list[bytes]]:
-        """(first step, inputs) of the newest contiguous ``window`` inputs ending at ``upto``."""
-        if self.inputs.row(upto) is None:
-            return upto + 1, []
+    def history(self, upto: int, window: int) -> tuple[int, np.ndarray | None]:
+        """(first step, raw inputs (T, bytes per input) uint8) of the newest ``window``
+        held inputs ending at ``upto``; ``(upto + 1, None)`` when ``upto`` is not held."""
+        if window <= 0 or self.inputs.row(upto) is None:
+            return upto + 1, None
         first = max(self.inputs.first, upto - window + 1)
-        rows = [self.inputs.row(step) for step in range(first, upto + 1)]
-        return first, [row.tobytes() for row in rows if row is not None]
+        return first, self.inputs.rows(first, upto)
 
     def take_unflushed(self) -> list[tuple[int, bytes]]:
         out, self.unflushed = self.unflushed, []
