@@ -77,12 +77,19 @@ def inputs_for(model: MambaModel, batch: int, rng: np.random.Generator) -> np.nd
 
 
 def step_time(model: MambaModel, batch: int, repeats: int) -> float:
+    """Median time of a step of ``batch`` sessions, each step on the state the last one
+    made (as a worker steps a batch: the old state is freed after the new one exists)."""
     rng = np.random.default_rng(batch)
     state = BatchState.stack([model.new_state() for _ in range(batch)])
     for _ in range(3):  # leave the all-zero state
         state, _ = model.step(state, inputs_for(model, batch, rng))
     x = inputs_for(model, batch, rng)
-    return median_seconds(lambda: model.step(state, x), repeats)
+
+    def chained() -> None:
+        nonlocal state
+        state, _ = model.step(state, x)
+
+    return median_seconds(chained, repeats)
 
 
 class PlainProducts:
@@ -167,9 +174,14 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
     bandwidth = memory_bandwidth()
     state_bytes = c.state_bytes
     weights = plain_weights(model)
+    # Every engine step first, then every BLAS floor: OpenBLAS's threads spin for a while
+    # after a call and took one of the two cores from the engine's second thread (the
+    # step at batch 64 measured 5.2 ms right after a BLAS call, 2.7 ms a second later).
+    repeats_of = {batch: max(3, (12 if big else 400) // batch) for batch in BATCHES}
+    steps = {batch: step_time(model, batch, repeats_of[batch]) for batch in BATCHES}
     for batch in BATCHES:
-        repeats = max(3, (12 if big else 400) // batch)
-        t = step_time(model, batch, repeats)
+        repeats = repeats_of[batch]
+        t = steps[batch]
         products = products_floor(list(weights.values()), batch, repeats)
         # The goal's floor: the products, plus (batch > 1) one read and one write of the
         # batch's state at the bandwidth measured in this run.

@@ -57,6 +57,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ssmserve.client.atomic_file import atomic_write
+from ssmserve.server.engine.allocator import keep_freed_pages
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.mamba import BlockWeights, MambaBlockWeights, MambaModel
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
@@ -306,6 +307,7 @@ def _bf16_as_f32(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
 def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) -> MambaModel:
     """Assemble a :class:`MambaModel` from checked float32 tensors."""
     pin_blas_threads()
+    keep_freed_pages()  # each step's new state arrays reuse the last step's pages
     t = tensors
     blocks: list[BlockWeights] = []
     for layer in range(config.num_hidden_layers):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
+from ssmserve.server.engine.allocator import return_freed_memory
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError
@@ -362,26 +362,6 @@ class SessionLoader:
                 # The batch arrays those rows kept alive are free now; glibc keeps freed
                 # heap for itself unless asked, so a worker's RSS would stay at its peak.
                 return_freed_memory()
-
-
-def return_freed_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere
-    nothing). Engine batches are large numpy arrays from the C heap, freed once their
-    sessions have arrays of their own."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018 (glibc only: musl and macOS have none)
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_LIBC = _glibc()
 
 
 def remember_history(s: Session, history: InputHistory) -> None:
