@@ -179,6 +179,32 @@ def test_row_ranges_cover_the_batch_once() -> None:
     assert row_ranges(80, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 40), (40, 80)]
 
 
+@pytest.mark.parametrize("fixture", ["signal_model", "mamba2_model"])
+def test_rows_of_several_batches_and_own_states_stack_as_their_layers(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """A worker with many sessions forms a batch from rows of several earlier batches and
+    from states of their own (just loaded), in any order: each row of the stacked batch
+    holds exactly that session's arrays, whatever mix it came from."""
+    model: MambaModel = request.getfixturevalue(fixture)
+    states = _warm_states(model, 6, seed=21)
+    a, _ = model.step(BatchState.stack(states[:4]), random_inputs(model, 4, seed=22))
+    b, _ = model.step(BatchState.stack(states[4:]), random_inputs(model, 2, seed=23))
+    own = states[0].copy()
+    for mix in (
+        [a.session(2), a.session(3), b.session(0), own, a.session(0)],  # a range, then scattered
+        [b.session(1), a.session(1), b.session(0), a.session(3)],  # interleaved sources
+        [own, states[5].copy()],  # no rows at all
+        [a.session(1)],
+    ):
+        stacked = BatchState.stack(mix)
+        assert stacked.batch_size == len(mix)
+        for k, s in enumerate(mix):
+            assert stacked.session(k).bit_equal(s)
+        for arr in (*stacked.conv, *stacked.ssm):  # arrays of the stack's own
+            assert not any(np.shares_memory(arr, x) for x in (*a.conv, *a.ssm, *b.conv, *b.ssm))
+
+
 def test_rows_of_one_batch_step_again_without_a_copy(signal_model: MambaModel) -> None:
     """A stepper's next tick passes the rows of the last batch: all of them in order *are*
     that batch (no stacking); a subset or another order is gathered; the bits of every row

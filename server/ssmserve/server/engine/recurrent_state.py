@@ -129,26 +129,51 @@ class BatchState:
         """The states as one batch (new arrays; ``states`` are not changed).
 
         All rows of one batch, in order, *are* that batch: it is returned as it is (the
-        engine never writes into the state it steps). Rows of one batch in another order
-        or a subset are gathered with one take per array.
+        engine never writes into the state it steps). Otherwise rows are gathered per
+        source batch, one ``take`` per layer array for all the rows a batch gives (a worker
+        with thousands of sessions forms each batch from rows of a few earlier ones), and
+        states of their own are copied in one by one.
         """
         if not states:
             raise ValueError("cannot stack an empty list of session states")
         source = states[0]._batch
-        if source is not None and all(s._batch is source for s in states):
-            rows = [s._row for s in states]
-            if len(rows) == source.batch_size and rows == list(range(len(rows))):
-                return source
+        if (
+            source is not None
+            and len(states) == source.batch_size
+            and all(s._batch is source and s._row == i for i, s in enumerate(states))
+        ):
+            return source
+        # Positions in the new batch and rows in the source, per source batch.
+        by_source: dict[int, tuple[BatchState, list[int], list[int]]] = {}
+        own: list[int] = []
+        for position, s in enumerate(states):
+            if s._batch is None:
+                own.append(position)
+                continue
+            group = by_source.get(id(s._batch))
+            if group is None:
+                group = by_source[id(s._batch)] = (s._batch, [], [])
+            group[1].append(position)
+            group[2].append(s._row)
+        first = states[0].layers
+        b = len(states)
+        conv = tuple(np.empty((b, *layer.conv.shape), np.float32) for layer in first)
+        ssm = tuple(np.empty((b, *layer.ssm.shape), np.float32) for layer in first)
+        for batch, positions, rows in by_source.values():
             index = np.asarray(rows, np.intp)
-            return cls(
-                tuple(c.take(index, axis=0) for c in source.conv),
-                tuple(s.take(index, axis=0) for s in source.ssm),
-            )
-        num_layers = len(states[0].layers)
-        return cls(
-            tuple(np.stack([s.layers[i].conv for s in states]) for i in range(num_layers)),
-            tuple(np.stack([s.layers[i].ssm for s in states]) for i in range(num_layers)),
-        )
+            lo, hi = positions[0], positions[-1] + 1
+            contiguous = hi - lo == len(positions)  # the rows fill one range of the batch
+            for outs, ins in ((conv, batch.conv), (ssm, batch.ssm)):
+                for out, arr in zip(outs, ins, strict=True):
+                    if contiguous:
+                        np.take(arr, index, axis=0, out=out[lo:hi])
+                    else:
+                        out[positions] = arr.take(index, axis=0)
+        for position in own:
+            for i, layer in enumerate(states[position].layers):
+                conv[i][position] = layer.conv
+                ssm[i][position] = layer.ssm
+        return cls(conv, ssm)
 
     @property
     def batch_size(self) -> int:
