@@ -33,7 +33,7 @@ from common import median_seconds, table
 from ssmserve.server.engine.config import Architecture, MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import build_model
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.mamba import MambaBlockWeights, MambaModel
 from ssmserve.server.engine.numerics import RowStableLinear, blas_signature
 from ssmserve.server.engine.recurrent_state import BatchState
 
@@ -114,9 +114,11 @@ class PlainProducts:
             return out
 
         RowStableLinear.into = plain  # type: ignore[method-assign]
+        MambaBlockWeights.fused = False  # the fused mixer calls the exact products itself
 
     def __exit__(self, *exc: object) -> None:
         RowStableLinear.into = self.saved  # type: ignore[method-assign]
+        MambaBlockWeights.fused = True
 
 
 def plain_weights(model: MambaModel) -> dict[int, np.ndarray]:

@@ -177,7 +177,7 @@ from ssmserve.server.worker import Worker, WorkerSettings
 
 async def main():
     dispatchers = [
-        f for f in [*vars(kernels).values(), *vars(products).values()]
+        f for f in {id(f): f for f in [*vars(kernels).values(), *vars(products).values()]}.values()
         if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline") != "always"
         # the tests' handles on the inlined exp and log1p; steps never call them
         and f.__name__ not in ("exp_f32", "log1p_f32")
@@ -205,8 +205,9 @@ def test_a_worker_compiles_its_kernels_before_it_serves(model_dirs, redis_url, t
         capture_output=True, text=True, env=env, timeout=300, check=True,
     )  # fmt: skip
     cold_before, cold_after = json.loads(out.stdout.strip().splitlines()[-1])
-    # the kernels a step runs: the product and its tile, 4 of Mamba-1, 2 more of Mamba-2
-    assert len(cold_before) == 8, cold_before
+    # the kernels a step runs: the product and its tile, 4 of Mamba-1 and the fused mixer
+    # that calls them, 2 more of Mamba-2
+    assert len(cold_before) == 9, cold_before
     assert cold_after == []
 
 
@@ -248,3 +249,32 @@ def test_keep_freed_mb_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("SSMSERVE_KEEP_FREED_MB", bad)
         with pytest.raises(ValueError, match="SSMSERVE_KEEP_FREED_MB"):
             keep_freed_mb()
+
+
+@pytest.mark.parametrize("fixture", ["signal_model", "token_model", "demo_model"])
+def test_the_fused_mixer_gives_the_bits_of_its_kernels_called_one_by_one(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """``kernels.mamba_mixer`` (one compiled call per layer) against the same products and
+    kernels called from Python (``mix_in_steps``): outputs and states bit for bit, alone
+    and in a batch that is cut into row ranges on two threads."""
+    from ssmserve.server.engine.mamba import MambaBlockWeights
+
+    model: MambaModel = request.getfixturevalue(fixture)
+    runs = {}
+    for fused in (True, False):
+        MambaBlockWeights.fused = fused
+        try:
+            for batch in (1, 7, 40):
+                state = BatchState.stack([model.new_state() for _ in range(batch)])
+                outputs = []
+                for t in range(4):
+                    x = random_inputs(model, batch, seed=100 * batch + t)
+                    state, out = model.step(state, x)
+                    outputs.append(out.tobytes())
+                arrays = b"".join(a.tobytes() for a in (*state.conv, *state.ssm))
+                runs[fused, batch] = (outputs, arrays)
+        finally:
+            MambaBlockWeights.fused = True
+    for batch in (1, 7, 40):
+        assert runs[True, batch] == runs[False, batch]

@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ssmserve.server.engine.products import product_rows
+
 _JIT = {
     "nogil": True,
     "cache": True,
@@ -428,3 +430,57 @@ def gated_rms_norm_rows(
             inv = _ONE / np.sqrt(ss / np.float32(size) + eps)
             for j in range(grp * size, (grp + 1) * size):
                 out[row, j] = weight[j] * (v[j] * inv)
+
+
+# ---------------------------------------------------------------------- a whole mixer
+
+
+@njit(**_JIT)
+def mamba_mixer(
+    xn: np.ndarray,
+    b: int,
+    in_panels: np.ndarray,
+    in_bias: np.ndarray,
+    in_has_bias: bool,
+    conv: np.ndarray,
+    conv_weight: np.ndarray,
+    conv_bias: np.ndarray,
+    conv_has_bias: bool,
+    conv_next: np.ndarray,
+    x_panels: np.ndarray,
+    x_bias: np.ndarray,
+    x_has_bias: bool,
+    dt_panels: np.ndarray,
+    dt_bias: np.ndarray,
+    rank: int,
+    A: np.ndarray,
+    D: np.ndarray,
+    ssm: np.ndarray,
+    ssm_next: np.ndarray,
+    out_panels: np.ndarray,
+    out_bias: np.ndarray,
+    out_has_bias: bool,
+    xz: np.ndarray,
+    xs: np.ndarray,
+    x_dbl: np.ndarray,
+    dt_raw: np.ndarray,
+    y: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+    delta: np.ndarray,
+) -> None:
+    """One Mamba-1 mixer and its out_proj for rows ``:b``, in one compiled call: the same
+    products and kernels, in the same order, as ``MambaBlockWeights.mix_in_steps`` calls
+    them one by one from Python (same bits; ``tests/test_kernels.py`` compares them).
+
+    Why: a lone session's step is ~40 small calls, and each call from Python into numba
+    costs ~1-2 us of argument checking; one call per layer leaves one of those per layer.
+    Reads ``xn`` (rows, d); writes ``delta[:b]`` (b, d) = out_proj(y), the new conv window
+    and h_t (``conv_next``, ``ssm_next``), and the activations in between.
+    """
+    product_rows(xn, in_panels, in_bias, in_has_bias, 0, b, xz)  # (b, d) -> (b, 2e)
+    conv_silu(conv, xz, conv_weight, conv_bias, conv_has_bias, conv_next, xs, scratch)  # (b, e)
+    product_rows(xs, x_panels, x_bias, x_has_bias, 0, b, x_dbl)  # (b, e) -> (b, r + 2n)
+    product_rows(x_dbl[:, :rank], dt_panels, dt_bias, True, 0, b, dt_raw)  # (b, r) -> (b, e)
+    selective_scan(dt_raw, xs, x_dbl, xz, A, D, ssm, ssm_next, y, scratch, scratch_bits)
+    product_rows(y, out_panels, out_bias, out_has_bias, 0, b, delta)  # (b, e) -> (b, d)

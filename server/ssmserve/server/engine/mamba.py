@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -78,6 +78,11 @@ class MambaBlockWeights:
             scratch_bits=np.zeros(e, np.int32),
         )
 
+    #: One compiled call per mixer (``kernels.mamba_mixer``); False: the same kernels called
+    #: one by one from Python (``mix_in_steps``: the reference the tests compare it with,
+    #: and what ``bench_engine`` swaps BLAS products into).
+    fused: ClassVar[bool] = True
+
     def mix(
         self,
         ws: StepWorkspace,
@@ -86,12 +91,39 @@ class MambaBlockWeights:
         conv_next: np.ndarray,
         ssm_next: np.ndarray,
     ) -> None:
-        """The Mamba mixer for one time step ([1] Figure 3, Algorithm 2 with L = 1).
+        """The Mamba mixer for one time step ([1] Figure 3, Algorithm 2 with L = 1), then
+        its out_proj.
 
         Reads ``ws.xn`` (rows, d), the normalised block input; conv (b, e, k) holds the last
         k conv inputs and ssm (b, e, n) the hidden state h_{t-1}. Writes the new window to
-        ``conv_next``, h_t to ``ssm_next`` and y (before out_proj) to ``ws.y`` (rows, e).
+        ``conv_next``, h_t to ``ssm_next``, y (before out_proj) to ``ws.y`` (rows, e) and
+        out_proj(y) to ``ws.delta`` (rows, d).
         """
+        if not self.fused:
+            self.mix_in_steps(ws, conv, ssm, conv_next, ssm_next)
+            return
+        m: MixerBuffers = ws.mixer
+        kernels.mamba_mixer(
+            ws.xn, conv.shape[0],
+            self.in_proj.panels, *_bias(self.in_proj),
+            conv, self.conv_weight, self.conv_bias_or_zero, self.conv_bias is not None,
+            conv_next,
+            self.x_proj.panels, *_bias(self.x_proj),
+            self.dt_proj.panels, self.dt_proj.bias, self.dt_proj.in_features,
+            self.A, self.D, ssm, ssm_next,
+            self.out_proj.panels, *_bias(self.out_proj),
+            m.xz, m.xs, m.x_dbl, m.dt_raw, ws.y, m.scratch, m.scratch_bits, ws.delta,
+        )  # fmt: skip
+
+    def mix_in_steps(
+        self,
+        ws: StepWorkspace,
+        conv: np.ndarray,
+        ssm: np.ndarray,
+        conv_next: np.ndarray,
+        ssm_next: np.ndarray,
+    ) -> None:
+        """:meth:`mix` as one Python call per product and kernel (the same bits)."""
         m: MixerBuffers = ws.mixer
         b = conv.shape[0]
         self.in_proj.into(ws.xn, m.xz, b)  # (b, d) -> (b, 2e): x branch, gate z
@@ -109,6 +141,15 @@ class MambaBlockWeights:
             m.dt_raw, m.xs, m.x_dbl, m.xz, self.A, self.D, ssm, ssm_next, ws.y,
             m.scratch, m.scratch_bits,
         )  # fmt: skip
+        self.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
+
+
+def _bias(linear: RowStableLinear) -> tuple[np.ndarray, bool]:
+    """A product's bias for the kernels, which take an array either way, and whether it has one."""
+    return (linear.bias, True) if linear.bias is not None else (_NO_BIAS, False)
+
+
+_NO_BIAS = np.zeros(1, np.float32)
 
 
 @dataclass
@@ -142,7 +183,8 @@ class BlockWeights(Protocol):
         ssm: np.ndarray,
         conv_next: np.ndarray,
         ssm_next: np.ndarray,
-    ) -> None: ...
+    ) -> None:
+        """Reads ``ws.xn``; writes the new states and ``ws.delta`` = out_proj(mixer)."""
 
 
 @dataclass
@@ -345,7 +387,8 @@ class MambaModel:
         blocks = self.blocks
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
         for i, block in enumerate(blocks):
-            # States are values, never updated: the new ones go to new arrays. -> ws.y (b, e)
+            # States are values, never updated: the new ones go to new arrays.
+            # -> ws.delta (b, d), the block's output before the residual
             block.mix(
                 ws,
                 state.conv[i][lo:hi],
@@ -353,7 +396,6 @@ class MambaModel:
                 new_conv[i][lo:hi],
                 new_ssm[i][lo:hi],
             )  # fmt: skip
-            block.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
             # Residual around the block, then the next block's norm (or the final norm).
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
             kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)

@@ -98,8 +98,8 @@ class Mamba2BlockWeights:
 
         Reads ``ws.xn`` (rows, d), the normalised block input; conv (b, c, k) holds the
         last k conv inputs and ssm (b, h, p, n) the state h_{t-1}. Writes the new window to
-        ``conv_next``, h_t to ``ssm_next`` and the gated, normalised y (before out_proj)
-        to ``ws.y`` (rows, e).
+        ``conv_next``, h_t to ``ssm_next``, the gated, normalised y to ``ws.y`` (rows, e)
+        and out_proj(y) to ``ws.delta`` (rows, d).
         """
         m: Mamba2Buffers = ws.mixer
         e = self.gated_norm.shape[0]
@@ -122,6 +122,7 @@ class Mamba2BlockWeights:
             ws.y, m.zxbcdt, self.gated_norm, self.groups, np.float32(self.eps), b, ws.y,
             m.scratch,
         )  # fmt: skip
+        self.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
 
 
 @dataclass
