@@ -40,10 +40,29 @@ from ssmserve.server.engine.recurrent_state import BatchState
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
+def signal_model_config() -> MambaConfig:
+    return demo_config(DemoSpec(input_dim=8, output_dim=8, hidden=256, layers=4, state=16))
+
+
 def signal_model() -> MambaModel:
-    spec = DemoSpec(input_dim=8, output_dim=8, hidden=256, layers=4, state=16)
-    config = demo_config(spec)
+    config = signal_model_config()
     return build_model(config, random_tensors(config, 0), name="signal-256x4")
+
+
+def kizzasi_flops(d: int, layers: int, n: int, i: int, o: int, r: int = 8) -> tuple[int, int]:
+    """FLOPs of one step of kizzasi 0.2.3's "mamba2" ``Predictor`` (a multiply-add is 2):
+    (matrix products, all arithmetic with transcendentals counted as 1).
+
+    Read from its source (cool-japan/kizzasi, kizzasi-core ``ssm.rs``: ``recurrence_step``
+    and ``selective_scan_step_into``): an input embedding i -> d, per layer a rank-``r``
+    Δ projection d -> r -> d (r = 8, its config default), a per-channel selective scan
+    over (d, n) with fixed B and C and a LayerNorm, then a head d -> o. No in_proj,
+    out_proj, conv or gate: its work grows linearly in d (54 / 111 / 211 us at d = 128 /
+    256 / 512 in an earlier run), where a Mamba block's grows with d x e.
+    """
+    products = 2 * i * d + 2 * d * o + layers * (4 * d * r + 2 * d * n)
+    total = 2 * i * d + 2 * d * o + 9 * d + layers * (4 * d * r + 7 * d * n + 11 * d)
+    return products, total
 
 
 def mamba_130m_model() -> MambaModel:
@@ -278,7 +297,30 @@ def main() -> int:
             f"peer runs before/after ours: {peer_before['step_us_p50']:.0f} / "
             f"{peer_after['step_us_p50']:.0f} us p50"
         )
-        report["kizzasi"] = {"before": peer_before, "after": peer_after}
+        # Per FLOP: the same dims do very different work in the two models.
+        c = signal_model_config()
+        ours_flops = signal_model().flops_per_step
+        peer_products, peer_total = kizzasi_flops(
+            c.hidden_size, c.num_hidden_layers, c.state_size, c.input_dim, c.output_dim
+        )
+        ns = {
+            "ours": ours_1 * 1e3 / ours_flops,
+            "kizzasi, products": peer_us * 1e3 / peer_products,
+            "kizzasi, all arithmetic": peer_us * 1e3 / peer_total,
+        }
+        print(
+            table(
+                ["batch 1, per FLOP", "FLOPs per step", "ns per FLOP", "kizzasi / ours"],
+                [
+                    ["ssmserve (matrix products)", ours_flops, ns["ours"], 1.0],
+                    ["kizzasi (matrix products)", peer_products, ns["kizzasi, products"],
+                     ns["kizzasi, products"] / ns["ours"]],
+                    ["kizzasi (all arithmetic)", peer_total, ns["kizzasi, all arithmetic"],
+                     ns["kizzasi, all arithmetic"] / ns["ours"]],
+                ],
+            )
+        )  # fmt: skip
+        report["kizzasi"] = {"before": peer_before, "after": peer_after, "ns_per_flop": ns}
     else:
         print("\n(kizzasi not installed: run ./dev bench for the side-by-side figures)")
     if not args.skip_130m:
