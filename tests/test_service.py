@@ -476,6 +476,39 @@ def test_periodic_snapshots_are_written_in_the_background_and_reported_later(wor
     assert_bit_equal(again, reference(model, x)[20:30])
 
 
+def test_snapshots_of_lockstep_sessions_are_committed_in_batches(worker, served_models):
+    """Sessions stepped in one message come due for their periodic snapshots in the same
+    stepper batch; their writes go to Redis as one batch per ``snapshot_writes_in_flight``
+    of them (``snapshot_commits``), not one round of Redis commands each. Every snapshot
+    lands, bit-exact to restore from."""
+    model = served_models["demo"]
+    count, due_ticks = 20, 2
+    bound = ManagerSettings().snapshot_writes_in_flight
+    sids = [worker.client.create_session("demo", snapshot_every=2).session_id for _ in range(count)]
+    x = random_inputs(model, 2 * due_ticks, seed=31)
+    commits = worker.manager.checkpoints.commits
+    before = commits.batches
+    channel = grpc.insecure_channel(worker.address)
+    try:
+        call = pb_grpc.SessionServiceStub(channel).Stream
+        for t in range(2 * due_ticks):  # one message: step t + 1 of every session
+            request = pb.StreamRequest(steps=[step_input(sid, t + 1, x[t]) for sid in sids])
+            (response,) = list(call(iter([request]), timeout=30))
+            assert [r.step for r in response.results] == [t + 1] * count
+            assert not any(r.HasField("error") for r in response.results)
+    finally:
+        channel.close()
+    for sid in sids:
+        worker.call(worker.manager.checkpoints.settled(sid))
+        assert [s.step for s in worker.client.list_snapshots(sid)] == [0, 2, 4]
+    # Per due tick: the writes in flight together, then the ones that waited for them.
+    assert commits.batches - before <= due_ticks * -(-count // bound)
+    reply = worker.client.rollback(sids[7], to_step=2)
+    assert reply.replayed_steps == 0
+    again, _ = stream(worker, sids[7], x[2:4], first_step=3)
+    assert_bit_equal(again, reference(model, x)[2:4])
+
+
 def test_retention_keeps_n_snapshots_and_trims_the_log(worker, served_models, redis_url):
     model = served_models["demo"]
     sid = worker.client.create_session("demo", snapshot_every=2, max_snapshots=3).session_id
