@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from redis.asyncio.cluster import RedisCluster
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.errors import SessionMovedError
@@ -165,6 +166,65 @@ def test_ids_that_would_break_the_key_layout_are_refused(store):
             with pytest.raises(BadSessionIdError) as err:
                 await s.get_meta(bad)
             assert len(str(err.value)) < 300  # a long id is clipped, not echoed whole
+
+    run(store, body)
+
+
+def test_a_group_commit_gives_each_session_its_own_outcome(store):
+    """One ``append_logs`` call for many sessions (one script call on one server, one per
+    session on a cluster): the fine ones are logged, each refused one gets its own error
+    and is left as it was."""
+
+    async def body(s: Store):
+        ok = [await new(s, f"ok{i}") for i in range(5)]
+        stale, gap, closed = await new(s, "stale"), await new(s, "gap"), await new(s, "closed")
+        await s.append_logs([(gap, 1, [b"g001"])], 1.0)
+        await s.redis.delete(s.keys("stale").lease)
+        await acquire(s, "stale", "w2")
+        await s.close_session(closed, keep_snapshot="000000000000-base")
+        missing = SessionLease("missing", "x.1", "w1")
+        appends = [
+            (ok[0], 1, [b"a001", b"a002", b"a003"]),
+            (stale, 1, [b"s001"]),
+            (ok[1], 1, [b"b001"]),
+            (gap, 3, [b"g003"]),
+            (closed, 1, [b"c001"]),
+            (missing, 1, [b"m001"]),
+            *((lease, 1, [b"%04d" % i] * 8) for i, lease in enumerate(ok[2:])),
+        ]
+        outcomes = await s.append_logs(appends, 7.0)
+        assert [type(o).__name__ for o in outcomes] == [
+            "NoneType", "StaleEpochError", "NoneType", "LogDivergedError",
+            "SessionClosedError", "SessionMissingError", "NoneType", "NoneType", "NoneType",
+        ]  # fmt: skip
+        assert await s.read_log("ok0", 1, 3) == [b"a001", b"a002", b"a003"]
+        assert (await s.get_meta("ok0")).step == 3 and (await s.get_meta("ok1")).step == 1
+        for i, lease in enumerate(ok[2:]):
+            assert await s.read_log(lease.session_id, 1, 8) == [b"%04d" % i] * 8
+            assert (await s.get_meta(lease.session_id)).updated_at == 7.0
+        assert (await s.get_meta("stale")).step == 0 and (await s.get_meta("gap")).step == 1
+        assert await s.redis.hlen(s.keys("stale").log) == 0
+
+    run(store, body)
+
+
+def test_a_group_commit_that_fails_part_way_is_an_unknown_outcome(store):
+    """A session's log key of the wrong type makes its write fail inside the script. On
+    one server every session of that script call may then be written or not (Redis keeps
+    what a failed script wrote): each gets StoreOutcomeUnknownError, so it is reloaded.
+    On a cluster each session is its own script: only that one fails."""
+
+    async def body(s: Store):
+        a, bad, c = await new(s, "a"), await new(s, "bad"), await new(s, "c")
+        await s.redis.set(s.keys("bad").log, b"not a hash")
+        outcomes = await s.append_logs([(a, 1, [b"x"]), (bad, 1, [b"y"]), (c, 1, [b"z"])], 1.0)
+        if isinstance(s.redis, RedisCluster):
+            assert outcomes[0] is None and outcomes[2] is None
+            assert isinstance(outcomes[1], StoreError)
+        else:
+            assert all(isinstance(o, StoreOutcomeUnknownError) for o in outcomes)
+            assert "may have been applied in part" in str(outcomes[0])
+            assert (await s.get_meta("a")).step == 1  # written before the failure: kept
 
     run(store, body)
 

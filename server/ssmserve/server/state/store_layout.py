@@ -104,7 +104,8 @@ def upload_key(prefix: str, upload_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------- scripts
-# Each script touches only keys of one session (one hash tag), and declares every key it
+# Each script touches only keys of one session (one hash tag; the one exception,
+# LOG_APPEND_MANY, runs on a single Redis server only), and declares every key it
 # touches in KEYS (Redis Cluster routes a script by its keys, and Redis does not promise
 # that keys a script builds itself are served). Snapshot pieces have names that depend
 # on the snapshot, so the caller reads them first and declares them; a script that finds
@@ -405,29 +406,64 @@ return {'OK'}
 """
 )
 
+# One session's log append: ``count`` inputs as steps first, first + 1, ..., given as
+# ARGV[from..from + count - 1] (``packed`` nil) or as one string of ``count`` inputs of
+# equal length (``packed``). They must continue the log exactly (first = durable step + 1);
+# anything else means the writer's memory and the store diverged (ERR_GAP: it reloads).
+_APPEND = """
+local function append(meta, log, token, first, updated_at, count, packed, from)
+    local err = fence(meta, token)
+    if err then return err end
+    if redis.call('HGET', meta, 'closed') == '1' then
+        return {'ERR_CLOSED', 'the session is closed'}
+    end
+    local durable = tonumber(redis.call('HGET', meta, 'step'))
+    if first ~= durable + 1 then
+        return {'ERR_GAP', 'a log append at step ' .. int(first) .. ' does not continue the log, '
+            .. 'which ends at step ' .. int(durable)}
+    end
+    if packed then
+        local width = #packed / count
+        for i = 0, count - 1 do
+            local input = string.sub(packed, i * width + 1, (i + 1) * width)
+            redis.call('HSET', log, int(first + i), input)
+        end
+    else
+        for i = 0, count - 1 do
+            redis.call('HSET', log, int(first + i), ARGV[from + i])
+        end
+    end
+    redis.call('HSET', meta, 'step', int(first + count - 1), 'updated_at', updated_at)
+    return {'OK'}
+end
+"""
+
 # KEYS: meta, log. ARGV: token, first step, updated_at, then one input per step.
-# The inputs must continue the log exactly (first = durable step + 1); anything else
-# means the writer's memory and the store diverged (ERR_GAP: it reloads the session).
 LOG_APPEND = (
     _COMMON
+    + _APPEND
     + """
-local err = fence(KEYS[1], ARGV[1])
-if err then return err end
-if redis.call('HGET', KEYS[1], 'closed') == '1' then
-    return {'ERR_CLOSED', 'the session is closed'}
+return append(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), ARGV[3], #ARGV - 3, nil, 4)
+"""
+)
+
+# The appends of many sessions in one call: on one Redis server only (the exception to
+# "one session per script": its keys span many hash tags, which Redis Cluster refuses;
+# there each session's append is its own LOG_APPEND). Redis runs a script whole or, when
+# refused up front (OOM, BUSY), not at all. KEYS: meta and log of each session. ARGV:
+# updated_at, then per session: token, first step, input count, its inputs as one string
+# (inputs of one session have one length). Returns one reply per session, as LOG_APPEND's.
+LOG_APPEND_MANY = (
+    _COMMON
+    + _APPEND
+    + """
+local replies = {}
+for s = 1, #KEYS / 2 do
+    local a = 2 + 4 * (s - 1)
+    replies[s] = append(KEYS[2 * s - 1], KEYS[2 * s], ARGV[a], tonumber(ARGV[a + 1]), ARGV[1],
+        tonumber(ARGV[a + 2]), ARGV[a + 3])
 end
-local first = tonumber(ARGV[2])
-local durable = tonumber(redis.call('HGET', KEYS[1], 'step'))
-if first ~= durable + 1 then
-    return {'ERR_GAP', 'a log append at step ' .. int(first) .. ' does not continue the log, '
-        .. 'which ends at step ' .. int(durable)}
-end
-local last = first + #ARGV - 4
-for i = 4, #ARGV do
-    redis.call('HSET', KEYS[2], int(first + i - 4), ARGV[i])
-end
-redis.call('HSET', KEYS[1], 'step', int(last), 'updated_at', ARGV[3])
-return {'OK'}
+return replies
 """
 )
 
