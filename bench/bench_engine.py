@@ -124,7 +124,11 @@ class PlainProducts:
         weights = self.weights
 
         def plain(
-            lin: RowStableLinear, x: np.ndarray, out: np.ndarray, rows: int | None = None
+            lin: RowStableLinear,
+            x: np.ndarray,
+            out: np.ndarray,
+            rows: int | None = None,
+            threads: int = 1,  # BLAS uses its own threads
         ) -> np.ndarray:
             n = x.shape[0] if rows is None else rows
             np.matmul(x[:n], weights[id(lin)].T, out=out[:n])

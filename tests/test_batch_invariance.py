@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ssmserve.server.engine import mamba
-from ssmserve.server.engine.mamba import MIN_ROWS_PER_THREAD, MambaModel, row_ranges
+from ssmserve.server.engine import products
+from ssmserve.server.engine import threads as helper_threads
+from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.server.engine.loader import load_model
+from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.numerics import RowStableLinear
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
-from tests.conftest import random_inputs
+from ssmserve.server.engine.threads import MIN_ROWS_PER_THREAD, row_ranges
+from tests.conftest import MAMBA2_SPEC, random_inputs, token_config, write_model
 
 
 def _warm_states(model: MambaModel, count: int, seed: int) -> list[SessionState]:
@@ -142,7 +147,7 @@ def test_a_step_cut_over_threads_gives_the_same_bits(
     writes only its rows of the new state and outputs."""
     model: MambaModel = request.getfixturevalue(model_name)
     # The test models are small: let any work be cut, so the ranges really run apart.
-    monkeypatch.setattr(mamba, "MIN_FLOP_PER_THREAD", 0.0)
+    monkeypatch.setattr(helper_threads, "MIN_FLOP_PER_THREAD", 0.0)
     assert len(row_ranges(9, 3, model.flops_per_step)) == 2
     pool = _warm_states(model, 12, seed=8)
     inputs = random_inputs(model, 12, seed=9)
@@ -175,8 +180,92 @@ def test_row_ranges_cover_the_batch_once() -> None:
             assert len(parts) <= threads
             assert len(parts) == 1 or min(hi - lo for lo, hi in parts) >= MIN_ROWS_PER_THREAD
     # and work: no range below MIN_FLOP_PER_THREAD
-    assert row_ranges(64, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 64)]
-    assert row_ranges(80, 2, mamba.MIN_FLOP_PER_THREAD / 40) == [(0, 40), (40, 80)]
+    assert row_ranges(64, 2, helper_threads.MIN_FLOP_PER_THREAD / 40) == [(0, 64)]
+    assert row_ranges(80, 2, helper_threads.MIN_FLOP_PER_THREAD / 40) == [(0, 40), (40, 80)]
+
+
+@pytest.mark.parametrize("outputs", [24, 50, 97])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_products_by_column_ranges_give_the_same_bits(outputs: int, with_bias: bool) -> None:
+    """Panels computed by several calls (``product_panels``, as the engine's threads do)
+    fill ``out`` with the bits of one whole product, partial last panel and bias included,
+    and leave the other columns alone."""
+    rng = np.random.default_rng(outputs)
+    weight = rng.standard_normal((outputs, 37)).astype(np.float32)
+    bias = rng.standard_normal(outputs).astype(np.float32) if with_bias else None
+    lin = RowStableLinear(weight, bias)
+    x = rng.standard_normal((6, 37)).astype(np.float32)
+    whole = lin(x)
+    panels = lin.panels.shape[0]
+    b = lin.bias if lin.bias is not None else np.zeros(1, np.float32)
+    for cut in range(panels + 1):
+        out = np.full((6, outputs), np.nan, np.float32)
+        products.product_panels(x, lin.panels, b, with_bias, 0, 6, 0, cut, out)
+        done = min(cut * products.COLUMNS, outputs)
+        assert np.isnan(out[:, done:]).all()  # columns of the other range not touched
+        products.product_panels(x, lin.panels, b, with_bias, 0, 6, cut, panels, out)
+        assert np.array_equal(out.view(np.uint32), whole.view(np.uint32)), cut
+
+
+def test_a_big_product_is_cut_by_columns_over_the_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lin = RowStableLinear(np.random.default_rng(0).standard_normal((200, 64)).astype(np.float32))
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    alone = lin(x)
+    panel_bytes = lin.panels[0].nbytes
+    assert helper_threads.column_ranges(9, panel_bytes, 2) == [(0, 9)]  # too small to cut
+    monkeypatch.setattr(helper_threads, "COLUMN_SPLIT_MIN_BYTES", 2 * panel_bytes)
+    assert helper_threads.column_ranges(9, panel_bytes, 1) == [(0, 9)]
+    assert helper_threads.column_ranges(9, panel_bytes, 2) == [(0, 4), (4, 9)]
+    assert helper_threads.column_ranges(9, panel_bytes, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert helper_threads.column_ranges(2, panel_bytes, 8) == [(0, 1), (1, 2)]
+    for threads in (2, 3):
+        out = lin.into(x, np.empty((3, 200), np.float32), threads=threads)
+        assert np.array_equal(out.view(np.uint32), alone.view(np.uint32)), threads
+
+
+@pytest.mark.parametrize("kind", ["mamba1-signal", "mamba1-token", "mamba2-signal"])
+def test_a_step_with_products_cut_by_columns_gives_the_same_bits(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every product big enough to cut (a threshold of 0 bytes), steps too small to
+    cut by rows cut their products by columns (Mamba-1's mixer then runs product by
+    product instead of fused) and give the bits of one thread, at every batch size."""
+    monkeypatch.setattr(helper_threads, "COLUMN_SPLIT_MIN_BYTES", 0)
+    config = {
+        "mamba1-signal": lambda: demo_config(
+            DemoSpec(
+                input_dim=5,
+                output_dim=3,
+                hidden=22,
+                layers=2,
+                state=7,
+                expand=3,
+                conv_kernel=3,
+                seed=4,
+            )
+        ),
+        "mamba1-token": token_config,
+        "mamba2-signal": lambda: demo_config(MAMBA2_SPEC),
+    }[kind]()
+    model = write_model(tmp_path, config, seed=5)  # fresh: blocks cache whether they cut
+    model.threads = 2
+    # The reference: the same files, another model object (its own workspaces, so a
+    # column range left unwritten cannot pass by finding the reference's values there).
+    reference = load_model(tmp_path)
+    reference.threads = 1
+    if kind.startswith("mamba1"):
+        assert all(block.has_column_ranges for block in model.blocks)
+    states = _warm_states(reference, 7, seed=6)
+    inputs = random_inputs(model, 7, seed=7)
+    for size in (1, 2, 3, 7):
+        batch = BatchState.stack(states[:size])
+        state_1, out_1 = reference.step(batch, inputs[:size])
+        state_2, out_2 = model.step(batch, inputs[:size])
+        assert np.array_equal(out_2.view(np.uint32), out_1.view(np.uint32)), size
+        for a, b in zip(state_2.conv + state_2.ssm, state_1.conv + state_1.ssm, strict=True):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), size
 
 
 @pytest.mark.parametrize("fixture", ["signal_model", "mamba2_model"])

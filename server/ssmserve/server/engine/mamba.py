@@ -23,11 +23,9 @@ each row alike (``kernels.py``). Hence batch invariance (see ``numerics.py``).
 
 from __future__ import annotations
 
-import itertools
-import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Protocol
@@ -38,6 +36,7 @@ from ssmserve.server.engine import kernels
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.numerics import RowStableLinear, padded
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
+from ssmserve.server.engine.threads import column_ranges, engine_pool, engine_threads, row_ranges
 from ssmserve.server.errors import ModelInputError
 
 
@@ -65,6 +64,16 @@ class MambaBlockWeights:
     @property
     def linears(self) -> tuple[RowStableLinear, ...]:
         return (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
+
+    @cached_property
+    def has_column_ranges(self) -> bool:
+        """Whether a product is big enough to cut by columns on several threads
+        (``threads.column_ranges``): then a step not cut by rows calls the products one by
+        one (``mix_in_steps``), since the fused kernel runs on one thread."""
+        return any(
+            len(column_ranges(lin.panels.shape[0], lin.panels[0].nbytes, 2)) > 1
+            for lin in self.linears
+        )
 
     def buffers(self, rows: int) -> MixerBuffers:
         e, n = self.A.shape
@@ -99,7 +108,7 @@ class MambaBlockWeights:
         ``conv_next``, h_t to ``ssm_next``, y (before out_proj) to ``ws.y`` (rows, e) and
         out_proj(y) to ``ws.delta`` (rows, d).
         """
-        if not self.fused:
+        if not self.fused or (ws.column_threads > 1 and self.has_column_ranges):
             self.mix_in_steps(ws, conv, ssm, conv_next, ssm_next)
             return
         m: MixerBuffers = ws.mixer
@@ -126,22 +135,23 @@ class MambaBlockWeights:
         """:meth:`mix` as one Python call per product and kernel (the same bits)."""
         m: MixerBuffers = ws.mixer
         b = conv.shape[0]
-        self.in_proj.into(ws.xn, m.xz, b)  # (b, d) -> (b, 2e): x branch, gate z
+        threads = ws.column_threads
+        self.in_proj.into(ws.xn, m.xz, b, threads)  # (b, d) -> (b, 2e): x branch, gate z
         # Causal depthwise conv over the last k inputs, then SiLU: (b, e).
         kernels.conv_silu(
             conv, m.xz, self.conv_weight, self.conv_bias_or_zero, self.conv_bias is not None,
             conv_next, m.xs, m.scratch,
         )  # fmt: skip
         # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
-        self.x_proj.into(m.xs, m.x_dbl, b)  # (b, e) -> (b, r + 2n)
+        self.x_proj.into(m.xs, m.x_dbl, b, threads)  # (b, e) -> (b, r + 2n)
         dt_low = m.x_dbl[:, : self.dt_proj.in_features]  # (rows, r) view, rows contiguous
-        self.dt_proj.into(dt_low, m.dt_raw, b)  # (b, r) -> (b, e), with bias
+        self.dt_proj.into(dt_low, m.dt_raw, b, threads)  # (b, r) -> (b, e), with bias
         # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
         kernels.selective_scan(
             m.dt_raw, m.xs, m.x_dbl, m.xz, self.A, self.D, ssm, ssm_next, ws.y,
             m.scratch, m.scratch_bits,
         )  # fmt: skip
-        self.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
+        self.out_proj.into(ws.y, ws.delta, b, threads)  # (b, e) -> (b, d)
 
 
 def _bias(linear: RowStableLinear) -> tuple[np.ndarray, bool]:
@@ -202,6 +212,9 @@ class StepWorkspace:
     y: np.ndarray  # (rows, e) mixer output
     delta: np.ndarray  # (rows, d) out_proj output
     mixer: Any  # the mixer's own buffers (``BlockWeights.buffers``)
+    #: Threads this step's products may cut their columns over: the model's threads when
+    #: the step is not cut by rows, else 1 (``MambaModel.step``).
+    column_threads: int = 1
 
     @classmethod
     def allocate(cls, c: MambaConfig, rows: int, block: BlockWeights) -> StepWorkspace:
@@ -347,12 +360,17 @@ class MambaModel:
         new_ssm = tuple(np.empty_like(ssm) for ssm in state.ssm)  # (b, e, n) | (b, h, p, n)
         out = np.empty((b, self.head.out_features), np.float32)  # the caller keeps it
         parts = row_ranges(b, self.threads, self._flops_per_row)
+        # A step not cut by rows may cut its big products by columns instead (helpers
+        # never run a row range and a column range of one step at once, so none waits).
+        columns = self.threads if len(parts) == 1 else 1
         helpers: list[Future[None]] = [
-            engine_pool().submit(self._step_rows, state, inputs, new_conv, new_ssm, out, lo, hi)
+            engine_pool().submit(
+                self._step_rows, state, inputs, new_conv, new_ssm, out, lo, hi, columns
+            )
             for lo, hi in parts[1:]
         ]
         try:
-            self._step_rows(state, inputs, new_conv, new_ssm, out, *parts[0])
+            self._step_rows(state, inputs, new_conv, new_ssm, out, *parts[0], columns)
         finally:
             for helper in helpers:  # wait for all before raising: they write into our arrays
                 helper.exception()
@@ -369,12 +387,15 @@ class MambaModel:
         out: np.ndarray,
         lo: int,
         hi: int,
+        column_threads: int,
     ) -> None:
         """The step for rows ``lo:hi`` of the batch, written into those rows of
-        ``new_conv``, ``new_ssm`` and ``out`` (views: the other rows are not touched)."""
+        ``new_conv``, ``new_ssm`` and ``out`` (views: the other rows are not touched);
+        its products may cut their columns over ``column_threads`` threads."""
         c = self.config
         b = hi - lo
         ws = self._workspace(b)
+        ws.column_threads = column_threads
         eps = np.float32(c.layer_norm_epsilon)
         x = inputs[lo:hi]
         if self.embeddings is not None:
@@ -383,7 +404,7 @@ class MambaModel:
             ws.h[:b] = self.head.weight_rows(x)  # (b, d): the tied head's rows
         else:
             ws.signal[:b] = x  # (b, i)
-            self.input_proj.into(ws.signal, ws.h, b)  # (b, i) -> (b, d)
+            self.input_proj.into(ws.signal, ws.h, b, column_threads)  # (b, i) -> (b, d)
         blocks = self.blocks
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
         for i, block in enumerate(blocks):
@@ -399,7 +420,7 @@ class MambaModel:
             # Residual around the block, then the next block's norm (or the final norm).
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
             kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)
-        self.head.into(ws.xn, out[lo:hi], b)  # (b, d) -> (b, v | o)
+        self.head.into(ws.xn, out[lo:hi], b, column_threads)  # (b, d) -> (b, v | o)
 
     def _workspace(self, batch: int) -> StepWorkspace:
         """This thread's buffers for ``batch`` sessions (rows rounded up, ``padded``)."""
@@ -430,56 +451,3 @@ class MambaModel:
             batch, out = self.step(batch, seq[t : t + 1])
             outputs[t] = out[0]
         return outputs, batch.session(0)
-
-
-# ---------------------------------------------------------------------- engine threads
-
-#: Threads a step uses unless ``SSMSERVE_ENGINE_THREADS`` says otherwise.
-DEFAULT_ENGINE_THREADS = 2
-#: Fewest rows worth a thread of their own: below this the hand-off costs more than it saves.
-MIN_ROWS_PER_THREAD = 4
-#: Fewest FLOPs of products worth a thread of their own (~0.3-0.5 ms of step here): on a
-#: busy machine a hand-off to a pool thread can cost a few hundred microseconds, and
-#: smaller parts ran slower on 2 threads than on 1 (the demo model up to batch 64 in
-#: one measurement beside two soaks; signal 256x4 gained from batch 16).
-MIN_FLOP_PER_THREAD = 40e6
-
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def engine_threads() -> int:
-    """``$SSMSERVE_ENGINE_THREADS`` or :data:`DEFAULT_ENGINE_THREADS` (>= 1)."""
-    raw = os.environ.get("SSMSERVE_ENGINE_THREADS", str(DEFAULT_ENGINE_THREADS))
-    try:
-        threads = int(raw)
-    except ValueError:
-        raise ValueError(f"SSMSERVE_ENGINE_THREADS must be an integer, got {raw!r}") from None
-    if not 1 <= threads <= 64:
-        raise ValueError(f"SSMSERVE_ENGINE_THREADS must be in [1, 64], got {threads}")
-    return threads
-
-
-def engine_pool() -> ThreadPoolExecutor:
-    """The process's helper threads for steps (created on first use; every model shares
-    them, and a step queued behind another's part only waits, it never deadlocks: helpers
-    run row ranges and wait for nothing)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max_workers=max(1, engine_threads() - 1), thread_name_prefix="ssmserve-engine"
-            )
-        return _pool
-
-
-def row_ranges(batch: int, threads: int, flops_per_row: float = 0.0) -> list[tuple[int, int]]:
-    """``batch`` rows cut into at most ``threads`` near-equal ranges, each of at least
-    :data:`MIN_ROWS_PER_THREAD` rows and :data:`MIN_FLOP_PER_THREAD` of work
-    (``flops_per_row`` each; 0: rows alone decide)."""
-    parts = min(threads, batch // MIN_ROWS_PER_THREAD)
-    if flops_per_row > 0 and MIN_FLOP_PER_THREAD > 0:
-        parts = min(parts, int(batch * flops_per_row // MIN_FLOP_PER_THREAD))
-    parts = max(1, parts)
-    bounds = [batch * k // parts for k in range(parts + 1)]
-    return list(itertools.pairwise(bounds))

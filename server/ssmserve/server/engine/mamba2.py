@@ -105,7 +105,8 @@ class Mamba2BlockWeights:
         e = self.gated_norm.shape[0]
         c = self.conv_weight.shape[0]
         b = conv.shape[0]
-        self.in_proj.into(ws.xn, m.zxbcdt, b)  # (b, d) -> (b, e + c + h): z, xBC, Δ
+        threads = ws.column_threads  # products cut by columns when the step is not by rows
+        self.in_proj.into(ws.xn, m.zxbcdt, b, threads)  # (b, d) -> (b, e + c + h): z, xBC, Δ
         # Causal depthwise conv of x, B and C together, then SiLU: (b, c).
         kernels.conv_silu(
             conv, m.zxbcdt[:, e : e + c], self.conv_weight, self.conv_bias_or_zero,
@@ -122,7 +123,7 @@ class Mamba2BlockWeights:
             ws.y, m.zxbcdt, self.gated_norm, self.groups, np.float32(self.eps), b, ws.y,
             m.scratch,
         )  # fmt: skip
-        self.out_proj.into(ws.y, ws.delta, b)  # (b, e) -> (b, d)
+        self.out_proj.into(ws.y, ws.delta, b, threads)  # (b, e) -> (b, d)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from numba.core import config as numba_config
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from ssmserve.server.engine import products
+from ssmserve.server.engine.threads import column_ranges, engine_pool
 
 #: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
 DEFAULT_BLAS_THREADS = 2
@@ -100,17 +101,38 @@ class RowStableLinear:
         x = np.ascontiguousarray(x, dtype=np.float32)
         return self.into(x, np.empty((x.shape[0], self.out_features), np.float32))
 
-    def into(self, x: np.ndarray, out: np.ndarray, rows: int | None = None) -> np.ndarray:
+    def into(
+        self, x: np.ndarray, out: np.ndarray, rows: int | None = None, threads: int = 1
+    ) -> np.ndarray:
         """``out[:rows] = x[:rows] @ weight.T + bias``; ``rows`` defaults to all of ``x``.
 
         ``x`` (>= rows, i) and ``out`` (>= rows, o) float32 with contiguous rows (views
-        such as ``a[:, :i]`` are fine); rows past ``rows`` are left as they are.
+        such as ``a[:, :i]`` are fine); rows past ``rows`` are left as they are. With
+        ``threads`` > 1 a big enough weight is cut into column ranges computed on the
+        engine's helper threads at once (``threads.column_ranges``; the same bits).
         """
         n = x.shape[0] if rows is None else rows
         if x.strides[1] != 4 or out.strides[1] != 4 or x.shape[0] < n or out.shape[0] < n:
             raise ValueError(f"product needs row-contiguous float32 with >= {n} rows")
         bias = self.bias if self.bias is not None else _NO_BIAS
-        products.product_rows(x, self.panels, bias, self.bias is not None, 0, n, out)
+        has_bias = self.bias is not None
+        panels = self.panels
+        parts = column_ranges(panels.shape[0], panels[0].nbytes, threads)
+        if len(parts) == 1:
+            products.product_rows(x, panels, bias, has_bias, 0, n, out)
+            return out
+        pool = engine_pool()
+        helpers = [
+            pool.submit(products.product_panels, x, panels, bias, has_bias, 0, n, lo, hi, out)
+            for lo, hi in parts[1:]
+        ]
+        try:
+            products.product_panels(x, panels, bias, has_bias, 0, n, *parts[0], out)
+        finally:
+            for helper in helpers:  # wait for all before raising: they write into ``out``
+                helper.exception()
+        for helper in helpers:
+            helper.result()
         return out
 
 

@@ -184,9 +184,28 @@ def product_rows(
     x (>= stop, i) and out (>= stop, o): rows contiguous. Rows outside ``first:stop`` are
     neither read nor written.
     """
+    product_panels(x, panels, bias, has_bias, first, stop, 0, panels.shape[0], out)
+
+
+@njit(**_JIT)
+def product_panels(
+    x: np.ndarray,
+    panels: np.ndarray,
+    bias: np.ndarray,
+    has_bias: bool,
+    first: int,
+    stop: int,
+    panel_first: int,
+    panel_stop: int,
+    out: np.ndarray,
+) -> None:
+    """:func:`product_rows` for the output columns of panels ``panel_first:panel_stop``
+    only (columns ``24 panel_first`` up to ``24 panel_stop`` or o): other columns are
+    neither read nor written, so threads can fill one ``out`` by column ranges. Each
+    element is computed exactly as in a whole product (same bits)."""
     o = out.shape[1]
     edge = np.empty((ROWS, COLUMNS), np.float32)  # the last panel's block when o % 24 != 0
-    for p in range(panels.shape[0]):  # a panel (i x 24 floats) stays in cache over all rows
+    for p in range(panel_first, panel_stop):  # a panel (i x 24 floats) stays in cache over all rows
         col = p * COLUMNS
         whole = col + COLUMNS <= o
         r = first
@@ -202,5 +221,5 @@ def product_rows(
             r += rows
     if has_bias:
         for r in range(first, stop):
-            for j in range(o):
+            for j in range(panel_first * COLUMNS, min(panel_stop * COLUMNS, o)):
                 out[r, j] += bias[j]
