@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,3 +279,78 @@ def test_the_fused_mixer_gives_the_bits_of_its_kernels_called_one_by_one(
             MambaBlockWeights.fused = True
     for batch in (1, 7, 40):
         assert runs[True, batch] == runs[False, batch]
+
+
+VECTOR_WIDTH_CHECK = """
+import hashlib, json
+import numpy as np
+from ssmserve.server.engine import products
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import build_model
+from ssmserve.server.engine.numerics import RowStableLinear
+from ssmserve.server.engine.recurrent_state import BatchState
+rng = np.random.default_rng(3)
+weight = rng.standard_normal((101, 67)).astype(np.float32)
+lin = RowStableLinear(weight, rng.standard_normal(101).astype(np.float32))
+digest = hashlib.sha256()
+for rows in (1, 3, 4, 9):
+    digest.update(lin(rng.standard_normal((rows, 67)).astype(np.float32)).tobytes())
+spec = DemoSpec(input_dim=5, output_dim=3, hidden=40, layers=2, state=7, expand=3,
+                conv_kernel=3, seed=2)
+config = demo_config(spec)
+model = build_model(config, random_tensors(config, 2), name="width")
+state = BatchState.stack([model.new_state() for _ in range(6)])
+for _ in range(4):
+    state, out = model.step(state, rng.standard_normal((6, 5)).astype(np.float32))
+    digest.update(out.tobytes())
+for a in state.conv + state.ssm:
+    digest.update(a.tobytes())
+print(json.dumps([products.COLUMNS, digest.hexdigest()]))
+"""
+
+
+def test_the_vector_width_changes_no_bits(tmp_path) -> None:
+    """The product kernel uses 16-float vectors on AVX-512 CPUs and 8-float ones elsewhere
+    (panels of 48 or 24 columns); each element's arithmetic is the same fma chain either
+    way, so products and steps give the same bits. Compiled once for this CPU and once for
+    a generic x86-64 with AVX-512 turned off (numba's NUMBA_CPU_NAME / NUMBA_CPU_FEATURES,
+    each in its own numba cache)."""
+    import llvmlite.binding as llvm
+
+    host = llvm.get_host_cpu_features().flatten()
+    if "+avx2" not in host.split(","):
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    without_512 = ",".join(
+        "-" + f[1:] if f[1:].startswith("avx512") else f for f in host.split(",")
+    )
+    results = []
+    for name, env in (
+        ("host", {}),
+        ("generic", {"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": without_512}),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", VECTOR_WIDTH_CHECK],
+            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / name), **env},
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (host_columns, host_bits), (generic_columns, generic_bits) = results
+    assert generic_columns == 24
+    assert host_columns == (48 if "+avx512f" in host.split(",") else 24)
+    assert host_bits == generic_bits
+
+
+def test_compiled_kernels_are_cached_under_the_engine_sources_digest() -> None:
+    """numba's cache checks only a function's own file, and the fused mixer inlines the
+    product kernel of another file: the cache directory is keyed by a hash of every engine
+    source, so a change to any of them starts cold (a stale mixer once ran 24-column code
+    on 48-column panels)."""
+    import numba
+
+    from ssmserve.server.engine import compile_cache, kernels, products
+
+    expected = f"ssmserve-engine-{compile_cache.engine_source_digest()[:16]}"
+    assert Path(numba.config.CACHE_DIR).name == expected
+    for kernel in (kernels.mamba_mixer, kernels.selective_scan, products.product_rows):
+        path = Path(kernel._cache._impl.locator.get_cache_path())
+        assert expected in path.parts, (kernel, path)

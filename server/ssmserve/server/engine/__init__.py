@@ -12,11 +12,19 @@
 ``recurrent_state``  per-layer state arrays of one session, and of a batch
 ``lane``      one engine thread per model, shared by steps, forecasts and replays
 
+``compile_cache``  numba's on-disk cache, keyed by the engine's source
+``threads``   the engine's helper threads: row ranges and column ranges of a step
+
 Imports: nothing else of the server (numpy, numba, safetensors only).
 """
 
-from ssmserve.server.engine.config import Architecture, MambaConfig
-from ssmserve.server.engine.loader import load_model, save_model
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.compile_cache import key_numba_cache
+
+key_numba_cache()  # before any kernel is decorated (see compile_cache.py)
+
+# The kernels' modules come after it on purpose (E402).
+from ssmserve.server.engine.config import Architecture, MambaConfig  # noqa: E402
+from ssmserve.server.engine.loader import load_model, save_model  # noqa: E402
+from ssmserve.server.engine.mamba import MambaModel  # noqa: E402
 
 __all__ = ["Architecture", "MambaConfig", "MambaModel", "load_model", "save_model"]

@@ -23,7 +23,6 @@ import hashlib
 import os
 import platform
 import threading
-from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
@@ -33,6 +32,7 @@ from numba.core import config as numba_config
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from ssmserve.server.engine import products
+from ssmserve.server.engine.compile_cache import engine_source_digest
 from ssmserve.server.engine.threads import column_ranges, engine_pool
 
 #: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
@@ -82,7 +82,7 @@ class RowStableLinear:
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.panels = products.pack_panels(np.asarray(weight, dtype=np.float32))  # (o/24, i, 24)
+        self.panels = products.pack_panels(np.asarray(weight, dtype=np.float32))  # (o/C, i, C)
         self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
 
     @property
@@ -149,11 +149,6 @@ def padded(rows: int) -> int:
     return max(1, -(-rows // WORKSPACE_ROWS)) * WORKSPACE_ROWS
 
 
-#: Engine sources whose code decides the bits of a step (a change to any of them may
-#: change outputs, so workers running different versions must not share a session).
-_ENGINE_SOURCES = ("kernels.py", "mamba.py", "mamba2.py", "numerics.py", "products.py")
-
-
 def numerics_description() -> str:
     """Everything a step's bits depend on besides weights and inputs, one line.
 
@@ -167,14 +162,10 @@ def numerics_description() -> str:
     cpu = numba_config.CPU_NAME or llvm.get_host_cpu_name()
     features = numba_config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
     enabled = ",".join(sorted(f[1:] for f in features.split(",") if f.startswith("+")))
-    source = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in _ENGINE_SOURCES:
-        source.update((here / name).read_bytes())
     return (
         f"{platform.machine()} cpu={cpu} features={_short(enabled)}"
         f" | numpy {np.__version__} numba {numba.__version__}"
-        f" llvmlite {llvmlite.__version__} | engine {source.hexdigest()[:12]}"
+        f" llvmlite {llvmlite.__version__} | engine {engine_source_digest()[:12]}"
     )
 
 

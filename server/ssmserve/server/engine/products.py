@@ -19,13 +19,17 @@ is LLVM's ``llvm.fma`` intrinsic, correctly rounded by definition (hardware FMA 
 CPU has it, a correctly rounded library routine where it does not), so the bits do not
 depend on the CPU's vector width either.
 
-Speed. The micro-kernel (:func:`_tile_kernel`) keeps a ``ROWS`` x ``COLUMNS`` (4 x 24)
-block of ``out`` in twelve 8-float vector registers while it walks k: per k it loads three
-vectors of a packed weight panel, broadcasts four inputs and issues twelve fmas, so the
-fma units, not memory, set its pace (the classic GotoBLAS / BLIS register block). Weights
-are packed once at load into panels of 24 output columns, ``(o / 24, i, 24)``, so each k
-reads 96 contiguous bytes. A batch that is not a multiple of 4 rows ends with a 1..3-row
-tile: same per-element arithmetic, so the same bits.
+Speed. The micro-kernel (:func:`_tile_kernel`) keeps a ``ROWS`` x ``COLUMNS`` block of
+``out`` (4 x 24, or 4 x 48 where the CPU has AVX-512) in twelve vector registers of 8 (16)
+floats while it walks k: per k it loads three vectors of a packed weight panel, broadcasts
+four inputs and issues twelve fmas, so the fma units, not memory, set its pace (the
+classic GotoBLAS / BLIS register block). Weights are packed once at load into panels of
+``COLUMNS`` output columns, ``(o / COLUMNS, i, COLUMNS)``, so each k reads 3 contiguous
+vectors. A batch that is not a multiple of 4 rows ends with a 1..3-row tile: same
+per-element arithmetic, so the same bits. The vector width changes which elements share
+an instruction, never an element's arithmetic, so it changes no bits either
+(``test_the_vector_width_changes_no_bits``); it is part of the numerics signature through
+the CPU features anyway.
 
 numba compiles the driver; the micro-kernel is written with llvmlite's IR builder inside a
 numba ``intrinsic`` because numba's own loops do not keep an accumulator block in
@@ -37,38 +41,51 @@ from __future__ import annotations
 
 from typing import Any
 
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic
+
+
+def _vector_lanes() -> int:
+    """Floats per vector of the micro-kernel: 16 when the CPU numba compiles for has
+    AVX-512 (its fma units take 512-bit operands: 1.3-1.6x the GFLOP/s of 8 lanes on an
+    Emerald Rapids core, BENCHMARKS.md), else 8 (on AVX2, 16 lanes would need 24 of its 16
+    registers). The CPU numba targets is part of its cache key, so a cached kernel always
+    matches the panels this choice packs."""
+    features = numba_config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return 16 if "+avx512f" in features.split(",") else 8
+
 
 #: Rows of ``out`` one micro-kernel call computes (a batch's last tile may have fewer).
 ROWS = 4
-#: Output columns per packed weight panel and micro-kernel call: 3 vectors of 8 floats.
-COLUMNS = 24
-_LANES = 8  # floats per vector register (256-bit; narrower machines split it, same bits)
+_LANES = _vector_lanes()  # floats per vector register (narrower machines split it, same bits)
+#: Output columns per packed weight panel and micro-kernel call: 3 vectors.
+COLUMNS = 3 * _LANES
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 
 
 def pack_panels(weight: np.ndarray) -> np.ndarray:
-    """``weight`` (o, i) -> panels (ceil(o / 24), i, 24) float32, zero-padded columns:
-    panel p, row k holds ``weight[24 p : 24 p + 24, k]``."""
+    """``weight`` (o, i) -> panels (ceil(o / C), i, C) float32, C = ``COLUMNS``, columns
+    zero-padded: panel p, row k holds ``weight[C p : C p + C, k]``."""
     o, i = weight.shape
     padded_o = -(-o // COLUMNS) * COLUMNS
     w = np.zeros((padded_o, i), np.float32)  # (o', i)
     w[:o] = weight
-    # (o', i) -> (o' / 24, 24, i) -> (o' / 24, i, 24)
+    # (o', i) -> (o' / C, C, i) -> (o' / C, i, C)
     return np.ascontiguousarray(w.reshape(padded_o // COLUMNS, COLUMNS, i).transpose(0, 2, 1))
 
 
 def _tile_kernel(rows: int) -> Any:
-    """The micro-kernel for a ``rows`` x 24 block (``rows`` <= 4), as a numba intrinsic:
+    """The micro-kernel for a ``rows`` x ``COLUMNS`` block (``rows`` <= 4), as a numba intrinsic:
 
     ``tile(x, x_row, panels, p, out, out_row, out_col)`` sets
     ``out[out_row + r, out_col + j] = sum_k x[x_row + r, k] * panels[p, k, j]`` (fma chain
-    over k in order) for r < rows, j < 24. Rows of ``x`` and ``out`` must be contiguous.
+    over k in order) for r < rows, j < COLUMNS. Rows of ``x`` and ``out`` must be contiguous.
     """
 
     def typer(
@@ -101,7 +118,7 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     depth = cgutils.unpack_tuple(builder, p_arr.shape)[1]  # i
     vec = ir.VectorType(ir.FloatType(), _LANES)
     fma = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32"
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{_LANES}f32"
     )
     undef = ir.Constant(vec, ir.Undefined)
     lane0 = ir.Constant(ir.IntType(32), 0)
@@ -117,7 +134,7 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     panel_base = builder.gep(p_arr.data, [builder.mul(panel, builder.mul(depth, const(COLUMNS)))])
     with cgutils.for_range(builder, depth) as loop:
         k = loop.index
-        w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k (24,)
+        w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k
         w = [
             builder.load(
                 builder.bitcast(builder.gep(w_row, [const(v * _LANES)]), vec.as_pointer()),
@@ -200,12 +217,12 @@ def product_panels(
     out: np.ndarray,
 ) -> None:
     """:func:`product_rows` for the output columns of panels ``panel_first:panel_stop``
-    only (columns ``24 panel_first`` up to ``24 panel_stop`` or o): other columns are
+    only (columns ``COLUMNS * panel_first`` up to ``COLUMNS * panel_stop`` or o): other columns are
     neither read nor written, so threads can fill one ``out`` by column ranges. Each
     element is computed exactly as in a whole product (same bits)."""
     o = out.shape[1]
-    edge = np.empty((ROWS, COLUMNS), np.float32)  # the last panel's block when o % 24 != 0
-    for p in range(panel_first, panel_stop):  # a panel (i x 24 floats) stays in cache over all rows
+    edge = np.empty((ROWS, COLUMNS), np.float32)  # the last panel's block when o % COLUMNS != 0
+    for p in range(panel_first, panel_stop):  # a panel stays in cache over all rows
         col = p * COLUMNS
         whole = col + COLUMNS <= o
         r = first
