@@ -56,7 +56,9 @@ def _vector_lanes() -> int:
     Emerald Rapids core, BENCHMARKS.md), else 8 (on AVX2, 16 lanes would need 24 of its 16
     registers). The CPU numba targets is part of its cache key, so a cached kernel always
     matches the panels this choice packs."""
-    features = numba_config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    features = numba_config.CPU_FEATURES  # as numba's codegen picks them: set, else the host's
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
     return 16 if "+avx512f" in features.split(",") else 8
 
 
