@@ -10,12 +10,15 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from contextlib import closing, suppress
 from pathlib import Path
 
 import redis
 import redis.cluster
 import redis.sentinel
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ssmserve.server.embedded_redis import find_redis_server
 
@@ -62,19 +65,51 @@ def _wait(condition, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
         time.sleep(0.05)
 
 
+class PortTakenError(RuntimeError):
+    """A redis-server could not listen: its port (or cluster bus port) was taken between
+    the harness finding it free and the server binding it."""
+
+
 class _Processes:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self, port: int, *args: str) -> None:
+        """Start a redis-server (or sentinel) listening on ``port`` and wait for its PING;
+        raises PortTakenError at once if it exits because a port it needs is in use."""
         directory = self.root / str(port)
         directory.mkdir(parents=True, exist_ok=True)
-        log = open(directory / "log", "ab")  # noqa: SIM115 (closed with the process)
-        self.procs[port] = subprocess.Popen(
+        log_path = directory / "log"
+        log = open(log_path, "ab")  # noqa: SIM115 (closed with the process)
+        proc = self.procs[port] = subprocess.Popen(
             [find_redis_server(), *args], cwd=directory, stdout=log, stderr=log
         )
-        _wait(lambda: redis.Redis(port=port, socket_timeout=1).ping(), f"redis on {port}")
+
+        def up() -> bool:
+            if proc.poll() is not None:  # exited: say why now rather than after the timeout
+                del self.procs[port]
+                tail = log_path.read_text(errors="replace")[-400:]
+                if "Address already in use" in tail:
+                    raise PortTakenError(f"redis on {port}: {tail}")
+                raise RuntimeError(f"redis on {port} exited {proc.returncode}: {tail}")
+            # one try per poll (redis-py would retry a silent port for seconds)
+            with redis.Redis(port=port, socket_timeout=1, retry=Retry(NoBackoff(), 0)) as r:
+                return bool(r.ping())
+
+        _wait(up, f"redis on {port}")
+
+    def start_on_free_port(self, port: int, args_for: Callable[[int], Sequence[str]]) -> int:
+        """:meth:`start` on ``port``, or on another free one when something took it since
+        it was found free (loopback ports are shared with every other process); returns the
+        port the server listens on."""
+        for _ in range(5):
+            try:
+                self.start(port, *args_for(port))
+                return port
+            except PortTakenError:
+                port = free_cluster_port()
+        raise RuntimeError("no port stayed free long enough to start a redis-server")
 
     def stop(self, port: int) -> None:
         proc = self.procs.pop(port)
@@ -104,15 +139,19 @@ class RedisClusterHarness:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:2])
 
     def _node_process(self, port: int) -> None:
-        self.processes.start(
-            port, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+        self.processes.start(port, *self._node_args(port))
+
+    @staticmethod
+    def _node_args(port: int) -> list[str]:
+        return [
+            "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
             "--appendonly", "yes", "--save", "", "--protected-mode", "no",
-        )  # fmt: skip
+        ]  # fmt: skip
 
     def start(self) -> RedisClusterHarness:
-        for port in self.ports:
-            self._node_process(port)
+        for i, port in enumerate(self.ports):
+            self.ports[i] = self.processes.start_on_free_port(port, self._node_args)
         subprocess.run(
             [redis_cli(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
              "--cluster-replicas", str(self.replicas), "--cluster-yes"],
@@ -217,25 +256,33 @@ class SentinelHarness:
         hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
         return f"redis+sentinel://{hosts}/{self.MASTER_NAME}"
 
-    def _server(self, port: int, *extra: str) -> None:
-        self.processes.start(
-            port, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-            "--save", "", "--protected-mode", "no", *extra,
-        )  # fmt: skip
+    def _server(self, port: int, *extra: str) -> int:
+        def args(port: int) -> list[str]:
+            return [
+                "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
+                "--save", "", "--protected-mode", "no", *extra,
+            ]  # fmt: skip
+
+        return self.processes.start_on_free_port(port, args)
+
+    def _sentinel_args(self, port: int) -> list[str]:
+        directory = self.root / str(port)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "sentinel.conf").write_text(
+            f"port {port}\nbind 127.0.0.1\nprotected-mode no\n"
+            f"sentinel monitor {self.MASTER_NAME} 127.0.0.1 {self.master_port} 2\n"
+            f"sentinel down-after-milliseconds {self.MASTER_NAME} 1000\n"
+            f"sentinel failover-timeout {self.MASTER_NAME} 5000\n"
+        )
+        return [str(directory / "sentinel.conf"), "--sentinel"]
 
     def start(self) -> SentinelHarness:
-        self._server(self.master_port)
-        self._server(self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
-        for port in self.sentinel_ports:
-            directory = self.root / str(port)
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / "sentinel.conf").write_text(
-                f"port {port}\nbind 127.0.0.1\nprotected-mode no\n"
-                f"sentinel monitor {self.MASTER_NAME} 127.0.0.1 {self.master_port} 2\n"
-                f"sentinel down-after-milliseconds {self.MASTER_NAME} 1000\n"
-                f"sentinel failover-timeout {self.MASTER_NAME} 5000\n"
-            )
-            self.processes.start(port, str(directory / "sentinel.conf"), "--sentinel")
+        self.master_port = self._server(self.master_port)
+        self.replica_port = self._server(
+            self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port)
+        )
+        for i, port in enumerate(self.sentinel_ports):
+            self.sentinel_ports[i] = self.processes.start_on_free_port(port, self._sentinel_args)
         _wait(self._ready, "sentinels see the master, the replica and each other")
         return self
 

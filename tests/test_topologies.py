@@ -375,3 +375,30 @@ def test_the_store_goes_on_after_a_cluster_node_restarts(redis_cluster):
 def _slot(cluster: RedisClusterHarness, sid: str) -> int:
     with sync_client(cluster.url) as r:
         return r.keyslot(f"ssm:{{{sid}}}:meta")
+
+
+def test_the_harness_starts_a_server_elsewhere_when_its_port_was_taken(tmp_path) -> None:
+    """Ports are found free, then bound by redis-server a moment later; on a shared
+    machine something else can take one in between (a cluster node once failed to bind its
+    bus port, and its test waited 30 s and erred). The harness starts it on another port."""
+    import socket
+    from contextlib import closing
+
+    import redis
+
+    from tests.redis_topologies import _Processes, free_cluster_port
+
+    processes = _Processes(tmp_path)
+    with closing(socket.socket()) as holder:
+        taken = free_cluster_port()
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        try:
+            port = processes.start_on_free_port(
+                taken, lambda p: ["--port", str(p), "--bind", "127.0.0.1", "--save", ""]
+            )
+            assert port != taken
+            with redis.Redis(port=port, socket_timeout=5) as r:
+                assert r.ping()
+        finally:
+            processes.stop_all()
