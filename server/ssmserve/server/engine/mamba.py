@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Protocol
@@ -36,7 +35,12 @@ from ssmserve.server.engine import kernels
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.numerics import RowStableLinear, padded
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
-from ssmserve.server.engine.threads import column_ranges, engine_pool, engine_threads, row_ranges
+from ssmserve.server.engine.threads import (
+    column_ranges,
+    engine_threads,
+    row_ranges,
+    run_ranges,
+)
 from ssmserve.server.errors import ModelInputError
 
 
@@ -363,19 +367,10 @@ class MambaModel:
         # A step not cut by rows may cut its big products by columns instead (helpers
         # never run a row range and a column range of one step at once, so none waits).
         columns = self.threads if len(parts) == 1 else 1
-        helpers: list[Future[None]] = [
-            engine_pool().submit(
-                self._step_rows, state, inputs, new_conv, new_ssm, out, lo, hi, columns
-            )
-            for lo, hi in parts[1:]
-        ]
-        try:
-            self._step_rows(state, inputs, new_conv, new_ssm, out, *parts[0], columns)
-        finally:
-            for helper in helpers:  # wait for all before raising: they write into our arrays
-                helper.exception()
-        for helper in helpers:
-            helper.result()
+        run_ranges(
+            parts,
+            lambda lo, hi: self._step_rows(state, inputs, new_conv, new_ssm, out, lo, hi, columns),
+        )
         return BatchState(new_conv, new_ssm), out
 
     def _step_rows(

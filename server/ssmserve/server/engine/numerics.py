@@ -33,7 +33,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from ssmserve.server.engine import products
 from ssmserve.server.engine.compile_cache import engine_source_digest
-from ssmserve.server.engine.threads import column_ranges, engine_pool
+from ssmserve.server.engine.threads import column_ranges, run_ranges
 
 #: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
 DEFAULT_BLAS_THREADS = 2
@@ -117,22 +117,10 @@ class RowStableLinear:
         bias = self.bias if self.bias is not None else _NO_BIAS
         has_bias = self.bias is not None
         panels = self.panels
-        parts = column_ranges(panels.shape[0], panels[0].nbytes, threads)
-        if len(parts) == 1:
-            products.product_rows(x, panels, bias, has_bias, 0, n, out)
-            return out
-        pool = engine_pool()
-        helpers = [
-            pool.submit(products.product_panels, x, panels, bias, has_bias, 0, n, lo, hi, out)
-            for lo, hi in parts[1:]
-        ]
-        try:
-            products.product_panels(x, panels, bias, has_bias, 0, n, *parts[0], out)
-        finally:
-            for helper in helpers:  # wait for all before raising: they write into ``out``
-                helper.exception()
-        for helper in helpers:
-            helper.result()
+        run_ranges(
+            column_ranges(panels.shape[0], panels[0].nbytes, threads),
+            lambda lo, hi: products.product_panels(x, panels, bias, has_bias, 0, n, lo, hi, out),
+        )
         return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 #: Threads a step uses unless ``SSMSERVE_ENGINE_THREADS`` says otherwise.
@@ -66,6 +67,24 @@ def engine_pool() -> ThreadPoolExecutor:
                 max_workers=max(1, engine_threads() - 1), thread_name_prefix="ssmserve-engine"
             )
         return _pool
+
+
+def run_ranges(parts: Sequence[tuple[int, int]], work: Callable[[int, int], None]) -> None:
+    """``work(lo, hi)`` for every range at once: the first on this thread, the others on
+    the helpers; returns when all are done, raising the first error (after all are done:
+    they write into the caller's arrays)."""
+    if len(parts) == 1:
+        work(*parts[0])
+        return
+    pool = engine_pool()
+    helpers = [pool.submit(work, lo, hi) for lo, hi in parts[1:]]
+    try:
+        work(*parts[0])
+    finally:
+        for helper in helpers:  # wait for all before raising
+            helper.exception()
+    for helper in helpers:
+        helper.result()
 
 
 def row_ranges(batch: int, threads: int, flops_per_row: float = 0.0) -> list[tuple[int, int]]:
