@@ -10,7 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import closing, suppress
 from pathlib import Path
 
@@ -37,13 +37,17 @@ def redis_cli() -> str:
     return found
 
 
-def free_cluster_port() -> int:
-    """A free loopback port below 55536 whose cluster bus port (port + 10000) is free too."""
+def free_cluster_port(taken: Collection[int] = ()) -> int:
+    """A free loopback port below 55536 whose cluster bus port (port + 10000) is free too,
+    neither of them one of ``taken`` nor the bus port of one (ports picked for servers not
+    started yet: one node's port was once another's bus port, and that node could not
+    start)."""
+    busy = {q for p in taken for q in (p, p + 10000)}
     for _ in range(200):
         with closing(socket.socket()) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port >= 55536:
+        if port >= 55536 or port in busy or port + 10000 in busy:
             continue
         with closing(socket.socket()) as bus:
             try:
@@ -99,16 +103,18 @@ class _Processes:
 
         _wait(up, f"redis on {port}")
 
-    def start_on_free_port(self, port: int, args_for: Callable[[int], Sequence[str]]) -> int:
-        """:meth:`start` on ``port``, or on another free one when something took it since
-        it was found free (loopback ports are shared with every other process); returns the
-        port the server listens on."""
+    def start_on_free_port(
+        self, port: int, args_for: Callable[[int], Sequence[str]], taken: Collection[int] = ()
+    ) -> int:
+        """:meth:`start` on ``port``, or on another free one (not one of ``taken``, the
+        caller's other ports) when something took it since it was found free (loopback
+        ports are shared with every other process); returns the port the server listens on."""
         for _ in range(5):
             try:
                 self.start(port, *args_for(port))
                 return port
             except PortTakenError:
-                port = free_cluster_port()
+                port = free_cluster_port(taken=[*self.procs, *taken])
         raise RuntimeError("no port stayed free long enough to start a redis-server")
 
     def stop(self, port: int) -> None:
@@ -132,7 +138,9 @@ class RedisClusterHarness:
     def __init__(self, root: Path, masters: int = 3, replicas: int = 0) -> None:
         self.processes = _Processes(root)
         self.masters, self.replicas = masters, replicas
-        self.ports = [free_cluster_port() for _ in range(masters * (1 + replicas))]
+        self.ports: list[int] = []
+        for _ in range(masters * (1 + replicas)):
+            self.ports.append(free_cluster_port(taken=self.ports))
 
     @property
     def url(self) -> str:
@@ -151,7 +159,7 @@ class RedisClusterHarness:
 
     def start(self) -> RedisClusterHarness:
         for i, port in enumerate(self.ports):
-            self.ports[i] = self.processes.start_on_free_port(port, self._node_args)
+            self.ports[i] = self.processes.start_on_free_port(port, self._node_args, self.ports)
         subprocess.run(
             [redis_cli(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
              "--cluster-replicas", str(self.replicas), "--cluster-yes"],
@@ -233,7 +241,11 @@ class RedisClusterHarness:
         self.processes.stop_all()
 
     def __enter__(self) -> RedisClusterHarness:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # no __exit__ follows: stop the servers started so far
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -248,8 +260,15 @@ class SentinelHarness:
         self.root = root
         self.processes = _Processes(root)
         self.master_port = free_cluster_port()
-        self.replica_port = free_cluster_port()
-        self.sentinel_ports = [free_cluster_port() for _ in range(3)]
+        self.replica_port = free_cluster_port(taken=[self.master_port])
+        self.sentinel_ports: list[int] = []
+        for _ in range(3):
+            taken = [self.master_port, self.replica_port, *self.sentinel_ports]
+            self.sentinel_ports.append(free_cluster_port(taken=taken))
+
+    @property
+    def _ports(self) -> list[int]:
+        return [self.master_port, self.replica_port, *self.sentinel_ports]
 
     @property
     def url(self) -> str:
@@ -263,7 +282,7 @@ class SentinelHarness:
                 "--save", "", "--protected-mode", "no", *extra,
             ]  # fmt: skip
 
-        return self.processes.start_on_free_port(port, args)
+        return self.processes.start_on_free_port(port, args, self._ports)
 
     def _sentinel_args(self, port: int) -> list[str]:
         directory = self.root / str(port)
@@ -282,7 +301,9 @@ class SentinelHarness:
             self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port)
         )
         for i, port in enumerate(self.sentinel_ports):
-            self.sentinel_ports[i] = self.processes.start_on_free_port(port, self._sentinel_args)
+            self.sentinel_ports[i] = self.processes.start_on_free_port(
+                port, self._sentinel_args, self._ports
+            )
         _wait(self._ready, "sentinels see the master, the replica and each other")
         return self
 
@@ -326,7 +347,11 @@ class SentinelHarness:
         self.processes.stop_all()
 
     def __enter__(self) -> SentinelHarness:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # no __exit__ follows: stop the servers started so far
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -402,3 +402,15 @@ def test_the_harness_starts_a_server_elsewhere_when_its_port_was_taken(tmp_path)
                 assert r.ping()
         finally:
             processes.stop_all()
+
+
+def test_a_harness_picks_ports_that_are_not_each_others_bus_ports(tmp_path) -> None:
+    """Ports are picked before any server starts, so the OS does not keep them apart: one
+    node once got another's cluster bus port (port + 10000) and could not start."""
+    from tests.redis_topologies import RedisClusterHarness, SentinelHarness
+
+    for _ in range(20):
+        ports = RedisClusterHarness(tmp_path, replicas=1).ports
+        assert len({*ports, *(p + 10000 for p in ports)}) == 2 * len(ports)
+        sentinel = SentinelHarness(tmp_path)
+        assert len(set(sentinel._ports)) == 5
