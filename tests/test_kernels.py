@@ -9,12 +9,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ssmserve.server.engine.kernels import exp_f32, log1p_f32
+from ssmserve.server.engine.kernels import dot_in_order_f32, exp_f32, log1p_f32
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState
 from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter
@@ -56,6 +57,49 @@ def test_exp_flushes_below_the_normal_range_and_clamps_above() -> None:
 def test_exp_in_place_gives_the_same_bits() -> None:
     x = np.random.default_rng(0).normal(0, 30, 10_000).astype(np.float32)
     assert np.array_equal(exp_f32(x.copy()), exp_f32(x))
+
+
+def _fma_f32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """a * b + c rounded once to float32 (ties to even), from the exact rational value."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))  # within one float32 step (double rounding aside)
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    best = min(
+        candidates,
+        key=lambda f: (abs(Fraction(float(f)) - exact), int(np.array(f).view(np.int32)) & 1),
+    )
+    return np.float32(best)
+
+
+def _readout_reference(h: np.ndarray, c: np.ndarray) -> np.float32:
+    """The readout's documented order: four fma chains from 0.0 over s = j, j + 4, ...
+    (the s past a multiple of 4 go on the first chain), then (a0 + a1) + (a2 + a3)."""
+    n = c.shape[0]
+    sums = [np.float32(0.0)] * 4
+    for s in range(4 * (n // 4)):
+        sums[s % 4] = _fma_f32(h[s], c[s], sums[s % 4])
+    for s in range(4 * (n // 4), n):
+        sums[0] = _fma_f32(h[s], c[s], sums[0])
+    return (sums[0] + sums[1]) + (sums[2] + sums[3])
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 13, 16, 64, 128])
+def test_the_readout_adds_in_its_documented_order(n: int) -> None:
+    """The scans' readout (a vector intrinsic, kernels._partial_sums4) gives exactly the
+    bits of its documented order, computed here with exactly rounded fma: the order is
+    what keeps a session's bits independent of its batch, so it must not drift with the
+    compiler. Magnitudes spread over 2**±20 so that a different order would round
+    differently."""
+    rng = np.random.default_rng(n)
+    scale = np.exp2(rng.integers(-20, 20, size=(24, n))).astype(np.float32)
+    h = (rng.standard_normal((24, n)) * scale).astype(np.float32)
+    c = rng.standard_normal(n).astype(np.float32)
+    got = dot_in_order_f32(h, c)
+    want = np.array([_readout_reference(row, c) for row in h], np.float32)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+    reordered = np.array([np.float32(np.dot(row.astype(np.float64), c)) for row in h], np.float32)
+    if n >= 13:  # the check can tell orders apart: another order gives other bits here
+        assert not np.array_equal(got.view(np.int32), reordered.view(np.int32))
 
 
 def test_steps_on_two_threads_at_once_match_sequential(signal_model: MambaModel) -> None:
@@ -180,8 +224,8 @@ async def main():
     dispatchers = [
         f for f in {id(f): f for f in [*vars(kernels).values(), *vars(products).values()]}.values()
         if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline") != "always"
-        # the tests' handles on the inlined exp and log1p; steps never call them
-        and f.__name__ not in ("exp_f32", "log1p_f32")
+        # the tests' handles on the inlined exp, log1p and readout; steps never call them
+        and f.__name__ not in ("exp_f32", "log1p_f32", "dot_in_order_f32")
     ]
     cold_before = [f.__name__ for f in dispatchers if not f.signatures]
     w = Worker(WorkerSettings(models=(("demo", sys.argv[1]), ("m2", sys.argv[3])),
