@@ -63,7 +63,8 @@ def _fma_f32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
     """a * b + c rounded once to float32 (ties to even), from the exact rational value."""
     exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
     near = np.float32(float(exact))  # within one float32 step (double rounding aside)
-    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    down, up = np.float32(-np.inf), np.float32(np.inf)
+    candidates = [np.nextafter(near, down), near, np.nextafter(near, up)]
     best = min(
         candidates,
         key=lambda f: (abs(Fraction(float(f)) - exact), int(np.array(f).view(np.int32)) & 1),

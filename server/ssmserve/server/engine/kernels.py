@@ -193,10 +193,14 @@ def _partial_sums4(typingctx: Any, h: Any, base: Any, c: Any, count: Any) -> tup
         )
         h_first = builder.gep(h_data, [args[1]])
         acc = cgutils.alloca_once_value(builder, ir.Constant(_V4, [0.0] * 4))
+
+        def load4(first: Any, offset: Any) -> Any:  # 4 floats from first[offset]
+            address = builder.bitcast(builder.gep(first, [offset]), _V4.as_pointer())
+            return builder.load(address, align=4)
+
         with cgutils.for_range(builder, args[3]) as loop:
             offset = builder.mul(loop.index, ir.Constant(loop.index.type, 4))
-            h4 = builder.load(builder.bitcast(builder.gep(h_first, [offset]), _V4.as_pointer()), align=4)
-            c4 = builder.load(builder.bitcast(builder.gep(c_data, [offset]), _V4.as_pointer()), align=4)
+            h4, c4 = load4(h_first, offset), load4(c_data, offset)
             builder.store(builder.call(fma, [h4, c4, builder.load(acc)]), acc)
         sums = builder.load(acc)
         lanes = [builder.extract_element(sums, ir.Constant(ir.IntType(32), j)) for j in range(4)]
