@@ -15,6 +15,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.errors import SessionMovedError
+from ssmserve.server.state import store as store_module
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import (
     BadSessionIdError,
@@ -491,6 +492,62 @@ def test_renewal_extends_only_a_live_lease_of_the_caller(store):
             await s.acquire("a", "w1", "addr:1", LEASE_MS, expect=a.token)
         (stale,) = await s.renew_leases([a], LEASE_MS)
         assert isinstance(stale, StaleEpochError)
+
+    run(store, body)
+
+
+def test_renewals_of_many_leases_give_each_its_own_outcome(store, monkeypatch):
+    """One ``renew_leases`` call for many sessions (RENEW_MANY on one server, in calls of
+    SESSIONS_PER_CALL sessions, here 3; one script per session on a cluster): live ones
+    are extended, each other one gets its own outcome and is left as it was."""
+    monkeypatch.setattr(store_module, "SESSIONS_PER_CALL", 3)
+
+    async def body(s: Store):
+        ok = [await new(s, f"ok{i}", lease_ms=500) for i in range(4)]
+        expired, stale, handed = await new(s, "expired"), await new(s, "stale"), await new(s, "h")
+        closed = await new(s, "closed")
+        await s.redis.delete(s.keys("expired").lease)
+        await s.redis.delete(s.keys("stale").lease)
+        await acquire(s, "stale", "w2")
+        await s.handoff(handed, WorkerRecord("w3", "addr:3", ("demo",), 0, 1.0, 1.0, False), 500)
+        await s.close_session(closed)
+        missing = SessionLease("missing", "x.1", "w1")
+        other_worker = await new(s, "theirs", owner="w2", lease_ms=500)  # a second holder
+        leases = [ok[0], expired, ok[1], stale, handed, closed, missing, ok[2], other_worker, ok[3]]
+        outcomes = await s.renew_leases(leases, LEASE_MS)
+        assert [type(o).__name__ for o in outcomes] == [
+            "NoneType", "LeaseExpiredError", "NoneType", "StaleEpochError", "NoneType",
+            "SessionMissingError", "SessionMissingError", "NoneType", "NoneType", "NoneType",
+        ]  # fmt: skip
+        for lease in (*ok, other_worker):
+            holder = await s.lease_holder(lease.session_id)
+            assert holder.holder == lease.holder and holder.ttl_ms > 1000  # extended
+        assert await s.lease_holder("expired") is None  # not re-created
+        assert (await s.lease_holder("stale")).holder == "w2"
+        assert (await s.lease_holder("h")).holder == "handoff:w3"
+        assert (await s.lease_holder("h")).ttl_ms <= 500  # a handoff is left alone
+
+    run(store, body)
+
+
+def test_a_batched_renewal_that_fails_part_way_is_an_unknown_outcome(store):
+    """A lease key of the wrong type makes its renewal fail inside the script. On one
+    server every lease of that call may then be extended or not: each gets
+    StoreOutcomeUnknownError (the worker lets them go; Redis decides who holds them next).
+    On a cluster each lease is its own script: only that one fails."""
+
+    async def body(s: Store):
+        a, bad, c = await new(s, "a", lease_ms=500), await new(s, "bad"), await new(s, "c")
+        await s.redis.delete(s.keys("bad").lease)
+        await s.redis.hset(s.keys("bad").lease, "not", "a string")
+        outcomes = await s.renew_leases([a, bad, c], LEASE_MS)
+        if isinstance(s.redis, RedisCluster):
+            assert outcomes[0] is None and outcomes[2] is None
+            assert isinstance(outcomes[1], StoreError)
+        else:
+            assert all(isinstance(o, StoreOutcomeUnknownError) for o in outcomes)
+            assert "batched renewal, which may have been applied in part" in str(outcomes[0])
+            assert (await s.lease_holder("a")).ttl_ms > 1000  # renewed before the failure
 
     run(store, body)
 

@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 EVENTS_KEPT = 1024  # per session: the newest rollbacks and guard events
 RACE_ATTEMPTS = 4  # reads and tries again of a script that found the snapshots changed
-APPENDS_PER_CALL = 256  # sessions per LOG_APPEND_MANY call (one Redis server)
+SESSIONS_PER_CALL = 256  # sessions per call of a *_MANY script (one Redis server)
 
 #: A session id as a client gives it: safe in key names (no braces, which would break the
 #: hash tag) and URLs.
@@ -325,6 +325,7 @@ class Store:
         self._create = self.redis.register_script(layout.CREATE)
         self._acquire = self.redis.register_script(layout.ACQUIRE)
         self._renew = self.redis.register_script(layout.RENEW)
+        self._renew_many = self.redis.register_script(layout.RENEW_MANY)
         self._release = self.redis.register_script(layout.RELEASE)
         self._handoff = self.redis.register_script(layout.HANDOFF)
         self._cancel_handoff = self.redis.register_script(layout.CANCEL_HANDOFF)
@@ -392,6 +393,49 @@ class Store:
         if not calls:
             return []
         return await self._call(op, lambda: self.batches.run(script, calls), True)
+
+    async def _many(
+        self,
+        op: str,
+        script: AsyncScript,
+        shared: Sequence[Any],
+        per_session: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        what: str,
+    ) -> list[SsmserveError | None]:
+        """A *_MANY script (one Redis server only) for many sessions: one call per
+        SESSIONS_PER_CALL of them, in one round trip, with KEYS the sessions' keys and ARGV
+        ``shared`` then the sessions' arguments, in order. One outcome per session.
+
+        A call that failed as a whole (a script stopped part way keeps what it wrote)
+        gives each of its sessions StoreOutcomeUnknownError: each may or may not be
+        written. Why these scripts: redis-py's Python per command was most of the cost of
+        a batched write (~20 us per session as one EVALSHA each).
+        """
+        chunks = [
+            per_session[i : i + SESSIONS_PER_CALL]
+            for i in range(0, len(per_session), SESSIONS_PER_CALL)
+        ]
+        calls = []
+        for chunk in chunks:
+            keys: list[str] = []
+            args: list[Any] = list(shared)
+            for session_keys, session_args in chunk:
+                keys += session_keys
+                args += session_args
+            calls.append((keys, args))
+        replies = await self._scripts(op, script, calls)
+        outcomes: list[SsmserveError | None] = []
+        for chunk, reply in zip(chunks, replies, strict=True):
+            if isinstance(reply, list) and len(reply) == len(chunk):
+                outcomes += (self._outcome(r) for r in reply)
+                continue
+            self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
+            error = StoreOutcomeUnknownError(
+                f"the session store (Redis) refused a batched {what}, which may have been "
+                f"applied in part: {clip(str(reply))}"
+            )
+            outcomes += [error] * len(chunk)
+        return outcomes
 
     def _check(self, raw: Any) -> list[str]:
         """``check_reply``, counting refusals by fencing."""
@@ -593,11 +637,29 @@ class Store:
         if not leases:
             return []
 
-        calls = []
-        for lease in leases:
-            k = self.keys(lease.session_id)
-            calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms]))
-        return [self._outcome(r) for r in await self._scripts("renew_leases", self._renew, calls)]
+        if isinstance(self.redis, RedisCluster):  # one script per session: one slot each
+            calls = []
+            for lease in leases:
+                k = self.keys(lease.session_id)
+                calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms]))
+            replies = await self._scripts("renew_leases", self._renew, calls)
+            return [self._outcome(r) for r in replies]
+        # One server: RENEW_MANY. Leases of one call share the holder (this worker).
+        by_holder: dict[str, list[int]] = {}
+        for i, lease in enumerate(leases):
+            by_holder.setdefault(lease.holder, []).append(i)
+        outcomes: list[SsmserveError | None] = [None] * len(leases)
+        for holder, indices in by_holder.items():
+            per_session = []
+            for i in indices:
+                k = self.keys(leases[i].session_id)
+                per_session.append(((k.meta, k.lease), (leases[i].token,)))
+            got = await self._many(
+                "renew_leases", self._renew_many, [holder, lease_ms], per_session, "renewal"
+            )
+            for i, outcome in zip(indices, got, strict=True):
+                outcomes[i] = outcome
+        return outcomes
 
     async def release(self, lease: SessionLease) -> None:
         k = self.keys(lease.session_id)
@@ -705,37 +767,19 @@ class Store:
                 calls.append(([k.meta, k.log], [lease.token, first, updated_at, *inputs]))
             replies = await self._scripts("append_logs", self._log_append, calls)
             return [self._outcome(reply) for reply in replies]
-        # One server: LOG_APPEND_MANY, one call per APPENDS_PER_CALL sessions (redis-py's
-        # Python per command was most of a group commit's cost: ~20 us per session).
-        chunks = [
-            appends[i : i + APPENDS_PER_CALL] for i in range(0, len(appends), APPENDS_PER_CALL)
-        ]
-        calls = []
-        for chunk in chunks:
-            keys: list[str] = []
-            args: list[Any] = [updated_at]
-            for lease, first, inputs in chunk:
-                k = self.keys(lease.session_id)
-                if not inputs or any(len(x) != len(inputs[0]) for x in inputs):
-                    raise ValueError(f"inputs of {lease.session_id!r} differ in length")
-                keys += (k.meta, k.log)
-                args += (lease.token, first, len(inputs), b"".join(inputs))
-            calls.append((keys, args))
-        replies = await self._scripts("append_logs", self._log_append_many, calls)
-        outcomes: list[SsmserveError | None] = []
-        for chunk, reply in zip(chunks, replies, strict=True):
-            if isinstance(reply, list) and len(reply) == len(chunk):
-                outcomes += (self._outcome(r) for r in reply)
-                continue
-            # The call as a whole failed: a script that stopped part way keeps what it
-            # wrote, so each of its sessions may or may not be logged now.
-            self.metrics.redis_errors.labels("append_logs", "outcome_unknown").inc()
-            error = StoreOutcomeUnknownError(
-                f"the session store (Redis) refused a group commit, which may have been "
-                f"applied in part: {clip(str(reply))}"
+        # One server: LOG_APPEND_MANY. Per session: token, first step, input count, its
+        # inputs as one string.
+        per_session = []
+        for lease, first, inputs in appends:
+            k = self.keys(lease.session_id)
+            if not inputs or any(len(x) != len(inputs[0]) for x in inputs):
+                raise ValueError(f"inputs of {lease.session_id!r} differ in length")
+            per_session.append(
+                ((k.meta, k.log), (lease.token, first, len(inputs), b"".join(inputs)))
             )
-            outcomes += [error] * len(chunk)
-        return outcomes
+        return await self._many(
+            "append_logs", self._log_append_many, [updated_at], per_session, "group commit"
+        )
 
     async def read_log(self, session_id: str, first: int, last: int) -> list[bytes]:
         """Logged inputs of steps ``first..last``; raises StoreError if any is missing."""

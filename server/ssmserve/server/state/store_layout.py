@@ -104,8 +104,8 @@ def upload_key(prefix: str, upload_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------- scripts
-# Each script touches only keys of one session (one hash tag; the one exception,
-# LOG_APPEND_MANY, runs on a single Redis server only), and declares every key it
+# Each script touches only keys of one session (one hash tag; the exceptions, the *_MANY
+# scripts, run on a single Redis server only), and declares every key it
 # touches in KEYS (Redis Cluster routes a script by its keys, and Redis does not promise
 # that keys a script builds itself are served). Snapshot pieces have names that depend
 # on the snapshot, so the caller reads them first and declares them; a script that finds
@@ -338,27 +338,51 @@ return {'OK', token}
 """
 )
 
-# KEYS: meta, lease. ARGV: worker id, token, lease ms.
 # Extends the caller's own live lease; never re-creates one that ran out (ERR_EXPIRED:
 # the caller must acquire again, which gives it a new token).
+_RENEW = """
+local function renew(meta, lease, holder, token, ms)
+    local err = fence(meta, token)
+    if err then return err end
+    local current = redis.call('GET', lease)
+    if current == holder then
+        redis.call('PEXPIRE', lease, ms)
+        return {'OK'}
+    end
+    if not current then
+        return {'ERR_EXPIRED', 'the lease ran out before it was renewed'}
+    end
+    if string.sub(current, 1, 8) == 'handoff:' then
+        return {'HANDOFF'}  -- being handed to another worker by this one: leave it alone
+    end
+    return {'ERR_STALE', 'the lease is held by ' .. current,
+        redis.call('HGET', meta, 'owner_addr') or ''}
+end
+"""
+
+# KEYS: meta, lease. ARGV: worker id, token, lease ms.
 RENEW = (
     _COMMON
+    + _RENEW
     + """
-local err = fence(KEYS[1], ARGV[2])
-if err then return err end
-local holder = redis.call('GET', KEYS[2])
-if holder == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
-    return {'OK'}
+return renew(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
+"""
+)
+
+# The renewals of many sessions of one worker in one call: on one Redis server only (as
+# LOG_APPEND_MANY, and for the same reason: redis-py's Python per pipelined command cost
+# more than the renewal; a worker renews every session it holds every period). KEYS: meta
+# and lease of each session. ARGV: worker id, lease ms, then each session's token. Returns
+# one reply per session, as RENEW's.
+RENEW_MANY = (
+    _COMMON
+    + _RENEW
+    + """
+local replies = {}
+for s = 1, #KEYS / 2 do
+    replies[s] = renew(KEYS[2 * s - 1], KEYS[2 * s], ARGV[1], ARGV[2 + s], ARGV[2])
 end
-if not holder then
-    return {'ERR_EXPIRED', 'the lease ran out before it was renewed'}
-end
-if string.sub(holder, 1, 8) == 'handoff:' then
-    return {'HANDOFF'}  -- being handed to another worker by this one: leave it alone
-end
-return {'ERR_STALE', 'the lease is held by ' .. holder,
-    redis.call('HGET', KEYS[1], 'owner_addr') or ''}
+return replies
 """
 )
 
