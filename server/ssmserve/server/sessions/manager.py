@@ -195,6 +195,7 @@ class SessionManager:
             settings.defaults,
         )  # fmt: skip
         self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,6 +213,7 @@ class SessionManager:
         await self.lanes.remove(key, resident)
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.lanes.start()
         self._reaper = asyncio.create_task(
             self.loader.evict_idle(self.settings.idle_check_s), name="idle-eviction"
@@ -370,7 +372,8 @@ class SessionManager:
                 f"session {s.id!r} already has {len(s.queue)} steps queued "
                 f"(limit {self.settings.max_queued_steps}); wait for answers before sending more"
             )
-        future: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        loop = self._loop or asyncio.get_running_loop()  # the call costs a getpid() on 3.11
+        future: asyncio.Future[StepOutcome] = loop.create_future()
         self.steppers[s.model_name].submit(s, StepJob(step, arr, s.codec.encode(arr), future))
         return future
 
