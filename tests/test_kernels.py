@@ -286,15 +286,33 @@ def test_a_batched_step_reuses_the_last_steps_pages() -> None:
     assert faults < state_pages  # 10 steps fault in less than one step's state
 
 
-def test_keep_freed_mb_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ssmserve.server.engine.allocator import keep_freed_mb
+def test_engine_settings_from_the_environment_are_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each engine knob in the environment: unset or empty gives its default, a value in
+    range is used, anything else is an error that names the variable and its range."""
+    from ssmserve.server.engine import allocator, numerics, threads
 
-    monkeypatch.setenv("SSMSERVE_KEEP_FREED_MB", "0")
-    assert keep_freed_mb() == 0
-    for bad in ("x", "-1", str(2 << 20)):
-        monkeypatch.setenv("SSMSERVE_KEEP_FREED_MB", bad)
-        with pytest.raises(ValueError, match="SSMSERVE_KEEP_FREED_MB"):
-            keep_freed_mb()
+    knobs = {
+        "SSMSERVE_KEEP_FREED_MB": (allocator.keep_freed_mb, allocator.DEFAULT_KEEP_FREED_MB, 0),
+        "SSMSERVE_ENGINE_THREADS": (threads.engine_threads, threads.DEFAULT_ENGINE_THREADS, 3),
+    }
+    for name, (read, default, fine) in knobs.items():
+        monkeypatch.delenv(name, raising=False)
+        assert read() == default
+        monkeypatch.setenv(name, "")
+        assert read() == default
+        monkeypatch.setenv(name, str(fine))
+        assert read() == fine
+        for bad in ("x", "-1", "2.5", str(2 << 20)):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=f"{name} must be (an integer|in )"):
+                read()
+        monkeypatch.delenv(name)
+    # BLAS threads are read when they are pinned; a bad value must not pin anything
+    monkeypatch.setenv("SSMSERVE_BLAS_THREADS", "two")
+    with pytest.raises(ValueError, match=r"SSMSERVE_BLAS_THREADS must be an integer, got 'two'"):
+        numerics.pin_blas_threads()
 
 
 @pytest.mark.parametrize("fixture", ["signal_model", "token_model", "demo_model"])

@@ -19,7 +19,8 @@ glibc's own behaviour.
 from __future__ import annotations
 
 import ctypes
-import os
+
+from ssmserve.server.engine.environment import env_int
 
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -46,14 +47,7 @@ _kept: int | None = None  # bytes keep_freed_pages set, once per process
 
 def keep_freed_mb() -> int:
     """``$SSMSERVE_KEEP_FREED_MB`` or :data:`DEFAULT_KEEP_FREED_MB` (0: glibc's defaults)."""
-    raw = os.environ.get("SSMSERVE_KEEP_FREED_MB", str(DEFAULT_KEEP_FREED_MB))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"SSMSERVE_KEEP_FREED_MB must be an integer, got {raw!r}") from None
-    if not 0 <= value <= 1 << 20:
-        raise ValueError(f"SSMSERVE_KEEP_FREED_MB must be in [0, 1048576], got {value}")
-    return value
+    return env_int("SSMSERVE_KEEP_FREED_MB", DEFAULT_KEEP_FREED_MB, 0, 1 << 20)
 
 
 def keep_freed_pages() -> int:

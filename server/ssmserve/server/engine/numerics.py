@@ -20,7 +20,6 @@ thread count (1 and 2 threads give different bits), for the numpy code around th
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import threading
 
@@ -33,6 +32,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from ssmserve.server.engine import products
 from ssmserve.server.engine.compile_cache import engine_source_digest
+from ssmserve.server.engine.environment import env_int
 from ssmserve.server.engine.threads import column_ranges, run_ranges
 
 #: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
@@ -49,7 +49,7 @@ def pin_blas_threads(threads: int | None = None) -> int:
     """
     global _pinned
     if threads is None:
-        threads = int(os.environ.get("SSMSERVE_BLAS_THREADS", DEFAULT_BLAS_THREADS))
+        threads = env_int("SSMSERVE_BLAS_THREADS", DEFAULT_BLAS_THREADS, 1, 256)
     if threads < 1:
         raise ValueError(f"BLAS threads must be >= 1, got {threads}")
     with _pin_lock:

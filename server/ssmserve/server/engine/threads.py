@@ -20,10 +20,11 @@ never deadlocks, whatever number of models and lanes share the pool.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+from ssmserve.server.engine.environment import env_int
 
 #: Threads a step uses unless ``SSMSERVE_ENGINE_THREADS`` says otherwise.
 DEFAULT_ENGINE_THREADS = 2
@@ -47,14 +48,7 @@ _pool: ThreadPoolExecutor | None = None
 
 def engine_threads() -> int:
     """``$SSMSERVE_ENGINE_THREADS`` or :data:`DEFAULT_ENGINE_THREADS` (>= 1)."""
-    raw = os.environ.get("SSMSERVE_ENGINE_THREADS", str(DEFAULT_ENGINE_THREADS))
-    try:
-        threads = int(raw)
-    except ValueError:
-        raise ValueError(f"SSMSERVE_ENGINE_THREADS must be an integer, got {raw!r}") from None
-    if not 1 <= threads <= 64:
-        raise ValueError(f"SSMSERVE_ENGINE_THREADS must be in [1, 64], got {threads}")
-    return threads
+    return env_int("SSMSERVE_ENGINE_THREADS", DEFAULT_ENGINE_THREADS, 1, 64)
 
 
 def engine_pool() -> ThreadPoolExecutor:
