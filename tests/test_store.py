@@ -230,6 +230,30 @@ def test_a_group_commit_that_fails_part_way_is_an_unknown_outcome(store):
     run(store, body)
 
 
+@pytest.mark.parametrize("per_call", [256, 1])
+def test_scripts_flushed_from_redis_are_loaded_again(store, monkeypatch, per_call):
+    """After SCRIPT FLUSH (a restarted Redis, a failover to a replica that never saw the
+    script) a write answered NOSCRIPT did not run: it is loaded and sent again, whether it
+    went alone (one call: no pipeline) or with others (one pipeline; 1 session per call)."""
+    monkeypatch.setattr(store_module, "SESSIONS_PER_CALL", per_call)
+
+    async def body(s: Store):
+        a, b = await new(s, "a"), await new(s, "b")
+        for r in (0, 1):
+            await s.redis.script_flush()
+            assert await s.append_logs([(a, 2 * r + 1, [b"a%03d" % (2 * r + 1)])], 1.0) == [None]
+            await s.redis.script_flush()
+            assert await s.append_logs(
+                [(a, 2 * r + 2, [b"a%03d" % (2 * r + 2)]), (b, r + 1, [b"b%03d" % (r + 1)])], 1.0
+            ) == [None, None]
+        await s.redis.script_flush()
+        assert await s.renew_leases([a, b], LEASE_MS) == [None, None]
+        assert await s.read_log("a", 1, 4) == [b"a001", b"a002", b"a003", b"a004"]
+        assert await s.read_log("b", 1, 2) == [b"b001", b"b002"]
+
+    run(store, body)
+
+
 def test_log_append_must_continue_the_log(store):
     async def body(s: Store):
         a = await new(s, "a")
