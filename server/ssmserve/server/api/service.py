@@ -181,8 +181,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
             while (message := await reader.answers.get()) is not None:
                 received, futures, packed = message
                 outcomes = [await f for f in futures]
-                results = [result_to_pb(o, scope, packed) for o in outcomes]
-                for response in split_results(results, budget):
+                for response in answer_responses(outcomes, scope, packed, budget):
                     yield response
                 reader.slots.release()
                 answered = time.perf_counter() - received
@@ -479,6 +478,22 @@ def _being_cancelled() -> bool:
 _RESPONSE_MARGIN = 64 << 10
 
 
+def answer_responses(
+    outcomes: Sequence[StepOutcome], scope: TenantScope, packed: bool, budget: int
+) -> Iterator[pb.StreamResponse]:
+    """The answers to one request: built in place in one response (each StepResult added
+    to it, its size computed once, in C), split by :func:`split_results` only when they
+    exceed ``budget``. Building each result alone and copying it in cost ~2x the CPU."""
+    response = pb.StreamResponse()
+    add = response.results.add
+    for outcome in outcomes:
+        fill_result(add(), outcome, scope, packed)
+    if response.ByteSize() <= budget:
+        yield response
+    else:
+        yield from split_results(list(response.results), budget)
+
+
 def split_results(results: list[pb.StepResult], budget: int) -> Iterator[pb.StreamResponse]:
     """The answers to one request, in responses of at most ``budget`` bytes each (all but
     the last marked ``continued``). One result always fits: the worker refuses models
@@ -700,7 +715,17 @@ def forecast_step_to_pb(item: ForecastStep, packed: bool = False) -> pb.Forecast
 def result_to_pb(
     outcome: StepOutcome, scope: TenantScope = _ALL, packed: bool = False
 ) -> pb.StepResult:
-    result = pb.StepResult(session_id=scope.shown(outcome.session_id), step=outcome.step)
+    result = pb.StepResult()
+    fill_result(result, outcome, scope, packed)
+    return result
+
+
+def fill_result(
+    result: pb.StepResult, outcome: StepOutcome, scope: TenantScope, packed: bool
+) -> None:
+    """``result`` (empty) := ``outcome`` as the client sees it."""
+    result.session_id = scope.shown(outcome.session_id)
+    result.step = outcome.step
     if outcome.replayed:
         result.replayed = True
     if outcome.guard_events:
@@ -711,7 +736,6 @@ def result_to_pb(
         _set_vector(result.output, outcome.output, packed)
     if outcome.error is not None:
         result.error.CopyFrom(status.step_error(outcome.error, scope.clean))
-    return result
 
 
 def _set_vector(vector: pb.Vector, values: np.ndarray, packed: bool) -> None:
