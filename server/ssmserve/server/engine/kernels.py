@@ -165,7 +165,16 @@ def log1p_f32(y: np.ndarray) -> np.ndarray:
 
 
 _V4 = ir.VectorType(ir.FloatType(), 4)
-_F32_VECTOR = types.Array(types.float32, 1, "C")
+
+
+def _is_f32_vector(ty: Any) -> bool:
+    """A 1-d contiguous float32 array type (writable or not)."""
+    return (
+        isinstance(ty, types.Array)
+        and ty.dtype == types.float32
+        and ty.ndim == 1
+        and ty.layout == "C"
+    )
 
 
 @intrinsic
@@ -181,7 +190,7 @@ def _partial_sums4(typingctx: Any, h: Any, base: Any, c: Any, count: Any) -> tup
     Both arrays must be float32, 1-d and contiguous (typing rejects others); the caller
     keeps ``base + 4 count <= len(h)`` and ``4 count <= len(c)``.
     """
-    if h != _F32_VECTOR or c != _F32_VECTOR:
+    if not (_is_f32_vector(h) and _is_f32_vector(c)):
         return None
     result = types.UniTuple(types.float32, 4)
 
