@@ -366,7 +366,7 @@ class SessionManager:
     def _submit(
         self, s: Session, step: int, value: object, finite: bool
     ) -> asyncio.Future[StepOutcome]:
-        arr = self._check_input(s, value, finite)
+        arr = check_step_input(s, value, finite)
         if len(s.queue) >= self.settings.max_queued_steps:
             raise CapacityError(
                 f"session {s.id!r} already has {len(s.queue)} steps queued "
@@ -376,27 +376,6 @@ class SessionManager:
         future: asyncio.Future[StepOutcome] = loop.create_future()
         self.steppers[s.model_name].submit(s, StepJob(step, arr, s.codec.encode(arr), future))
         return future
-
-    def _check_input(self, s: Session, value: object, finite: bool) -> np.ndarray:
-        c = s.model.config
-        if c.is_token_model:
-            if not isinstance(value, int):
-                raise BadStepInputError(
-                    f"model {s.model_name!r} takes token ids, not a vector of floats"
-                )
-            if not 0 <= value < c.vocab_size:
-                raise BadStepInputError(f"token id {value} is outside [0, {c.vocab_size})")
-            return np.asarray(value, np.int64)
-        if isinstance(value, int):
-            raise BadStepInputError(f"model {s.model_name!r} takes float vectors, not token ids")
-        arr = np.asarray(value, np.float32)
-        if arr.shape != (c.input_dim,):
-            raise BadStepInputError(
-                f"model {s.model_name!r} takes vectors of {c.input_dim} values, got {arr.size}"
-            )
-        if not finite and not np.isfinite(arr).all():
-            raise BadStepInputError("input vector contains NaN or Inf")
-        return arr
 
     # ------------------------------------------------------------------ snapshots
 
@@ -562,3 +541,27 @@ class SessionManager:
     ) -> tuple[int, str]:
         """Move a resident session to ``target`` (``SessionLoader.hand_off``)."""
         return await self.loader.hand_off(session_id, target, adopt)
+
+
+def check_step_input(s: Session, value: object, finite: bool) -> np.ndarray:
+    """A step's input for ``s``'s model, or BadStepInputError saying what is wrong.
+    ``finite``: the caller already checked that a vector is finite (a whole message)."""
+    c = s.model.config
+    if c.is_token_model:
+        if not isinstance(value, int):
+            raise BadStepInputError(
+                f"model {s.model_name!r} takes token ids, not a vector of floats"
+            )
+        if not 0 <= value < c.vocab_size:
+            raise BadStepInputError(f"token id {value} is outside [0, {c.vocab_size})")
+        return np.asarray(value, np.int64)
+    if isinstance(value, int):
+        raise BadStepInputError(f"model {s.model_name!r} takes float vectors, not token ids")
+    arr = np.asarray(value, np.float32)
+    if arr.shape != (c.input_dim,):
+        raise BadStepInputError(
+            f"model {s.model_name!r} takes vectors of {c.input_dim} values, got {arr.size}"
+        )
+    if not finite and not np.isfinite(arr).all():
+        raise BadStepInputError("input vector contains NaN or Inf")
+    return arr
