@@ -257,6 +257,61 @@ def test_a_worker_compiles_its_kernels_before_it_serves(model_dirs, redis_url, t
     assert cold_after == []
 
 
+def _kernel_signatures() -> dict[str, list[str]]:
+    from numba.core.registry import CPUDispatcher
+
+    from ssmserve.server.engine import kernels, products
+
+    return {
+        f"{module.__name__}.{name}": [str(s) for s in f.signatures]
+        for module in (kernels, products)
+        for name, f in vars(module).items()
+        if isinstance(f, CPUDispatcher)
+    }
+
+
+def test_no_request_compiles_a_kernel(model_dirs, redis_url, served_models) -> None:
+    """numba compiles a kernel again for each new argument type (a read-only or
+    non-contiguous array is another type): a request that met one would stall its worker
+    for seconds. Every kind of request, on every served model, and sessions restored by a
+    second worker from Redis (state decoded from checkpoint bytes) run on the kernels
+    compiled at start: no new signature appears."""
+    from tests.harness import WorkerHarness
+
+    sessions: dict[str, str] = {}
+    first = WorkerHarness(model_dirs, redis_url)
+    try:
+        before = _kernel_signatures()
+        client = first.client
+        for name, model in served_models.items():
+            x = random_inputs(model, 16, seed=1)
+            sid = sessions[name] = client.create_session(name).session_id
+            for t in range(12):
+                client.step(sid, x[t], step=t + 1)
+            client.snapshot(sid, label="a")
+            if model.config.is_token_model or model.config.input_dim == model.config.output_dim:
+                client.forecast(sid, 3)
+            client.fork(sid)
+            blob = client.export_checkpoint(sid)
+            client.rollback(sid, to_step=5)
+            client.import_checkpoint(blob, session_id=f"{sid}-copy")
+            client.history(sid)
+        served = _kernel_signatures()
+    finally:
+        first.stop()
+    second = WorkerHarness(model_dirs, redis_url)
+    try:
+        for name, sid in sessions.items():
+            x = random_inputs(served_models[name], 16, seed=1)
+            second.client.step(sid, x[5], step=6)  # restored from its snapshot and log
+            second.client.step(f"{sid}-copy", x[12], step=13)
+        restored = _kernel_signatures()
+    finally:
+        second.stop()
+    assert served == before
+    assert restored == before
+
+
 def test_a_batched_step_reuses_the_last_steps_pages() -> None:
     """States are values, so each step allocates new state arrays; with glibc's default
     thresholds a step at batch 64 (8 MiB of state here) faulted ~1,300 fresh pages in and
