@@ -9,7 +9,8 @@ would on one box.
 
 Measured:
 - step latency p50/p99: one session, one step per message, ping-pong on one stream,
-  durability ``log`` (input in Redis before the answer) and ``none``;
+  durability ``log`` (input in Redis before the answer) and ``none``, each with the
+  server's CPU per step (``/proc``; the echo server's per message beside them);
 - aggregate steps/s with 1, 16, 64 sessions: one stream per session, ping-pong; and the
   same sessions multiplexed on one stream (one message carries a step of each session);
 - snapshot write of a 2.8 MiB (mamba-130m-shaped) state: encode + SET pieces + commit;
@@ -29,6 +30,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +337,7 @@ async def bench(
     server_pid: int,
     only_snapshots: bool = False,
     rounds: int = 2,
+    echo_pid: int = 0,
 ) -> dict[str, object]:
     report: dict[str, object] = {}
     channel = grpc.aio.insecure_channel(address)
@@ -354,21 +357,32 @@ async def bench(
         return report
 
     log_sid, none_sid = await session(pb.DURABILITY_LOG), await session(pb.DURABILITY_NONE)
+
+    async def server_cpu_us(pid: int, run: Awaitable[list[float]]) -> tuple[list[float], float]:
+        """(latencies, the server's CPU per step in us) of one ping-pong run."""
+        before = cpu_seconds(pid) if pid else 0.0
+        samples = await run
+        used = cpu_seconds(pid) - before if pid else float("nan")
+        return samples, used / len(samples) * 1e6
+
     await ping_pong(stub, log_sid, 100)  # warm up
-    lat_log = await ping_pong(stub, log_sid, n)
-    lat_none = await ping_pong(stub, none_sid, n)
+    lat_log, cpu_log = await server_cpu_us(server_pid, ping_pong(stub, log_sid, n))
+    lat_none, cpu_none = await server_cpu_us(server_pid, ping_pong(stub, none_sid, n))
     one_step = pb.StreamRequest(steps=[step_input("x" * 16, 1, np.zeros(4, np.float32))])
     payload = one_step.SerializeToString()
     await echo_ping_pong(echo, payload, 100)
-    lat_echo = await echo_ping_pong(echo, payload, n)
+    lat_echo, cpu_echo = await server_cpu_us(echo_pid, echo_ping_pong(echo, payload, n))
 
     print("# served step latency (one session, one step per message, ping-pong)\n")
     rows = [
-        ["ssmserve, durability log", pct(lat_log, 50), pct(lat_log, 99), len(lat_log)],
-        ["ssmserve, durability none", pct(lat_none, 50), pct(lat_none, 99), len(lat_none)],
-        ["bare grpc.aio echo, same bytes", pct(lat_echo, 50), pct(lat_echo, 99), len(lat_echo)],
-    ]
-    print(table(["what", "p50 ms", "p99 ms", "steps"], rows))
+        ["ssmserve, durability log", pct(lat_log, 50), pct(lat_log, 99), len(lat_log), cpu_log],
+        ["ssmserve, durability none", pct(lat_none, 50), pct(lat_none, 99), len(lat_none),
+         cpu_none],
+        ["bare grpc.aio echo, same bytes", pct(lat_echo, 50), pct(lat_echo, 99), len(lat_echo),
+         cpu_echo],
+    ]  # fmt: skip
+    print(table(["what", "p50 ms", "p99 ms", "steps", "server CPU us per step"], rows))
+    report["server_cpu_us_per_step"] = {"log": cpu_log, "none": cpu_none, "echo": cpu_echo}
     report["latency_ms"] = {
         "log": [pct(lat_log, 50), pct(lat_log, 99)],
         "none": [pct(lat_none, 50), pct(lat_none, 99)],
@@ -501,6 +515,7 @@ def main() -> int:
                     server.pid,
                     args.only_snapshots,
                     args.rounds,
+                    echo.pid,
                 )
             )
             if args.json:
