@@ -644,22 +644,14 @@ class Store:
                 calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms]))
             replies = await self._scripts("renew_leases", self._renew, calls)
             return [self._outcome(r) for r in replies]
-        # One server: RENEW_MANY. Leases of one call share the holder (this worker).
-        by_holder: dict[str, list[int]] = {}
-        for i, lease in enumerate(leases):
-            by_holder.setdefault(lease.holder, []).append(i)
-        outcomes: list[SsmserveError | None] = [None] * len(leases)
-        for holder, indices in by_holder.items():
-            per_session = []
-            for i in indices:
-                k = self.keys(leases[i].session_id)
-                per_session.append(((k.meta, k.lease), (leases[i].token,)))
-            got = await self._many(
-                "renew_leases", self._renew_many, [holder, lease_ms], per_session, "renewal"
-            )
-            for i, outcome in zip(indices, got, strict=True):
-                outcomes[i] = outcome
-        return outcomes
+        # One server: RENEW_MANY. Per session: holder, token.
+        per_session = []
+        for lease in leases:
+            k = self.keys(lease.session_id)
+            per_session.append(((k.meta, k.lease), (lease.holder, lease.token)))
+        return await self._many(
+            "renew_leases", self._renew_many, [lease_ms], per_session, "renewal"
+        )
 
     async def release(self, lease: SessionLease) -> None:
         k = self.keys(lease.session_id)

@@ -372,7 +372,7 @@ return renew(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
 # The renewals of many sessions of one worker in one call: on one Redis server only (as
 # LOG_APPEND_MANY, and for the same reason: redis-py's Python per pipelined command cost
 # more than the renewal; a worker renews every session it holds every period). KEYS: meta
-# and lease of each session. ARGV: worker id, lease ms, then each session's token. Returns
+# and lease of each session. ARGV: lease ms, then per session: worker id, token. Returns
 # one reply per session, as RENEW's.
 RENEW_MANY = (
     _COMMON
@@ -380,7 +380,7 @@ RENEW_MANY = (
     + """
 local replies = {}
 for s = 1, #KEYS / 2 do
-    replies[s] = renew(KEYS[2 * s - 1], KEYS[2 * s], ARGV[1], ARGV[2 + s], ARGV[2])
+    replies[s] = renew(KEYS[2 * s - 1], KEYS[2 * s], ARGV[2 * s], ARGV[2 * s + 1], ARGV[1])
 end
 return replies
 """
