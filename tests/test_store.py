@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from ssmserve.server.state.store_errors import (
     StoreUnavailableError,
 )
 from ssmserve.server.state.store_layout import MAX_STEP
+from tests.tcp_proxy import TcpProxy
 
 
 def _binaries() -> list[object]:
@@ -432,6 +434,42 @@ def test_unreachable_redis_is_unavailable_and_writes_have_unknown_outcomes(tmp_p
             await s.aclose()
 
     asyncio.run(body())
+
+
+def test_an_answer_held_past_the_deadline_is_never_read_as_a_later_one(any_redis):
+    """Traffic to Redis stops: a write and a read fail once the command deadline passes
+    (the write's outcome unknown), although nothing closed the connection. Then the held
+    commands reach Redis and their answers come back, late. No later command reads one of
+    them as its own answer: the store's own deadline cancels a command mid-read, and
+    redis-py drops a connection whose read was interrupted (the store relies on this on
+    one server and behind Sentinel, where redis-py's socket timeout is off)."""
+
+    async def body(s: Store) -> None:
+        lease = await new(s, "late")
+        await s.append_logs([(lease, 1, [b"a"])], 1.0)
+        proxy.black_hole()
+        started = time.monotonic()
+        with pytest.raises(StoreOutcomeUnknownError, match=r"within 0\.5 s"):
+            # (wait_for: a hang would be the bug)
+            await asyncio.wait_for(s.append_logs([(lease, 2, [b"b"])], 1.0), 30)
+        with pytest.raises(StoreUnavailableError, match=r"within 0\.5 s"):
+            await asyncio.wait_for(s.get_meta("late"), 30)
+        assert time.monotonic() - started >= 2 * 0.5  # each waited for its deadline
+        proxy.heal(deliver=True)  # the held write runs now, and both answers come back
+        keys = await s.session_keys("late")
+        assert keys and all("{late}" in k for k in keys)
+        assert await s.read_log("late", 1, 1) == [b"a"]
+        got = await s.get_meta("late")
+        assert got is not None and got.session_id == "late"
+        assert await s.lease_holder("late") is not None
+        await s.ping()
+
+    try:
+        with TcpProxy.to_url(any_redis.url) as proxy:
+            run(lambda: Store(StoreSettings(url=proxy.url, socket_timeout_s=0.5)), body)
+    finally:  # this module's Redis is shared: leave no test session for the next test
+        with redis.Redis.from_url(any_redis.url) as admin:
+            admin.flushall()
 
 
 def test_acquire_fences_every_write_of_the_previous_owner(store):

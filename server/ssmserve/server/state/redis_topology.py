@@ -12,11 +12,20 @@ master watched by Sentinel.
 ``sentinel_username`` and ``sentinel_password`` when the sentinels have their own auth
 (the user and password in front of the hosts are the master's).
 
-Every client made here has the same deadline on every command and never retries a
-command after a connection error (``retry`` off): a write whose answer was lost has an
-unknown outcome, which the store reports rather than guesses. Redirections that say a
-command was *not* run (MOVED, ASK, TRYAGAIN) are followed by redis-py's cluster client
-and, past its own attempts, by ``Store._call``.
+Every client made here never retries a command after a connection error (``retry``
+off): a write whose answer was lost has an unknown outcome, which the store reports rather
+than guesses. Redirections that say a command was *not* run (MOVED, ASK, TRYAGAIN) are
+followed by redis-py's cluster client and, past its own attempts, by ``Store._call``.
+
+Deadlines. ``Store._call`` bounds every operation with its own ``asyncio.timeout`` (the
+whole operation: pool, connect, send, answer). On one server and behind Sentinel that is
+the only bound on sending and reading: redis-py's ``socket_timeout`` wraps every write in
+``asyncio.wait_for``, a task and an event-loop turn per command (about 5% of the server's
+CPU for a lone session's step). Cancelling a command mid-way is safe there: redis-py
+(>= 5) drops the connection when a send or a read is interrupted by any exception, so a
+late answer is never read as the next command's. A Redis Cluster client keeps
+``socket_timeout``: its own timeout error is what makes redis-py forget a dead node and
+read the cluster's slots again, which a cancellation would not.
 """
 
 from __future__ import annotations
@@ -110,14 +119,15 @@ def topology_of(url: str) -> Kind:
 
 
 def connect(url: str, timeout_s: float) -> aioredis.Redis | RedisCluster:
-    """A client for ``url`` (see the module docstring), not connected yet."""
+    """A client for ``url`` (see the module docstring), not connected yet; its commands
+    must run under a deadline of the caller's (``Store._call``), except on a cluster."""
+    kind = topology_of(url)
     common: dict[str, Any] = {
         "decode_responses": False,
-        "socket_timeout": timeout_s,
+        "socket_timeout": timeout_s if kind == "cluster" else None,
         "socket_connect_timeout": timeout_s,
         "retry": Retry(NoBackoff(), 0),  # a lost answer is an unknown outcome, not a retry
     }
-    kind = topology_of(url)
     if kind == "single":
         return aioredis.Redis.from_url(url, **common)
     parsed = RedisUrl.parse(url)

@@ -29,6 +29,7 @@ oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt ex
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -283,9 +284,10 @@ class StoreSettings:
     key_prefix: str = "ssm"
     piece_bytes: int = 4 << 20  # snapshot blobs are SET in pieces of at most this size
     stage_ttl_s: int = 600  # staged pieces of a commit that never came expire after this
-    # Every Redis command gets this long to answer; then its outcome is unknown (a write)
-    # or it failed (a read). Small enough that a stalled Redis is noticed well within a
-    # lease TTL, large enough for a 4 MiB piece on a busy loopback.
+    # Every store operation (its commands, a pipeline, a retry after a slot moved) gets
+    # this long to answer; then its outcome is unknown (a write) or it failed (a read).
+    # Small enough that a stalled Redis is noticed well within a lease TTL, large enough
+    # for a 4 MiB piece on a busy loopback.
     socket_timeout_s: float = 2.0
     # After every write, wait until this many replicas have it (Redis WAIT) before it
     # counts as done; fewer in time makes its outcome unknown (the session reloads). 0:
@@ -371,7 +373,17 @@ class Store:
             self.metrics.redis_seconds.labels(op).observe(time.perf_counter() - started)
 
     async def _until_run(self, call: Callable[[], Awaitable[T]], started: float) -> T:
-        return await until_run(call, started, self.settings.socket_timeout_s, self._retry)
+        """``call()`` under the command deadline (the only one on one server and behind
+        Sentinel: ``redis_topology``), sent again while a cluster says it did not run."""
+        deadline_s = self.settings.socket_timeout_s
+        deadline = asyncio.timeout(deadline_s)
+        try:
+            async with deadline:
+                return await until_run(call, started, deadline_s, self._retry)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise redis_errors.TimeoutError(f"no answer within {deadline_s:g} s") from None
 
     def _retry(self) -> None:
         self.metrics.redis_errors.labels("redirect", "retried").inc()
@@ -1099,9 +1111,11 @@ class Store:
     async def session_keys(self, session_id: str) -> list[str]:
         """Every key of a session (tests and operators; SCAN, so not for hot paths)."""
         pattern = f"{self.settings.key_prefix}:{{{check_session_id(session_id, stored=True)}}}:*"
-        return sorted(
-            [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
-        )
+
+        async def scan() -> list[str]:
+            return [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
+
+        return sorted(await self._call("session_keys", scan))
 
 
 def _retention(ids: list[str], new_id: str, max_snapshots: int) -> list[str]:
