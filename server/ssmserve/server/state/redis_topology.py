@@ -20,8 +20,8 @@ followed by redis-py's cluster client and, past its own attempts, by ``Store._ca
 Deadlines. ``Store._call`` bounds every operation with its own ``asyncio.timeout`` (the
 whole operation: pool, connect, send, answer). On one server and behind Sentinel that is
 the only bound on sending and reading: redis-py's ``socket_timeout`` wraps every write in
-``asyncio.wait_for``, a task and an event-loop turn per command (about 5% of the server's
-CPU for a lone session's step). Cancelling a command mid-way is safe there: redis-py
+``asyncio.wait_for``, a task and an event-loop turn per command (without it a lone
+session's step costs ~10-16% less server CPU: BENCHMARKS.md, "Issue 19, stop 32"). Cancelling a command mid-way is safe there: redis-py
 (>= 5) drops the connection when a send or a read is interrupted by any exception, so a
 late answer is never read as the next command's. A Redis Cluster client keeps
 ``socket_timeout``: its own timeout error is what makes redis-py forget a dead node and
