@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=float(env("SSMSERVE_REDIS_TIMEOUT", "2")),
         metavar="S",
-        help="deadline of every Redis command in seconds; a write that gets no answer in "
-        "time has an unknown outcome and its session is reloaded from Redis (default 2)",
+        help="deadline of every Redis operation (a command or a pipeline) in seconds; a "
+        "write that gets no answer in time has an unknown outcome and its session is "
+        "reloaded from Redis (default 2)",
     )
     parser.add_argument(
         "--keepalive",

@@ -94,7 +94,7 @@ class WorkerSettings:
     # the sum. Clients may ping as often as they like (no "too many pings" strikes).
     keepalive_time_s: float = 5.0
     keepalive_timeout_s: float = 3.0
-    redis_timeout_s: float = 2.0  # every Redis command's deadline (StoreSettings)
+    redis_timeout_s: float = 2.0  # every Redis operation's deadline (StoreSettings)
     redis_wait_replicas: int = 0  # replicas that must hold each write (StoreSettings)
     startup_timeout_s: float = 30.0  # how long a starting worker waits for Redis
     shutdown_grace_s: float = 5.0

@@ -21,11 +21,14 @@ Deadlines. ``Store._call`` bounds every operation with its own ``asyncio.timeout
 whole operation: pool, connect, send, answer). On one server and behind Sentinel that is
 the only bound on sending and reading: redis-py's ``socket_timeout`` wraps every write in
 ``asyncio.wait_for``, a task and an event-loop turn per command (without it a lone
-session's step costs ~10-16% less server CPU: BENCHMARKS.md, "Issue 19, stop 32"). Cancelling a command mid-way is safe there: redis-py
-(>= 5) drops the connection when a send or a read is interrupted by any exception, so a
-late answer is never read as the next command's. A Redis Cluster client keeps
-``socket_timeout``: its own timeout error is what makes redis-py forget a dead node and
-read the cluster's slots again, which a cancellation would not.
+session's step costs ~10-16% less server CPU: BENCHMARKS.md, "Issue 19, stop 32").
+Cancelling a command mid-way is safe there: redis-py drops the connection when a send or a
+read is interrupted by any exception (since its fix of CVE-2023-28858, long before the 5.0
+we require), so a late answer is never read as the next command's
+(``test_store.test_an_answer_held_past_the_deadline_is_never_read_as_a_later_one``).
+A Redis Cluster client keeps ``socket_timeout``: its own timeout error is what makes
+redis-py forget a dead node and read the cluster's slots again, which a cancellation would
+not.
 """
 
 from __future__ import annotations
