@@ -373,9 +373,13 @@ class Store:
             self.metrics.redis_seconds.labels(op).observe(time.perf_counter() - started)
 
     async def _until_run(self, call: Callable[[], Awaitable[T]], started: float) -> T:
-        """``call()`` under the command deadline (the only one on one server and behind
-        Sentinel: ``redis_topology``), sent again while a cluster says it did not run."""
+        """``call()`` under the command deadline, sent again while a cluster says it did
+        not run. On one server and behind Sentinel the deadline is this ``asyncio.timeout``
+        (their clients have no socket timeout: ``redis_topology``); a cluster client keeps
+        its socket timeouts and its own recovery from them, uninterrupted by ours."""
         deadline_s = self.settings.socket_timeout_s
+        if self.topology == "cluster":
+            return await until_run(call, started, deadline_s, self._retry)
         deadline = asyncio.timeout(deadline_s)
         try:
             async with deadline:
