@@ -17,18 +17,19 @@ off): a write whose answer was lost has an unknown outcome, which the store repo
 than guesses. Redirections that say a command was *not* run (MOVED, ASK, TRYAGAIN) are
 followed by redis-py's cluster client and, past its own attempts, by ``Store._call``.
 
-Deadlines. ``Store._call`` bounds every operation with its own ``asyncio.timeout`` (the
-whole operation: pool, connect, send, answer). On one server and behind Sentinel that is
-the only bound on sending and reading: redis-py's ``socket_timeout`` wraps every write in
-``asyncio.wait_for``, a task and an event-loop turn per command (without it a lone
-session's step costs ~10-16% less server CPU: BENCHMARKS.md, "Issue 19, stop 32").
-Cancelling a command mid-way is safe there: redis-py drops the connection when a send or a
-read is interrupted by any exception (since its fix of CVE-2023-28858, long before the 5.0
-we require), so a late answer is never read as the next command's
+Deadlines (:func:`keeps_socket_timeout`). On one server and behind Sentinel,
+``Store._call`` bounds every operation with its own ``asyncio.timeout`` (the whole
+operation: pool, connect, send, answer), and that is the only bound on sending and
+reading: redis-py's ``socket_timeout`` wraps every write in ``asyncio.wait_for``, a task
+and an event-loop turn per command (without it a lone session's step costs ~10-16% less
+server CPU: BENCHMARKS.md, "Issue 19, stop 32"). Cancelling a command mid-way is safe
+there: redis-py drops the connection when a send or a read is interrupted by any exception
+(since its fix of CVE-2023-28858, long before the 5.0 we require), so a late answer is
+never read as the next command's
 (``test_store.test_an_answer_held_past_the_deadline_is_never_read_as_a_later_one``).
-A Redis Cluster client keeps ``socket_timeout``: its own timeout error is what makes
-redis-py forget a dead node and read the cluster's slots again, which a cancellation would
-not.
+A Redis Cluster client keeps ``socket_timeout`` and gets no deadline of ours around it:
+its own timeout error is what makes redis-py forget a dead node and read the cluster's
+slots again, which a cancellation could cut short.
 """
 
 from __future__ import annotations
@@ -121,13 +122,19 @@ def topology_of(url: str) -> Kind:
     return "single"
 
 
+def keeps_socket_timeout(kind: Kind) -> bool:
+    """Whether the client for ``kind`` bounds its own reads and writes (a cluster: its
+    recovery from a dead node starts from its timeout error); the others' commands must run
+    under a deadline of the caller's (``Store._until_run``)."""
+    return kind == "cluster"
+
+
 def connect(url: str, timeout_s: float) -> aioredis.Redis | RedisCluster:
-    """A client for ``url`` (see the module docstring), not connected yet; its commands
-    must run under a deadline of the caller's (``Store._call``), except on a cluster."""
+    """A client for ``url`` (see the module docstring), not connected yet."""
     kind = topology_of(url)
     common: dict[str, Any] = {
         "decode_responses": False,
-        "socket_timeout": timeout_s if kind == "cluster" else None,
+        "socket_timeout": timeout_s if keeps_socket_timeout(kind) else None,
         "socket_connect_timeout": timeout_s,
         "retry": Retry(NoBackoff(), 0),  # a lost answer is an unknown outcome, not a retry
     }

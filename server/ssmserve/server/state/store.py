@@ -378,7 +378,7 @@ class Store:
         (their clients have no socket timeout: ``redis_topology``); a cluster client keeps
         its socket timeouts and its own recovery from them, uninterrupted by ours."""
         deadline_s = self.settings.socket_timeout_s
-        if self.topology == "cluster":
+        if redis_topology.keeps_socket_timeout(self.topology):
             return await until_run(call, started, deadline_s, self._retry)
         deadline = asyncio.timeout(deadline_s)
         try:
