@@ -472,6 +472,23 @@ def test_an_answer_held_past_the_deadline_is_never_read_as_a_later_one(any_redis
             admin.flushall()
 
 
+def test_a_connection_closed_under_a_command_is_an_unknown_outcome(store):
+    """redis-py's cluster client can close a connection another task is writing on; the
+    write fails inside redis-py with an AttributeError. The store reports what it knows:
+    a read failed, a write's outcome is unknown (not an internal error)."""
+
+    async def body(s: Store) -> None:
+        async def closed_under_us() -> None:
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+        with pytest.raises(StoreUnavailableError, match="writelines"):
+            await s._call("read", closed_under_us)
+        with pytest.raises(StoreOutcomeUnknownError, match="writelines"):
+            await s._call("write", closed_under_us, write=True)
+
+    run(store, body)
+
+
 def test_acquire_fences_every_write_of_the_previous_owner(store):
     """Each acquisition makes a new token; every write script refuses an old one."""
 

@@ -355,7 +355,16 @@ class Store:
             raise StoreUnavailableError(
                 f"the session store (Redis Cluster) did not run the command: {clip(str(exc))}"
             ) from None
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        except (
+            redis_errors.ConnectionError,
+            redis_errors.TimeoutError,
+            OSError,
+            # redis-py's cluster client closes every connection when it reloads the slot
+            # map, also one that another task is about to write on: that write then finds
+            # no socket ("'NoneType' object has no attribute 'writelines'", seen while
+            # slots moved under live streams). Whether the command went out is unknown.
+            AttributeError,
+        ) as exc:
             if write:
                 self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
                 raise StoreOutcomeUnknownError(
