@@ -118,3 +118,54 @@ def test_held_rows_decode_as_the_log_bytes_do(architecture: Architecture) -> Non
     assert decoded.tobytes() == expected.tobytes()
     with pytest.raises(ValueError, match="wrong size"):
         codec.decode_rows(rows[:, :-1])
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 8, 13])
+def test_extending_a_ring_by_many_rows_equals_appending_them_one_by_one(window: int) -> None:
+    """``extend`` (a run's rows at once) against ``append`` (the reference), over random
+    sequences of extends, gaps and cuts: the same rows by step, the same memory."""
+    rng = np.random.default_rng(window)
+    for _ in range(50):
+        many, single = StepRing(window, np.float32), StepRing(window, np.float32)
+        step = int(rng.integers(1, 5))
+        for _ in range(int(rng.integers(1, 12))):
+            action = rng.random()
+            if action < 0.1 and single.count:  # a cut (rollback)
+                at = int(rng.integers(single.first - 1, single.last + 1))
+                many.cut_after(at)
+                single.cut_after(at)
+                step = max(at + 1, single.first) if single.count else at + 1
+                continue
+            if action < 0.2:  # a gap: the ring starts over
+                step += int(rng.integers(1, 4))
+            n = int(rng.integers(0, 2 * window + 3))
+            rows = rng.standard_normal((n, 3)).astype(np.float32)
+            many.extend(step, rows)
+            for k in range(n):
+                single.append(step + k, rows[k])
+            step += n
+            assert (many.first, many.count, many.nbytes) == (
+                single.first,
+                single.count,
+                single.nbytes,
+            )
+            for s in range(single.first - 1, single.last + 2):
+                a, b = many.row(s), single.row(s)
+                assert (a is None) == (b is None)
+                if a is not None:
+                    np.testing.assert_array_equal(a, b)
+
+
+def test_recording_a_run_equals_recording_its_steps() -> None:
+    rng = np.random.default_rng(1)
+    raw = rng.standard_normal((6, 4)).astype("<f4")
+    out = rng.standard_normal((6, 2)).astype(np.float32)
+    run, steps = RecentSteps(4, 5), RecentSteps(4, 5)
+    run.record_run(3, raw.tobytes(), out)
+    for k in range(6):
+        steps.record(3 + k, raw[k].tobytes(), out[k])
+    assert run.unflushed == steps.unflushed
+    for s in range(2, 10):
+        assert run.input_at(s) == steps.input_at(s)
+        a, b = run.output_at(s), steps.output_at(s)
+        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b))

@@ -99,10 +99,14 @@ def test_any_worker_redirects_to_the_owner(start_worker, served_models):
     assert b.manager.resident_count == 0 and a.manager.resident_count == 1
 
 
-def test_a_stale_owner_is_fenced_and_drops_the_session(start_worker, served_models, redis_url):
+@pytest.mark.parametrize("count", [1, 4])
+def test_a_stale_owner_is_fenced_and_drops_the_session(
+    start_worker, served_models, redis_url, count
+):
     """A loses its lease (as if paused past it); B takes the session over. A's next write
     carries the old fencing token: Redis refuses it, nothing changes, A drops the session
-    and answers the step with a redirect to B (inside the stream, which goes on)."""
+    and answers the step with a redirect to B (inside the stream, which goes on).
+    ``count`` 4: the steps come as one run (one message), all refused alike."""
     model = served_models["demo"]
     x = random_inputs(model, 12, seed=2)
     a = start_worker(ownership=OwnershipSettings(renew_every_s=3600))  # A never renews
@@ -119,16 +123,18 @@ def test_a_stale_owner_is_fenced_and_drops_the_session(start_worker, served_mode
 
         # A still holds it in memory with its old token, at step 5; step 6 again (not 9)
         # so it applies
-        async def stale_step(w):
-            call = w.sessions.Stream(iter([pb.StreamRequest(steps=[step_input(sid, 6, x[7])])]))
+        async def stale_steps(w):
+            steps = [step_input(sid, 6 + k, x[7 + k], packed=True) for k in range(count)]
+            call = w.sessions.Stream(iter([pb.StreamRequest(steps=steps)]))
             return [r async for r in call]
 
         with Client(a.address) as raw_client:
-            (response,) = raw_client._run(stale_step(raw_client._aio.router.worker(a.address)))
-        (result,) = response.results  # the redirect is the step's answer; no abort
-        moved = step_redirect(result.error)
-        assert isinstance(moved, SessionMoved) and moved.reason == "STALE_EPOCH"
-        assert moved.owner == b.address
+            (response,) = raw_client._run(stale_steps(raw_client._aio.router.worker(a.address)))
+        assert len(response.results) == count
+        for result in response.results:  # the redirect is each step's answer; no abort
+            moved = step_redirect(result.error)
+            assert isinstance(moved, SessionMoved) and moved.reason == "STALE_EPOCH"
+            assert moved.owner == b.address
         assert (r.hgetall(f"ssm:{{{sid}}}:log"), r.hgetall(f"ssm:{{{sid}}}:meta")) == before
         assert a.manager.resident_count == 0  # dropped at once
     # B's history is intact and goes on exactly.

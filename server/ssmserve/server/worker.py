@@ -319,7 +319,7 @@ class Worker:
                 key = (s.model_name, s.id.split("~", 1)[0] if "~" in s.id else "")
                 counts.sessions[key] = counts.sessions.get(key, 0) + 1
                 queued = counts.queued_steps.get(s.model_name, 0)
-                counts.queued_steps[s.model_name] = queued + len(s.queue)
+                counts.queued_steps[s.model_name] = queued + s.queued_steps
             return counts
 
         self.metrics.watch(

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,7 +39,12 @@ from ssmserve.server.sessions.guards import (
 from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.sessions.models import ServedModels, split_key, version_order
 from ssmserve.server.sessions.records import RollbackTarget, SessionView
-from ssmserve.server.sessions.session import SessionGoneError, SnapshotEvent, StepOutcome
+from ssmserve.server.sessions.session import (
+    SessionGoneError,
+    SnapshotEvent,
+    StepOutcome,
+    StepRun,
+)
 from ssmserve.server.state import checkpoint_signing
 from ssmserve.server.state.store import SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -179,14 +184,14 @@ class SessionService(pb_grpc.SessionServiceServicer):
         try:
             latency = self.manager.metrics.step_latency
             while (message := await reader.answers.get()) is not None:
-                received, futures, packed = message
+                received, futures, packed, steps = message
                 outcomes = [await f for f in futures]
                 for response in answer_responses(outcomes, scope, packed, budget):
                     yield response
                 reader.slots.release()
                 answered = time.perf_counter() - received
-                self.recent_latency.add(answered, len(outcomes))
-                latency.observe(answered, len(outcomes))  # each of its steps
+                self.recent_latency.add(answered, steps)
+                latency.observe(answered, steps)  # each of its steps
             await task
             if reader.failure is not None:  # e.g. a message that is not valid protobuf
                 await status.abort(context, reader.failure, scope.clean)
@@ -405,11 +410,9 @@ class _StreamReader:
         self.manager = manager
         self.settings = settings
         self.scope = scope
-        # Per message: when it arrived, the futures of its steps, whether it asked for
-        # packed outputs.
-        self.answers: asyncio.Queue[
-            tuple[float, list[asyncio.Future[StepOutcome]], bool] | None
-        ] = asyncio.Queue()
+        # Per message: when it arrived, the futures of its steps (one per step or run),
+        # whether it asked for packed outputs, how many steps it has.
+        self.answers: asyncio.Queue[tuple[float, list[_Answer], bool, int] | None] = asyncio.Queue()
         self.slots = asyncio.Semaphore(settings.max_inflight_messages)
         self.failure: SsmserveError | None = None
 
@@ -424,19 +427,32 @@ class _StreamReader:
                     return
                 received = time.perf_counter()
                 futures = await self._submit(request)
-                self.answers.put_nowait((received, futures, request.packed_outputs))
+                self.answers.put_nowait(
+                    (received, futures, request.packed_outputs, len(request.steps))
+                )
         except SsmserveError as exc:
             self.failure = exc
         finally:
             self.answers.put_nowait(None)
 
-    async def _submit(self, request: pb.StreamRequest) -> list[asyncio.Future[StepOutcome]]:
+    async def _submit(self, request: pb.StreamRequest) -> list[_Answer]:
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[StepOutcome]] = []
+        futures: list[_Answer] = []
         limit = self.settings.max_steps_per_message
-        too_many = len(request.steps) > limit
-        packed = None if too_many else packed_inputs(request.steps)
-        for i, step in enumerate(request.steps):
+        steps = request.steps
+        too_many = len(steps) > limit
+        packed = None if too_many else packed_inputs(steps)
+        i = 0
+        stepwise = 0  # steps before this index go one by one (their run was refused)
+        while i < len(steps):
+            step = steps[i]
+            if not too_many and i >= stepwise and (end := run_end(steps, i)) - i > 1:
+                run = self._submit_run(steps, packed, i, end)
+                if run is not None:
+                    futures.append(run)
+                    i = end
+                    continue
+                stepwise = end
             try:
                 if too_many:
                     raise StreamLimitError(
@@ -465,7 +481,68 @@ class _StreamReader:
                 )
                 future.set_result(StepOutcome(step.session_id, step.step, error=error))
             futures.append(future)
+            i += 1
         return futures
+
+    def _submit_run(
+        self, steps: Sequence[pb.StepInput], packed: list[np.ndarray] | None, lo: int, hi: int
+    ) -> asyncio.Future[StepRun] | None:
+        """Steps ``lo:hi`` of a message (one session, consecutive step numbers) queued as
+        one run; None when they go step by step (then each step's checks answer it)."""
+        values = run_values(steps, packed, lo, hi)
+        if values is None:
+            return None
+        try:
+            sid = self.scope.stored(steps[lo].session_id)
+        except SsmserveError:
+            return None
+        return self.manager.submit_run_resident(sid, steps[lo].step, values)
+
+
+#: A step's answer to come: its own outcome, or a run of steps of one session.
+_Answer = asyncio.Future[StepOutcome] | asyncio.Future[StepRun]
+
+
+def run_end(steps: Sequence[pb.StepInput], lo: int) -> int:
+    """The end of the run of steps starting at ``lo``: the steps after it of the same
+    session with consecutive step numbers."""
+    first = steps[lo]
+    sid, step = first.session_id, first.step
+    hi = lo + 1
+    while hi < len(steps):
+        nxt = steps[hi]
+        step += 1
+        if nxt.step != step or nxt.session_id != sid:
+            break
+        hi += 1
+    return hi
+
+
+def run_values(
+    steps: Sequence[pb.StepInput], packed: list[np.ndarray] | None, lo: int, hi: int
+) -> np.ndarray | None:
+    """The inputs of steps ``lo:hi`` as one array: token ids ``(T,)`` int64, or finite
+    vectors of one width ``(T, i)`` float32. None for anything else (mixed kinds, a
+    malformed or non-finite vector): those steps go one by one, each checked alone."""
+    if packed is not None:  # the whole message decoded and checked finite at once
+        rows = packed[lo:hi]
+        width = len(rows[0])
+        return np.stack(rows) if all(len(r) == width for r in rows) else None
+    part = steps[lo:hi]
+    kinds = {step.WhichOneof("value") for step in part}
+    if kinds == {"token"}:
+        return np.fromiter((step.token for step in part), np.int64, len(part))
+    if kinds != {"vector"} or any(s.vector.packed and len(s.vector.values) for s in part):
+        return None
+    try:
+        rows = [vector_array(step.vector) for step in part]
+    except ValueError:  # a packed vector whose length is not a multiple of 4
+        return None
+    width = len(rows[0])
+    if any(len(r) != width for r in rows):
+        return None
+    values = np.stack(rows)  # (T, i)
+    return values if np.isfinite(values).all() else None
 
 
 def _being_cancelled() -> bool:
@@ -479,7 +556,7 @@ _RESPONSE_MARGIN = 64 << 10
 
 
 def answer_responses(
-    outcomes: Sequence[StepOutcome], scope: TenantScope, packed: bool, budget: int
+    outcomes: Sequence[StepOutcome | StepRun], scope: TenantScope, packed: bool, budget: int
 ) -> Iterator[pb.StreamResponse]:
     """The answers to one request: built in place in one response (each StepResult added
     to it, its size computed once, in C), split by :func:`split_results` only when they
@@ -487,7 +564,10 @@ def answer_responses(
     response = pb.StreamResponse()
     add = response.results.add
     for outcome in outcomes:
-        fill_result(add(), outcome, scope, packed)
+        if isinstance(outcome, StepRun):
+            fill_run_results(add, outcome, scope, packed)
+        else:
+            fill_result(add(), outcome, scope, packed)
     if response.ByteSize() <= budget:
         yield response
     else:
@@ -736,6 +816,28 @@ def fill_result(
         _set_vector(result.output, outcome.output, packed)
     if outcome.error is not None:
         result.error.CopyFrom(status.step_error(outcome.error, scope.clean))
+
+
+def fill_run_results(
+    add: Callable[[], pb.StepResult], run: StepRun, scope: TenantScope, packed: bool
+) -> None:
+    """A result per step of ``run`` (``add`` makes each): from its row of ``run.outputs``
+    while it has nothing else to say, else from its own outcome."""
+    sid = scope.shown(run.session_id)
+    outputs = run.outputs  # (T, o)
+    blob = outputs.astype("<f4", copy=False).tobytes() if packed else b""
+    width = len(blob) // len(outputs)
+    for t, outcome in enumerate(run.outcomes):
+        result = add()
+        if outcome is not None:
+            fill_result(result, outcome, scope, packed)
+            continue
+        result.session_id = sid
+        result.step = run.first + t
+        if packed:
+            result.output.packed = blob[t * width : (t + 1) * width]
+        else:
+            result.output.values.extend(outputs[t].tolist())
 
 
 def _set_vector(vector: pb.Vector, values: np.ndarray, packed: bool) -> None:

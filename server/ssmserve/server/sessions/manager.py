@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
@@ -72,7 +73,13 @@ from ssmserve.server.sessions.records import (
 )
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
-from ssmserve.server.sessions.session import Session, SessionGoneError, StepJob, StepOutcome
+from ssmserve.server.sessions.session import (
+    Session,
+    SessionGoneError,
+    StepJob,
+    StepOutcome,
+    StepRun,
+)
 from ssmserve.server.sessions.stepper import StepperSettings
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import (
@@ -363,13 +370,38 @@ class SessionManager:
         s = self.loader.residents.get(session_id)
         return None if s is None else self._submit(s, step, value, finite)
 
+    def submit_run_resident(
+        self, session_id: str, first: int, values: np.ndarray
+    ) -> asyncio.Future[StepRun] | None:
+        """Queue the steps ``first, first + 1, ...`` of a session in memory as one
+        :class:`StepRun`: ``values`` token ids (T,) int64 or vectors (T, i) float32
+        checked finite. None when they must go step by step instead (:meth:`submit`): the
+        session is not in memory, the steps do not fit its queue, or the inputs are not
+        for its model (each step's own check then says which is wrong).
+        """
+        s = self.loader.residents.get(session_id)
+        count = values.shape[0]
+        if (
+            s is None
+            or first + count - 1 > MAX_STEP
+            or s.queued_steps + count > self.settings.max_queued_steps
+            or not run_fits_model(s.model.config, values)
+        ):
+            return None
+        loop = self._loop or asyncio.get_running_loop()
+        future: asyncio.Future[StepRun] = loop.create_future()
+        raw = values.astype(s.codec.dtype, copy=False).tobytes()  # as the log stores them
+        run = StepRun(s.id, first, values, raw, s.model.config.output_dim, future)
+        self.steppers[s.model_name].submit(s, run)
+        return future
+
     def _submit(
         self, s: Session, step: int, value: object, finite: bool
     ) -> asyncio.Future[StepOutcome]:
         arr = check_step_input(s, value, finite)
-        if len(s.queue) >= self.settings.max_queued_steps:
+        if s.queued_steps >= self.settings.max_queued_steps:
             raise CapacityError(
-                f"session {s.id!r} already has {len(s.queue)} steps queued "
+                f"session {s.id!r} already has {s.queued_steps} steps queued "
                 f"(limit {self.settings.max_queued_steps}); wait for answers before sending more"
             )
         loop = self._loop or asyncio.get_running_loop()  # the call costs a getpid() on 3.11
@@ -541,6 +573,17 @@ class SessionManager:
     ) -> tuple[int, str]:
         """Move a resident session to ``target`` (``SessionLoader.hand_off``)."""
         return await self.loader.hand_off(session_id, target, adopt)
+
+
+def run_fits_model(c: MambaConfig, values: np.ndarray) -> bool:
+    """Whether a run's inputs (already checked finite) are valid steps of this model."""
+    if c.is_token_model:
+        return (
+            values.ndim == 1
+            and values.dtype == np.int64
+            and bool((values >= 0).all() and (values < c.vocab_size).all())
+        )
+    return values.ndim == 2 and values.dtype == np.float32 and values.shape[1] == c.input_dim
 
 
 def check_step_input(s: Session, value: object, finite: bool) -> np.ndarray:

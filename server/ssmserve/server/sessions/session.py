@@ -3,9 +3,9 @@
 Steps and control operations (rollback, snapshot, export, close, eviction) of a session go
 through one FIFO queue, so a rollback that arrives while a stream is open is ordered with
 that session's steps: it runs after the steps queued before it and before those queued
-after it. The stepper takes :class:`StepJob`s from the head; a control operation waits
-in :meth:`Session.exclusive` until its gate reaches the head and no batch holds the
-session, and holds the session until it leaves the ``async with`` block.
+after it. The stepper takes steps (:class:`StepJob`, :class:`StepRun`) from the head; a
+control operation waits in :meth:`Session.exclusive` until its gate reaches the head and
+no batch holds the session, and holds the session until it leaves the ``async with`` block.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -72,12 +73,120 @@ class StepOutcome:
     error: SsmserveError | None = None
 
 
+class StepAnswer(Protocol):
+    """Where a step's outcome goes: its own future, or its place in a :class:`StepRun`."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: StepOutcome, /) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class StepJob:
     step: int
     value: np.ndarray  # () int64 token id or (i,) float32, already validated
     raw: bytes  # the value as the log stores it
-    future: asyncio.Future[StepOutcome]
+    future: StepAnswer
+
+
+class StepRun:
+    """Consecutive steps ``first, first + 1, ...`` of one session from one message,
+    queued as one entry and answered with one future (resolved to the run itself).
+
+    Why: a multiplexed stream sends several steps of each session per message. Queued
+    and answered one by one, each step costs the server a job, a future, an outcome and
+    its own pass through the stepper's Python, which at thousands of sessions is most of
+    the server's CPU per step. The stepper takes a run it can step straight through (the
+    session is at ``first + taken - 1`` and has no guards) in chunks, each one engine
+    call over all its steps (``EngineLane.step_many``) with bookkeeping per chunk, not
+    per step. Any other run is split back into one :class:`StepJob` per step (:meth:`split`) and
+    goes the per-step way, so every outcome is exactly what separate steps would get.
+    """
+
+    __slots__ = (
+        "first",
+        "future",
+        "outcomes",
+        "outputs",
+        "pending",
+        "raw",
+        "session_id",
+        "taken",
+        "values",
+    )
+
+    def __init__(
+        self,
+        session_id: str,
+        first: int,
+        values: np.ndarray,
+        raw: bytes,
+        output_dim: int,
+        future: asyncio.Future[StepRun],
+    ) -> None:
+        count = values.shape[0]
+        self.session_id = session_id  # as stored
+        self.first = first
+        self.values = values  # (T, i) float32, checked finite
+        self.raw = raw  # the T inputs as the log stores them, back to back
+        self.future = future
+        self.outputs = np.empty((count, output_dim), np.float32)  # (T, o), as chunks run
+        # Per step: None while it is answered by its row of ``outputs`` (applied, nothing
+        # else to say), else its outcome (an error, a split-off step's own outcome).
+        self.outcomes: list[StepOutcome | None] = [None] * count
+        self.taken = 0  # steps the stepper has taken (stepped, or split off)
+        self.pending = count  # steps not answered yet
+
+    @property
+    def count(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def next_step(self) -> int:
+        """The step number of the first step not taken yet."""
+        return self.first + self.taken
+
+    def answer(self, lo: int, hi: int, error: SsmserveError | None = None) -> None:
+        """Steps ``lo:hi`` (indices) are answered: by their outputs, or with ``error``.
+        The future resolves once every step is."""
+        if error is not None:
+            for t in range(lo, hi):
+                self.outcomes[t] = StepOutcome(self.session_id, self.first + t, error=error)
+        self.pending -= hi - lo
+        if self.pending == 0 and not self.future.done():
+            self.future.set_result(self)
+
+    def split(self) -> list[StepJob]:
+        """The steps not taken yet as separate jobs (their outcomes come back here)."""
+        width = len(self.raw) // self.count
+        jobs = [
+            StepJob(
+                self.first + t,
+                self.values[t],
+                self.raw[t * width : (t + 1) * width],
+                _RunSlot(self, t),
+            )
+            for t in range(self.taken, self.count)
+        ]
+        self.taken = self.count
+        return jobs
+
+
+class _RunSlot:
+    """A split-off step's answer: its outcome goes to its place in the run."""
+
+    __slots__ = ("_done", "index", "run")
+
+    def __init__(self, run: StepRun, index: int) -> None:
+        self.run, self.index, self._done = run, index, False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: StepOutcome, /) -> None:
+        self._done = True
+        self.run.outcomes[self.index] = result
+        self.run.answer(self.index, self.index + 1)
 
 
 @dataclass(eq=False)
@@ -110,7 +219,8 @@ class Session:
         self.updated_at = time.time()
         self.last_active = time.monotonic()
         self.recent = recent
-        self.queue: deque[StepJob | _Gate] = deque()
+        self.queue: deque[StepJob | StepRun | _Gate] = deque()
+        self.queued_steps = 0  # steps in ``queue`` (a run counts each of its steps)
         self.busy = False  # a stepper batch or a control operation holds the session
         self.lease = lease  # this worker's ownership: every store write carries it
         self.lease_check = asyncio.Lock()  # one revalidation of the lease at a time
@@ -123,7 +233,7 @@ class Session:
 
     @property
     def head_is_step(self) -> bool:
-        return bool(self.queue) and isinstance(self.queue[0], StepJob)
+        return bool(self.queue) and isinstance(self.queue[0], StepJob | StepRun)
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -183,6 +293,11 @@ class Session:
                 self.queue.remove(item)
                 if not item.future.done():
                     item.future.set_result(StepOutcome(self.id, item.step, error=error))
+            elif isinstance(item, StepRun):
+                self.queue.remove(item)
+                taken, item.taken = item.taken, item.count
+                item.answer(taken, item.count, error)
+        self.queued_steps = 0
         # A control operation that waited behind those steps is at the head now: open its
         # gate so it sees ``gone`` and raises. Nothing else would (the session has left
         # the stepper and the residents), and it would wait forever.

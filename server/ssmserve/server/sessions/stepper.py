@@ -50,6 +50,7 @@ from ssmserve.server.sessions.session import (
     StepGapError,
     StepJob,
     StepOutcome,
+    StepRun,
 )
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import SnapshotRecord, Store
@@ -108,6 +109,14 @@ class _SessionBatch:
     appended: bool = False  # this batch's steps of the session are in the log now
     fenced: bool = False  # not surely ours any more: nothing of this batch is answered
     rollbacks: list[SessionEvent] = field(default_factory=list)  # by guards, this batch
+    # Chunks of runs stepped whole (run, first index, end index), answered at the end.
+    chunks: list[tuple[StepRun, int, int]] = field(default_factory=list)
+    ran: int = 0  # steps of runs this batch stepped for the session
+
+    @property
+    def stepped(self) -> bool:
+        """Whether this batch took any step of the session."""
+        return bool(self.done or self.chunks)
 
 
 class Stepper:
@@ -147,11 +156,16 @@ class Stepper:
             self._task = None
         self.engine.shutdown()
 
-    def submit(self, session: Session, job: StepJob) -> None:
+    def submit(self, session: Session, job: StepJob | StepRun) -> None:
         if session.gone is not None:  # it left memory: nobody would run this step
-            job.future.set_result(StepOutcome(session.id, job.step, error=session.gone))
+            if isinstance(job, StepRun):
+                job.taken = job.count
+                job.answer(0, job.count, session.gone)
+            else:
+                job.future.set_result(StepOutcome(session.id, job.step, error=session.gone))
             return
         session.queue.append(job)
+        session.queued_steps += job.count if isinstance(job, StepRun) else 1
         self.notify(session)
 
     def notify(self, session: Session) -> None:
@@ -189,6 +203,9 @@ class Stepper:
         recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]] = []
         try:
             for _ in range(self.settings.max_ticks):
+                if not await self._run_chunks(work):
+                    break
+            for _ in range(self.settings.max_ticks):
                 if not await self._tick(work, recompute):
                     break
             await self._commit_logs(work)
@@ -207,15 +224,92 @@ class Stepper:
             raise
         finally:
             for w in work:
-                if w.done and w.session.snapshot_events:  # committed since the last answer
-                    last = w.done[-1][1]
-                    last.snapshot_events += tuple(w.session.snapshot_events)
-                    w.session.snapshot_events.clear()
+                if w.stepped and w.session.snapshot_events:  # committed since the last answer
+                    self._report_snapshots(w)
                 for job, outcome in w.done:
                     if not job.future.done():
                         job.future.set_result(outcome)
+                for run, lo, hi in w.chunks:
+                    run.answer(lo, hi)
+
+    @staticmethod
+    def _report_snapshots(w: _SessionBatch) -> None:
+        """The session's newly committed snapshots go into its last answer of this batch."""
+        events = tuple(w.session.snapshot_events)
+        w.session.snapshot_events.clear()
+        if w.done:
+            w.done[-1][1].snapshot_events += events
+            return
+        run, _lo, hi = w.chunks[-1]
+        last = run.outcomes[hi - 1]
+        if last is None:  # answered by its output so far: give it an outcome of its own
+            last = run.outcomes[hi - 1] = StepOutcome(
+                run.session_id, run.first + hi - 1, output=run.outputs[hi - 1]
+            )
+        last.snapshot_events += events
 
     # ------------------------------------------------------------------ compute
+
+    async def _run_chunks(self, work: list[_SessionBatch]) -> bool:
+        """Step every session whose queue starts with a run it can step straight through
+        by a chunk of that run: all of them in one engine call per chunk length. False
+        if none could.
+
+        A chunk is at most the steps the batch has left for the session (``max_ticks``)
+        and ends at the session's next periodic snapshot, whose state it then has.
+        """
+        by_length: dict[int, list[tuple[_SessionBatch, StepRun, int]]] = {}
+        max_ticks = self.settings.max_ticks
+        for w in work:
+            s = w.session
+            if w.stopped or not s.queue:
+                continue
+            run = s.queue[0]
+            if not isinstance(run, StepRun) or s.config.guards or run.next_step != s.step + 1:
+                continue  # not a run, or not one to step straight through: per step
+            n = min(run.count - run.taken, max_ticks - w.ran)
+            if s.config.durability != Durability.NONE:
+                every, phase = s.config.snapshot_every, s.config.snapshot_phase
+                due = s.step + 1 + (phase - s.step - 1) % every  # the next snapshot's step
+                n = min(n, due - s.step)
+            by_length.setdefault(n, []).append((w, run, run.taken))
+        if not by_length:
+            return False
+        for n, group in by_length.items():
+            started = time.perf_counter()
+            inputs = np.stack([run.values[lo : lo + n] for _, run, lo in group])  # (b, n, i)
+            attributes = {"ssmserve.model": self.model.name, "ssmserve.batch_size": len(group)}
+            with self.store.metrics.tracing.span("engine.batch", attributes):
+                new_batch, outputs = await self.engine.step_many(
+                    [w.session.state for w, _, _ in group], inputs
+                )  # outputs (b, n, o)
+            self._batch_seconds.observe(time.perf_counter() - started)
+            self._batch_size.observe(len(group))
+            self.steps += len(group) * n
+            applied = dict.fromkeys(Durability, 0)
+            for row, (w, run, lo) in enumerate(group):
+                s = w.session
+                hi = lo + n
+                run.outputs[lo:hi] = outputs[row]
+                run.taken = hi
+                state = new_batch.session(row)
+                s.state, s.step = state, s.step + n
+                width = len(run.raw) // run.count  # bytes per input
+                raw = run.raw[lo * width : hi * width]
+                s.recent.record_run(run.first + lo, raw, run.outputs[lo:hi])
+                if s.config.snapshot_due(s.step) and s.config.durability != Durability.NONE:
+                    w.snapshots_due.append((s.step, state))
+                if hi == run.count:
+                    s.queue.popleft()
+                s.queued_steps -= n
+                w.ran += n
+                w.stopped = w.ran >= max_ticks  # its share of this batch: no ticks after
+                w.chunks.append((run, lo, hi))
+                applied[s.config.durability] += n
+            for durability, count in applied.items():
+                if count:
+                    self._steps_by[durability].inc(count)
+        return True
 
     async def _tick(
         self,
@@ -228,7 +322,15 @@ class Stepper:
             s = w.session
             if w.stopped or not s.head_is_step:
                 continue
+            if isinstance(s.queue[0], StepRun):
+                run = s.queue[0]
+                if w.stepped and not s.config.guards and run.next_step == s.step + 1:
+                    w.stopped = True  # the next batch steps it whole
+                    continue
+                s.queue.popleft()  # step by step: each of its steps is a job of its own
+                s.queue.extendleft(reversed(run.split()))
             job = s.queue.popleft()
+            s.queued_steps -= 1
             assert isinstance(job, StepJob)
             outcome = StepOutcome(s.id, job.step)
             w.done.append((job, outcome))
@@ -350,7 +452,7 @@ class Stepper:
         it also leaves memory (memory gives them back, Redis keeps them), so the next
         request reloads it or finds its new owner.
         """
-        errors = await self.hooks.revalidate([w.session for w in work if w.done])
+        errors = await self.hooks.revalidate([w.session for w in work if w.stepped])
         if not errors:
             return
         for w in work:
@@ -362,6 +464,7 @@ class Stepper:
             for _job, outcome in w.done:  # resends too: a new owner may have rolled back
                 outcome.output, outcome.replayed, outcome.error = None, False, error
                 outcome.guard_events = ()
+            self._fail_chunks(w, error)
             if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.hooks.drop(w.session, error)
 
@@ -377,6 +480,14 @@ class Stepper:
             if not outcome.replayed or job.step > w.start_step:
                 outcome.output, outcome.replayed, outcome.error = None, False, error
                 outcome.guard_events = ()
+        self._fail_chunks(w, error)
+
+    @staticmethod
+    def _fail_chunks(w: _SessionBatch, error: SsmserveError) -> None:
+        """The steps of this batch's run chunks are answered with ``error``."""
+        for run, lo, hi in w.chunks:
+            for t in range(lo, hi):
+                run.outcomes[t] = StepOutcome(run.session_id, run.first + t, error=error)
 
     def _snapshots(self, work: list[_SessionBatch]) -> None:
         """Hand due snapshots to the sessions' background writers."""

@@ -106,6 +106,45 @@ class StepRing:
         rows[(self._start + self.count) % capacity] = row
         self.count += 1
 
+    def extend(self, first: int, rows: np.ndarray) -> None:
+        """``rows`` (n, w) as steps ``first .. first + n - 1``, copied in: the same as
+        appending them one by one, in at most two copies."""
+        n = rows.shape[0]
+        if not self.window or n == 0:
+            return
+        if self.count and first != self.first + self.count:
+            self.count = 0
+        if self._rows is not None and self._rows.shape[1] != rows.shape[1]:
+            self._rows, self.count = None, 0
+        if self.count == 0:
+            self.first, self._start = first, 0
+        capacity = 0 if self._rows is None else self._rows.shape[0]
+        if self.count + n > capacity and capacity < self.window:  # grow: rows in order
+            size = capacity or 8
+            while size < self.count + n:  # by doubling, as ``append`` grows
+                size *= 2
+            size = min(size, self.window)
+            grown = np.empty((size, rows.shape[1]), self.dtype)
+            if self.count:
+                grown[: self.count] = self.rows(self.first, self.last)
+            self._rows, self._start, capacity = grown, 0, size
+        assert self._rows is not None
+        if n > capacity:  # only the newest ``capacity`` rows stay
+            self._rows[:] = rows[n - capacity :]
+            self._start, self.count, self.first = 0, capacity, first + n - capacity
+            return
+        at = (self._start + self.count) % capacity
+        head = min(n, capacity - at)
+        self._rows[at : at + head] = rows[:head]
+        self._rows[: n - head] = rows[head:]
+        total = self.count + n
+        if total > capacity:  # full: the new rows took the oldest ones' places
+            dropped = total - capacity
+            self._start = (self._start + dropped) % capacity
+            self.first += dropped
+            total = capacity
+        self.count = total
+
     def row(self, step: int) -> np.ndarray | None:
         """Step ``step``'s row (a view: copy it before the ring moves on), or None."""
         if self._rows is None or not self.first <= step < self.first + self.count:
@@ -148,6 +187,15 @@ class RecentSteps:
         self.inputs.append(step, np.frombuffer(raw_input, np.uint8))
         self.outputs.append(step, output)
         self.unflushed.append((step, raw_input))
+
+    def record_run(self, first: int, raw_inputs: bytes, outputs: np.ndarray) -> None:
+        """Steps ``first .. first + n - 1`` just applied: their inputs as the log stores
+        them, back to back (also unflushed), and their outputs ``(n, o)``."""
+        n = outputs.shape[0]
+        width = len(raw_inputs) // n
+        self.inputs.extend(first, np.frombuffer(raw_inputs, np.uint8).reshape(n, width))
+        self.outputs.extend(first, outputs)
+        self.unflushed += [(first + t, raw_inputs[t * width : (t + 1) * width]) for t in range(n)]
 
     def remember(self, first: int, raw: Sequence[bytes], outputs: Sequence[np.ndarray]) -> None:
         """Steps ``first, first + 1, ...`` recomputed by replay: already in the log."""
