@@ -79,13 +79,14 @@ class Metrics:
         )
         self.engine_batch_size = histogram(
             "ssmserve_engine_batch_size",
-            "Sessions advanced by one engine call of the stepper.",
+            "Sessions advanced together by one engine step of the stepper (a call that "
+            "steps run chunks of n steps counts n times).",
             ["model"],
             BATCH_BUCKETS,
         )
         self.engine_batch_seconds = histogram(
             "ssmserve_engine_batch_seconds",
-            "Time of one engine call of the stepper.",
+            "Time of one engine call of the stepper (one step, or n steps of run chunks).",
             ["model"],
             LATENCY_BUCKETS,
         )

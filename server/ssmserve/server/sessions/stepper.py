@@ -267,12 +267,22 @@ class Stepper:
             run = s.queue[0]
             if not isinstance(run, StepRun) or s.config.guards or run.next_step != s.step + 1:
                 continue  # not a run, or not one to step straight through: per step
-            n = min(run.count - run.taken, max_ticks - w.ran)
+            lo = run.taken
+            n = min(run.count - lo, max_ticks - w.ran)
             if s.config.durability != Durability.NONE:
                 every, phase = s.config.snapshot_every, s.config.snapshot_phase
                 due = s.step + 1 + (phase - s.step - 1) % every  # the next snapshot's step
                 n = min(n, due - s.step)
-            by_length.setdefault(n, []).append((w, run, run.taken))
+            # Taken now, before the engine call: the session may leave memory while it
+            # runs, and what it answers then (``fail_queued``) is only what is still queued.
+            run.taken = lo + n
+            if run.taken == run.count:
+                s.queue.popleft()
+            s.queued_steps -= n
+            w.ran += n
+            w.stopped = w.ran >= max_ticks  # its share of this batch: no ticks after
+            w.chunks.append((run, lo, lo + n))  # answered at the end of the batch, whatever
+            by_length.setdefault(n, []).append((w, run, lo))
         if not by_length:
             return False
         for n, group in by_length.items():
@@ -284,27 +294,22 @@ class Stepper:
                     [w.session.state for w, _, _ in group], inputs
                 )  # outputs (b, n, o)
             self._batch_seconds.observe(time.perf_counter() - started)
-            self._batch_size.observe(len(group))
+            for _ in range(n):  # sessions per engine step, as ``_tick`` counts them
+                self._batch_size.observe(len(group))
             self.steps += len(group) * n
             applied = dict.fromkeys(Durability, 0)
             for row, (w, run, lo) in enumerate(group):
                 s = w.session
                 hi = lo + n
                 run.outputs[lo:hi] = outputs[row]
-                run.taken = hi
                 state = new_batch.session(row)
                 s.state, s.step = state, s.step + n
                 width = len(run.raw) // run.count  # bytes per input
-                raw = run.raw[lo * width : hi * width]
-                s.recent.record_run(run.first + lo, raw, run.outputs[lo:hi])
+                s.recent.record_run(
+                    run.first + lo, run.raw[lo * width : hi * width], run.outputs[lo:hi]
+                )
                 if s.config.snapshot_due(s.step) and s.config.durability != Durability.NONE:
                     w.snapshots_due.append((s.step, state))
-                if hi == run.count:
-                    s.queue.popleft()
-                s.queued_steps -= n
-                w.ran += n
-                w.stopped = w.ran >= max_ticks  # its share of this batch: no ticks after
-                w.chunks.append((run, lo, hi))
                 applied[s.config.durability] += n
             for durability, count in applied.items():
                 if count:
