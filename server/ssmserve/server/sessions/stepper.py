@@ -3,7 +3,11 @@
 One :class:`Stepper` per model per worker. A batch takes every session whose queue starts
 with a step (up to ``max_batch`` sessions) and runs ticks: each tick is one engine call
 that advances each of those sessions by one input. A session with several queued steps
-(several steps in one message) advances once per tick, up to ``max_ticks`` ticks. Then
+(several steps in one message) advances once per tick, up to ``max_ticks`` ticks. A
+session whose queue starts with a :class:`~ssmserve.server.sessions.session.StepRun` (a
+message's consecutive steps of it) that can go straight through advances by a chunk of
+it instead: one engine call steps every such session's chunk (``_run_chunks``), with
+per-chunk rather than per-step bookkeeping; the answers are the same. Then
 the batch ends with one group commit: the inputs of every ``log``-durability session go to
 Redis in one pipeline, and only then are the steps answered (durable before acknowledged).
 
