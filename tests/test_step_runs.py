@@ -56,15 +56,20 @@ def test_a_run_with_snapshots_due_inside_it_equals_single_steps(worker, served_m
         assert_bit_equal(again, want[step:])
 
 
-def test_a_run_that_overlaps_applied_steps_answers_them_as_resends(worker, served_models):
-    model = served_models["demo"]
+@pytest.mark.parametrize("name", ["demo", "lm"])
+def test_a_run_that_overlaps_applied_steps_answers_them_as_resends(worker, served_models, name):
+    """The run is split into single steps (token ids or vectors): the resends answer
+    their recorded outputs, the new steps step."""
+    model = served_models[name]
     x = random_inputs(model, 16, seed=12)
-    sid = worker.client.create_session("demo").session_id
+    if model.config.is_token_model:
+        x = [int(t) for t in x]
+    sid = worker.client.create_session(name).session_id
     first = outputs(send(worker, sid, 1, x[:8]))
     results = send(worker, sid, 5, x[4:12])  # 5..8 were applied, 9..12 are new
     assert [r.replayed for r in results] == [True] * 4 + [False] * 4
     assert_bit_equal(outputs(results[:4]), first[4:8])
-    assert_bit_equal(outputs(results), reference(model, x[:12])[4:12])
+    assert_bit_equal(outputs(results), reference(model, np.asarray(x[:12]))[4:12])
     assert worker.client.get_session(sid).step == 12
     assert queued_steps(worker) == 0
 
