@@ -2,7 +2,7 @@
 counts, in one run.
 
 Usage: ``.venv/bin/python bench/bench_server_cpu.py [--sessions 64,256,3000] [--steps 40]
-[--quick] [--json OUT.json] [--baseline OTHER/.venv/bin/python]``
+[--quick] [--json OUT.json] [--baseline OTHER/.venv/bin/python] [--orders session,step]``
 
 Processes: one redis-server (private, as in ``bench_service.py``), one ``ssmserve-server``
 serving the demo model (log level WARNING); this process is the client (grpc.aio). On a
@@ -19,8 +19,11 @@ Each round (session counts ascending, the same server process throughout):
    steps); a stream sends a message, reads all its answers (a response may be split into
    several with ``continued``), then sends the next, until each session has done
    ``--steps`` steps. All streams run at once; inputs are packed vectors and requests ask
-   for ``packed_outputs``. The messages (random float32 inputs of the model's input_dim)
-   are built before the phase.
+   for ``packed_outputs``. A message lists each session's steps together (the server
+   steps them as one run); with ``--orders session,step`` each round is also run with
+   the steps ordered step by step across the sessions (the server's per-step path),
+   labelled "by step", side by side on the same server. The messages (random float32
+   inputs of the model's input_dim) are built before the phase.
    Server CPU (utime + stime) is read right before and right after.
 3. RSS right after the phase and again after 2.5 s idle (by then the manager has given
    each idle session state arrays of its own instead of views into its last batch's
@@ -157,19 +160,20 @@ async def bounded(calls: list[Callable[[], Awaitable[object]]], at_once: int) ->
 
 
 def messages(
-    sids: list[str], steps: int, input_dim: int, rng: np.random.Generator
+    sids: list[str], steps: int, input_dim: int, rng: np.random.Generator, order: str
 ) -> list[pb.StreamRequest]:
     """One stream's requests: each with STEPS_PER_MESSAGE consecutive steps of each session
-    (fewer in the last one when ``steps`` is not a multiple)."""
+    (fewer in the last one when ``steps`` is not a multiple). ``order`` "session": a
+    session's steps next to each other (the server runs them as one run); "step": the
+    first step of every session, then the second, ... (the server steps them one by one)."""
     out = []
     for first in range(1, steps + 1, STEPS_PER_MESSAGE):
         last = min(first + STEPS_PER_MESSAGE - 1, steps)
         x = rng.standard_normal((len(sids), last - first + 1, input_dim)).astype(np.float32)
-        inputs = [
-            step_input(sid, step, x[i, step - first], packed=True)
-            for i, sid in enumerate(sids)
-            for step in range(first, last + 1)
-        ]
+        pairs = [(i, step) for i in range(len(sids)) for step in range(first, last + 1)]
+        if order == "step":
+            pairs.sort(key=lambda pair: pair[1])
+        inputs = [step_input(sids[i], step, x[i, step - first], packed=True) for i, step in pairs]
         out.append(pb.StreamRequest(steps=inputs, packed_outputs=True))
     return out
 
@@ -216,6 +220,7 @@ async def one_round(
     steps: int,
     model_state_bytes: int,
     rng: np.random.Generator,
+    order: str = "session",
 ) -> Round:
     stub = stubs[0]
     rss_before = rss_bytes(pid)
@@ -236,7 +241,7 @@ async def one_round(
     output_window = ManagerSettings().output_window
 
     groups = [sids[i : i + SESSIONS_PER_STREAM] for i in range(0, n, SESSIONS_PER_STREAM)]
-    plans = [messages(g, steps, input_dim, rng) for g in groups]
+    plans = [messages(g, steps, input_dim, rng, order) for g in groups]
 
     client0 = time.process_time()
     cpu0 = cpu_seconds(pid)
@@ -282,7 +287,7 @@ async def one_round(
     per_session = (rss_after - rss_before) / n
     settled_per_session = (rss_settled - rss_before) / n
     return Round(
-        server=server,
+        server=server if order == "session" else f"{server}, by step",
         sessions=n,
         streams=len(groups),
         steps=total,
@@ -308,10 +313,15 @@ async def one_round(
 
 
 async def bench(
-    servers: list[tuple[str, str, int]], counts: list[int], steps: int, model_state_bytes: int
+    servers: list[tuple[str, str, int]],
+    counts: list[int],
+    steps: int,
+    model_state_bytes: int,
+    orders: list[str],
 ) -> tuple[list[Round], str]:
-    """Rounds of every size against each server (label, address, pid), alternating
-    servers within a size so drift on a shared machine hits them alike."""
+    """Rounds of every size against each server (label, address, pid) in each message
+    order, alternating servers and orders within a size so drift on a shared machine hits
+    them alike."""
     streams = max(math.ceil(n / SESSIONS_PER_STREAM) for n in counts)
     channels = {
         # separate connections: a local subchannel pool each, so they are not shared
@@ -342,13 +352,16 @@ async def bench(
         rounds = []
         for n in counts:
             for label, _address, pid in servers:
-                r = await one_round(label, stubs[label], pid, n, steps, model_state_bytes, rng)
-                print(
-                    f"  {label}: {n} sessions: {r.steps} steps in {r.wall_s:.2f} s, "
-                    f"server CPU {r.server_cpu_s:.2f} s",
-                    flush=True,
-                )
-                rounds.append(r)
+                for order in orders:
+                    r = await one_round(
+                        label, stubs[label], pid, n, steps, model_state_bytes, rng, order
+                    )
+                    print(
+                        f"  {r.server}: {n} sessions: {r.steps} steps in {r.wall_s:.2f} s, "
+                        f"server CPU {r.server_cpu_s:.2f} s",
+                        flush=True,
+                    )
+                    rounds.append(r)
         return rounds, numerics
     finally:
         for cs in channels.values():
@@ -408,6 +421,13 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument(
+        "--orders",
+        default="session",
+        help="comma-separated message orders: 'session' (each session's steps together: "
+        "the server runs them as one run) and/or 'step' (step by step across sessions: "
+        "the per-step path), alternated within each round size",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         metavar="PYTHON",
@@ -421,6 +441,9 @@ def main() -> int:
         counts, steps = sorted(int(s) for s in args.sessions.split(",")), args.steps
     if not counts or min(counts) < 1 or steps < 1:
         parser.error("session counts and --steps must be positive")
+    orders = args.orders.split(",")
+    if not orders or not set(orders) <= {"session", "step"}:
+        parser.error("--orders takes 'session', 'step' or both")
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model_dir = ensure_demo_model(Path(tmp) / "demo")
@@ -440,7 +463,7 @@ def main() -> int:
             )  # fmt: skip
             stack.callback(stop, proc)
             servers.append((label, address, proc.pid))
-        rounds, numerics = asyncio.run(bench(servers, counts, steps, state_bytes))
+        rounds, numerics = asyncio.run(bench(servers, counts, steps, state_bytes, orders))
 
     print("\n# server CPU per step, demo model, durability log, multiplexed streams\n")
     print(
