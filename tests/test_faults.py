@@ -469,7 +469,7 @@ def test_a_session_dropped_as_it_loads_answers_its_step_with_an_error(worker, se
     manager.loader._load = load_then_drop
     try:
         with pytest.raises(ReloadingError):
-            worker.call(manager.submit(sid, 6, x[5]), timeout=10)
+            worker.call(manager.intake.submit(sid, 6, x[5]), timeout=10)
         outcome = worker.call(_answer(manager, sid, 6, x[5]), timeout=10)  # the retry
     finally:
         manager.loader._load = load
@@ -478,4 +478,4 @@ def test_a_session_dropped_as_it_loads_answers_its_step_with_an_error(worker, se
 
 
 async def _answer(manager, sid, step, value):
-    return await asyncio.wait_for(await manager.submit(sid, step, value), 10)
+    return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)

@@ -462,9 +462,9 @@ class _StreamReader:
                 sid = self.scope.stored(step.session_id)
                 finite = packed is not None
                 value = packed.value(i) if packed is not None else step_value(step)
-                future = self.manager.submit_resident(sid, step.step, value, finite)
+                future = self.manager.intake.submit_resident(sid, step.step, value, finite)
                 if future is None:  # not in memory: load it first
-                    future = await self.manager.submit(sid, step.step, value, finite)
+                    future = await self.manager.intake.submit(sid, step.step, value, finite)
             except SsmserveError as exc:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
@@ -496,7 +496,7 @@ class _StreamReader:
             sid = self.scope.stored(steps[lo].session_id)
         except SsmserveError:
             return None
-        return self.manager.submit_run_resident(sid, steps[lo].step, values)
+        return self.manager.intake.submit_run_resident(sid, steps[lo].step, values)
 
 
 #: A step's answer to come: its own outcome, or a run of steps of one session.

@@ -10,6 +10,7 @@ pieces, one module each:
 - ``checkpoints``: snapshots, periodic ones in the background;
 - ``replay``: the one primitive that rebuilds a session's state at a step (newest
   snapshot at or before it, plus replay), behind load, rollback, fork and forecast;
+- ``intake``: steps checked and queued on their sessions (``manager.intake``);
 - ``stepper`` and ``forecaster``: batched engine calls per model.
 
 What it adds: **create / import / fork** write the session's metadata, lease and first
@@ -32,7 +33,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ssmserve.server.cluster.ownership import Ownership
-from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
@@ -41,11 +41,8 @@ from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
 from ssmserve.server.sessions.errors import (
     BadLabelError,
     BadPageTokenError,
-    BadStepInputError,
-    CapacityError,
     ReloadingError,
     RollbackRangeError,
-    StepRangeError,
 )
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.events import record as record_events
@@ -58,6 +55,7 @@ from ssmserve.server.sessions.forecaster import (
     feedback,
 )
 from ssmserve.server.sessions.history import HistoryReader
+from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
 from ssmserve.server.sessions.memory import WorkerMemory
@@ -76,9 +74,6 @@ from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import (
     Session,
     SessionGoneError,
-    StepJob,
-    StepOutcome,
-    StepRun,
 )
 from ssmserve.server.sessions.stepper import StepperSettings
 from ssmserve.server.state.lease import SessionLease
@@ -93,7 +88,6 @@ from ssmserve.server.state.store_errors import (
     SessionMissingError,
     StoreDataError,
 )
-from ssmserve.server.state.store_layout import MAX_STEP
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +195,8 @@ class SessionManager:
             self.models, self.residents, self.checkpoints, self.replay, self.loader,
             settings.defaults,
         )  # fmt: skip
+        self.intake = StepIntake(self.loader, self.steppers, settings.max_queued_steps)
         self._reaper: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -220,7 +214,7 @@ class SessionManager:
         await self.lanes.remove(key, resident)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.intake.loop = asyncio.get_running_loop()
         self.lanes.start()
         self._reaper = asyncio.create_task(
             self.loader.evict_idle(self.settings.idle_check_s), name="idle-eviction"
@@ -339,75 +333,6 @@ class SessionManager:
             if not model or v.model == model:
                 views.append(v)
         return views, (ids[-1] if len(ids) == size else "")
-
-    # ------------------------------------------------------------------ steps
-
-    async def submit(
-        self, session_id: str, step: int, value: object, finite: bool = False
-    ) -> asyncio.Future[StepOutcome]:
-        """Queue one step; the future resolves when it is answered (errors in the outcome).
-
-        Raises for problems found before queueing (unknown session, bad input); the session
-        is untouched then. ``finite``: the caller checked that a vector ``value`` is
-        finite (a whole message at once), so it is not checked again.
-        """
-        future = self.submit_resident(session_id, step, value, finite)
-        if future is None:  # not in memory: load it (or learn why not)
-            future = self._submit(await self.loader.session(session_id), step, value, finite)
-        return future
-
-    def submit_resident(
-        self, session_id: str, step: int, value: object, finite: bool = False
-    ) -> asyncio.Future[StepOutcome] | None:
-        """:meth:`submit` without a coroutine, for a session in memory; None if it is not.
-
-        A stream calls this for every step it reads, so the common case makes no
-        coroutine and no task switch."""
-        if step > MAX_STEP:
-            raise StepRangeError(
-                f"step {step} is beyond the last step a session can take ({MAX_STEP})"
-            )
-        s = self.loader.residents.get(session_id)
-        return None if s is None else self._submit(s, step, value, finite)
-
-    def submit_run_resident(
-        self, session_id: str, first: int, values: np.ndarray
-    ) -> asyncio.Future[StepRun] | None:
-        """Queue the steps ``first, first + 1, ...`` of a session in memory as one
-        :class:`StepRun`: ``values`` token ids (T,) int64 or vectors (T, i) float32
-        checked finite. None when they must go step by step instead (:meth:`submit`): the
-        session is not in memory, the steps do not fit its queue, or the inputs are not
-        for its model (each step's own check then says which is wrong).
-        """
-        s = self.loader.residents.get(session_id)
-        count = values.shape[0]
-        if (
-            s is None
-            or first + count - 1 > MAX_STEP
-            or s.queued_steps + count > self.settings.max_queued_steps
-            or not run_fits_model(s.model.config, values)
-        ):
-            return None
-        loop = self._loop or asyncio.get_running_loop()
-        future: asyncio.Future[StepRun] = loop.create_future()
-        raw = values.astype(s.codec.dtype, copy=False).tobytes()  # as the log stores them
-        run = StepRun(s.id, first, values, raw, s.model.config.output_dim, future)
-        self.steppers[s.model_name].submit(s, run)
-        return future
-
-    def _submit(
-        self, s: Session, step: int, value: object, finite: bool
-    ) -> asyncio.Future[StepOutcome]:
-        arr = check_step_input(s, value, finite)
-        if s.queued_steps >= self.settings.max_queued_steps:
-            raise CapacityError(
-                f"session {s.id!r} already has {s.queued_steps} steps queued "
-                f"(limit {self.settings.max_queued_steps}); wait for answers before sending more"
-            )
-        loop = self._loop or asyncio.get_running_loop()  # the call costs a getpid() on 3.11
-        future: asyncio.Future[StepOutcome] = loop.create_future()
-        self.steppers[s.model_name].submit(s, StepJob(step, arr, s.codec.encode(arr), future))
-        return future
 
     # ------------------------------------------------------------------ snapshots
 
@@ -573,38 +498,3 @@ class SessionManager:
     ) -> tuple[int, str]:
         """Move a resident session to ``target`` (``SessionLoader.hand_off``)."""
         return await self.loader.hand_off(session_id, target, adopt)
-
-
-def run_fits_model(c: MambaConfig, values: np.ndarray) -> bool:
-    """Whether a run's inputs (already checked finite) are valid steps of this model."""
-    if c.is_token_model:
-        return (
-            values.ndim == 1
-            and values.dtype == np.int64
-            and bool((values >= 0).all() and (values < c.vocab_size).all())
-        )
-    return values.ndim == 2 and values.dtype == np.float32 and values.shape[1] == c.input_dim
-
-
-def check_step_input(s: Session, value: object, finite: bool) -> np.ndarray:
-    """A step's input for ``s``'s model, or BadStepInputError saying what is wrong.
-    ``finite``: the caller already checked that a vector is finite (a whole message)."""
-    c = s.model.config
-    if c.is_token_model:
-        if not isinstance(value, int):
-            raise BadStepInputError(
-                f"model {s.model_name!r} takes token ids, not a vector of floats"
-            )
-        if not 0 <= value < c.vocab_size:
-            raise BadStepInputError(f"token id {value} is outside [0, {c.vocab_size})")
-        return np.asarray(value, np.int64)
-    if isinstance(value, int):
-        raise BadStepInputError(f"model {s.model_name!r} takes float vectors, not token ids")
-    arr = np.asarray(value, np.float32)
-    if arr.shape != (c.input_dim,):
-        raise BadStepInputError(
-            f"model {s.model_name!r} takes vectors of {c.input_dim} values, got {arr.size}"
-        )
-    if not finite and not np.isfinite(arr).all():
-        raise BadStepInputError("input vector contains NaN or Inf")
-    return arr

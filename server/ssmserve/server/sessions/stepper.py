@@ -122,6 +122,55 @@ class _SessionBatch:
         """Whether this batch took any step of the session."""
         return bool(self.done or self.chunks)
 
+    def take_chunk(self, max_ticks: int) -> tuple[StepRun, int, int] | None:
+        """The next chunk of the run at the head of the session's queue, taken (the queue,
+        the counts, ``chunks``), if the run can go straight through: the session is at its
+        next step and has no guards. At most the steps the batch has left for the session
+        (``max_ticks``), ending at the session's next periodic snapshot (whose state the
+        chunk then has). Taken before the engine call, as ticks pop their jobs: a session
+        that leaves memory meanwhile answers only what is still queued."""
+        s = self.session
+        if self.stopped or not s.queue:
+            return None
+        run = s.queue[0]
+        if not isinstance(run, StepRun) or s.config.guards or run.next_step != s.step + 1:
+            return None  # not a run, or not one to step straight through: per step
+        lo = run.taken
+        n = min(run.count - lo, max_ticks - self.ran)
+        if s.config.durability != Durability.NONE:
+            every, phase = s.config.snapshot_every, s.config.snapshot_phase
+            due = s.step + 1 + (phase - s.step - 1) % every  # the next snapshot's step
+            n = min(n, due - s.step)
+        run.taken = lo + n
+        if run.taken == run.count:
+            s.queue.popleft()
+        s.queued_steps -= n
+        self.ran += n
+        self.stopped = self.ran >= max_ticks  # its share of this batch: no ticks after
+        self.chunks.append((run, lo, lo + n))  # answered at the end of the batch, whatever
+        return run, lo, lo + n
+
+    def fail_chunks(self, error: SsmserveError) -> None:
+        """The steps of this batch's run chunks are answered with ``error``."""
+        for run, lo, hi in self.chunks:
+            for t in range(lo, hi):
+                run.outcomes[t] = StepOutcome(run.session_id, run.first + t, error=error)
+
+    def report_snapshots(self) -> None:
+        """The session's newly committed snapshots go into its last answer of this batch."""
+        events = tuple(self.session.snapshot_events)
+        self.session.snapshot_events.clear()
+        if self.done:
+            self.done[-1][1].snapshot_events += events
+            return
+        run, _lo, hi = self.chunks[-1]
+        last = run.outcomes[hi - 1]
+        if last is None:  # answered by its output so far: give it an outcome of its own
+            last = run.outcomes[hi - 1] = StepOutcome(
+                run.session_id, run.first + hi - 1, output=run.outputs[hi - 1]
+            )
+        last.snapshot_events += events
+
 
 class Stepper:
     def __init__(
@@ -229,64 +278,24 @@ class Stepper:
         finally:
             for w in work:
                 if w.stepped and w.session.snapshot_events:  # committed since the last answer
-                    self._report_snapshots(w)
+                    w.report_snapshots()
                 for job, outcome in w.done:
                     if not job.future.done():
                         job.future.set_result(outcome)
                 for run, lo, hi in w.chunks:
                     run.answer(lo, hi)
 
-    @staticmethod
-    def _report_snapshots(w: _SessionBatch) -> None:
-        """The session's newly committed snapshots go into its last answer of this batch."""
-        events = tuple(w.session.snapshot_events)
-        w.session.snapshot_events.clear()
-        if w.done:
-            w.done[-1][1].snapshot_events += events
-            return
-        run, _lo, hi = w.chunks[-1]
-        last = run.outcomes[hi - 1]
-        if last is None:  # answered by its output so far: give it an outcome of its own
-            last = run.outcomes[hi - 1] = StepOutcome(
-                run.session_id, run.first + hi - 1, output=run.outputs[hi - 1]
-            )
-        last.snapshot_events += events
-
     # ------------------------------------------------------------------ compute
 
     async def _run_chunks(self, work: list[_SessionBatch]) -> bool:
         """Step every session whose queue starts with a run it can step straight through
-        by a chunk of that run: all of them in one engine call per chunk length. False
-        if none could.
-
-        A chunk is at most the steps the batch has left for the session (``max_ticks``)
-        and ends at the session's next periodic snapshot, whose state it then has.
-        """
+        by a chunk of that run (``_SessionBatch.take_chunk``): all of them in one engine
+        call per chunk length. False if none could."""
         by_length: dict[int, list[tuple[_SessionBatch, StepRun, int]]] = {}
-        max_ticks = self.settings.max_ticks
         for w in work:
-            s = w.session
-            if w.stopped or not s.queue:
-                continue
-            run = s.queue[0]
-            if not isinstance(run, StepRun) or s.config.guards or run.next_step != s.step + 1:
-                continue  # not a run, or not one to step straight through: per step
-            lo = run.taken
-            n = min(run.count - lo, max_ticks - w.ran)
-            if s.config.durability != Durability.NONE:
-                every, phase = s.config.snapshot_every, s.config.snapshot_phase
-                due = s.step + 1 + (phase - s.step - 1) % every  # the next snapshot's step
-                n = min(n, due - s.step)
-            # Taken now, before the engine call: the session may leave memory while it
-            # runs, and what it answers then (``fail_queued``) is only what is still queued.
-            run.taken = lo + n
-            if run.taken == run.count:
-                s.queue.popleft()
-            s.queued_steps -= n
-            w.ran += n
-            w.stopped = w.ran >= max_ticks  # its share of this batch: no ticks after
-            w.chunks.append((run, lo, lo + n))  # answered at the end of the batch, whatever
-            by_length.setdefault(n, []).append((w, run, lo))
+            if (chunk := w.take_chunk(self.settings.max_ticks)) is not None:
+                run, lo, hi = chunk
+                by_length.setdefault(hi - lo, []).append((w, run, lo))
         if not by_length:
             return False
         for n, group in by_length.items():
@@ -473,7 +482,7 @@ class Stepper:
             for _job, outcome in w.done:  # resends too: a new owner may have rolled back
                 outcome.output, outcome.replayed, outcome.error = None, False, error
                 outcome.guard_events = ()
-            self._fail_chunks(w, error)
+            w.fail_chunks(error)
             if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.hooks.drop(w.session, error)
 
@@ -489,14 +498,7 @@ class Stepper:
             if not outcome.replayed or job.step > w.start_step:
                 outcome.output, outcome.replayed, outcome.error = None, False, error
                 outcome.guard_events = ()
-        self._fail_chunks(w, error)
-
-    @staticmethod
-    def _fail_chunks(w: _SessionBatch, error: SsmserveError) -> None:
-        """The steps of this batch's run chunks are answered with ``error``."""
-        for run, lo, hi in w.chunks:
-            for t in range(lo, hi):
-                run.outcomes[t] = StepOutcome(run.session_id, run.first + t, error=error)
+        w.fail_chunks(error)
 
     def _snapshots(self, work: list[_SessionBatch]) -> None:
         """Hand due snapshots to the sessions' background writers."""
