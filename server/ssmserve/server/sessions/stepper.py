@@ -109,7 +109,9 @@ class _SessionBatch:
     done: list[tuple[StepJob, StepOutcome]]
     snapshots_due: list[tuple[int, SessionState]]
     guard_rollback: tuple[StepJob, StepOutcome] | None = None
-    stopped: bool = False  # a REJECT or ROLLBACK: no further steps in this batch
+    # No further steps in this batch: a REJECT or ROLLBACK, its share of the batch used
+    # by runs, or a run at its head left for the next batch to step whole.
+    stopped: bool = False
     appended: bool = False  # this batch's steps of the session are in the log now
     fenced: bool = False  # not surely ours any more: nothing of this batch is answered
     rollbacks: list[SessionEvent] = field(default_factory=list)  # by guards, this batch
@@ -137,8 +139,8 @@ class _SessionBatch:
             return None  # not a run, or not one to step straight through: per step
         lo = run.taken
         n = min(run.count - lo, max_ticks - self.ran)
-        if s.config.durability != Durability.NONE:
-            every, phase = s.config.snapshot_every, s.config.snapshot_phase
+        every, phase = s.config.snapshot_every, s.config.snapshot_phase
+        if s.config.durability != Durability.NONE and phase is not None:  # None: never due
             due = s.step + 1 + (phase - s.step - 1) % every  # the next snapshot's step
             n = min(n, due - s.step)
         run.taken = lo + n
