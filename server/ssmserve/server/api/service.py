@@ -530,11 +530,11 @@ def run_values(
     kinds = {step.WhichOneof("value") for step in part}
     if kinds == {"token"}:
         return np.fromiter((step.token for step in part), np.int64, len(part))
-    if kinds != {"vector"} or any(s.vector.packed and len(s.vector.values) for s in part):
+    if kinds != {"vector"}:
         return None
     try:
-        rows = [vector_array(step.vector) for step in part]
-    except ValueError:  # a packed vector whose length is not a multiple of 4
+        rows = [vector_value(step.vector, "") for step in part]
+    except RequestError:  # malformed: each step's own check says how
         return None
     width = len(rows[0])
     if any(len(r) != width for r in rows):

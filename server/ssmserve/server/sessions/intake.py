@@ -80,8 +80,9 @@ class StepIntake:
             return None
         loop = self.loop or asyncio.get_running_loop()
         future: asyncio.Future[StepRun] = loop.create_future()
-        raw = values.astype(s.codec.dtype, copy=False).tobytes()  # as the log stores them
-        run = StepRun(s.id, first, values, raw, s.model.config.output_dim, future)
+        run = StepRun(
+            s.id, first, values, s.codec.encode(values), s.model.config.output_dim, future
+        )
         self.steppers[s.model_name].submit(s, run)
         return future
 

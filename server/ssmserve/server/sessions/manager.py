@@ -71,10 +71,7 @@ from ssmserve.server.sessions.records import (
 )
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
-from ssmserve.server.sessions.session import (
-    Session,
-    SessionGoneError,
-)
+from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.sessions.stepper import StepperSettings
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import (

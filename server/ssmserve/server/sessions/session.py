@@ -156,16 +156,15 @@ class StepRun:
         if self.pending == 0 and not self.future.done():
             self.future.set_result(self)
 
+    def raw_of(self, lo: int, hi: int) -> bytes:
+        """The logged bytes of steps ``lo:hi`` (indices), back to back."""
+        width = len(self.raw) // self.count  # bytes per input
+        return self.raw[lo * width : hi * width]
+
     def split(self) -> list[StepJob]:
         """The steps not taken yet as separate jobs (their outcomes come back here)."""
-        width = len(self.raw) // self.count
         jobs = [
-            StepJob(
-                self.first + t,
-                self.values[t],
-                self.raw[t * width : (t + 1) * width],
-                _RunSlot(self, t),
-            )
+            StepJob(self.first + t, self.values[t], self.raw_of(t, t + 1), _RunSlot(self, t))
             for t in range(self.taken, self.count)
         ]
         self.taken = self.count

@@ -319,10 +319,7 @@ class Stepper:
                 run.outputs[lo:hi] = outputs[row]
                 state = new_batch.session(row)
                 s.state, s.step = state, s.step + n
-                width = len(run.raw) // run.count  # bytes per input
-                s.recent.record_run(
-                    run.first + lo, run.raw[lo * width : hi * width], run.outputs[lo:hi]
-                )
+                s.recent.record_run(run.first + lo, run.raw_of(lo, hi), run.outputs[lo:hi])
                 if s.config.snapshot_due(s.step) and s.config.durability != Durability.NONE:
                     w.snapshots_due.append((s.step, state))
                 applied[s.config.durability] += n
