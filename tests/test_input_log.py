@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
-from ssmserve.server.state.input_log import InputCodec, RecentSteps, StepRing
+from ssmserve.server.state.input_log import (
+    InputBlock,
+    InputCodec,
+    RecentSteps,
+    StepRing,
+    UnflushedInputs,
+)
 
 
 def _row(step: int, width: int = 3) -> np.ndarray:
@@ -38,11 +44,16 @@ def test_a_ring_holds_the_newest_window_rows_as_it_grows_and_wraps(window: int) 
     assert ring.nbytes == window * 3 * 4  # grew to the window, never past it
 
 
-def test_a_ring_grows_by_doubling_only_as_far_as_it_is_filled() -> None:
-    ring = StepRing(256, np.float32)
-    for step in range(1, 41):
-        ring.append(step, _row(step))
-    assert ring.nbytes == 64 * 3 * 4
+def test_a_ring_grows_by_half_only_as_far_as_it_is_filled() -> None:
+    """8 -> 16 -> 24 -> 40 -> 64 -> 96 rows, appended one by one or extended many at a time."""
+    for count, capacity in ((1, 8), (8, 8), (9, 16), (24, 24), (40, 40), (41, 64), (65, 96)):
+        ring = StepRing(256, np.float32)
+        for step in range(1, count + 1):
+            ring.append(step, _row(step))
+        assert ring.nbytes == capacity * 3 * 4, count
+        extended = StepRing(256, np.float32)
+        extended.extend(1, np.stack([_row(step) for step in range(1, count + 1)]))
+        assert extended.nbytes == capacity * 3 * 4, count
 
 
 def test_cut_then_append_continues_and_a_gap_starts_over() -> None:
@@ -72,7 +83,10 @@ def test_recent_steps_answers_copies_and_history_by_step() -> None:
     recent = RecentSteps(input_window=4, output_window=3)
     for step in range(1, 8):
         recent.record(step, np.float32([step, -step]).tobytes(), _row(step))
-    assert [s for s, _ in recent.take_unflushed()] == list(range(1, 8))
+    block = recent.unflushed.take()
+    assert block is not None and (block.first, block.count) == (1, 7)
+    assert block.inputs() == [np.float32([s, -s]).tobytes() for s in range(1, 8)]
+    assert not recent.unflushed and recent.unflushed.take() is None
     out = recent.output_at(7)
     assert out is not None and out.tobytes() == _row(7).tobytes()
     out[:] = 0  # a copy: the ring keeps the answer
@@ -164,8 +178,64 @@ def test_recording_a_run_equals_recording_its_steps() -> None:
     run.record_run(3, raw.tobytes(), out)
     for k in range(6):
         steps.record(3 + k, raw[k].tobytes(), out[k])
-    assert run.unflushed == steps.unflushed
+    assert run.unflushed.block() == steps.unflushed.block()
     for s in range(2, 10):
         assert run.input_at(s) == steps.input_at(s)
         a, b = run.output_at(s), steps.output_at(s)
         assert (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+
+
+def test_unflushed_inputs_keep_the_steps_a_list_of_pairs_would() -> None:
+    """``UnflushedInputs`` (one block) against a list of (step, bytes) pairs over random
+    single steps, runs, rollbacks, partial flushes and takes."""
+    rng = np.random.default_rng(7)
+    width = 8
+    for _round in range(30):
+        held, pairs = UnflushedInputs(), list[tuple[int, bytes]]()
+        step = int(rng.integers(1, 50))  # the session's step: the next input is step + 1
+        for _op in range(60):
+            op = rng.integers(5)
+            if op <= 1:  # one step, or a run of them
+                n = 1 if op == 0 else int(rng.integers(1, 6))
+                raws = [rng.bytes(width) for _ in range(n)]
+                held.add(step + 1, n, b"".join(raws))
+                pairs += [(step + 1 + i, raw) for i, raw in enumerate(raws)]
+                step += n
+            elif op == 2:  # rollback
+                step = max(0, step - int(rng.integers(0, 6)))
+                held.cut_after(step)
+                pairs = [(s, raw) for s, raw in pairs if s <= step]
+            elif op == 3 and pairs:  # a flush up to some step, then what it wrote dropped
+                upto = pairs[0][0] + int(rng.integers(-1, len(pairs) + 1))
+                block = held.block(upto)
+                written = [raw for s, raw in pairs if s <= upto]
+                if not written:
+                    assert block is None
+                    continue
+                assert block is not None and block.first == pairs[0][0]
+                assert block.inputs() == written and block.last == pairs[len(written) - 1][0]
+                held.drop(block.count)
+                pairs = pairs[len(written) :]
+            elif op == 4 and rng.random() < 0.3:
+                block = held.take()
+                assert (block is None) == (not pairs)
+                if block is not None:
+                    assert block == InputBlock.of(pairs[0][0], [raw for _, raw in pairs])
+                pairs = []
+            assert len(held) == len(pairs) and bool(held) == bool(pairs)
+            if pairs:
+                assert (held.first, held.last) == (pairs[0][0], pairs[-1][0])
+                lo, hi = sorted(int(x) for x in rng.integers(step - 8, step + 3, 2))
+                assert held.inputs(lo, hi) == [raw for s, raw in pairs if lo <= s <= hi]
+
+
+def test_unflushed_inputs_refuse_a_gap_and_blocks_refuse_ragged_inputs() -> None:
+    held = UnflushedInputs()
+    held.add(5, 2, b"aabb")
+    with pytest.raises(ValueError, match="step 8 does not follow"):
+        held.add(8, 1, b"cc")
+    assert held.block() == InputBlock(5, 2, b"aabb")  # unchanged
+    with pytest.raises(ValueError, match="one length"):
+        InputBlock.of(1, [b"a", b"bb"])
+    with pytest.raises(ValueError, match="not 2 inputs"):
+        InputBlock(1, 2, b"abc")

@@ -129,3 +129,48 @@ def _wait(condition, what: str, timeout_s: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def test_the_session_queue_behaves_as_a_deque_under_random_operations() -> None:
+    """``SessionQueue`` (a list read from an index, compacted as it goes) against
+    ``collections.deque`` over random appends, pops, front pushes, removals and step
+    drains: the same entries in the same order after every operation."""
+    from collections import deque
+
+    from ssmserve.server.sessions.session import SessionQueue, _Gate
+
+    rng = np.random.default_rng(19)
+    value = np.zeros(4, np.float32)
+    for _round in range(20):
+        queue, model = SessionQueue(), deque[object]()
+        for _op in range(300):
+            op = rng.integers(6)
+            if op <= 1:  # append a step or a gate
+                entry: object = (
+                    StepJob(int(rng.integers(100)), value, b"", None)  # type: ignore[arg-type]
+                    if op == 0
+                    else _Gate(None)  # type: ignore[arg-type]
+                )
+                queue.append(entry)  # type: ignore[arg-type]
+                model.append(entry)
+            elif op == 2 and model:
+                assert queue.popleft() is model.popleft()
+            elif op == 3:
+                jobs = [StepJob(i, value, b"", None) for i in range(int(rng.integers(4)))]  # type: ignore[arg-type]
+                queue.push_front(jobs)
+                model.extendleft(reversed(jobs))
+            elif op == 4 and model:
+                entry = model[int(rng.integers(len(model)))]
+                queue.remove(entry)  # type: ignore[arg-type]
+                model.remove(entry)
+            elif op == 5 and rng.random() < 0.1:
+                steps = queue.take_steps()
+                assert steps == [e for e in model if not isinstance(e, _Gate)]
+                model = deque(e for e in model if isinstance(e, _Gate))
+            assert list(queue) == list(model) and len(queue) == len(model)
+            assert bool(queue) == bool(model)
+            if model:
+                assert queue[0] is model[0]
+        while model:
+            assert queue.popleft() is model.popleft()
+        assert not queue

@@ -17,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.errors import SessionMovedError
 from ssmserve.server.state import store as store_module
+from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import (
     BadSessionIdError,
@@ -181,19 +182,19 @@ def test_a_group_commit_gives_each_session_its_own_outcome(store):
     async def body(s: Store):
         ok = [await new(s, f"ok{i}") for i in range(5)]
         stale, gap, closed = await new(s, "stale"), await new(s, "gap"), await new(s, "closed")
-        await s.append_logs([(gap, 1, [b"g001"])], 1.0)
+        await s.append_logs([(gap, InputBlock.of(1, [b"g001"]))], 1.0)
         await s.redis.delete(s.keys("stale").lease)
         await acquire(s, "stale", "w2")
         await s.close_session(closed, keep_snapshot="000000000000-base")
         missing = SessionLease("missing", "x.1", "w1")
         appends = [
-            (ok[0], 1, [b"a001", b"a002", b"a003"]),
-            (stale, 1, [b"s001"]),
-            (ok[1], 1, [b"b001"]),
-            (gap, 3, [b"g003"]),
-            (closed, 1, [b"c001"]),
-            (missing, 1, [b"m001"]),
-            *((lease, 1, [b"%04d" % i] * 8) for i, lease in enumerate(ok[2:])),
+            (ok[0], InputBlock.of(1, [b"a001", b"a002", b"a003"])),
+            (stale, InputBlock.of(1, [b"s001"])),
+            (ok[1], InputBlock.of(1, [b"b001"])),
+            (gap, InputBlock.of(3, [b"g003"])),
+            (closed, InputBlock.of(1, [b"c001"])),
+            (missing, InputBlock.of(1, [b"m001"])),
+            *((lease, InputBlock.of(1, [b"%04d" % i] * 8)) for i, lease in enumerate(ok[2:])),
         ]
         outcomes = await s.append_logs(appends, 7.0)
         assert [type(o).__name__ for o in outcomes] == [
@@ -233,7 +234,14 @@ def test_a_group_commit_that_fails_part_way_is_an_unknown_outcome(store):
     async def body(s: Store):
         a, bad, c = await new(s, "a"), await new(s, "bad"), await new(s, "c")
         await s.redis.set(s.keys("bad").log, b"not a hash")
-        outcomes = await s.append_logs([(a, 1, [b"x"]), (bad, 1, [b"y"]), (c, 1, [b"z"])], 1.0)
+        outcomes = await s.append_logs(
+            [
+                (a, InputBlock.of(1, [b"x"])),
+                (bad, InputBlock.of(1, [b"y"])),
+                (c, InputBlock.of(1, [b"z"])),
+            ],
+            1.0,
+        )
         if _the_middle_one_failed_part_way(s, outcomes, "group commit"):
             assert (await s.get_meta("a")).step == 1  # written before the failure: kept
 
@@ -251,10 +259,16 @@ def test_scripts_flushed_from_redis_are_loaded_again(store, monkeypatch, per_cal
         a, b = await new(s, "a"), await new(s, "b")
         for r in (0, 1):
             await s.redis.script_flush()
-            assert await s.append_logs([(a, 2 * r + 1, [b"a%03d" % (2 * r + 1)])], 1.0) == [None]
+            assert await s.append_logs(
+                [(a, InputBlock.of(2 * r + 1, [b"a%03d" % (2 * r + 1)]))], 1.0
+            ) == [None]
             await s.redis.script_flush()
             assert await s.append_logs(
-                [(a, 2 * r + 2, [b"a%03d" % (2 * r + 2)]), (b, r + 1, [b"b%03d" % (r + 1)])], 1.0
+                [
+                    (a, InputBlock.of(2 * r + 2, [b"a%03d" % (2 * r + 2)])),
+                    (b, InputBlock.of(r + 1, [b"b%03d" % (r + 1)])),
+                ],
+                1.0,
             ) == [None, None]
         await s.redis.script_flush()
         assert await s.renew_leases([a, b], LEASE_MS) == [None, None]
@@ -268,16 +282,18 @@ def test_log_append_must_continue_the_log(store):
     async def body(s: Store):
         a = await new(s, "a")
         entries = [b"1111", b"2222", b"3333"]
-        assert await s.append_logs([(a, 1, entries)], 5.0) == [None]
+        assert await s.append_logs([(a, InputBlock.of(1, entries))], 5.0) == [None]
         assert (await s.get_meta("a")).step == 3
         assert await s.read_log("a", 1, 3) == entries
         # the same append again, or one past a gap: memory and store diverged
-        (again,) = await s.append_logs([(a, 1, entries)], 5.0)
+        (again,) = await s.append_logs([(a, InputBlock.of(1, entries))], 5.0)
         assert isinstance(again, LogDivergedError) and "ends at step 3" in str(again)
-        (gap,) = await s.append_logs([(a, 5, [b"5555"])], 5.0)
+        (gap,) = await s.append_logs([(a, InputBlock.of(5, [b"5555"]))], 5.0)
         assert isinstance(gap, LogDivergedError)
         assert (await s.get_meta("a")).step == 3 and await s.read_log("a", 1, 3) == entries
-        (missing,) = await s.append_logs([(SessionLease("nope", "x.1", "w1"), 1, [b"x"])], 5.0)
+        (missing,) = await s.append_logs(
+            [(SessionLease("nope", "x.1", "w1"), InputBlock.of(1, [b"x"]))], 5.0
+        )
         assert isinstance(missing, SessionMissingError) and "gone" in str(missing)
         with pytest.raises(StoreError, match=r"lacks steps 4\.\.4"):
             await s.read_log("a", 1, 4)
@@ -315,8 +331,8 @@ def test_many_snapshots_commit_in_one_batch_each_with_its_own_outcome(store):
     async def body(s: Store):
         leases = {sid: await new(s, sid) for sid in ("a", "b", "c", "d")}
         for step in (1, 2, 3):
-            await s.append_logs([(leases["b"], step, [b"x"])], 1.0)
-            await s.append_logs([(leases["a"], step, [b"y"])], 1.0)
+            await s.append_logs([(leases["b"], InputBlock.of(step, [b"x"]))], 1.0)
+            await s.append_logs([(leases["a"], InputBlock.of(step, [b"y"]))], 1.0)
         for step in (1, 2):  # b keeps 3: its next commit drops its oldest (the base)
             await s.commit_snapshot(leases["b"], record(step, 4, sid="b"), b"bbbb", 3)
         await s.redis.delete(s.keys("c").lease)
@@ -368,7 +384,7 @@ def test_retention_and_log_trim(store):
     async def body(s: Store):
         a = await new(s, "a")
         for step in range(1, 13):
-            await s.append_logs([(a, step, [b"%04d" % step])], 1.0)
+            await s.append_logs([(a, InputBlock.of(step, [b"%04d" % step]))], 1.0)
             if step % 3 == 0:
                 await s.commit_snapshot(a, record(step, 10, label=f"L{step}"), b"s" * 10, 3)
         assert [r.step for r in await s.list_snapshots("a")] == [6, 9, 12]
@@ -390,7 +406,7 @@ def test_cut_history_and_close(store):
         a = await new(s, "a")
         b = await new(s, "b")
         for step in range(1, 9):
-            await s.append_logs([(a, step, [b"x"])], 1.0)
+            await s.append_logs([(a, InputBlock.of(step, [b"x"]))], 1.0)
             if step % 2 == 0:
                 await s.commit_snapshot(a, record(step, 4, label=f"L{step}"), b"abcd", 10)
         await s.cut_history(a, 5, 8, 3.0)
@@ -412,7 +428,7 @@ def test_cut_history_and_close(store):
 def test_every_key_carries_the_hash_tag(store):
     async def body(s: Store):
         t = await new(s, "tag.1")
-        await s.append_logs([(t, 1, [b"x", b"y"])], 1.0)
+        await s.append_logs([(t, InputBlock.of(1, [b"x", b"y"]))], 1.0)
         await s.commit_snapshot(t, record(1, 4, label="l"), b"abcd", 4)
         keys = [k.decode() async for k in s.redis.scan_iter(match="*")]  # every node
         tagged = [k for k in keys if k != "ssm:sessions"]
@@ -429,7 +445,9 @@ def test_unreachable_redis_is_unavailable_and_writes_have_unknown_outcomes(tmp_p
                 await s.get_meta("a")
             assert not isinstance(read.value, StoreOutcomeUnknownError)
             with pytest.raises(StoreOutcomeUnknownError, match="may or may not"):
-                await s.append_logs([(SessionLease("a", "x.1", "w1"), 1, [b"x"])], 1.0)
+                await s.append_logs(
+                    [(SessionLease("a", "x.1", "w1"), InputBlock.of(1, [b"x"]))], 1.0
+                )
         finally:
             await s.aclose()
 
@@ -446,12 +464,12 @@ def test_an_answer_held_past_the_deadline_is_never_read_as_a_later_one(any_redis
 
     async def body(s: Store) -> None:
         lease = await new(s, "late")
-        await s.append_logs([(lease, 1, [b"a"])], 1.0)
+        await s.append_logs([(lease, InputBlock.of(1, [b"a"]))], 1.0)
         proxy.black_hole()
         started = time.monotonic()
         with pytest.raises(StoreOutcomeUnknownError, match=r"within 0\.5 s"):
             # (wait_for: a hang would be the bug)
-            await asyncio.wait_for(s.append_logs([(lease, 2, [b"b"])], 1.0), 30)
+            await asyncio.wait_for(s.append_logs([(lease, InputBlock.of(2, [b"b"]))], 1.0), 30)
         with pytest.raises(StoreUnavailableError, match=r"within 0\.5 s"):
             await asyncio.wait_for(s.get_meta("late"), 30)
         assert time.monotonic() - started >= 2 * 0.5  # each waited for its deadline
@@ -494,7 +512,7 @@ def test_acquire_fences_every_write_of_the_previous_owner(store):
 
     async def body(s: Store):
         w1 = await new(s, "a")
-        await s.append_logs([(w1, 1, [b"x1"])], 1.0)
+        await s.append_logs([(w1, InputBlock.of(1, [b"x1"]))], 1.0)
         with pytest.raises(SessionMovedError) as held:
             await s.acquire("a", "w2", "addr:2", LEASE_MS)
         assert held.value.owner == "addr:1" and 0 < held.value.retry_after_ms <= LEASE_MS
@@ -503,7 +521,7 @@ def test_acquire_fences_every_write_of_the_previous_owner(store):
         assert w2.epoch == 2 and w2.token.split(".")[0] == w1.token.split(".")[0]
         before = sorted(await s.session_keys("a")), await s.redis.hgetall(s.keys("a").meta)
 
-        (stale,) = await s.append_logs([(w1, 2, [b"x2"])], 9.0)
+        (stale,) = await s.append_logs([(w1, InputBlock.of(2, [b"x2"]))], 9.0)
         assert isinstance(stale, StaleEpochError) and stale.owner == "addr:2"
         with pytest.raises(StaleEpochError):
             await s.commit_snapshot(w1, record(1, 4), b"abcd", 4)
@@ -522,7 +540,7 @@ def test_acquire_fences_every_write_of_the_previous_owner(store):
         assert (after, await s.redis.hgetall(s.keys("a").meta)) == before
         assert await s.read_log("a", 1, 1) == [b"x1"]
         # the new owner writes fine
-        assert await s.append_logs([(w2, 2, [b"y2"])], 9.0) == [None]
+        assert await s.append_logs([(w2, InputBlock.of(2, [b"y2"]))], 9.0) == [None]
 
     run(store, body)
 
@@ -533,15 +551,15 @@ def test_a_token_never_repeats_when_an_id_is_created_again(store):
 
     async def body(s: Store):
         w1 = await new(s, "x")
-        await s.append_logs([(w1, 1, [b"a1"])], 1.0)
+        await s.append_logs([(w1, InputBlock.of(1, [b"a1"]))], 1.0)
         await s.redis.delete(s.keys("x").lease)  # w1 froze past its lease
         w2 = await acquire(s, "x", "w2")
         await s.close_session(w2)
         again = await new(s, "x", owner="w2")
         assert again.epoch == 1 == w1.epoch and again.token != w1.token
-        await s.append_logs([(again, 1, [b"b1"])], 1.0)
+        await s.append_logs([(again, InputBlock.of(1, [b"b1"]))], 1.0)
         before = sorted(await s.session_keys("x")), await s.redis.hgetall(s.keys("x").meta)
-        (stale,) = await s.append_logs([(w1, 2, [b"a2"])], 9.0)
+        (stale,) = await s.append_logs([(w1, InputBlock.of(2, [b"a2"]))], 9.0)
         assert isinstance(stale, StaleEpochError)
         (renewed,) = await s.renew_leases([w1], LEASE_MS)
         assert isinstance(renewed, StaleEpochError)
@@ -700,7 +718,7 @@ def test_step_numbers_stay_exact_integers_up_to_the_cap(store):
         for start in (10**14 - 2, MAX_STEP - 4):
             sid = f"s{start}"
             lease = await new(s, sid, step=start)
-            await s.append_logs([(lease, start + 1, [b"a", b"b", b"c"])], 1.0)
+            await s.append_logs([(lease, InputBlock.of(start + 1, [b"a", b"b", b"c"]))], 1.0)
             await s.commit_snapshot(lease, record(start + 2, 4, sid="y"), b"abcd", 2)
             await s.commit_snapshot(lease, record(start + 3, 4, sid="z"), b"abcd", 2)
             raw = await s.redis.hgetall(s.keys(sid).meta)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ssmserve.client.sync import Client
+from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl
 from ssmserve.server.state.store import Store, StoreSettings
 from ssmserve.server.state.store_errors import StoreError
@@ -358,15 +359,21 @@ def test_the_store_goes_on_after_a_cluster_node_restarts(redis_cluster):
         store = Store(StoreSettings(url=redis_cluster.url, socket_timeout_s=2.0))
         try:
             leases = [await new(store, sid) for sid in sids]
-            assert await store.append_logs([(le, 1, [b"a"]) for le in leases], 1.0) == [None] * 3
+            assert (
+                await store.append_logs([(le, InputBlock.of(1, [b"a"])) for le in leases], 1.0)
+                == [None] * 3
+            )
             redis_cluster.kill_node(victim)
             with pytest.raises(StoreError):
-                await store.append_logs([(le, 2, [b"b"]) for le in leases], 2.0)
+                await store.append_logs([(le, InputBlock.of(2, [b"b"])) for le in leases], 2.0)
             assert store.redis._initialize  # the slot map is learned again before next use
             redis_cluster.restart_node(victim)
             # unknown outcomes: read where each log ends, as a reload would, and go on
             steps = [(await store.get_meta(sid)).step for sid in sids]
-            appends = [(le, step + 1, [b"c"]) for le, step in zip(leases, steps, strict=True)]
+            appends = [
+                (le, InputBlock.of(step + 1, [b"c"]))
+                for le, step in zip(leases, steps, strict=True)
+            ]
             assert await store.append_logs(appends, 3.0) == [None] * 3
             assert [(await store.get_meta(sid)).step for sid in sids] == [s + 1 for s in steps]
         finally:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LayerState:
     conv: np.ndarray  # (c, k) the last k conv inputs, newest at [:, -1]
     ssm: np.ndarray  # (e, n) | (h, p, n) the SSM hidden state h_t

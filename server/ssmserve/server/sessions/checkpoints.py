@@ -144,21 +144,19 @@ class Checkpoints:
     async def flush_unflushed(self, s: Session, upto: int) -> None:
         """Write the session's unflushed inputs with step <= ``upto`` to the log."""
         async with s.flush_lock:  # the stepper and a background snapshot may both flush
-            entries = [(step, raw) for step, raw in s.recent.unflushed if step <= upto]
-            if not entries:
+            block = s.recent.unflushed.block(upto)
+            if block is None:
                 return
             lease = s.lease
             try:
-                (error,) = await self.store.append_logs(
-                    [(lease, entries[0][0], [raw for _, raw in entries])], time.time()
-                )
+                (error,) = await self.store.append_logs([(lease, block)], time.time())
             except SsmserveError as exc:
                 error = exc
             if error is not None:
                 self.residents.lost(s, lease, error)
                 raise error
             # Steps recorded meanwhile were appended behind these: drop just the written.
-            s.recent.unflushed = s.recent.unflushed[len(entries) :]
+            s.recent.unflushed.drop(block.count)
 
 
 def recent_history(s: Session, step: int) -> InputHistory:

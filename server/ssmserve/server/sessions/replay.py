@@ -238,9 +238,10 @@ class Replay:
         ring = [s.recent.input_at(step) for step in range(first, last + 1)]
         if all(raw is not None for raw in ring):
             return ring  # type: ignore[return-value]
-        split = s.recent.unflushed[0][0] if s.recent.unflushed else last + 1
+        unflushed = s.recent.unflushed
+        split = unflushed.first if unflushed else last + 1
         stored = await self.store.read_log(s.id, first, min(last, split - 1))
-        memory = [raw for step, raw in s.recent.unflushed if first <= step <= last]
+        memory = unflushed.inputs(first, last)
         return stored + memory
 
 

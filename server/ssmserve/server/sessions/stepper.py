@@ -345,7 +345,7 @@ class Stepper:
                     w.stopped = True  # the next batch steps it whole
                     continue
                 s.queue.popleft()  # step by step: each of its steps is a job of its own
-                s.queue.extendleft(reversed(run.split()))
+                s.queue.push_front(run.split())
             job = s.queue.popleft()
             s.queued_steps -= 1
             assert isinstance(job, StepJob)
@@ -433,15 +433,17 @@ class Stepper:
             for w in work
             if w.session.config.durability == Durability.LOG and w.session.recent.unflushed
         ]
-        pending = [(w, w.session.lease, w.session.recent.take_unflushed()) for w in durable]
-        appends = [
-            (lease, entries[0][0], [raw for _, raw in entries]) for _w, lease, entries in pending
+        pending = [
+            (w, w.session.lease, block)
+            for w in durable
+            if (block := w.session.recent.unflushed.take()) is not None
         ]
+        appends = [(lease, block) for _w, lease, block in pending]
         try:
             errors: list[SsmserveError | None] = await self.store.append_logs(appends, time.time())
         except SsmserveError as exc:
             errors = [exc] * len(appends)
-        for (w, lease, _entries), error in zip(pending, errors, strict=True):
+        for (w, lease, _block), error in zip(pending, errors, strict=True):
             w.appended = error is None
             if error is not None:
                 self._take_back(w, error)

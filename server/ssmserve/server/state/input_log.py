@@ -10,6 +10,7 @@ every tick, in the other modes at each snapshot).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,6 +19,8 @@ from ssmserve.server.engine.config import MambaConfig
 
 class InputCodec:
     """One input <-> the bytes stored in the log: int64 token id or float32 (i,) vector."""
+
+    __slots__ = ("dtype", "token", "width")
 
     def __init__(self, config: MambaConfig) -> None:
         self.token = config.is_token_model
@@ -46,17 +49,150 @@ class InputCodec:
         return np.empty((0,) if self.token else (0, self.width), self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class InputBlock:
+    """The inputs of steps ``first .. first + count - 1`` of one session, as the log stores
+    them, back to back (a session's inputs all have one length): what one log append
+    writes, as one bytes object instead of one per step."""
+
+    first: int
+    count: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or len(self.data) % self.count:
+            raise ValueError(f"{len(self.data)} bytes are not {self.count} inputs of one length")
+
+    @classmethod
+    def of(cls, first: int, inputs: Sequence[bytes]) -> InputBlock:
+        """Separate inputs of steps ``first, first + 1, ...``, all of one length."""
+        if not inputs or any(len(x) != len(inputs[0]) for x in inputs):
+            raise ValueError("an input block needs inputs, all of one length")
+        return cls(first, len(inputs), b"".join(inputs))
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+    def inputs(self) -> list[bytes]:
+        """One bytes per step, oldest first."""
+        width = len(self.data) // self.count
+        return [self.data[i : i + width] for i in range(0, len(self.data), width)]
+
+
+class UnflushedInputs:
+    """The inputs a session applied that are not in Redis yet, as one block.
+
+    They are always consecutive steps: each step follows the one before, and a rollback
+    cuts the newest ones off. So they are kept as the list of bytes they arrived in (one per
+    single step, one per run of steps) and their first step, not as a (step, bytes) pair per
+    step: at thousands of sessions those pairs were most of the short-lived objects of a
+    tick, and the log append joins them again anyway.
+    """
+
+    __slots__ = ("_parts", "count", "first")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []  # back to back: the inputs of steps first..
+        self.first = 0  # step of the oldest input (meaningless while empty)
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+    def add(self, first: int, count: int, data: bytes) -> None:
+        """Inputs of steps ``first .. first + count - 1``, right after the newest held."""
+        if not self.count:
+            self.first = first
+        elif first != self.first + self.count:
+            raise ValueError(
+                f"unflushed inputs end at step {self.last}; step {first} does not follow"
+            )
+        self._parts.append(data)
+        self.count += count
+
+    def block(self, upto: int | None = None) -> InputBlock | None:
+        """The inputs of steps ``first .. upto`` (all when None) as one block; None when
+        there are none. Nothing is taken: :meth:`drop` does that once they are written."""
+        if not self.count:
+            return None
+        count = self.count if upto is None else min(self.count, upto - self.first + 1)
+        if count <= 0:
+            return None
+        data = self._joined()
+        return InputBlock(self.first, count, data[: count * (len(data) // self.count)])
+
+    def take(self) -> InputBlock | None:
+        """All of them as one block, emptied."""
+        out = self.block()
+        self.drop(self.count)
+        return out
+
+    def drop(self, count: int) -> None:
+        """Forget the oldest ``count`` inputs (they are in the log now)."""
+        if count >= self.count:
+            self._parts, self.count = [], 0
+            return
+        data = self._joined()
+        width = len(data) // self.count
+        self._parts = [data[count * width :]]
+        self.first += count
+        self.count -= count
+
+    def cut_after(self, step: int) -> None:
+        """Forget the inputs after ``step`` (rollback)."""
+        keep = step - self.first + 1
+        if keep >= self.count:
+            return
+        if keep <= 0:
+            self._parts, self.count = [], 0
+            return
+        data = self._joined()
+        self._parts = [data[: keep * (len(data) // self.count)]]
+        self.count = keep
+
+    def inputs(self, first: int, last: int) -> list[bytes]:
+        """One bytes per held step of ``first..last``, oldest first."""
+        block = self.block()
+        if block is None:
+            return []
+        lo, hi = max(first, self.first) - self.first, min(last, self.last) - self.first + 1
+        return block.inputs()[lo:hi] if hi > lo else []
+
+    def _joined(self) -> bytes:
+        if len(self._parts) > 1:
+            self._parts = [b"".join(self._parts)]
+        return self._parts[0]
+
+
+def grown_capacity(capacity: int) -> int:
+    """The next size of a growing :class:`StepRing`: half as much again, in whole multiples
+    of 8 rows (8 -> 16 -> 24 -> 40 -> 64 -> 96 ...)."""
+    return max(capacity + 8, -(-capacity * 3 // 16) * 8)
+
+
 class StepRing:
     """The newest ``window`` rows of one width, by step number, in one array (a ring).
 
     One array instead of an object per step: a resident session holds hundreds of recent
     inputs and outputs, and per-step tuples, bytes and arrays cost ~10x their data in
     memory and give the garbage collector millions of objects to walk. Storage grows by
-    doubling up to ``window`` rows, so a short session does not pay for its whole window.
+    half (:func:`grown_capacity`: 8, 16, 24, 40, 64, 96 ... rows) up to ``window`` rows, so
+    a short session does not pay for its whole window, and holds at most ~1.6x the rows it
+    fills (doubling: up to 2x, 0.7 KiB of a 33 KiB demo session at 40 steps).
 
     Steps are contiguous: a step that does not follow the newest one starts the ring over
     (a gap can only follow a cut; what the ring lost is a cache miss, read from the log).
     """
+
+    __slots__ = ("_rows", "_start", "count", "dtype", "first", "window")
 
     def __init__(self, window: int, dtype: np.dtype | type) -> None:
         self.window = max(window, 0)  # 0: holds nothing
@@ -93,7 +229,8 @@ class StepRing:
         capacity = rows.shape[0]
         if self.count == capacity:
             if capacity < self.window:  # grow: the rows in order, then room
-                grown = np.empty((min(2 * capacity, self.window), rows.shape[1]), self.dtype)
+                size = min(grown_capacity(capacity), self.window)
+                grown = np.empty((size, rows.shape[1]), self.dtype)
                 grown[: capacity - self._start] = rows[self._start :]
                 grown[capacity - self._start : capacity] = rows[: self._start]
                 rows, self._rows, self._start = grown, grown, 0
@@ -121,8 +258,8 @@ class StepRing:
         capacity = 0 if self._rows is None else self._rows.shape[0]
         if self.count + n > capacity and capacity < self.window:  # grow: rows in order
             size = capacity or 8
-            while size < self.count + n:  # by doubling, as ``append`` grows
-                size *= 2
+            while size < self.count + n:  # by steps of one half, as ``append`` grows
+                size = grown_capacity(size)
             size = min(size, self.window)
             grown = np.empty((size, rows.shape[1]), self.dtype)
             if self.count:
@@ -170,12 +307,14 @@ class RecentSteps:
     """The newest inputs and outputs of one session, by step, plus its unflushed inputs.
 
     Inputs are kept as the log's raw bytes (a ring of uint8 rows), outputs as float32
-    rows; ``unflushed`` lists the inputs not yet in Redis as (step, raw) pairs."""
+    rows; ``unflushed`` holds the inputs not yet in Redis (:class:`UnflushedInputs`)."""
+
+    __slots__ = ("inputs", "outputs", "unflushed")
 
     def __init__(self, input_window: int, output_window: int) -> None:
         self.inputs = StepRing(input_window, np.uint8)
         self.outputs = StepRing(output_window, np.float32)
-        self.unflushed: list[tuple[int, bytes]] = []
+        self.unflushed = UnflushedInputs()
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +325,7 @@ class RecentSteps:
         """A step just applied: its input (also unflushed) and its output ``(o,)``."""
         self.inputs.append(step, np.frombuffer(raw_input, np.uint8))
         self.outputs.append(step, output)
-        self.unflushed.append((step, raw_input))
+        self.unflushed.add(step, 1, raw_input)
 
     def record_run(self, first: int, raw_inputs: bytes, outputs: np.ndarray) -> None:
         """Steps ``first .. first + n - 1`` just applied: their inputs as the log stores
@@ -195,7 +334,7 @@ class RecentSteps:
         width = len(raw_inputs) // n
         self.inputs.extend(first, np.frombuffer(raw_inputs, np.uint8).reshape(n, width))
         self.outputs.extend(first, outputs)
-        self.unflushed += [(first + t, raw_inputs[t * width : (t + 1) * width]) for t in range(n)]
+        self.unflushed.add(first, n, raw_inputs)
 
     def remember(self, first: int, raw: Sequence[bytes], outputs: Sequence[np.ndarray]) -> None:
         """Steps ``first, first + 1, ...`` recomputed by replay: already in the log."""
@@ -230,16 +369,8 @@ class RecentSteps:
         first = max(self.inputs.first, upto - window + 1)
         return first, self.inputs.rows(first, upto)
 
-    def take_unflushed(self) -> list[tuple[int, bytes]]:
-        out, self.unflushed = self.unflushed, []
-        return out
-
-    def restore_unflushed(self, entries: list[tuple[int, bytes]]) -> None:
-        """Put back inputs whose write failed, ahead of anything recorded since."""
-        self.unflushed[:0] = entries
-
     def cut_after(self, step: int) -> None:
         """Forget everything after ``step`` (rollback)."""
         self.inputs.cut_after(step)
         self.outputs.cut_after(step)
-        self.unflushed = [(s, raw) for s, raw in self.unflushed if s <= step]
+        self.unflushed.cut_after(step)

@@ -30,7 +30,7 @@ def new_incarnation() -> str:
     return secrets.token_hex(16)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SessionLease:
     session_id: str
     token: str  # "<incarnation>.<epoch>"

@@ -45,6 +45,7 @@ from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
 from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.state import redis_topology
 from ssmserve.server.state import store_layout as layout
+from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.script_batches import NOT_RUN, ScriptBatches, until_run
 from ssmserve.server.state.store_errors import (
@@ -767,10 +768,10 @@ class Store:
 
     async def append_logs(
         self,
-        appends: Sequence[tuple[SessionLease, int, Sequence[bytes]]],
+        appends: Sequence[tuple[SessionLease, InputBlock]],
         updated_at: float,
     ) -> list[SsmserveError | None]:
-        """Group commit: ``(lease, first step, inputs)`` for many sessions, one round trip.
+        """Group commit: ``(lease, inputs)`` for many sessions, one round trip.
 
         Returns one entry per append: None when it was recorded, else the error. A lost
         answer raises :class:`StoreOutcomeUnknownError` for all of them.
@@ -779,21 +780,20 @@ class Store:
             return []
         if isinstance(self.redis, RedisCluster):  # one script per session: one slot each
             calls = []
-            for lease, first, inputs in appends:
+            for lease, block in appends:
                 k = self.keys(lease.session_id)
-                calls.append(([k.meta, k.log], [lease.token, first, updated_at, *inputs]))
+                calls.append(
+                    ([k.meta, k.log], [lease.token, block.first, updated_at, *block.inputs()])
+                )
             replies = await self._scripts("append_logs", self._log_append, calls)
             return [self._outcome(reply) for reply in replies]
         # One server: LOG_APPEND_MANY. Per session: token, first step, input count, its
         # inputs as one string.
         per_session = []
-        for lease, first, inputs in appends:
+        for lease, block in appends:
             k = self.keys(lease.session_id)
-            if not inputs or any(len(x) != len(inputs[0]) for x in inputs):
-                raise ValueError(f"inputs of {lease.session_id!r} differ in length")
-            per_session.append(
-                ((k.meta, k.log), (lease.token, first, len(inputs), b"".join(inputs)))
-            )
+            args = (lease.token, block.first, block.count, block.data)
+            per_session.append(((k.meta, k.log), args))
         return await self._many(
             "append_logs", self._log_append_many, [updated_at], per_session, "group commit"
         )
