@@ -136,3 +136,33 @@ def test_runs_and_single_steps_of_many_sessions_answer_in_message_order(worker, 
     assert [r.error.reason for r in results[8:]] == ["BAD_STEP_INPUT"] * 5
     assert [worker.client.get_session(s).step for s in (a, b, c, d)] == [4, 4, 0, 0]
     assert queued_steps(worker) == 0
+
+
+def test_an_answered_run_is_freed_by_reference_counting_alone() -> None:
+    """A run resolves its future with itself; if it kept holding that future, the two
+    would form a cycle that only the cyclic collector frees, and a worker tuned to
+    collect rarely kept thousands of answered runs (and their outputs) while idle."""
+    import asyncio
+    import gc
+    import weakref
+
+    from ssmserve.server.sessions.session import StepRun
+
+    async def scenario() -> None:
+        future: asyncio.Future[StepRun] = asyncio.get_running_loop().create_future()
+        run = StepRun("s", 1, np.zeros((3, 4), np.float32), b"\0" * 48, 2, future)
+        run.answer(0, 2)
+        assert not future.done()
+        run.answer(2, 3)
+        assert future.result() is run
+        gone = weakref.ref(future)
+        del future, run
+        assert gone() is None
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        asyncio.run(scenario())
+    finally:
+        if enabled:
+            gc.enable()
