@@ -11,8 +11,9 @@ of system time, ~30% of the step (``bench/bench_engine.py``; BENCHMARKS.md, "Iss
 So the engine fixes both thresholds when it loads a model (:func:`keep_freed_pages`): arrays
 up to 32 MiB (glibc's largest mmap threshold on 64-bit) come from the heap, and up to
 ``SSMSERVE_KEEP_FREED_MB`` (default 1024) of freed heap stays in the process for the next
-steps. The idle reaper gives it back (:func:`return_freed_memory`) once sessions leave
-memory, so a worker's RSS does not stay at its peak. ``SSMSERVE_KEEP_FREED_MB=0`` keeps
+steps. The idle check gives it back (:func:`return_freed_memory`) once sessions stop
+stepping (their states get arrays of their own) or the background snapshot writes under
+way have ended, so a worker's RSS does not stay at its peak. ``SSMSERVE_KEEP_FREED_MB=0`` keeps
 glibc's own behaviour.
 """
 
