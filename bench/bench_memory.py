@@ -130,7 +130,7 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
             s.state, s.step = new_batch.session(row), step
             s.recent.record(step, s.codec.encode(values[row]), verdict.output)
         for s in group:  # log durability: the group commit empties unflushed
-            s.recent.take_unflushed()
+            s.recent.unflushed.take()
 
     max_batch = settings.stepper.max_batch
     config = SessionConfig().resolve(settings.defaults, c.output_dim)
@@ -175,7 +175,7 @@ def child(which: str, pattern: str, n: int, steps: int) -> dict[str, object]:
     history_bytes = [
         len(s.recent.inputs) * in_raw
         + len(s.recent.outputs) * out_row
-        + sum(len(raw) for _, raw in s.recent.unflushed)
+        + len(s.recent.unflushed) * in_raw
         for s in sessions.values()
     ]
     state_buffers: dict[int, int] = {}

@@ -46,6 +46,7 @@ from common import table
 from ssmserve.client.aio import AsyncClient
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
+from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import SessionMeta, SnapshotRecord, Store, StoreSettings
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -187,7 +188,7 @@ class Appender:
 
         async def tick() -> None:
             self.step += 1
-            appends = [(lease, self.step, [STEP]) for lease in self.leases]
+            appends = [(lease, InputBlock.of(self.step, [STEP])) for lease in self.leases]
             assert await store.append_logs(appends, 5.0) == [None] * len(self.leases)
 
         try:

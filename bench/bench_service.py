@@ -46,6 +46,7 @@ from common import cpu_seconds, start_server, table
 from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
+from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.store import SnapshotRecord, Store, StoreSettings
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -239,7 +240,7 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     )
     for i in range(reps):
         t0 = time.perf_counter()
-        await store.append_logs([(lease, i + 1, [b"x" * 16])], 0.0)
+        await store.append_logs([(lease, InputBlock.of(i + 1, [b"x" * 16]))], 0.0)
         out["log"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         await r.set("bench:plain", b"x" * 16)

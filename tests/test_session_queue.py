@@ -168,6 +168,10 @@ def test_the_session_queue_behaves_as_a_deque_under_random_operations() -> None:
                 assert steps == [e for e in model if not isinstance(e, _Gate)]
                 model = deque(e for e in model if isinstance(e, _Gate))
             assert list(queue) == list(model) and len(queue) == len(model)
+            # What was taken out is not kept alive by the queue (an idle session's queue
+            # would otherwise hold answered steps and their outputs).
+            held = [e for e in queue._items if e is not None]
+            assert len(held) == len(model) and all(any(e is m for m in model) for e in held)
             assert bool(queue) == bool(model)
             if model:
                 assert queue[0] is model[0]

@@ -338,14 +338,16 @@ class SessionLoader:
     async def evict_idle(self, check_every_s: float) -> None:
         """Forever: unload sessions idle past their ``idle_ttl_s``; give idle sessions
         state arrays of their own, and freed heap back to the system."""
-        was_writing = False
+        owed = False  # snapshot writes freed heap since the last time it was given back
         while True:
             await asyncio.sleep(check_every_s)
             now = time.monotonic()
             copied = 0
             writing = False  # a background snapshot write is under way
+            stepping = False  # a session was busy or active since the last check
             for s in list(self.residents.by_id.values()):
                 writing = writing or s.snapshots.busy
+                stepping = stepping or s.busy or now - s.last_active <= check_every_s
                 if not s.busy and s.state.is_view and now - s.last_active > 1.0:
                     # A batch row keeps its whole batch array alive: a session that stopped
                     # stepping gets arrays of its own, so its memory is its state's size.
@@ -362,15 +364,17 @@ class SessionLoader:
                         )  # fmt: skip
                     except SsmserveError as exc:
                         log.warning("session %s: idle eviction failed: %s", s.id, exc)
-            if copied or (was_writing and not writing):
+            owed = owed or writing
+            if copied or (owed and not writing and not stepping):
                 # The batch arrays those rows kept alive are free now, or the buffers of
                 # the snapshot writes that were under way (a checkpoint's encoding, its
                 # pieces: ~2x its state each, thousands at once when lockstep sessions
                 # come due); glibc keeps freed heap for itself unless asked, so a
                 # worker's RSS would stay at its peak (+19 KiB per demo session after
-                # one snapshot each, BENCHMARKS.md).
+                # one snapshot each, BENCHMARKS.md). Not while sessions step: the next
+                # steps' arrays reuse that heap (``allocator``).
                 return_freed_memory()
-            was_writing = writing
+                owed = writing
 
 
 def remember_history(s: Session, history: InputHistory) -> None:

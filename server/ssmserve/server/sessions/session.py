@@ -213,7 +213,9 @@ class SessionQueue:
     __slots__ = ("_head", "_items")
 
     def __init__(self) -> None:
-        self._items: list[QueueEntry] = []
+        # Entries from ``_head`` on; the popped ones before it are None (a popped entry
+        # is not kept alive by an idle session's queue: its future holds its answer).
+        self._items: list[QueueEntry | None] = []
         self._head = 0  # index of the first entry in ``_items``
 
     def __len__(self) -> int:
@@ -223,13 +225,15 @@ class SessionQueue:
         return len(self._items) > self._head
 
     def __iter__(self) -> Iterator[QueueEntry]:
-        return iter(self._items[self._head :])
+        return iter(self._entries())
 
     def __getitem__(self, index: int) -> QueueEntry:
         """Only the head (``queue[0]``) is ever read by position."""
         if index != 0 or not self:
             raise IndexError("SessionQueue gives only its head, queue[0], when not empty")
-        return self._items[self._head]
+        entry = self._items[self._head]
+        assert entry is not None
+        return entry
 
     def append(self, entry: QueueEntry) -> None:
         self._items.append(entry)
@@ -238,6 +242,8 @@ class SessionQueue:
         if not self:
             raise IndexError("pop from an empty SessionQueue")
         entry = self._items[self._head]
+        assert entry is not None
+        self._items[self._head] = None
         self._head += 1
         if self._head == len(self._items):
             self._items.clear()
@@ -253,7 +259,7 @@ class SessionQueue:
 
     def take_steps(self) -> list[StepJob | StepRun]:
         """Take every step and run out, in order; control gates stay, in order."""
-        entries = self._items[self._head :]
+        entries = self._entries()
         self._items = [e for e in entries if isinstance(e, _Gate)]
         self._head = 0
         return [e for e in entries if not isinstance(e, _Gate)]
@@ -263,8 +269,14 @@ class SessionQueue:
         for i in range(self._head, len(self._items)):
             if self._items[i] is entry:
                 del self._items[i]
+                if self._head == len(self._items):  # empty now: nothing popped is kept
+                    self._items.clear()
+                    self._head = 0
                 return
         raise ValueError("entry not in the session's queue")
+
+    def _entries(self) -> list[QueueEntry]:
+        return [e for e in self._items[self._head :] if e is not None]
 
 
 class Session:

@@ -185,8 +185,8 @@ class StepRing:
     inputs and outputs, and per-step tuples, bytes and arrays cost ~10x their data in
     memory and give the garbage collector millions of objects to walk. Storage grows by
     half (:func:`grown_capacity`: 8, 16, 24, 40, 64, 96 ... rows) up to ``window`` rows, so
-    a short session does not pay for its whole window, and holds at most ~1.6x the rows it
-    fills (doubling: up to 2x, 0.7 KiB of a 33 KiB demo session at 40 steps).
+    a short session does not pay for its whole window, and past 16 rows holds at most 1.6x
+    the rows it fills (doubling: up to 2x, 0.7 KiB of a 33 KiB demo session at 40 steps).
 
     Steps are contiguous: a step that does not follow the newest one starts the ring over
     (a gap can only follow a cut; what the ring lost is a cache miss, read from the log).
