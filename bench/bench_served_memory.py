@@ -52,11 +52,11 @@ from bench_server_cpu import (
     messages,
     rss_bytes,
     run_stream,
-    stop,
+    server_variants,
+    start_demo_server,
 )
-from common import start_server, table
+from common import table
 
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.loader import read_config
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.server.sessions.config import SessionDefaults
@@ -147,10 +147,7 @@ def main() -> int:
     step_counts = [int(s) for s in args.steps.split(",")]
     if args.sessions < 1 or not step_counts or min(step_counts) < 1:
         parser.error("--sessions and --steps must be positive")
-    variants = {"as shipped": [sys.executable, "-m", "ssmserve.server.main"]}
-    if args.baseline is not None:
-        variants["baseline"] = [str(args.baseline), "-m", "ssmserve.server.main"]
-
+    variants = server_variants(args.baseline)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = ensure_demo_model(Path(tmp) / "demo")
@@ -158,16 +155,10 @@ def main() -> int:
         for steps in step_counts:
             for i, (label, cmd) in enumerate(variants.items()):
                 with contextlib.ExitStack() as stack:  # a fresh server and Redis per row
-                    redis_server = stack.enter_context(
-                        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / f"r{steps}-{i}"))
-                    )
-                    proc, address = start_server(
-                        [*cmd, "--model", f"demo={model_dir}", "--listen", "127.0.0.1:0",
-                         "--redis-url", redis_server.url]
-                    )  # fmt: skip
-                    stack.callback(stop, proc)
+                    redis_dir = Path(tmp) / f"r{steps}-{i}"
+                    address, pid = start_demo_server(stack, cmd, model_dir, redis_dir)
                     row = asyncio.run(
-                        measure(label, address, proc.pid, args.sessions, steps, state_bytes)
+                        measure(label, address, pid, args.sessions, steps, state_bytes)
                     )
                     print(f"  {label}: {steps} steps: {row.idle_kib[-1]:.1f} KiB", flush=True)
                     rows.append(row)

@@ -121,6 +121,29 @@ def stop(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
+def server_variants(baseline: Path | None) -> dict[str, list[str]]:
+    """The server commands to run side by side: this checkout's, and ``baseline``'s Python."""
+    variants = {"as shipped": [sys.executable, "-m", "ssmserve.server.main"]}
+    if baseline is not None:
+        variants["baseline"] = [str(baseline), "-m", "ssmserve.server.main"]
+    return variants
+
+
+def start_demo_server(
+    stack: contextlib.ExitStack, cmd: list[str], model_dir: Path, redis_dir: Path
+) -> tuple[str, int]:
+    """A server (``cmd``) of the demo model on a Redis of its own in ``redis_dir`` (two
+    workers on one Redis would form a cluster and share sessions), both stopped when
+    ``stack`` closes; returns its address and pid."""
+    redis_server = stack.enter_context(EmbeddedRedis(EmbeddedRedisSettings(data_dir=redis_dir)))
+    proc, address = start_server(
+        [*cmd, "--model", f"demo={model_dir}", "--listen", "127.0.0.1:0",
+         "--redis-url", redis_server.url]
+    )  # fmt: skip
+    stack.callback(stop, proc)
+    return address, proc.pid
+
+
 # ---------------------------------------------------------------------------- rounds
 
 
@@ -450,21 +473,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model_dir = ensure_demo_model(Path(tmp) / "demo")
         state_bytes = read_config(model_dir).state_bytes
-        variants = {"as shipped": [sys.executable, "-m", "ssmserve.server.main"]}
-        if args.baseline is not None:
-            variants["baseline"] = [str(args.baseline), "-m", "ssmserve.server.main"]
         servers = []
-        for i, (label, cmd) in enumerate(variants.items()):
-            # A Redis each: two workers on one Redis would form a cluster and share sessions.
-            redis_server = stack.enter_context(
-                EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / f"redis{i}"))
-            )
-            proc, address = start_server(
-                [*cmd, "--model", f"demo={model_dir}", "--listen", "127.0.0.1:0",
-                 "--redis-url", redis_server.url]
-            )  # fmt: skip
-            stack.callback(stop, proc)
-            servers.append((label, address, proc.pid))
+        for i, (label, cmd) in enumerate(server_variants(args.baseline).items()):
+            address, pid = start_demo_server(stack, cmd, model_dir, Path(tmp) / f"redis{i}")
+            servers.append((label, address, pid))
         rounds, numerics = asyncio.run(bench(servers, counts, steps, state_bytes, orders))
 
     print("\n# server CPU per step, demo model, durability log, multiplexed streams\n")
