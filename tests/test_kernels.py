@@ -341,6 +341,64 @@ def test_a_batched_step_reuses_the_last_steps_pages() -> None:
     assert faults < state_pages  # 10 steps fault in less than one step's state
 
 
+_ARENA_PROBE = """
+import ctypes, json, os
+from concurrent.futures import ThreadPoolExecutor
+from ssmserve.server.engine import allocator
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+if allocator._LIBC is None or not allocator.keep_freed_pages():
+    print(json.dumps(None))
+    raise SystemExit
+engine = ThreadPoolExecutor(1)
+allocator.allocates_engine_arrays(engine)
+
+libc = allocator._LIBC
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+def churn():  # a batch's state made and freed on the engine thread, the last block of its arena
+    block = libc.malloc(24 << 20)  # under the mmap threshold: from the arena
+    libc.memset(block, 1, 24 << 20)
+    libc.free(block)
+
+engine.submit(lambda: None).result()
+before = rss()
+engine.submit(churn).result()
+churned = rss()
+libc.malloc_trim(0)
+trimmed = rss()
+allocator.return_freed_memory()
+engine.submit(lambda: None).result()  # the trim queued on the engine thread has run
+print(json.dumps({"before": before, "churned": churned, "trimmed": trimmed, "after": rss()}))
+"""
+
+
+def test_an_engine_threads_arena_gives_its_freed_top_back() -> None:
+    """Arrays made on an engine thread come from that thread's glibc arena. With the trim
+    threshold ``keep_freed_pages`` sets, ``malloc_trim`` leaves the free top of such an
+    arena in the process (a worker kept ~12 MB of freed batch states so);
+    ``return_freed_memory`` has each registered engine thread give it back. In a fresh
+    interpreter: there a new thread gets an arena of its own, not the main one."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ARENA_PROBE], capture_output=True, text=True, timeout=60,
+        check=True,
+    )  # fmt: skip
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    if rss is None:
+        pytest.skip("not glibc, or SSMSERVE_KEEP_FREED_MB=0")
+    mib = 1 << 20
+    assert rss["churned"] - rss["before"] >= 20 * mib, rss  # freed, kept for the next steps
+    assert rss["trimmed"] - rss["before"] >= 20 * mib, rss  # malloc_trim leaves the top
+    assert rss["after"] - rss["before"] <= 4 * mib, rss  # given back
+
+
 def test_engine_settings_from_the_environment_are_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ssmserve.server.engine.allocator import allocates_engine_arrays
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 
@@ -27,6 +28,7 @@ class EngineLane:
         self.model = model
         self.offload_min_flop = offload_min_flop
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
+        allocates_engine_arrays(self._thread)  # its arena's free top goes back when idle
 
     async def step(
         self, states: Sequence[SessionState], values: Sequence[np.ndarray]
