@@ -18,7 +18,7 @@ import pytest
 from ssmserve.server.engine.kernels import dot_in_order_f32, exp_f32, log1p_f32
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState
-from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter
+from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter, SnapshotWrites
 from tests.conftest import random_inputs
 
 
@@ -158,8 +158,9 @@ def test_writer_runs_one_write_at_a_time_in_order_and_drops_the_oldest_waiting()
 
             return write
 
+        writes = SnapshotWrites(4)
         for n in range(2 + MAX_WAITING + 2):  # 1 in flight, then 1 + MAX_WAITING + 2 waiting
-            writer.schedule(job(n))
+            writer.schedule(job(n), writes)
             await asyncio.sleep(0)
         release.set()
         await writer.settled()
@@ -168,7 +169,7 @@ def test_writer_runs_one_write_at_a_time_in_order_and_drops_the_oldest_waiting()
         kept = list(range(2 + MAX_WAITING + 2))[-MAX_WAITING:]
         assert done == [0, *kept]
         assert writer.superseded == 3 and writer.written == 1 + MAX_WAITING
-        assert not writer.busy
+        assert not writer.busy and writes.in_flight == 0
 
     asyncio.run(main())
 
@@ -176,6 +177,7 @@ def test_writer_runs_one_write_at_a_time_in_order_and_drops_the_oldest_waiting()
 def test_writer_survives_a_failing_write_and_cancel_stops_it() -> None:
     async def main() -> None:
         writer = SnapshotWriter("s")
+        writes = SnapshotWrites(1)
         done: list[str] = []
 
         async def bad() -> None:
@@ -184,8 +186,8 @@ def test_writer_survives_a_failing_write_and_cancel_stops_it() -> None:
         async def good() -> None:
             done.append("good")
 
-        writer.schedule(bad)
-        writer.schedule(good)
+        writer.schedule(bad, writes)
+        writer.schedule(good, writes)
         await writer.settled()
         assert done == ["good"]
 
@@ -195,12 +197,105 @@ def test_writer_survives_a_failing_write_and_cancel_stops_it() -> None:
             started.set()
             await asyncio.sleep(60)
 
-        writer.schedule(slow)
-        writer.schedule(good)
+        writer.schedule(slow, writes)
+        writer.schedule(good, writes)
         await started.wait()
         writer.cancel()
         await writer.settled()
         assert done == ["good"] and not writer.busy
+        # its slot is free again: a write of another session runs
+        other = SnapshotWriter("t")
+        other.schedule(good, writes)
+        await asyncio.wait_for(other.settled(), 5)
+        assert done == ["good", "good"] and writes.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_workers_writes_take_turns_in_its_slots() -> None:
+    """Writes of many sessions due at once: at most ``limit`` in flight, one per session,
+    sessions served in the order they came due (a session's next write queues behind the
+    others), and a task exists only for a write in flight."""
+
+    async def main() -> None:
+        writes = SnapshotWrites(2)
+        writers = [SnapshotWriter(f"s{i}") for i in range(5)]
+        gates = {i: asyncio.Event() for i in range(5)}
+        running: set[str] = set()
+        started: list[tuple[str, int]] = []
+        peak = 0
+
+        def job(name: str, n: int) -> Callable[[], Awaitable[None]]:
+            async def write() -> None:
+                nonlocal peak
+                assert name not in running  # one per session
+                running.add(name)
+                peak = max(peak, len(running))
+                started.append((name, n))
+                await gates[int(name[1:])].wait()
+                running.discard(name)
+
+            return write
+
+        for i, w in enumerate(writers):
+            w.schedule(job(w.session_id, 0), writes)
+            if i == 0:
+                w.schedule(job(w.session_id, 1), writes)  # s0 has a second write waiting
+        await asyncio.sleep(0)
+        tasks = [t for t in asyncio.all_tasks() if t.get_name().startswith("snapshot-writer")]
+        assert len(tasks) == 2 and writes.in_flight == 2
+        assert all(w.busy for w in writers)
+        for i in range(5):
+            gates[i].set()
+        await asyncio.wait_for(asyncio.gather(*(w.settled() for w in writers)), 5)
+        assert peak <= 2 and writes.in_flight == 0
+        order = [name for name, _ in started]
+        assert order[:2] == ["s0", "s1"] and order.index("s0", 1) == 5  # s0 again last
+        assert sorted(started) == [("s0", 0), ("s0", 1)] + [(f"s{i}", 0) for i in range(1, 5)]
+
+        # A session cancelled while it waited for a slot: its write never runs, its waiters
+        # wake, and the slot goes to the next session.
+        hold = asyncio.Event()
+        gates[1] = hold
+        gates[3] = hold
+        writers[1].schedule(job("s1", 2), writes)
+        writers[3].schedule(job("s3", 2), writes)
+        writers[2].schedule(job("s2", 2), writes)  # waits: both slots are taken
+        writers[4].schedule(job("s4", 2), writes)
+        await asyncio.sleep(0)
+        writers[2].cancel()
+        await asyncio.wait_for(writers[2].settled(), 5)
+        hold.set()
+        await asyncio.wait_for(asyncio.gather(*(w.settled() for w in writers)), 5)
+        assert ("s2", 2) not in started and ("s4", 2) in started
+
+    asyncio.run(main())
+
+
+def test_waiting_for_writes_to_settle_can_be_cancelled() -> None:
+    """A caller that stops waiting (its RPC was cancelled) leaves the write and the other
+    waiters be."""
+
+    async def main() -> None:
+        writes = SnapshotWrites(1)
+        writer = SnapshotWriter("s")
+        release = asyncio.Event()
+        done: list[int] = []
+
+        async def write() -> None:
+            await release.wait()
+            done.append(1)
+
+        writer.schedule(write, writes)
+        first = asyncio.create_task(writer.settled())
+        second = asyncio.create_task(writer.settled())
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.sleep(0)
+        assert first.cancelled() and not second.done() and writer.busy
+        release.set()
+        await asyncio.wait_for(second, 5)
+        assert done == [1] and not writer.busy
 
     asyncio.run(main())
 

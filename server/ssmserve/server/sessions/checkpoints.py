@@ -4,8 +4,9 @@ A checkpoint (``state.checkpoint``) is written after the inputs up to its step a
 the log, so every step between two snapshots can be replayed. Periodic snapshots are
 taken between two steps (the state is copied) and written in the background
 (``snapshot_writer``): the stepper answers at once, at most one write per session is in
-flight, and ``snapshot_writes_in_flight`` bounds them per worker. Everything that reads
-snapshots first waits for the writes already due (:meth:`Checkpoints.settled`).
+flight, and ``snapshot_writes_in_flight`` bounds them per worker (``SnapshotWrites``).
+Everything that reads snapshots first waits for the writes already due
+(:meth:`Checkpoints.settled`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SnapshotEvent
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
+from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
 from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store
 
@@ -34,7 +36,7 @@ class Checkpoints:
     def __init__(self, store: Store, residents: ResidentSessions, writes_in_flight: int) -> None:
         self.store = store
         self.residents = residents
-        self._slots = asyncio.Semaphore(writes_in_flight)
+        self.writes = SnapshotWrites(writes_in_flight)  # background writes in flight
         self.commits = SnapshotCommits(store)  # commits due together, written together
         self.committed = 0  # snapshots committed by this worker
 
@@ -74,14 +76,13 @@ class Checkpoints:
 
         async def write() -> None:
             try:
-                async with self._slots:
-                    record = await self._commit(s, ckpt)
+                record = await self._commit(s, ckpt)
             except SsmserveError as exc:  # the log still holds every input: only speed is lost
                 log.warning("session %s: periodic snapshot at %d failed: %s", s.id, step, exc)
                 return
             s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
 
-        if s.snapshots.schedule(write):
+        if s.snapshots.schedule(write, self.writes):
             self.store.metrics.snapshots_dropped.inc()
 
     async def _commit(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:

@@ -1,4 +1,4 @@
-"""Background snapshot writes for one session: one at a time, a few waiting, oldest dropped.
+"""Background snapshot writes: a few waiting per session, a few in flight per worker.
 
 Why. Encoding a checkpoint (sha256 over the state) and writing it to Redis takes
 milliseconds for a large model; done inside a stepper batch it delays every session of
@@ -9,17 +9,29 @@ Rules:
 * at most one write per session is in flight; writes that come due meanwhile wait in
   order, at most ``MAX_WAITING`` of them: past that the oldest waiting one is dropped
   (superseded: a newer snapshot covers its log flush too, and replay reaches its step);
+* at most ``limit`` writes per worker are in flight (:class:`SnapshotWrites`); sessions
+  with writes waiting take turns in the order they came due;
 * every operation that holds the session exclusively (rollback, manual snapshot, export,
-  close, migrate, unload at shutdown) first waits for :meth:`settled`, so no write lands
-  after a rollback cut or a hand-off;
+  close, migrate, unload at shutdown) first waits for :meth:`SnapshotWriter.settled`, so no
+  write lands after a rollback cut or a hand-off;
 * a failed write is logged and dropped: the log still holds every input, only restore
   speed is lost.
+
+A write is a task only while it is in flight. Lockstep sessions come due together: 3,000
+of them once held 3,000 tasks with their coroutines, futures and contexts (~2 KiB of small
+objects each) waiting for a slot, and the allocator's pools those left behind stayed in the
+process after the burst (BENCHMARKS.md, "Issue 19, stop 35"). A waiting write is one entry
+in its session's list, and a session with writes waiting one entry in the worker's queue.
+In-flight writes wait only for Redis (each store call has a deadline) and, briefly, for a
+log flush under way, never for a stepper batch: a batch that waits for a session's writes
+to settle (a guard rollback) cannot block the writes ahead of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
@@ -30,55 +42,109 @@ SnapshotJob = Callable[[], Awaitable[None]]
 MAX_WAITING = 4
 
 
+class SnapshotWrites:
+    """A worker's background snapshot writes: at most ``limit`` in flight at once."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"snapshot writes in flight must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+        self._ready: deque[SnapshotWriter] = deque()  # sessions with a write waiting, in turn
+
+    def _enqueue(self, writer: SnapshotWriter) -> None:
+        self._ready.append(writer)
+        self._start()
+
+    def _start(self) -> None:
+        while self.in_flight < self.limit and self._ready:
+            writer = self._ready.popleft()
+            writer._queued = False
+            if writer._waiting:  # (cancelled while it waited: nothing to run)
+                self.in_flight += 1
+                writer._launch(self)
+
+    def _finished(self, writer: SnapshotWriter) -> None:
+        self.in_flight -= 1
+        if writer._waiting and not writer._queued:
+            writer._queued = True
+            self._ready.append(writer)  # its next write takes its turn behind the others
+        self._start()
+
+
 class SnapshotWriter:
-    __slots__ = ("_task", "_waiting", "session_id", "superseded", "written")
+    """One session's background snapshot writes (see the module's doc)."""
+
+    __slots__ = ("_queued", "_settled", "_task", "_waiting", "session_id", "superseded", "written")
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # the write in flight
         # A list, not a deque: at most MAX_WAITING entries, and an empty deque holds a
         # 528-byte block in each of thousands of sessions.
         self._waiting: list[SnapshotJob] = []
+        self._queued = False  # in the worker's queue, waiting for a slot
+        self._settled: asyncio.Future[None] | None = None  # made when someone waits
         self.written = 0
         self.superseded = 0
 
     @property
     def busy(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """A write is in flight or waiting."""
+        return self._task is not None or bool(self._waiting)
 
-    def schedule(self, job: SnapshotJob) -> bool:
-        """Run ``job`` after the writes before it; drop the oldest waiting one if full
-        (then True)."""
+    def schedule(self, job: SnapshotJob, writes: SnapshotWrites) -> bool:
+        """Run ``job`` after this session's writes before it, in a slot of ``writes``; drop
+        the oldest waiting one if full (then True)."""
         dropped = len(self._waiting) == MAX_WAITING
         if dropped:
             del self._waiting[0]
             self.superseded += 1
         self._waiting.append(job)
-        if not self.busy:
-            self._task = asyncio.create_task(
-                self._run(), name=f"snapshot-writer[{self.session_id}]"
-            )
+        if self._task is None and not self._queued:
+            self._queued = True
+            writes._enqueue(self)
         return dropped
 
-    async def _run(self) -> None:
-        while self._waiting:
-            job = self._waiting.pop(0)
-            try:
-                await job()
-                self.written += 1
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug in one write must not stop later ones
-                log.exception("session %s: background snapshot failed", self.session_id)
+    def _launch(self, writes: SnapshotWrites) -> None:
+        job = self._waiting.pop(0)
+        task = asyncio.create_task(self._run(job), name=f"snapshot-writer[{self.session_id}]")
+        self._task = task
+        task.add_done_callback(lambda _: self._done(writes))
+
+    async def _run(self, job: SnapshotJob) -> None:
+        try:
+            await job()
+            self.written += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in one write must not stop later ones
+            log.exception("session %s: background snapshot failed", self.session_id)
+
+    def _done(self, writes: SnapshotWrites) -> None:
+        self._task = None
+        writes._finished(self)
+        self._wake_if_settled()
+
+    def _wake_if_settled(self) -> None:
+        if not self.busy and self._settled is not None:
+            if not self._settled.done():
+                self._settled.set_result(None)
+            self._settled = None
 
     async def settled(self) -> None:
-        """Wait until nothing is in flight or waiting (cancelling the caller leaves it be)."""
+        """Wait until nothing is in flight or waiting (cancelling the caller leaves the
+        writes and the other waiters be)."""
         while self.busy:
-            assert self._task is not None
-            await asyncio.wait({self._task})
+            if self._settled is None:
+                self._settled = asyncio.get_running_loop().create_future()
+            await asyncio.wait({self._settled})
 
     def cancel(self) -> None:
-        """The session left this worker: drop the waiting write and stop the one in flight."""
+        """The session left this worker: drop the waiting writes and stop the one in flight
+        (its slot is given back when it has stopped)."""
         self._waiting.clear()
         if self._task is not None:
             self._task.cancel()
+        else:
+            self._wake_if_settled()
