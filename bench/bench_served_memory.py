@@ -7,8 +7,9 @@ Each (server, steps) pair is a fresh ``ssmserve-server`` process (demo model, lo
 WARNING) on a private redis-server, so no round reuses heap an earlier one freed. In it:
 
 1. RSS (``VmRSS``) is read, N sessions are created (durability LOG, default snapshot
-   period: 64 steps at a random phase per session, so about steps/64 of them write one
-   periodic snapshot during the steps), and RSS is read again after 3 s.
+   period: 64 steps at phase 0, so with 64 steps or more every session comes due at step
+   64 in the same tick: a burst of N background snapshot writes), and RSS is read again
+   after 3 s.
 2. The sessions are stepped ``steps`` times in multiplexed streams, as
    ``bench_server_cpu.py`` does (50 sessions per stream, 8 steps of each per message,
    packed inputs and outputs, all streams at once).
