@@ -33,7 +33,8 @@ buffers). Per session:
   history    bytes of the recent inputs and output rows held in ``RecentSteps``
   pinned     bytes of the distinct numpy buffers that the state arrays keep alive, divided
              by N, plus what the session's input and output rings have allocated (they
-             grow by doubling up to their windows); compare with state + history
+             grow by half up to their windows, or hold an array per row of 4 KiB or more);
+             compare with state + history
   overhead   RSS/session - state - history, in bytes and as a fraction of state + history
 """
 

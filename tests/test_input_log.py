@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
 from ssmserve.server.state.input_log import (
+    ROW_ARRAY_MIN_BYTES,
     InputBlock,
     InputCodec,
     RecentSteps,
@@ -14,14 +17,22 @@ from ssmserve.server.state.input_log import (
     UnflushedInputs,
 )
 
+#: Row widths (float32) held in one shared array, and in an array each.
+SMALL, LARGE = 3, ROW_ARRAY_MIN_BYTES // 4
 
-def _row(step: int, width: int = 3) -> np.ndarray:
+
+def _row_of(step: int, width: int = SMALL) -> np.ndarray:
     return np.arange(width, dtype=np.float32) + np.float32(step)
 
 
+_row = _row_of
+
+
+@pytest.mark.parametrize("width", [SMALL, LARGE])
 @pytest.mark.parametrize("window", [1, 5, 8, 13, 64])
-def test_a_ring_holds_the_newest_window_rows_as_it_grows_and_wraps(window: int) -> None:
+def test_a_ring_holds_the_newest_window_rows_as_it_grows_and_wraps(window: int, width: int) -> None:
     ring = StepRing(window, np.float32)
+    _row = functools.partial(_row_of, width=width)
     for step in range(1, 200):
         ring.append(step, _row(step))
         held = range(max(1, step - window + 1), step + 1)
@@ -41,7 +52,7 @@ def test_a_ring_holds_the_newest_window_rows_as_it_grows_and_wraps(window: int) 
             ring.rows(held[0] - 1, step)
         with pytest.raises(IndexError):
             ring.rows(held[0], step + 1)
-    assert ring.nbytes == window * 3 * 4  # grew to the window, never past it
+    assert ring.nbytes == window * width * 4  # grew to the window, never past it
 
 
 def test_a_ring_grows_by_half_only_as_far_as_it_is_filled() -> None:
@@ -56,8 +67,10 @@ def test_a_ring_grows_by_half_only_as_far_as_it_is_filled() -> None:
         assert extended.nbytes == capacity * 3 * 4, count
 
 
-def test_cut_then_append_continues_and_a_gap_starts_over() -> None:
+@pytest.mark.parametrize("width", [SMALL, LARGE])
+def test_cut_then_append_continues_and_a_gap_starts_over(width: int) -> None:
     ring = StepRing(6, np.float32)
+    _row = functools.partial(_row_of, width=width)
     for step in range(10, 20):  # wrapped: holds 14..19
         ring.append(step, _row(step))
     ring.cut_after(16)
@@ -134,8 +147,30 @@ def test_held_rows_decode_as_the_log_bytes_do(architecture: Architecture) -> Non
         codec.decode_rows(rows[:, :-1])
 
 
+def test_large_rows_are_held_without_spare_room() -> None:
+    """An array per row: the ring holds exactly the rows it was given (a language model's
+    logits rows would leave megabytes spare in a ring grown by half), and once full it
+    reuses the oldest row's array instead of allocating."""
+    row_bytes = LARGE * 4
+    for count in (1, 9, 41, 65):
+        ring = StepRing(64, np.float32)
+        for step in range(1, count + 1):
+            ring.append(step, _row_of(step, LARGE))
+        assert ring.nbytes == min(count, 64) * row_bytes, count
+        extended = StepRing(64, np.float32)
+        extended.extend(1, np.stack([_row_of(step, LARGE) for step in range(1, count + 1)]))
+        assert extended.nbytes == min(count, 64) * row_bytes, count
+    arrays = {id(ring.row(step)) for step in range(ring.first, ring.last + 1)}
+    ring.append(66, _row_of(66, LARGE))
+    assert id(ring.row(66)) in arrays and ring.row(2) is None  # the oldest's array, reused
+    assert ring.row(66).tobytes() == _row_of(66, LARGE).tobytes()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("width", [SMALL, LARGE])
 @pytest.mark.parametrize("window", [0, 1, 5, 8, 13])
-def test_extending_a_ring_by_many_rows_equals_appending_them_one_by_one(window: int) -> None:
+def test_extending_a_ring_by_many_rows_equals_appending_them_one_by_one(
+    window: int, width: int
+) -> None:
     """``extend`` (a run's rows at once) against ``append`` (the reference), over random
     sequences of extends, gaps and cuts: the same rows by step, the same memory."""
     rng = np.random.default_rng(window)
@@ -153,7 +188,7 @@ def test_extending_a_ring_by_many_rows_equals_appending_them_one_by_one(window: 
             if action < 0.2:  # a gap: the ring starts over
                 step += int(rng.integers(1, 4))
             n = int(rng.integers(0, 2 * window + 3))
-            rows = rng.standard_normal((n, 3)).astype(np.float32)
+            rows = rng.standard_normal((n, width)).astype(np.float32)
             many.extend(step, rows)
             for k in range(n):
                 single.append(step + k, rows[k])

@@ -178,27 +178,37 @@ def grown_capacity(capacity: int) -> int:
     return max(capacity + 8, -(-capacity * 3 // 16) * 8)
 
 
-class StepRing:
-    """The newest ``window`` rows of one width, by step number, in one array (a ring).
+#: Rows of at least this many bytes are held in an array each: no growth slack and no copy
+#: when the ring grows. A language model's output row (its logits) is 196 KiB at a 50,280
+#: vocabulary; rings grown by half held up to 23 spare ones (4.5 MB per session at 41
+#: steps, more than its state). Below this an array per row costs more than its data.
+ROW_ARRAY_MIN_BYTES = 4096
 
-    One array instead of an object per step: a resident session holds hundreds of recent
-    inputs and outputs, and per-step tuples, bytes and arrays cost ~10x their data in
-    memory and give the garbage collector millions of objects to walk. Storage grows by
-    half (:func:`grown_capacity`: 8, 16, 24, 40, 64, 96 ... rows) up to ``window`` rows, so
-    a short session does not pay for its whole window, and past 16 rows holds at most 1.6x
-    the rows it fills (doubling: up to 2x, 0.7 KiB of a 33 KiB demo session at 40 steps).
+
+class StepRing:
+    """The newest ``window`` rows of one width, by step number (a ring).
+
+    Small rows share one array instead of an object per step: a resident session holds
+    hundreds of recent inputs and outputs, and per-step tuples, bytes and arrays cost ~10x
+    their data in memory and give the garbage collector millions of objects to walk. That
+    storage grows by half (:func:`grown_capacity`: 8, 16, 24, 40, 64, 96 ... rows) up to
+    ``window`` rows, so a short session does not pay for its whole window, and past 16
+    rows holds at most 1.6x the rows it fills. Rows of :data:`ROW_ARRAY_MIN_BYTES` or more
+    are held in an array each, grown one row at a time (an object per row is then <3% of
+    its data).
 
     Steps are contiguous: a step that does not follow the newest one starts the ring over
     (a gap can only follow a cut; what the ring lost is a cache miss, read from the log).
     """
 
-    __slots__ = ("_rows", "_start", "count", "dtype", "first", "window")
+    __slots__ = ("_held", "_rows", "_start", "count", "dtype", "first", "window")
 
     def __init__(self, window: int, dtype: np.dtype | type) -> None:
         self.window = max(window, 0)  # 0: holds nothing
         self.dtype = np.dtype(dtype)
-        self._rows: np.ndarray | None = None  # (capacity, width), allocated on first use
-        self._start = 0  # index in _rows of the oldest row
+        self._rows: np.ndarray | None = None  # (capacity, width): small rows, on first use
+        self._held: list[np.ndarray] | None = None  # capacity arrays (width,): large rows
+        self._start = 0  # index (in _rows or _held) of the oldest row
         self.first = 0  # step of the oldest row
         self.count = 0
 
@@ -212,6 +222,8 @@ class StepRing:
 
     @property
     def nbytes(self) -> int:
+        if self._held is not None:
+            return sum(row.nbytes for row in self._held)
         return 0 if self._rows is None else self._rows.nbytes
 
     def append(self, step: int, row: np.ndarray) -> None:
@@ -222,10 +234,13 @@ class StepRing:
             self.count = 0
         if self.count == 0:
             self.first, self._start = step, 0
+        if row.shape[-1] * self.dtype.itemsize >= ROW_ARRAY_MIN_BYTES:
+            self._append_held(step, row)
+            return
         rows = self._rows
         if rows is None or rows.shape[1] != row.shape[-1]:
             rows = self._rows = np.empty((min(8, self.window), row.shape[-1]), self.dtype)
-            self.count, self.first, self._start = 0, step, 0
+            self._held, self.count, self.first, self._start = None, 0, step, 0
         capacity = rows.shape[0]
         if self.count == capacity:
             if capacity < self.window:  # grow: the rows in order, then room
@@ -243,18 +258,42 @@ class StepRing:
         rows[(self._start + self.count) % capacity] = row
         self.count += 1
 
+    def _append_held(self, step: int, row: np.ndarray) -> None:
+        held = self._held
+        if held is None or (held and held[0].shape[0] != row.shape[-1]):
+            held = self._held = []
+            self._rows, self.count, self.first, self._start = None, 0, step, 0
+        capacity = len(held)
+        if self.count < capacity:  # a spare array (after a cut or a restart): reuse it
+            held[(self._start + self.count) % capacity][...] = row
+            self.count += 1
+        elif capacity < self.window:  # grow by one array: the rows in order, then it
+            if self._start:
+                held[:] = held[self._start :] + held[: self._start]
+                self._start = 0
+            held.append(np.array(row, self.dtype))
+            self.count += 1
+        else:  # full: the new row takes the oldest's array
+            held[self._start][...] = row
+            self._start = (self._start + 1) % capacity
+            self.first += 1
+
     def extend(self, first: int, rows: np.ndarray) -> None:
         """``rows`` (n, w) as steps ``first .. first + n - 1``, copied in: the same as
-        appending them one by one, in at most two copies."""
+        appending them one by one, in at most two copies (of small rows)."""
         n = rows.shape[0]
         if not self.window or n == 0:
+            return
+        if rows.shape[1] * self.dtype.itemsize >= ROW_ARRAY_MIN_BYTES:
+            for k in range(max(0, n - self.window), n):  # large rows: one copy each anyway
+                self.append(first + k, rows[k])
             return
         if self.count and first != self.first + self.count:
             self.count = 0
         if self._rows is not None and self._rows.shape[1] != rows.shape[1]:
             self._rows, self.count = None, 0
-        if self.count == 0:
-            self.first, self._start = first, 0
+        if self.count == 0 or self._held is not None:
+            self._held, self.count, self.first, self._start = None, 0, first, 0
         capacity = 0 if self._rows is None else self._rows.shape[0]
         if self.count + n > capacity and capacity < self.window:  # grow: rows in order
             size = capacity or 8
@@ -284,14 +323,22 @@ class StepRing:
 
     def row(self, step: int) -> np.ndarray | None:
         """Step ``step``'s row (a view: copy it before the ring moves on), or None."""
-        if self._rows is None or not self.first <= step < self.first + self.count:
+        if not self.first <= step < self.first + self.count:
+            return None
+        if self._held is not None:
+            return self._held[(self._start + step - self.first) % len(self._held)]
+        if self._rows is None:
             return None
         return self._rows[(self._start + step - self.first) % self._rows.shape[0]]
 
     def rows(self, first: int, last: int) -> np.ndarray:
         """A copy of the rows of steps ``first..last`` (all held), oldest first: (n, w)."""
-        if self._rows is None or not self.first <= first <= last <= self.last:
+        if not self.count or not self.first <= first <= last <= self.last:
             raise IndexError(f"steps {first}..{last} are not all held ({self.first}..{self.last})")
+        if self._held is not None:
+            held, start = self._held, self._start + first - self.first
+            return np.stack([held[(start + i) % len(held)] for i in range(last - first + 1)])
+        assert self._rows is not None
         n, capacity = last - first + 1, self._rows.shape[0]
         start = (self._start + first - self.first) % capacity
         if start + n <= capacity:
