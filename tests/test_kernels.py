@@ -17,7 +17,7 @@ import pytest
 
 from ssmserve.server.engine.kernels import dot_in_order_f32, exp_f32, log1p_f32
 from ssmserve.server.engine.mamba import MambaModel
-from ssmserve.server.engine.recurrent_state import BatchState
+from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter, SnapshotWrites
 from tests.conftest import random_inputs
 
@@ -300,6 +300,36 @@ def test_waiting_for_writes_to_settle_can_be_cancelled() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("fixture", ["demo_model", "token_model", "mamba2_model"])
+def test_a_packed_state_unpacks_to_the_same_bits_and_checkpoint(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """What a waiting periodic snapshot holds (``SessionState.packed``, one buffer) gives
+    back the state bit for bit, and the same checkpoint bytes as a copy of the state would,
+    for a batch row and for a state of its own; a buffer of the wrong size is refused."""
+    from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
+
+    model: MambaModel = request.getfixturevalue(fixture)
+    c = model.config
+    batch = BatchState.stack([model.new_state()] * 5)
+    new, _ = model.step(batch, random_inputs(model, 5, seed=3))
+    shapes = (c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape)
+    history = InputHistory(7, random_inputs(model, 3, seed=4))
+    for state in (new.session(2), new.session(4).copy()):
+        buffer = state.packed()
+        assert buffer.base is None and buffer.nbytes == state.nbytes  # a copy, one array
+        back = SessionState.unpacked(buffer, *shapes)
+        assert back.bit_equal(state)
+        meta = CheckpointMeta(created_at=1.0, reason="periodic")
+        blobs = [
+            Checkpoint("s", 9, model.name, model.fingerprint, st, history, meta).encode()
+            for st in (back, state.copy())
+        ]
+        assert blobs[0] == blobs[1]
+    with pytest.raises(ValueError, match="packed state"):
+        SessionState.unpacked(buffer[:-1], *shapes)
+
+
 @pytest.mark.parametrize("size", [1, 17])
 def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> None:
     batch = BatchState.stack([demo_model.new_state()] * size)
@@ -559,7 +589,7 @@ from ssmserve.server.engine import products
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import build_model
 from ssmserve.server.engine.numerics import RowStableLinear
-from ssmserve.server.engine.recurrent_state import BatchState
+from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 rng = np.random.default_rng(3)
 weight = rng.standard_normal((101, 67)).astype(np.float32)
 lin = RowStableLinear(weight, rng.standard_normal(101).astype(np.float32))

@@ -12,6 +12,7 @@ Shape letters: b batch, e inner size (d_inner), k conv kernel, n SSM state size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,43 @@ class SessionState:
         return SessionState(
             tuple(LayerState(layer.conv.copy(), layer.ssm.copy()) for layer in self.layers)
         )
+
+    def packed(self) -> np.ndarray:
+        """A copy of the state in one float32 buffer ``(L * (|conv| + |ssm|),)``, layer by
+        layer, conv then ssm: what a snapshot waiting for its write holds (one array where
+        :meth:`copy` makes two per layer and their objects). :meth:`unpacked` reads it."""
+        if self._layers is None and self._batch is not None:  # a row: no views kept
+            batch, row = self._batch, self._row
+            pairs = zip(batch.conv, batch.ssm, strict=True)
+            return np.concatenate([a[row].reshape(-1) for pair in pairs for a in pair])
+        return np.concatenate(
+            [a.reshape(-1) for layer in self.layers for a in (layer.conv, layer.ssm)]
+        )
+
+    @classmethod
+    def unpacked(
+        cls,
+        buffer: np.ndarray,
+        num_layers: int,
+        conv_shape: tuple[int, ...],
+        ssm_shape: tuple[int, ...],
+    ) -> SessionState:
+        """The state :meth:`packed` made, as views into ``buffer`` (no copy)."""
+        conv_size, ssm_size = math.prod(conv_shape), math.prod(ssm_shape)
+        if buffer.dtype != np.float32 or buffer.shape != (num_layers * (conv_size + ssm_size),):
+            raise ValueError(
+                f"a packed state of {num_layers} layers of conv {conv_shape} and ssm "
+                f"{ssm_shape} is float32 ({num_layers * (conv_size + ssm_size)},), got "
+                f"{buffer.dtype} {buffer.shape}"
+            )
+        layers = []
+        at = 0
+        for _ in range(num_layers):
+            conv = buffer[at : at + conv_size].reshape(conv_shape)
+            ssm = buffer[at + conv_size : at + conv_size + ssm_size].reshape(ssm_shape)
+            layers.append(LayerState(conv, ssm))
+            at += conv_size + ssm_size
+        return cls(tuple(layers))
 
     def named_arrays(self) -> list[tuple[str, np.ndarray]]:
         """Arrays in a fixed order with stable names (the checkpoint's per-layer entries)."""

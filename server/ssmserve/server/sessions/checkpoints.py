@@ -16,6 +16,8 @@ import logging
 import secrets
 import time
 
+import numpy as np
+
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.residency import ResidentSessions
@@ -64,7 +66,7 @@ class Checkpoints:
 
         The caller holds the session (a stepper batch or :meth:`Session.exclusive`).
         """
-        return await self._commit(s, self.checkpoint(s, step, state, reason, label))
+        return await self.commit(s, self.checkpoint(s, step, state, reason, label))
 
     def schedule(self, s: Session, step: int, state: SessionState) -> None:
         """A periodic snapshot is due: copy what it needs now, write it in the background.
@@ -72,20 +74,12 @@ class Checkpoints:
         Called by the stepper while it holds the session; the write itself runs after the
         steps are answered (see ``snapshot_writer``).
         """
-        ckpt = self.checkpoint(s, step, state.copy(), "periodic")  # own the arrays
-
-        async def write() -> None:
-            try:
-                record = await self._commit(s, ckpt)
-            except SsmserveError as exc:  # the log still holds every input: only speed is lost
-                log.warning("session %s: periodic snapshot at %d failed: %s", s.id, step, exc)
-                return
-            s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
-
-        if s.snapshots.schedule(write, self.writes):
+        due = DueSnapshot(self, s, step, state.packed(), recent_history(s, step))
+        if s.snapshots.schedule(due, self.writes):
             self.store.metrics.snapshots_dropped.inc()
 
-    async def _commit(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:
+    async def commit(self, s: Session, ckpt: Checkpoint) -> SnapshotRecord:
+        """Flush the inputs up to ``ckpt.step``, encode ``ckpt`` and commit it."""
         step = ckpt.step
         started = time.perf_counter()
         await self.flush_unflushed(s, step)
@@ -131,16 +125,8 @@ class Checkpoints:
     ) -> Checkpoint:
         """A checkpoint of ``s`` at ``step`` with ``state``; its history window and output
         come from what the session holds in memory."""
-        return Checkpoint(
-            session_id=s.id,
-            step=step,
-            model_id=s.model_name,
-            fingerprint=s.model.fingerprint,
-            state=state,
-            history=recent_history(s, step),
-            meta=CheckpointMeta(reason=reason, label=label or None),
-            output=s.recent.output_at(step),
-        )
+        history, output = recent_history(s, step), s.recent.output_at(step)
+        return checkpoint_of(s, step, state, history, output, reason, label)
 
     async def flush_unflushed(self, s: Session, upto: int) -> None:
         """Write the session's unflushed inputs with step <= ``upto`` to the log."""
@@ -158,6 +144,65 @@ class Checkpoints:
                 raise error
             # Steps recorded meanwhile were appended behind these: drop just the written.
             s.recent.unflushed.drop(block.count)
+
+
+class DueSnapshot:
+    """A periodic snapshot waiting for its write (a ``SnapshotJob``): the session's state
+    at ``step`` packed into one buffer, its history window and output, copied when it came
+    due. Lockstep sessions come due together, so thousands of these wait at once: each is a
+    few objects, not a ``Checkpoint`` with per-layer arrays (BENCHMARKS.md, "Issue 19, stop
+    35"); the checkpoint is made when the write starts."""
+
+    __slots__ = ("checkpoints", "history", "output", "session", "state", "step")
+
+    def __init__(
+        self,
+        checkpoints: Checkpoints,
+        s: Session,
+        step: int,
+        state: np.ndarray,
+        history: InputHistory,
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.session = s
+        self.step = step
+        self.state = state  # SessionState.packed
+        self.history = history
+        self.output = s.recent.output_at(step)
+
+    async def __call__(self) -> None:
+        s, c = self.session, self.session.model.config
+        state = SessionState.unpacked(
+            self.state, c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape
+        )
+        ckpt = checkpoint_of(s, self.step, state, self.history, self.output, "periodic")
+        try:
+            record = await self.checkpoints.commit(s, ckpt)
+        except SsmserveError as exc:  # the log still holds every input: only speed is lost
+            log.warning("session %s: periodic snapshot at %d failed: %s", s.id, self.step, exc)
+            return
+        s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
+
+
+def checkpoint_of(
+    s: Session,
+    step: int,
+    state: SessionState,
+    history: InputHistory,
+    output: np.ndarray | None,
+    reason: str,
+    label: str = "",
+) -> Checkpoint:
+    return Checkpoint(
+        session_id=s.id,
+        step=step,
+        model_id=s.model_name,
+        fingerprint=s.model.fingerprint,
+        state=state,
+        history=history,
+        meta=CheckpointMeta(reason=reason, label=label or None),
+        output=output,
+    )
 
 
 def recent_history(s: Session, step: int) -> InputHistory:
