@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ssmserve.server.engine.allocator import allocates_engine_arrays
+from ssmserve.server.engine.allocator import allocates_engine_arrays, return_freed_memory
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 
@@ -76,6 +76,15 @@ class EngineLane:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+
+    async def warm_up_on_thread(self) -> float:
+        """:meth:`warm_up` on this lane's thread, then the memory it freed (a first
+        compile's, tens of MB) given back: that thread's arena is one the idle trim knows,
+        and a worker that has no session yet would not trim before its first one."""
+        loop = asyncio.get_running_loop()
+        seconds = await loop.run_in_executor(self._thread, self.warm_up)
+        return_freed_memory()
+        return seconds
 
     def warm_up(self) -> float:
         """Compile (or load from numba's on-disk cache) every kernel that steps, forecasts

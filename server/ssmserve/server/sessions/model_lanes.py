@@ -13,7 +13,6 @@ request for it after removal is answered like any model this worker does not ser
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -67,7 +66,7 @@ class ModelLanes:
     async def warm_up(self) -> None:
         """Compile every model's kernels (off the event loop) before the worker serves."""
         for key, engine in self.engines.items():
-            seconds = await asyncio.to_thread(engine.warm_up)
+            seconds = await engine.warm_up_on_thread()
             log.info("model %s: kernels ready in %.2f s", key, seconds)
 
     def start(self) -> None:
@@ -87,7 +86,7 @@ class ModelLanes:
         if key in self.models:
             raise ModelExistsError(f"model {key!r} is served here already; unload it first")
         engine = EngineLane(model, self.stepper_settings.offload_min_flop)
-        seconds = await asyncio.to_thread(engine.warm_up)
+        seconds = await engine.warm_up_on_thread()
         if key in self.models:  # loaded by a concurrent call meanwhile
             raise ModelExistsError(f"model {key!r} is served here already; unload it first")
         self._build(key, model, engine)  # the warm engine
