@@ -205,6 +205,52 @@ def test_extending_a_ring_by_many_rows_equals_appending_them_one_by_one(
                     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_a_ring_matches_a_dict_of_its_newest_contiguous_rows(window: int) -> None:
+    """Both kinds of row, and a ring whose row width changes (small <-> large) between
+    runs, against a plain dict of step -> row holding what a ring must: the newest
+    ``window`` contiguous steps since the last gap, cut or width change."""
+    rng = np.random.default_rng(window)
+    for _ in range(40):
+        ring, want = StepRing(window, np.float32), {}
+        step, width = 1, int(rng.choice([SMALL, LARGE]))
+        for _ in range(int(rng.integers(1, 14))):
+            action = rng.random()
+            if action < 0.1 and want:  # a cut (rollback)
+                at = int(rng.integers(min(want) - 1, max(want) + 1))
+                ring.cut_after(at)
+                want = {t: r for t, r in want.items() if t <= at}
+                step = at + 1
+                continue
+            if action < 0.2:  # a gap
+                step += int(rng.integers(1, 4))
+            if action > 0.9:  # another width
+                width = LARGE if width == SMALL else SMALL
+            n = int(rng.integers(0, 2 * window + 3))
+            rows = rng.standard_normal((n, width)).astype(np.float32)
+            held_width = len(next(iter(want.values()))) if want else width
+            if n and want and (step != max(want) + 1 or held_width != width):
+                want = {}  # not the next step, or rows of another width: the ring starts over
+            if rng.random() < 0.5:
+                ring.extend(step, rows)
+            else:
+                for k in range(n):
+                    ring.append(step + k, rows[k])
+            want.update({step + k: rows[k] for k in range(n)})
+            want = {t: want[t] for t in sorted(want)[-window:]}
+            step += n
+            assert len(ring) == len(want)
+            if want:
+                assert (ring.first, ring.last) == (min(want), max(want))
+                got = ring.rows(ring.first, ring.last)
+                assert got.tobytes() == np.stack([want[t] for t in sorted(want)]).tobytes()
+            for t in range(step - 2 * window - 3, step + 2):
+                row = ring.row(t)
+                assert (row is None) == (t not in want)
+                if row is not None:
+                    assert row.tobytes() == want[t].tobytes()
+
+
 def test_recording_a_run_equals_recording_its_steps() -> None:
     rng = np.random.default_rng(1)
     raw = rng.standard_normal((6, 4)).astype("<f4")

@@ -272,6 +272,41 @@ def test_a_workers_writes_take_turns_in_its_slots() -> None:
     asyncio.run(main())
 
 
+def test_a_closed_workers_writes_do_not_start() -> None:
+    """A worker that stops without writing (``abandon``): writes waiting for a slot never
+    start, their sessions settle, the one in flight ends without starting the next, and
+    nothing scheduled afterwards runs."""
+
+    async def main() -> None:
+        writes = SnapshotWrites(1)
+        writers = [SnapshotWriter(f"s{i}") for i in range(3)]
+        release = asyncio.Event()
+        ran: list[str] = []
+
+        def job(name: str) -> Callable[[], Awaitable[None]]:
+            async def write() -> None:
+                ran.append(name)
+                await release.wait()
+
+            return write
+
+        for w in writers:
+            w.schedule(job(w.session_id), writes)
+        writers[0].schedule(job("s0 again"), writes)
+        await asyncio.sleep(0)
+        assert ran == ["s0"]
+        writes.close()
+        await asyncio.wait_for(asyncio.gather(writers[1].settled(), writers[2].settled()), 5)
+        assert writers[0].busy
+        release.set()
+        await asyncio.wait_for(writers[0].settled(), 5)
+        assert not writers[1].schedule(job("late"), writes)
+        await asyncio.sleep(0)
+        assert ran == ["s0"] and writes.in_flight == 0 and not any(w.busy for w in writers)
+
+    asyncio.run(main())
+
+
 def test_waiting_for_writes_to_settle_can_be_cancelled() -> None:
     """A caller that stops waiting (its RPC was cancelled) leaves the write and the other
     waiters be."""
@@ -511,9 +546,10 @@ def test_an_engine_threads_arena_gives_its_freed_top_back() -> None:
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "SSMSERVE_"))}
     out = subprocess.run(
         [sys.executable, "-c", _ARENA_PROBE], capture_output=True, text=True, timeout=60,
-        check=True,
+        check=True, env=env,
     )  # fmt: skip
     rss = json.loads(out.stdout.strip().splitlines()[-1])
     if rss is None:

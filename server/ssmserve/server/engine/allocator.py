@@ -25,7 +25,10 @@ last batches ended high in the engine thread's arena kept ~12 MB of freed state 
 (4 KiB per demo session at 3,000 sessions, in about half the runs; BENCHMARKS.md, "Issue 19, stop
 35"). So threads that make engine arrays register (:func:`allocates_engine_arrays`), and
 :func:`return_freed_memory` has each of them free one large block with the threshold
-lowered for that moment.
+lowered for that moment (a large free on any other thread in that moment trims its arena
+too: glibc's default behaviour, harmless). Threads that are not registered keep their
+arena's top: asyncio's default executor, which encodes checkpoints of 1 MiB or more, holds
+at most a few such buffers' worth.
 """
 
 from __future__ import annotations

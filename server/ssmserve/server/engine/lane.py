@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ssmserve.server.engine.allocator import allocates_engine_arrays, return_freed_memory
+from ssmserve.server.engine.allocator import allocates_engine_arrays, trim_own_arena
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 
@@ -78,12 +78,16 @@ class EngineLane:
         self._thread.shutdown(wait=True)
 
     async def warm_up_on_thread(self) -> float:
-        """:meth:`warm_up` on this lane's thread, then the memory it freed (a first
-        compile's, tens of MB) given back: that thread's arena is one the idle trim knows,
-        and a worker that has no session yet would not trim before its first one."""
+        """:meth:`warm_up` on this lane's thread (whose arena the idle trim knows), then the
+        free top of that arena given back: a first compile frees tens of MB there. The
+        rest of the heap is the caller's to trim (``return_freed_memory`` at start-up; a
+        model loaded while sessions step leaves it to the idle check)."""
         loop = asyncio.get_running_loop()
-        seconds = await loop.run_in_executor(self._thread, self.warm_up)
-        return_freed_memory()
+        return await loop.run_in_executor(self._thread, self._warm_up_and_trim)
+
+    def _warm_up_and_trim(self) -> float:
+        seconds = self.warm_up()
+        trim_own_arena()
         return seconds
 
     def warm_up(self) -> float:

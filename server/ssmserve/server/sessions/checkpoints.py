@@ -43,7 +43,8 @@ class Checkpoints:
         self.committed = 0  # snapshots committed by this worker
 
     def close(self) -> None:
-        """The worker stops: commits not yet written are not written."""
+        """The worker stops: writes and commits not yet started are not started."""
+        self.writes.close()
         self.commits.close()
 
     async def settled(self, session_id: str) -> None:
@@ -74,6 +75,8 @@ class Checkpoints:
         Called by the stepper while it holds the session; the write itself runs after the
         steps are answered (see ``snapshot_writer``).
         """
+        if s.gone is not None:  # left memory meanwhile (a lost lease): nothing to write
+            return
         due = DueSnapshot(self, s, step, state.packed(), recent_history(s, step))
         if s.snapshots.schedule(due, self.writes):
             self.store.metrics.snapshots_dropped.inc()
@@ -153,7 +156,7 @@ class DueSnapshot:
     few objects, not a ``Checkpoint`` with per-layer arrays (BENCHMARKS.md, "Issue 19, stop
     35"); the checkpoint is made when the write starts."""
 
-    __slots__ = ("checkpoints", "history", "output", "session", "state", "step")
+    __slots__ = ("checkpoints", "created_at", "history", "output", "session", "state", "step")
 
     def __init__(
         self,
@@ -169,13 +172,16 @@ class DueSnapshot:
         self.state = state  # SessionState.packed
         self.history = history
         self.output = s.recent.output_at(step)
+        self.created_at = time.time()  # when it came due, not when its write starts
 
     async def __call__(self) -> None:
         s, c = self.session, self.session.model.config
         state = SessionState.unpacked(
             self.state, c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape
         )
-        ckpt = checkpoint_of(s, self.step, state, self.history, self.output, "periodic")
+        ckpt = checkpoint_of(
+            s, self.step, state, self.history, self.output, "periodic", created_at=self.created_at
+        )
         try:
             record = await self.checkpoints.commit(s, ckpt)
         except SsmserveError as exc:  # the log still holds every input: only speed is lost
@@ -192,7 +198,14 @@ def checkpoint_of(
     output: np.ndarray | None,
     reason: str,
     label: str = "",
+    created_at: float | None = None,
 ) -> Checkpoint:
+    """A checkpoint of ``s`` at ``step`` from the parts given (``created_at``: now)."""
+    meta = CheckpointMeta(
+        created_at=time.time() if created_at is None else created_at,
+        reason=reason,
+        label=label or None,
+    )
     return Checkpoint(
         session_id=s.id,
         step=step,
@@ -200,7 +213,7 @@ def checkpoint_of(
         fingerprint=s.model.fingerprint,
         state=state,
         history=history,
-        meta=CheckpointMeta(reason=reason, label=label or None),
+        meta=meta,
         output=output,
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ssmserve.server.engine.allocator import return_freed_memory
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.errors import ErrorKind, SsmserveError
@@ -64,10 +65,12 @@ class ModelLanes:
         self.notifiers[key] = stepper.notify
 
     async def warm_up(self) -> None:
-        """Compile every model's kernels (off the event loop) before the worker serves."""
+        """Compile every model's kernels (off the event loop) before the worker serves, then
+        give back what compiling freed (no session steps yet)."""
         for key, engine in self.engines.items():
             seconds = await engine.warm_up_on_thread()
             log.info("model %s: kernels ready in %.2f s", key, seconds)
+        return_freed_memory()
 
     def start(self) -> None:
         self.started = True

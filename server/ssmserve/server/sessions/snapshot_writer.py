@@ -50,23 +50,36 @@ class SnapshotWrites:
             raise ValueError(f"snapshot writes in flight must be >= 1, got {limit}")
         self.limit = limit
         self.in_flight = 0
+        self.closed = False  # the worker stops: nothing more starts
         self._ready: deque[SnapshotWriter] = deque()  # sessions with a write waiting, in turn
+
+    def close(self) -> None:
+        """The worker stops without writing: no waiting write starts from now on (the ones
+        in flight end as their sessions are dropped)."""
+        self.closed = True
+        for writer in self._ready:
+            writer._queued = False
+            writer._waiting.clear()
+            writer._wake_if_settled()
+        self._ready.clear()
 
     def _enqueue(self, writer: SnapshotWriter) -> None:
         self._ready.append(writer)
         self._start()
 
     def _start(self) -> None:
-        while self.in_flight < self.limit and self._ready:
+        while self.in_flight < self.limit and self._ready and not self.closed:
             writer = self._ready.popleft()
             writer._queued = False
             if writer._waiting:  # (cancelled while it waited: nothing to run)
-                self.in_flight += 1
                 writer._launch(self)
+                self.in_flight += 1
 
     def _finished(self, writer: SnapshotWriter) -> None:
         self.in_flight -= 1
-        if writer._waiting and not writer._queued:
+        if self.closed:
+            writer._waiting.clear()
+        elif writer._waiting and not writer._queued:
             writer._queued = True
             self._ready.append(writer)  # its next write takes its turn behind the others
         self._start()
@@ -96,6 +109,8 @@ class SnapshotWriter:
     def schedule(self, job: SnapshotJob, writes: SnapshotWrites) -> bool:
         """Run ``job`` after this session's writes before it, in a slot of ``writes``; drop
         the oldest waiting one if full (then True)."""
+        if writes.closed:
+            return False
         dropped = len(self._waiting) == MAX_WAITING
         if dropped:
             del self._waiting[0]
@@ -107,8 +122,9 @@ class SnapshotWriter:
         return dropped
 
     def _launch(self, writes: SnapshotWrites) -> None:
-        job = self._waiting.pop(0)
+        job = self._waiting[0]
         task = asyncio.create_task(self._run(job), name=f"snapshot-writer[{self.session_id}]")
+        del self._waiting[0]  # taken only once its task exists (create_task may raise)
         self._task = task
         task.add_done_callback(lambda _: self._done(writes))
 

@@ -267,10 +267,7 @@ class StepRing:
         if self.count < capacity:  # a spare array (after a cut or a restart): reuse it
             held[(self._start + self.count) % capacity][...] = row
             self.count += 1
-        elif capacity < self.window:  # grow by one array: the rows in order, then it
-            if self._start:
-                held[:] = held[self._start :] + held[: self._start]
-                self._start = 0
+        elif capacity < self.window:  # grow by one array (only a full ring wraps: start 0)
             held.append(np.array(row, self.dtype))
             self.count += 1
         else:  # full: the new row takes the oldest's array
