@@ -17,7 +17,7 @@ import pytest
 
 from ssmserve.server.engine.kernels import dot_in_order_f32, exp_f32, log1p_f32
 from ssmserve.server.engine.mamba import MambaModel
-from ssmserve.server.engine.recurrent_state import BatchState, SessionState
+from ssmserve.server.engine.recurrent_state import BatchState, LayerState, SessionState
 from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter, SnapshotWrites
 from tests.conftest import random_inputs
 
@@ -373,6 +373,36 @@ def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> N
     assert row.is_view
     own = row.copy()
     assert not own.is_view and own.bit_equal(row)
+
+
+@pytest.mark.parametrize("fixture", ["demo_model", "mamba2_model"])
+def test_the_three_forms_of_a_state_step_to_the_same_bits(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """A batch row, a packed state (what ``copy`` makes for an idle session) and a state of
+    per-layer arrays (a decoded checkpoint) are one state to the engine: stacked in any mix
+    they step to the same bits. A packed state keeps one array of its own and no per-layer
+    objects; its copies do not share memory."""
+    model: MambaModel = request.getfixturevalue(fixture)
+    batch = BatchState.stack([model.new_state()] * 3)
+    new, _ = model.step(batch, random_inputs(model, 3, seed=5))
+    row = new.session(1)
+    packed = row.copy()
+    per_layer = SessionState(tuple(LayerState(a.conv.copy(), a.ssm.copy()) for a in row.layers))
+    assert packed._layers is None and packed._packed is not None  # nothing per layer kept
+    assert not packed.is_view and packed.nbytes == row.nbytes
+    assert all(layer.ssm.base is packed._packed for layer in packed.layers)
+    again = packed.copy()
+    again._packed[:] = 0  # the copy's own buffer: the original is untouched
+    assert packed.bit_equal(row) and not again.bit_equal(row)
+
+    inputs = np.repeat(random_inputs(model, 1, seed=6), 3, axis=0)  # one input, every row
+    outputs = []
+    for states in ([row, packed, per_layer], [per_layer, row, packed], [packed] * 3):
+        stepped, out = model.step(BatchState.stack(states), inputs)
+        outputs.append((out.tobytes(), [stepped.session(i).packed().tobytes() for i in range(3)]))
+    assert outputs[0][1][0] == outputs[0][1][1] == outputs[0][1][2]
+    assert all(o == outputs[0] for o in outputs)
 
 
 WARM_CHECK = """

@@ -10,6 +10,7 @@ import numpy as np
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
 from ssmserve.server.sessions.session import Session, StepJob
 from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease
@@ -178,3 +179,50 @@ def test_the_session_queue_behaves_as_a_deque_under_random_operations() -> None:
         while model:
             assert queue.popleft() is model.popleft()
         assert not queue
+
+
+def test_a_lock_while_used_serialises_per_key_in_order_and_lives_only_while_used() -> None:
+    """``LocksWhileUsed`` (a session's lease check and log flush): one holder per key, in
+    arrival order, other keys not held up; the entry goes when the last user leaves,
+    also when that user was cancelled while waiting."""
+
+    async def scenario() -> None:
+        locks = LocksWhileUsed()
+        order: list[str] = []
+        release_a = asyncio.Event()
+
+        async def user(key: str, name: str, until: asyncio.Event | None = None) -> None:
+            async with locks.hold(key):
+                order.append(f"{name} in")
+                if until is not None:
+                    await until.wait()
+                order.append(f"{name} out")
+
+        first = asyncio.create_task(user("s1", "a", release_a))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(user("s1", "b"))
+        cancelled = asyncio.create_task(user("s1", "c"))
+        other = asyncio.create_task(user("s2", "d"))
+        await other  # another key does not wait for s1's holder
+        assert order == ["a in", "d in", "d out"]
+        assert len(locks) == 1  # s1's entry; s2's went with its only user
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        release_a.set()
+        await asyncio.gather(first, second)
+        assert order == ["a in", "d in", "d out", "a out", "b in", "b out"]
+        assert len(locks) == 0
+
+        # The last user cancelled while waiting takes the entry away too.
+        hold = asyncio.Event()
+        holder = asyncio.create_task(user("s3", "e", hold))
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(user("s3", "f"))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        hold.set()
+        await holder
+        assert len(locks) == 0 and "f in" not in order
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

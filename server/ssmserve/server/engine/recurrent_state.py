@@ -12,6 +12,7 @@ Shape letters: b batch, e inner size (d_inner), k conv kernel, n SSM state size.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,72 +26,148 @@ class LayerState:
     ssm: np.ndarray  # (e, n) | (h, p, n) the SSM hidden state h_t
 
 
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """Where a state's arrays sit in one packed float32 buffer: layer by layer, conv then
+    ssm. One object per model's shapes (:func:`state_layout`), shared by its states."""
+
+    num_layers: int
+    conv_shape: tuple[int, ...]
+    ssm_shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Floats in a packed state: L * (|conv| + |ssm|)."""
+        return self.num_layers * (math.prod(self.conv_shape) + math.prod(self.ssm_shape))
+
+    def views(self, buffer: np.ndarray) -> tuple[LayerState, ...]:
+        """Per layer, the conv and ssm arrays as views into ``buffer`` (size,)."""
+        conv_size, ssm_size = math.prod(self.conv_shape), math.prod(self.ssm_shape)
+        layers = []
+        at = 0
+        for _ in range(self.num_layers):
+            conv = buffer[at : at + conv_size].reshape(self.conv_shape)  # (c, k)
+            ssm = buffer[at + conv_size : at + conv_size + ssm_size].reshape(self.ssm_shape)
+            layers.append(LayerState(conv, ssm))
+            at += conv_size + ssm_size
+        return tuple(layers)
+
+
+@functools.lru_cache(maxsize=64)
+def state_layout(
+    num_layers: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...]
+) -> StateLayout:
+    """The one :class:`StateLayout` of these shapes (so thousands of states share it)."""
+    return StateLayout(num_layers, conv_shape, ssm_shape)
+
+
 class SessionState:
     """One session's state: per layer a conv window and an SSM state.
 
-    A state made by a batched step is a *row* of that step's :class:`BatchState`: it holds
-    the batch and its row number, and builds its per-layer views only when asked
-    (``layers``). A stepper runs several ticks of the same sessions in a row, and
-    :meth:`BatchState.stack` recognises rows of one batch in order and steps that batch
-    again as it is: per step, no views, no per-layer objects and no stacking.
+    Three forms, the same values to every reader of ``layers``:
+
+    * a *row* of a batched step's :class:`BatchState`: it holds the batch and its row
+      number, and builds its per-layer views only when asked (``layers``). A stepper runs
+      several ticks of the same sessions in a row, and :meth:`BatchState.stack` recognises
+      rows of one batch in order and steps that batch again as it is: per step, no views,
+      no per-layer objects and no stacking.
+    * *packed*: one float32 buffer and its shared :class:`StateLayout`; ``layers`` are
+      views made on each read and not kept. Why: a worker holds thousands of idle
+      sessions, and a state of per-layer arrays costs an array object, a block of the
+      allocator and a ``LayerState`` per array (~0.7 KiB per demo session, 3% of it).
+      :meth:`copy`, :meth:`zeros` and :meth:`unpacked` make this form.
+    * per-layer arrays (``SessionState(layers)``), as a checkpoint is decoded.
     """
 
-    __slots__ = ("_batch", "_layers", "_row")
+    __slots__ = ("_batch", "_layers", "_layout", "_packed", "_row")
 
     def __init__(self, layers: tuple[LayerState, ...]) -> None:
         self._layers: tuple[LayerState, ...] | None = layers
         self._batch: BatchState | None = None
         self._row = -1
+        self._packed: np.ndarray | None = None
+        self._layout: StateLayout | None = None
 
     @classmethod
     def row_of(cls, batch: BatchState, row: int) -> SessionState:
         """Row ``row`` of ``batch`` (views into it once ``layers`` is read; no copy)."""
         state = cls.__new__(cls)
         state._layers, state._batch, state._row = None, batch, row
+        state._packed, state._layout = None, None
+        return state
+
+    @classmethod
+    def of_buffer(cls, buffer: np.ndarray, layout: StateLayout) -> SessionState:
+        """The state packed in ``buffer`` (size,) float32 as ``layout`` says (no copy)."""
+        if buffer.dtype != np.float32 or buffer.shape != (layout.size,):
+            raise ValueError(
+                f"a packed state of {layout.num_layers} layers of conv {layout.conv_shape} "
+                f"and ssm {layout.ssm_shape} is float32 ({layout.size},), got "
+                f"{buffer.dtype} {buffer.shape}"
+            )
+        state = cls.__new__(cls)
+        state._layers, state._batch, state._row = None, None, -1
+        state._packed, state._layout = buffer, layout
         return state
 
     @property
     def layers(self) -> tuple[LayerState, ...]:
-        if self._layers is None:
-            batch, row = self._batch, self._row
-            assert batch is not None
-            self._layers = tuple(
-                LayerState(c[row], s[row]) for c, s in zip(batch.conv, batch.ssm, strict=True)
-            )
+        if self._layers is not None:
+            return self._layers
+        if self._packed is not None:
+            assert self._layout is not None
+            return self._layout.views(self._packed)  # not kept: see the class doc
+        batch, row = self._batch, self._row
+        assert batch is not None
+        self._layers = tuple(
+            LayerState(c[row], s[row]) for c, s in zip(batch.conv, batch.ssm, strict=True)
+        )
         return self._layers
+
+    @property
+    def layout(self) -> StateLayout:
+        if self._layout is not None:
+            return self._layout
+        if self._layers is None and self._batch is not None:  # a row: no views needed
+            batch = self._batch
+            return state_layout(len(batch.conv), batch.conv[0].shape[1:], batch.ssm[0].shape[1:])
+        layers = self.layers
+        return state_layout(len(layers), layers[0].conv.shape, layers[0].ssm.shape)
 
     @classmethod
     def zeros(
         cls, num_layers: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...]
     ) -> SessionState:
-        return cls(
-            tuple(
-                LayerState(np.zeros(conv_shape, np.float32), np.zeros(ssm_shape, np.float32))
-                for _ in range(num_layers)
-            )
-        )
+        layout = state_layout(num_layers, tuple(conv_shape), tuple(ssm_shape))
+        return cls.of_buffer(np.zeros(layout.size, np.float32), layout)
 
     @property
     def nbytes(self) -> int:
+        if self._packed is not None:
+            return self._packed.nbytes
         return sum(layer.conv.nbytes + layer.ssm.nbytes for layer in self.layers)
 
     @property
     def is_view(self) -> bool:
-        """True while the arrays are rows of a stepper batch (which they keep alive)."""
+        """True while the arrays are rows of a stepper batch (which they keep alive), or
+        views into some other buffer."""
+        if self._packed is not None:
+            return self._packed.base is not None
         if self._batch is not None:
             return True
         return any(layer.ssm.base is not None for layer in self.layers)
 
     def copy(self) -> SessionState:
-        """The same state in arrays of its own (a batch row keeps the whole batch alive)."""
-        return SessionState(
-            tuple(LayerState(layer.conv.copy(), layer.ssm.copy()) for layer in self.layers)
-        )
+        """The same state in one buffer of its own (a batch row keeps the whole batch
+        alive), packed."""
+        return SessionState.of_buffer(self.packed(), self.layout)
 
     def packed(self) -> np.ndarray:
         """A copy of the state in one float32 buffer ``(L * (|conv| + |ssm|),)``, layer by
-        layer, conv then ssm: what a snapshot waiting for its write holds (one array where
-        :meth:`copy` makes two per layer and their objects). :meth:`unpacked` reads it."""
+        layer, conv then ssm: what a snapshot waiting for its write holds, and what an
+        idle session keeps (:meth:`copy`). :meth:`unpacked` reads it."""
+        if self._packed is not None:
+            return self._packed.copy()
         if self._layers is None and self._batch is not None:  # a row: no views kept
             batch, row = self._batch, self._row
             pairs = zip(batch.conv, batch.ssm, strict=True)
@@ -107,22 +184,8 @@ class SessionState:
         conv_shape: tuple[int, ...],
         ssm_shape: tuple[int, ...],
     ) -> SessionState:
-        """The state :meth:`packed` made, as views into ``buffer`` (no copy)."""
-        conv_size, ssm_size = math.prod(conv_shape), math.prod(ssm_shape)
-        if buffer.dtype != np.float32 or buffer.shape != (num_layers * (conv_size + ssm_size),):
-            raise ValueError(
-                f"a packed state of {num_layers} layers of conv {conv_shape} and ssm "
-                f"{ssm_shape} is float32 ({num_layers * (conv_size + ssm_size)},), got "
-                f"{buffer.dtype} {buffer.shape}"
-            )
-        layers = []
-        at = 0
-        for _ in range(num_layers):
-            conv = buffer[at : at + conv_size].reshape(conv_shape)
-            ssm = buffer[at + conv_size : at + conv_size + ssm_size].reshape(ssm_shape)
-            layers.append(LayerState(conv, ssm))
-            at += conv_size + ssm_size
-        return cls(tuple(layers))
+        """The state :meth:`packed` made, on ``buffer`` (no copy)."""
+        return cls.of_buffer(buffer, state_layout(num_layers, tuple(conv_shape), tuple(ssm_shape)))
 
     def named_arrays(self) -> list[tuple[str, np.ndarray]]:
         """Arrays in a fixed order with stable names (the checkpoint's per-layer entries)."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SnapshotEvent
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
@@ -41,6 +42,7 @@ class Checkpoints:
         self.writes = SnapshotWrites(writes_in_flight)  # background writes in flight
         self.commits = SnapshotCommits(store)  # commits due together, written together
         self.committed = 0  # snapshots committed by this worker
+        self._flushes = LocksWhileUsed()  # one log flush of a session at a time
 
     def close(self) -> None:
         """The worker stops: writes and commits not yet started are not started."""
@@ -133,7 +135,7 @@ class Checkpoints:
 
     async def flush_unflushed(self, s: Session, upto: int) -> None:
         """Write the session's unflushed inputs with step <= ``upto`` to the log."""
-        async with s.flush_lock:  # the stepper and a background snapshot may both flush
+        async with self._flushes.hold(s):  # the stepper and a background snapshot may both flush
             block = s.recent.unflushed.block(upto)
             if block is None:
                 return
@@ -187,7 +189,7 @@ class DueSnapshot:
         except SsmserveError as exc:  # the log still holds every input: only speed is lost
             log.warning("session %s: periodic snapshot at %d failed: %s", s.id, self.step, exc)
             return
-        s.snapshot_events.append(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
+        s.snapshot_events += (SnapshotEvent(record.snapshot_id, record.step, "periodic"),)
 
 
 def checkpoint_of(

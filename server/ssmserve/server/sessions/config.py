@@ -12,6 +12,7 @@ import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import msgpack
 
@@ -47,7 +48,12 @@ class SessionDefaults:
     max_labels: int = 32
 
 
-@dataclass(frozen=True)
+#: The labels of a session without any: one shared, read-only mapping (a resolved config
+#: lives as long as its session, and an empty dict of each is 64 bytes).
+NO_LABELS: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class SessionConfig:
     snapshot_every: int = 0
     max_snapshots: int = 0
@@ -73,7 +79,7 @@ class SessionConfig:
             max_snapshots=self.max_snapshots or d.max_snapshots,
             history_window=self.history_window or d.history_window,
             idle_ttl_s=self.idle_ttl_s or d.idle_ttl_s,
-            labels=dict(self.labels),
+            labels=_own_labels(self.labels),
         )
         _at_most("snapshot_every", out.snapshot_every, d.max_snapshot_every)
         if out.snapshot_phase is None:
@@ -128,10 +134,15 @@ class SessionConfig:
             guards=tuple(GuardRule.from_dict(g) for g in d["guards"]),
             durability=Durability(d["durability"]),
             idle_ttl_s=float(d["idle_ttl_s"]),
-            labels=dict(d["labels"]),
+            labels=_own_labels(d["labels"]),
             # Configs stored before snapshot phases had them at multiples.
             snapshot_phase=int(d.get("snapshot_phase") or 0),
         )
+
+
+def _own_labels(labels: Mapping[str, str]) -> Mapping[str, str]:
+    """A copy of ``labels`` that nothing else changes (:data:`NO_LABELS` when empty)."""
+    return dict(labels) if labels else NO_LABELS
 
 
 def _at_most(name: str, value: int, limit: int) -> None:

@@ -22,6 +22,7 @@ from typing import TypeVar
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.sessions.errors import ReloadingError
+from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
 from ssmserve.server.sessions.session import Session
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import Store
@@ -54,6 +55,7 @@ class ResidentSessions:
         # scheme; '' for ids without one), for per-tenant budgets.
         self._footprint_by_group: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
+        self._lease_checks = LocksWhileUsed()
 
     def get(self, session_id: str) -> Session | None:
         """The resident session ``session_id`` unless it is gone (being dropped)."""
@@ -175,7 +177,7 @@ class ResidentSessions:
         """:meth:`revalidate` for one session; raises what stands in the way."""
         if s.lease.valid():
             return
-        async with s.lease_check:
+        async with self._lease_checks.hold(s):  # one revalidation of a lease at a time
             error = (await self.revalidate([s])).get(s.id)
         if error is not None:
             if isinstance(error, StaleEpochError | SessionMissingError | SessionClosedError):

@@ -25,7 +25,7 @@ from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.config import SessionConfig
 from ssmserve.server.sessions.guards import GuardEvent
 from ssmserve.server.sessions.snapshot_writer import SnapshotWriter
-from ssmserve.server.state.input_log import InputCodec, RecentSteps
+from ssmserve.server.state.input_log import RecentSteps, input_codec
 from ssmserve.server.state.lease import SessionLease
 
 
@@ -288,13 +288,11 @@ class Session:
         "codec",
         "config",
         "created_at",
-        "flush_lock",
         "gone",
         "id",
         "last_active",
         "last_snapshot_step",
         "lease",
-        "lease_check",
         "model",
         "model_name",
         "queue",
@@ -323,7 +321,7 @@ class Session:
         self.id = session_id
         self.model = model
         self.model_name = model_name
-        self.codec = InputCodec(model.config)
+        self.codec = input_codec(model.config)  # one per model, shared
         self.config = config
         self.state = state
         self.step = step
@@ -335,12 +333,12 @@ class Session:
         self.queued_steps = 0  # steps in ``queue`` (a run counts each of its steps)
         self.busy = False  # a stepper batch or a control operation holds the session
         self.lease = lease  # this worker's ownership: every store write carries it
-        self.lease_check = asyncio.Lock()  # one revalidation of the lease at a time
         self.last_snapshot_step = -1  # step of the newest snapshot this worker knows of
         self.gone: SsmserveError | None = None  # set once closed or evicted
         self.snapshots = SnapshotWriter(session_id)  # periodic snapshots, in the background
-        self.snapshot_events: list[SnapshotEvent] = []  # committed, not yet in an answer
-        self.flush_lock = asyncio.Lock()  # one log flush at a time (stepper or snapshot)
+        # Committed, not yet in an answer: a tuple, replaced when it changes (most
+        # sessions have none, and () is one shared object where a list is 56 bytes each).
+        self.snapshot_events: tuple[SnapshotEvent, ...] = ()
         self._on_release = on_release  # tells the stepper the head of the queue moved
 
     @property

@@ -160,8 +160,7 @@ class _SessionBatch:
 
     def report_snapshots(self) -> None:
         """The session's newly committed snapshots go into its last answer of this batch."""
-        events = tuple(self.session.snapshot_events)
-        self.session.snapshot_events.clear()
+        events, self.session.snapshot_events = self.session.snapshot_events, ()
         if self.done:
             self.done[-1][1].snapshot_events += events
             return

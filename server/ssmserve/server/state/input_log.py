@@ -9,6 +9,7 @@ every tick, in the other modes at each snapshot).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,12 @@ class InputCodec:
 
     def empty(self) -> np.ndarray:
         return np.empty((0,) if self.token else (0, self.width), self.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def input_codec(config: MambaConfig) -> InputCodec:
+    """The codec of ``config``'s inputs, one object shared by all of a model's sessions."""
+    return InputCodec(config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +100,9 @@ class UnflushedInputs:
     __slots__ = ("_parts", "count", "first")
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []  # back to back: the inputs of steps first..
+        # Back to back: the inputs of steps first.. A tuple, replaced when it changes:
+        # empty after every flush in thousands of sessions, and () is one shared object.
+        self._parts: tuple[bytes, ...] = ()
         self.first = 0  # step of the oldest input (meaningless while empty)
         self.count = 0
 
@@ -115,7 +124,7 @@ class UnflushedInputs:
             raise ValueError(
                 f"unflushed inputs end at step {self.last}; step {first} does not follow"
             )
-        self._parts.append(data)
+        self._parts = (*self._parts, data)
         self.count += count
 
     def block(self, upto: int | None = None) -> InputBlock | None:
@@ -138,11 +147,11 @@ class UnflushedInputs:
     def drop(self, count: int) -> None:
         """Forget the oldest ``count`` inputs (they are in the log now)."""
         if count >= self.count:
-            self._parts, self.count = [], 0
+            self._parts, self.count = (), 0
             return
         data = self._joined()
         width = len(data) // self.count
-        self._parts = [data[count * width :]]
+        self._parts = (data[count * width :],)
         self.first += count
         self.count -= count
 
@@ -152,10 +161,10 @@ class UnflushedInputs:
         if keep >= self.count:
             return
         if keep <= 0:
-            self._parts, self.count = [], 0
+            self._parts, self.count = (), 0
             return
         data = self._joined()
-        self._parts = [data[: keep * (len(data) // self.count)]]
+        self._parts = (data[: keep * (len(data) // self.count)],)
         self.count = keep
 
     def inputs(self, first: int, last: int) -> list[bytes]:
@@ -168,7 +177,7 @@ class UnflushedInputs:
 
     def _joined(self) -> bytes:
         if len(self._parts) > 1:
-            self._parts = [b"".join(self._parts)]
+            self._parts = (b"".join(self._parts),)
         return self._parts[0]
 
 
