@@ -375,6 +375,21 @@ def test_idle_state_copy_owns_its_memory(demo_model: MambaModel, size: int) -> N
     assert not own.is_view and own.bit_equal(row)
 
 
+def test_new_sessions_share_one_read_only_zero_state(demo_model: MambaModel) -> None:
+    """Every new state is the same read-only zeros (a worker creates sessions by the
+    thousand): writing into it raises, and what a session makes of it is its own."""
+    a, b = demo_model.new_state(), demo_model.new_state()
+    assert a._packed is b._packed and not a._packed.flags.writeable
+    assert not a.is_view and not a._packed.any()
+    with pytest.raises(ValueError, match="read-only"):
+        a.layers[0].ssm[0, 0] = 1.0
+    own = a.copy()
+    own.layers[0].ssm[0, 0] = 1.0  # a copy is writable and its own
+    assert not b._packed.any()
+    new, _ = demo_model.step(BatchState.stack([a, b]), random_inputs(demo_model, 2, seed=2))
+    assert new.conv[0].flags.writeable and not b._packed.any()
+
+
 @pytest.mark.parametrize("fixture", ["demo_model", "mamba2_model"])
 def test_the_three_forms_of_a_state_step_to_the_same_bits(
     fixture: str, request: pytest.FixtureRequest

@@ -34,7 +34,7 @@ import numpy as np
 from ssmserve.server.engine import kernels
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.numerics import RowStableLinear, padded
-from ssmserve.server.engine.recurrent_state import BatchState, SessionState
+from ssmserve.server.engine.recurrent_state import BatchState, SessionState, state_layout
 from ssmserve.server.engine.threads import (
     column_ranges,
     engine_threads,
@@ -274,6 +274,13 @@ class MambaModel:
         self.threads = engine_threads()
         self._flops_per_row = self.flops_per_step
         self._buffers = threading.local()  # StepWorkspace per thread and padded batch size
+        # The zeros every new session starts from: one read-only buffer for all of them.
+        layout = state_layout(
+            config.num_hidden_layers, config.conv_state_shape, config.ssm_state_shape
+        )
+        zeros = np.zeros(layout.size, np.float32)
+        zeros.flags.writeable = False
+        self._zero_state = (zeros, layout)
 
     @property
     def linears(self) -> list[RowStableLinear]:
@@ -292,9 +299,13 @@ class MambaModel:
     # ------------------------------------------------------------------ state and inputs
 
     def new_state(self) -> SessionState:
-        """The state of a session that has seen no input (step 0): all zeros."""
-        c = self.config
-        return SessionState.zeros(c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape)
+        """The state of a session that has seen no input (step 0): all zeros.
+
+        Every new state shares one read-only buffer. Why: a worker creates sessions by the
+        thousand, each state would be its own zeros until its first step replaces it, and
+        states are values (nothing writes into one), which read-only makes sure of."""
+        zeros, layout = self._zero_state
+        return SessionState.of_buffer(zeros, layout)
 
     def check_state(self, state: SessionState) -> None:
         """Raise ``ModelInputError`` unless ``state`` has this model's layers, dtypes, shapes."""
