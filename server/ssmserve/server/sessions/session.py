@@ -345,9 +345,12 @@ class Session:
     def head_is_step(self) -> bool:
         return bool(self.queue) and isinstance(self.queue[0], StepJob | StepRun)
 
-    def touch(self) -> None:
-        self.last_active = time.monotonic()
-        self.updated_at = time.time()
+    def touch(self, now: tuple[float, float] | None = None) -> None:
+        """Active just now; ``now`` is (``time.monotonic()``, ``time.time()``) read once
+        for a whole batch: its sessions then share two float objects instead of holding
+        two each, made anew at every step (survivors of a tick's garbage that keep the
+        allocator's pools from being freed)."""
+        self.last_active, self.updated_at = now or (time.monotonic(), time.time())
 
     def open_gate(self) -> None:
         """Let the control operation at the head of the queue run, if nothing holds us."""

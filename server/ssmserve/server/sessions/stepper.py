@@ -246,9 +246,10 @@ class Stepper:
                 except Exception:  # a bug must not kill the stepper: fail this batch's steps
                     log.exception("stepper batch failed")
                 finally:
+                    now = (time.monotonic(), time.time())
                     for s in sessions:
                         s.busy = False
-                        s.touch()
+                        s.touch(now)
                         s.open_gate()
                         self.notify(s)
 
