@@ -18,7 +18,12 @@ import pytest
 from ssmserve.server.engine.kernels import dot_in_order_f32, exp_f32, log1p_f32
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState, LayerState, SessionState
-from ssmserve.server.sessions.snapshot_writer import MAX_WAITING, SnapshotWriter, SnapshotWrites
+from ssmserve.server.sessions.snapshot_writer import (
+    MAX_WAITING,
+    SnapshotJob,
+    SnapshotWriter,
+    SnapshotWrites,
+)
 from tests.conftest import random_inputs
 
 
@@ -212,6 +217,41 @@ def test_writer_survives_a_failing_write_and_cancel_stops_it() -> None:
     asyncio.run(main())
 
 
+def test_a_session_someone_waits_for_writes_next() -> None:
+    """A guard rollback waits for its session's writes inside a stepper batch: that
+    session's writes go before the others waiting for a slot (all of them, also the one
+    that comes due while it waits), and then the others go on in turn."""
+
+    async def main() -> None:
+        writes = SnapshotWrites(1)
+        a, b, c = SnapshotWriter("a"), SnapshotWriter("b"), SnapshotWriter("c")
+        order: list[str] = []
+        release = asyncio.Event()
+
+        def job(name: str, gate: asyncio.Event | None = None) -> SnapshotJob:
+            async def run() -> None:
+                if gate is not None:
+                    await gate.wait()
+                order.append(name)
+
+            return run
+
+        a.schedule(job("a1", release), writes)  # in flight, holding the only slot
+        b.schedule(job("b1"), writes)
+        c.schedule(job("c1"), writes)
+        c.schedule(job("c2"), writes)
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(c.settled())
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.wait_for(waiter, 5)
+        assert order[:3] == ["a1", "c1", "c2"]  # without the waiter: a1, b1, c1, c2
+        await asyncio.wait_for(b.settled(), 5)
+        assert order == ["a1", "c1", "c2", "b1"] and writes.in_flight == 0
+
+    asyncio.run(main())
+
+
 def test_a_workers_writes_take_turns_in_its_slots() -> None:
     """Writes of many sessions due at once: at most ``limit`` in flight, one per session,
     sessions served in the order they came due (a session's next write queues behind the
@@ -247,7 +287,12 @@ def test_a_workers_writes_take_turns_in_its_slots() -> None:
         assert all(w.busy for w in writers)
         for i in range(5):
             gates[i].set()
-        await asyncio.wait_for(asyncio.gather(*(w.settled() for w in writers)), 5)
+
+        async def drained() -> None:  # not settled(): a session waited for goes first
+            while any(w.busy for w in writers):
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(drained(), 5)
         assert peak <= 2 and writes.in_flight == 0
         order = [name for name, _ in started]
         assert order[:2] == ["s0", "s1"] and order.index("s0", 1) == 5  # s0 again last

@@ -10,7 +10,10 @@ Rules:
   order, at most ``MAX_WAITING`` of them: past that the oldest waiting one is dropped
   (superseded: a newer snapshot covers its log flush too, and replay reaches its step);
 * at most ``limit`` writes per worker are in flight (:class:`SnapshotWrites`); sessions
-  with writes waiting take turns in the order they came due;
+  with writes waiting take turns in the order they came due, except that a session
+  someone waits for (:meth:`SnapshotWriter.settled`) goes first: a guard rollback waits
+  inside a stepper batch, so every session of that model waits with it, and behind a
+  burst of thousands of due writes that was seconds;
 * every operation that holds the session exclusively (rollback, manual snapshot, export,
   close, migrate, unload at shutdown) first waits for :meth:`SnapshotWriter.settled`, so no
   write lands after a rollback cut or a hand-off;
@@ -81,14 +84,32 @@ class SnapshotWrites:
             writer._waiting = ()
         elif writer._waiting and not writer._queued:
             writer._queued = True
-            self._ready.append(writer)  # its next write takes its turn behind the others
+            if writer._settled is not None:  # someone waits for it: its next write is next
+                self._ready.appendleft(writer)
+            else:  # its next write takes its turn behind the others
+                self._ready.append(writer)
         self._start()
+
+    def _hurry(self, writer: SnapshotWriter) -> None:
+        """Someone waits for ``writer``'s writes: its turn is the next free slot."""
+        if writer._queued and not self.closed and self._ready[0] is not writer:
+            self._ready.remove(writer)  # O(sessions waiting), once per wait
+            self._ready.appendleft(writer)
 
 
 class SnapshotWriter:
     """One session's background snapshot writes (see the module's doc)."""
 
-    __slots__ = ("_queued", "_settled", "_task", "_waiting", "session_id", "superseded", "written")
+    __slots__ = (
+        "_queued",
+        "_settled",
+        "_task",
+        "_waiting",
+        "_writes",
+        "session_id",
+        "superseded",
+        "written",
+    )
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
@@ -99,6 +120,7 @@ class SnapshotWriter:
         self._waiting: tuple[SnapshotJob, ...] = ()
         self._queued = False  # in the worker's queue, waiting for a slot
         self._settled: asyncio.Future[None] | None = None  # made when someone waits
+        self._writes: SnapshotWrites | None = None  # the worker's, once a write was due
         self.written = 0
         self.superseded = 0
 
@@ -112,6 +134,7 @@ class SnapshotWriter:
         the oldest waiting one if full (then True)."""
         if writes.closed:
             return False
+        self._writes = writes
         dropped = len(self._waiting) == MAX_WAITING
         if dropped:
             self._waiting = self._waiting[1:]
@@ -155,6 +178,8 @@ class SnapshotWriter:
         while self.busy:
             if self._settled is None:
                 self._settled = asyncio.get_running_loop().create_future()
+            if self._writes is not None:
+                self._writes._hurry(self)
             await asyncio.wait({self._settled})
 
     def cancel(self) -> None:
