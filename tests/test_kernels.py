@@ -217,10 +217,11 @@ def test_writer_survives_a_failing_write_and_cancel_stops_it() -> None:
     asyncio.run(main())
 
 
-def test_a_session_someone_waits_for_writes_next() -> None:
-    """A guard rollback waits for its session's writes inside a stepper batch: that
-    session's writes go before the others waiting for a slot (all of them, also the one
-    that comes due while it waits), and then the others go on in turn."""
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_session_a_guard_rollback_waits_for_writes_next(cancelled: bool) -> None:
+    """A guard rollback waits for its session's writes inside a stepper batch
+    (``settled(hurry=True)``): that session's writes go before the others waiting for a
+    slot, and then the others go on in turn. A cancelled waiter hurries no further."""
 
     async def main() -> None:
         writes = SnapshotWrites(1)
@@ -241,13 +242,18 @@ def test_a_session_someone_waits_for_writes_next() -> None:
         c.schedule(job("c1"), writes)
         c.schedule(job("c2"), writes)
         await asyncio.sleep(0)
-        waiter = asyncio.create_task(c.settled())
+        waiter = asyncio.create_task(c.settled(hurry=True))
         await asyncio.sleep(0)
+        if cancelled:
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+            assert c._hurried == 0
         release.set()
-        await asyncio.wait_for(waiter, 5)
-        assert order[:3] == ["a1", "c1", "c2"]  # without the waiter: a1, b1, c1, c2
-        await asyncio.wait_for(b.settled(), 5)
-        assert order == ["a1", "c1", "c2", "b1"] and writes.in_flight == 0
+        await asyncio.wait_for(asyncio.gather(b.settled(), c.settled()), 5)
+        # c's writes were due after b's. Hurried, both go first; a waiter cancelled after
+        # it moved c up leaves that one move, and c's next write goes back in turn.
+        expected = ["a1", "c1", "b1", "c2"] if cancelled else ["a1", "c1", "c2", "b1"]
+        assert order == expected and writes.in_flight == 0
 
     asyncio.run(main())
 
@@ -287,12 +293,7 @@ def test_a_workers_writes_take_turns_in_its_slots() -> None:
         assert all(w.busy for w in writers)
         for i in range(5):
             gates[i].set()
-
-        async def drained() -> None:  # not settled(): a session waited for goes first
-            while any(w.busy for w in writers):
-                await asyncio.sleep(0.001)
-
-        await asyncio.wait_for(drained(), 5)
+        await asyncio.wait_for(asyncio.gather(*(w.settled() for w in writers)), 5)
         assert peak <= 2 and writes.in_flight == 0
         order = [name for name, _ in started]
         assert order[:2] == ["s0", "s1"] and order.index("s0", 1) == 5  # s0 again last

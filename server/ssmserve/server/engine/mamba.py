@@ -303,7 +303,8 @@ class MambaModel:
 
         Every new state shares one read-only buffer. Why: a worker creates sessions by the
         thousand, each state would be its own zeros until its first step replaces it, and
-        states are values (nothing writes into one), which read-only makes sure of."""
+        states are values (nothing writes into one; a write into the shared zeros would
+        raise)."""
         zeros, layout = self._zero_state
         return SessionState.of_buffer(zeros, layout)
 

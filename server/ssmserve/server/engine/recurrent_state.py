@@ -29,7 +29,7 @@ class LayerState:
 @dataclass(frozen=True, slots=True)
 class StateLayout:
     """Where a state's arrays sit in one packed float32 buffer: layer by layer, conv then
-    ssm. One object per model's shapes (:func:`state_layout`), shared by its states."""
+    ssm. Made by :func:`state_layout` (cached), so a model's states share one."""
 
     num_layers: int
     conv_shape: tuple[int, ...]

@@ -58,8 +58,9 @@ class Checkpoints:
     async def newest(self, s: Session, at_most: int) -> SnapshotRecord | None:
         """The newest snapshot of ``s`` at or before step ``at_most``."""
         # A guard rollback asks while a periodic snapshot it should return to may still be
-        # on its way to Redis: wait for the writes already due (read your writes).
-        await s.snapshots.settled()
+        # on its way to Redis: wait for the writes already due (read your writes), ahead
+        # of other sessions' (the rollback holds a stepper batch while it waits).
+        await s.snapshots.settled(hurry=True)
         return await self.store.snapshot_at_or_before(s.id, at_most)
 
     async def write(

@@ -93,7 +93,7 @@ class Replay:
         Computes everything first and changes Redis (the history cut) last, so a failure
         anywhere leaves the session as it was. The caller holds the session.
         """
-        await s.snapshots.settled()  # a guard rollback holds a batch, not the gate
+        await s.snapshots.settled(hurry=True)  # a guard rollback holds a batch, not the gate
         if record is None and target == s.step:
             return target, "", 0  # already there; nothing after the current step to cut
         rebuilt = await self.rebuild(s, target, record)

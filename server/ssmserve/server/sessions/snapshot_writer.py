@@ -10,10 +10,10 @@ Rules:
   order, at most ``MAX_WAITING`` of them: past that the oldest waiting one is dropped
   (superseded: a newer snapshot covers its log flush too, and replay reaches its step);
 * at most ``limit`` writes per worker are in flight (:class:`SnapshotWrites`); sessions
-  with writes waiting take turns in the order they came due, except that a session
-  someone waits for (:meth:`SnapshotWriter.settled`) goes first: a guard rollback waits
-  inside a stepper batch, so every session of that model waits with it, and behind a
-  burst of thousands of due writes that was seconds;
+  with writes waiting take turns in the order they came due, except that a session a
+  guard rollback waits for (``SnapshotWriter.settled(hurry=True)``) goes first: that
+  wait is inside a stepper batch, so every session of the model waits with it, and
+  behind a burst of thousands of due writes that was seconds;
 * every operation that holds the session exclusively (rollback, manual snapshot, export,
   close, migrate, unload at shutdown) first waits for :meth:`SnapshotWriter.settled`, so no
   write lands after a rollback cut or a hand-off;
@@ -84,14 +84,14 @@ class SnapshotWrites:
             writer._waiting = ()
         elif writer._waiting and not writer._queued:
             writer._queued = True
-            if writer._settled is not None:  # someone waits for it: its next write is next
+            if writer._hurried:  # a guard rollback waits for it: its next write is next
                 self._ready.appendleft(writer)
             else:  # its next write takes its turn behind the others
                 self._ready.append(writer)
         self._start()
 
     def _hurry(self, writer: SnapshotWriter) -> None:
-        """Someone waits for ``writer``'s writes: its turn is the next free slot."""
+        """A guard rollback waits for ``writer``'s writes: its turn is the next free slot."""
         if writer._queued and not self.closed and self._ready[0] is not writer:
             self._ready.remove(writer)  # O(sessions waiting), once per wait
             self._ready.appendleft(writer)
@@ -101,6 +101,7 @@ class SnapshotWriter:
     """One session's background snapshot writes (see the module's doc)."""
 
     __slots__ = (
+        "_hurried",
         "_queued",
         "_settled",
         "_task",
@@ -120,6 +121,7 @@ class SnapshotWriter:
         self._waiting: tuple[SnapshotJob, ...] = ()
         self._queued = False  # in the worker's queue, waiting for a slot
         self._settled: asyncio.Future[None] | None = None  # made when someone waits
+        self._hurried = 0  # waiters in settled(hurry=True)
         self._writes: SnapshotWrites | None = None  # the worker's, once a write was due
         self.written = 0
         self.superseded = 0
@@ -172,15 +174,27 @@ class SnapshotWriter:
                 self._settled.set_result(None)
             self._settled = None
 
-    async def settled(self) -> None:
+    async def settled(self, hurry: bool = False) -> None:
         """Wait until nothing is in flight or waiting (cancelling the caller leaves the
-        writes and the other waiters be)."""
-        while self.busy:
-            if self._settled is None:
-                self._settled = asyncio.get_running_loop().create_future()
-            if self._writes is not None:
-                self._writes._hurry(self)
-            await asyncio.wait({self._settled})
+        writes and the other waiters be).
+
+        ``hurry``: this session's writes go before the others waiting for a slot while we
+        wait. For a guard rollback, which waits inside a stepper batch: every session of
+        that model waits with it. Not for control operations and reads, which hold only
+        their own session (a client polling one session would otherwise keep it first).
+        """
+        if hurry:
+            self._hurried += 1
+        try:
+            while self.busy:
+                if self._settled is None:
+                    self._settled = asyncio.get_running_loop().create_future()
+                if hurry and self._writes is not None:
+                    self._writes._hurry(self)
+                await asyncio.wait({self._settled})
+        finally:
+            if hurry:
+                self._hurried -= 1
 
     def cancel(self) -> None:
         """The session left this worker: drop the waiting writes and stop the one in flight

@@ -100,9 +100,11 @@ class UnflushedInputs:
     __slots__ = ("_parts", "count", "first")
 
     def __init__(self) -> None:
-        # Back to back: the inputs of steps first.. A tuple, replaced when it changes:
-        # empty after every flush in thousands of sessions, and () is one shared object.
-        self._parts: tuple[bytes, ...] = ()
+        # Back to back: the inputs of steps first.. A list while there are any; () when
+        # empty (after every flush, in thousands of sessions: one shared object where an
+        # empty list costs each 56 bytes). Not a tuple throughout: a session that flushes
+        # rarely (``none`` durability) adds thousands, and a tuple copies on each add.
+        self._parts: list[bytes] | tuple[()] = ()
         self.first = 0  # step of the oldest input (meaningless while empty)
         self.count = 0
 
@@ -124,7 +126,10 @@ class UnflushedInputs:
             raise ValueError(
                 f"unflushed inputs end at step {self.last}; step {first} does not follow"
             )
-        self._parts = (*self._parts, data)
+        if isinstance(self._parts, list):
+            self._parts.append(data)
+        else:
+            self._parts = [data]
         self.count += count
 
     def block(self, upto: int | None = None) -> InputBlock | None:
@@ -151,7 +156,7 @@ class UnflushedInputs:
             return
         data = self._joined()
         width = len(data) // self.count
-        self._parts = (data[count * width :],)
+        self._parts = [data[count * width :]]
         self.first += count
         self.count -= count
 
@@ -164,7 +169,7 @@ class UnflushedInputs:
             self._parts, self.count = (), 0
             return
         data = self._joined()
-        self._parts = (data[: keep * (len(data) // self.count)],)
+        self._parts = [data[: keep * (len(data) // self.count)]]
         self.count = keep
 
     def inputs(self, first: int, last: int) -> list[bytes]:
@@ -177,7 +182,7 @@ class UnflushedInputs:
 
     def _joined(self) -> bytes:
         if len(self._parts) > 1:
-            self._parts = (b"".join(self._parts),)
+            self._parts = [b"".join(self._parts)]
         return self._parts[0]
 
 
