@@ -73,8 +73,8 @@ class SessionState:
       no per-layer objects and no stacking.
     * *packed*: one float32 buffer and its shared :class:`StateLayout`; ``layers`` are
       views made on each read and not kept. Why: a worker holds thousands of idle
-      sessions, and a state of per-layer arrays costs an array object, a block of the
-      allocator and a ``LayerState`` per array (~0.7 KiB per demo session, 3% of it).
+      sessions, and a state of per-layer arrays costs an array object and an allocator
+      block per array and a ``LayerState`` per layer (~0.55 KiB per demo session, 2.6%).
       :meth:`copy`, :meth:`zeros` and :meth:`unpacked` make this form.
     * per-layer arrays (``SessionState(layers)``), as a checkpoint is decoded.
     """
