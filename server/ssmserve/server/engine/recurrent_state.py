@@ -75,7 +75,7 @@ class SessionState:
       views made on each read and not kept. Why: a worker holds thousands of idle
       sessions, and a state of per-layer arrays costs an array object and an allocator
       block per array and a ``LayerState`` per layer (~0.55 KiB per demo session, 2.6%).
-      :meth:`copy`, :meth:`zeros` and :meth:`unpacked` make this form.
+      :meth:`copy`, :meth:`unpacked` and ``MambaModel.new_state`` make this form.
     * per-layer arrays (``SessionState(layers)``), as a checkpoint is decoded.
     """
 
@@ -133,13 +133,6 @@ class SessionState:
             return state_layout(len(batch.conv), batch.conv[0].shape[1:], batch.ssm[0].shape[1:])
         layers = self.layers
         return state_layout(len(layers), layers[0].conv.shape, layers[0].ssm.shape)
-
-    @classmethod
-    def zeros(
-        cls, num_layers: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...]
-    ) -> SessionState:
-        layout = state_layout(num_layers, tuple(conv_shape), tuple(ssm_shape))
-        return cls.of_buffer(np.zeros(layout.size, np.float32), layout)
 
     @property
     def nbytes(self) -> int:
