@@ -10,6 +10,9 @@ it instead: one engine call steps every such session's chunk (``_run_chunks``), 
 per-chunk rather than per-step bookkeeping; the answers are the same. Then
 the batch ends with one group commit: the inputs of every ``log``-durability session go to
 Redis in one pipeline, and only then are the steps answered (durable before acknowledged).
+Most of them went earlier: a session's first steps of the batch are sent to the log just
+before the engine call that computes them, and their replies read in the group commit
+(``log_ahead.py``), so the round trip overlaps the computation.
 
 If a session's log write fails, that session is put back exactly where the batch found it
 (states are values, so this is keeping a reference) and its applied steps are answered
@@ -46,6 +49,7 @@ from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.config import Durability
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, check_output
+from ssmserve.server.sessions.log_ahead import LogAhead
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
     GuardRolledBackError,
@@ -56,6 +60,7 @@ from ssmserve.server.sessions.session import (
     StepOutcome,
     StepRun,
 )
+from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import SnapshotRecord, Store
 
@@ -97,6 +102,10 @@ class StepperSettings:
     # they cost less than the hop. 5 MFLOP is roughly half a millisecond of step here
     # (signal 256x4 at batch 2, the demo model at batch ~40; bench/bench_engine.py).
     offload_min_flop: float = 5e6
+    # Send a batch's log appends before its engine call and read the replies after, so
+    # the round trip to Redis and the computation overlap (``log_ahead``). Off: the
+    # inputs go in one group commit after all of the batch's engine calls.
+    log_ahead: bool = True
 
 
 @dataclass
@@ -112,7 +121,7 @@ class _SessionBatch:
     # No further steps in this batch: a REJECT or ROLLBACK, its share of the batch used
     # by runs, or a run at its head left for the next batch to step whole.
     stopped: bool = False
-    appended: bool = False  # this batch's steps of the session are in the log now
+    appended: bool = False  # steps of this batch of the session are in the log now
     fenced: bool = False  # not surely ours any more: nothing of this batch is answered
     rollbacks: list[SessionEvent] = field(default_factory=list)  # by guards, this batch
     # Chunks of runs stepped whole (run, first index, end index), answered at the end.
@@ -152,6 +161,20 @@ class _SessionBatch:
         self.chunks.append((run, lo, lo + n))  # answered at the end of the batch, whatever
         return run, lo, lo + n
 
+    def take_back(self, error: SsmserveError) -> None:
+        """Undo every step this batch applied to the session; answer them with ``error``."""
+        s = self.session
+        if s.step != self.start_step:
+            s.state, s.step = self.start_state, self.start_step
+            s.recent.cut_after(self.start_step)
+        self.snapshots_due.clear()
+        self.guard_rollback = None
+        for job, outcome in self.done:
+            if not outcome.replayed or job.step > self.start_step:
+                outcome.output, outcome.replayed, outcome.error = None, False, error
+                outcome.guard_events = ()
+        self.fail_chunks(error)
+
     def fail_chunks(self, error: SsmserveError) -> None:
         """The steps of this batch's run chunks are answered with ``error``."""
         for run, lo, hi in self.chunks:
@@ -174,6 +197,14 @@ class _SessionBatch:
 
 
 class Stepper:
+    """Runs the batches of one model's sessions (the module's docstring tells how).
+
+    Why this class is long: a batch's phases (compute, log, fencing, snapshots, guard
+    rollbacks, answers) must happen in one order for a step to be durable before it is
+    answered and never answered for a session that may not be ours; they are kept in one
+    class, each phase one method, so that order reads top to bottom in ``_batch``.
+    """
+
     def __init__(
         self,
         model: MambaModel,
@@ -256,14 +287,15 @@ class Stepper:
     async def _batch(self, sessions: list[Session]) -> None:
         work = [_SessionBatch(s, s.state, s.step, [], []) for s in sessions]
         recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]] = []
+        ahead = LogAhead(self.store, self.settings.log_ahead)
         try:
             for _ in range(self.settings.max_ticks):
-                if not await self._run_chunks(work):
+                if not await self._run_chunks(work, ahead):
                     break
             for _ in range(self.settings.max_ticks):
-                if not await self._tick(work, recompute):
+                if not await self._tick(work, recompute, ahead):
                     break
-            await self._commit_logs(work)
+            await self._commit_logs(work, ahead)
             # Before anything else is written or answered for a session: is it still ours?
             await self._check_leases(work)
             self._snapshots(work)
@@ -274,8 +306,14 @@ class Stepper:
             await self._record_events(work)
         except BaseException as exc:
             error = exc if isinstance(exc, SsmserveError) else None
+            error = error or SessionGoneError(f"step failed: {exc!r}")
             for w in work:
-                self._take_back(w, error or SessionGoneError(f"step failed: {exc!r}"))
+                w.take_back(error)
+            # Sessions whose steps Redis holds, or may hold, and memory just gave back:
+            # they leave memory, and the next request reloads them from Redis.
+            logged = [w.session for w in work if w.appended]
+            for s in logged + ahead.abandon():
+                self.hooks.drop(s, error)
             raise
         finally:
             for w in work:
@@ -289,7 +327,7 @@ class Stepper:
 
     # ------------------------------------------------------------------ compute
 
-    async def _run_chunks(self, work: list[_SessionBatch]) -> bool:
+    async def _run_chunks(self, work: list[_SessionBatch], ahead: LogAhead) -> bool:
         """Step every session whose queue starts with a run it can step straight through
         by a chunk of that run (``_SessionBatch.take_chunk``): all of them in one engine
         call per chunk length. False if none could."""
@@ -301,6 +339,13 @@ class Stepper:
         if not by_length:
             return False
         for n, group in by_length.items():
+            logged = await ahead.send(  # ids of the sessions whose chunk is logged ahead
+                [
+                    (w.session, InputBlock(run.first + lo, n, run.raw_of(lo, lo + n)))
+                    for w, run, lo in group
+                    if ahead.takes(w.session)
+                ]
+            )
             started = time.perf_counter()
             inputs = np.stack([run.values[lo : lo + n] for _, run, lo in group])  # (b, n, i)
             attributes = {"ssmserve.model": self.model.name, "ssmserve.batch_size": len(group)}
@@ -319,7 +364,9 @@ class Stepper:
                 run.outputs[lo:hi] = outputs[row]
                 state = new_batch.session(row)
                 s.state, s.step = state, s.step + n
-                s.recent.record_run(run.first + lo, run.raw_of(lo, hi), run.outputs[lo:hi])
+                s.recent.record_run(
+                    run.first + lo, run.raw_of(lo, hi), run.outputs[lo:hi], s.id in logged
+                )
                 if s.config.snapshot_due(s.step) and s.config.durability != Durability.NONE:
                     w.snapshots_due.append((s.step, state))
                 applied[s.config.durability] += n
@@ -332,6 +379,7 @@ class Stepper:
         self,
         work: list[_SessionBatch],
         recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]],
+        ahead: LogAhead,
     ) -> bool:
         """One engine call for every session with a step at its head; False if none had."""
         apply: list[tuple[_SessionBatch, StepJob]] = []
@@ -365,6 +413,13 @@ class Stepper:
                 apply.append((w, job))
         if not apply:
             return any(not w.stopped and w.session.head_is_step for w in work)
+        logged = await ahead.send(  # ids of the sessions whose step is logged ahead
+            [
+                (w.session, InputBlock(job.step, 1, job.raw))
+                for w, job in apply
+                if ahead.takes(w.session)
+            ]
+        )
         started = time.perf_counter()
         attributes = {"ssmserve.model": self.model.name, "ssmserve.batch_size": len(apply)}
         with self.store.metrics.tracing.span("engine.batch", attributes):
@@ -381,7 +436,7 @@ class Stepper:
             output = outputs[row]
             if not s.config.guards:  # the common case, without a verdict per step
                 w.done[-1][1].output = output
-                self._apply(w, job, new_batch.session(row), output)
+                self._apply(w, job, new_batch.session(row), output, s.id in logged)
                 applied[s.config.durability] += 1
             elif self._settle(w, job, new_batch.session(row), output):
                 applied[s.config.durability] += 1
@@ -391,11 +446,17 @@ class Stepper:
         return True
 
     def _apply(
-        self, w: _SessionBatch, job: StepJob, state: SessionState, output: np.ndarray
+        self,
+        w: _SessionBatch,
+        job: StepJob,
+        state: SessionState,
+        output: np.ndarray,
+        logged: bool = False,
     ) -> None:
+        """The step applied to the session; ``logged``: its input is logged ahead."""
         s = w.session
         s.state, s.step = state, job.step
-        s.recent.record(job.step, job.raw, output)
+        s.recent.record(job.step, job.raw, output, logged)
         if s.config.snapshot_due(job.step) and s.config.durability != Durability.NONE:
             w.snapshots_due.append((job.step, state))
 
@@ -426,8 +487,17 @@ class Stepper:
 
     # ------------------------------------------------------------------ durability
 
-    async def _commit_logs(self, work: list[_SessionBatch]) -> None:
-        """Group commit: one pipeline for the new inputs of every log-durability session."""
+    async def _commit_logs(self, work: list[_SessionBatch], ahead: LogAhead) -> None:
+        """The replies of the appends sent ahead, then a group commit (one pipeline) of
+        the inputs of every log-durability session still unlogged."""
+        if settled := await ahead.settle():
+            of = {w.session.id: w for w in work}
+            for s, lease, error in settled:
+                w = of[s.id]
+                w.appended = error is None
+                if error is not None:
+                    w.take_back(error)
+                    self.hooks.lost(s, lease, error)
         durable = [
             w
             for w in work
@@ -444,9 +514,13 @@ class Stepper:
         except SsmserveError as exc:
             errors = [exc] * len(appends)
         for (w, lease, _block), error in zip(pending, errors, strict=True):
-            w.appended = error is None
-            if error is not None:
-                self._take_back(w, error)
+            if error is None:
+                w.appended = True
+                continue
+            w.take_back(error)
+            if w.appended:  # its steps logged ahead are in Redis, memory gave them back
+                self.hooks.drop(w.session, error)
+            else:
                 # Dropped if another worker owns it now, or if Redis may hold more than
                 # memory now (an unknown outcome): the next request reloads it.
                 self.hooks.lost(w.session, lease, error)
@@ -478,7 +552,7 @@ class Stepper:
             error = errors.get(w.session.id)
             if error is None:
                 continue
-            self._take_back(w, error)
+            w.take_back(error)
             w.fenced = True
             for _job, outcome in w.done:  # resends too: a new owner may have rolled back
                 outcome.output, outcome.replayed, outcome.error = None, False, error
@@ -486,20 +560,6 @@ class Stepper:
             w.fail_chunks(error)
             if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.hooks.drop(w.session, error)
-
-    def _take_back(self, w: _SessionBatch, error: SsmserveError) -> None:
-        """Undo every step this batch applied to the session; answer them with ``error``."""
-        s = w.session
-        if s.step != w.start_step:
-            s.state, s.step = w.start_state, w.start_step
-            s.recent.cut_after(w.start_step)
-        w.snapshots_due.clear()
-        w.guard_rollback = None
-        for job, outcome in w.done:
-            if not outcome.replayed or job.step > w.start_step:
-                outcome.output, outcome.replayed, outcome.error = None, False, error
-                outcome.guard_events = ()
-        w.fail_chunks(error)
 
     def _snapshots(self, work: list[_SessionBatch]) -> None:
         """Hand due snapshots to the sessions' background writers."""

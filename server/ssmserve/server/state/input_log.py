@@ -379,20 +379,25 @@ class RecentSteps:
         """Bytes of the two rings (what they have allocated so far)."""
         return self.inputs.nbytes + self.outputs.nbytes
 
-    def record(self, step: int, raw_input: bytes, output: np.ndarray) -> None:
-        """A step just applied: its input (also unflushed) and its output ``(o,)``."""
+    def record(self, step: int, raw_input: bytes, output: np.ndarray, logged: bool = False) -> None:
+        """A step just applied: its input (also unflushed, unless ``logged``: sent to the
+        log already) and its output ``(o,)``."""
         self.inputs.append(step, np.frombuffer(raw_input, np.uint8))
         self.outputs.append(step, output)
-        self.unflushed.add(step, 1, raw_input)
+        if not logged:
+            self.unflushed.add(step, 1, raw_input)
 
-    def record_run(self, first: int, raw_inputs: bytes, outputs: np.ndarray) -> None:
+    def record_run(
+        self, first: int, raw_inputs: bytes, outputs: np.ndarray, logged: bool = False
+    ) -> None:
         """Steps ``first .. first + n - 1`` just applied: their inputs as the log stores
-        them, back to back (also unflushed), and their outputs ``(n, o)``."""
+        them, back to back (also unflushed, unless ``logged``), and their outputs ``(n, o)``."""
         n = outputs.shape[0]
         width = len(raw_inputs) // n
         self.inputs.extend(first, np.frombuffer(raw_inputs, np.uint8).reshape(n, width))
         self.outputs.extend(first, outputs)
-        self.unflushed.add(first, n, raw_inputs)
+        if not logged:
+            self.unflushed.add(first, n, raw_inputs)
 
     def remember(self, first: int, raw: Sequence[bytes], outputs: Sequence[np.ndarray]) -> None:
         """Steps ``first, first + 1, ...`` recomputed by replay: already in the log."""

@@ -1,0 +1,168 @@
+"""Log ahead (``sessions/log_ahead.py``): a batch's log appends go to Redis before its
+engine call and are answered after; what the log and the answers hold must not change,
+and a step logged ahead but not applied must not leave memory and Redis apart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ssmserve.server.sessions.config import Durability
+from ssmserve.server.sessions.log_ahead import LogAhead
+from ssmserve.server.sessions.manager import ManagerSettings
+from ssmserve.server.sessions.session import SessionGoneError, StepOutcome
+from ssmserve.server.sessions.stepper import StepperSettings
+from ssmserve.v1 import ssmserve_pb2 as pb
+from tests.conftest import random_inputs
+from tests.test_service import assert_bit_equal, reference
+
+STEPS = 40
+
+
+def _log_ahead_settings(on: bool) -> ManagerSettings:
+    return ManagerSettings(stepper=StepperSettings(log_ahead=on))
+
+
+async def _step(manager, sid: str, step: int, value: np.ndarray) -> StepOutcome:
+    return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)
+
+
+async def _drive(manager, sid: str, x: np.ndarray, output_dim: int) -> np.ndarray:
+    """Steps 1..STEPS in every shape a batch takes: lone steps (logged ahead), eight
+    queued singles (one batch: its first tick logged ahead, the other seven in the group
+    commit after), a run of 16 cut by a snapshot at step 16 (its first chunk ahead, the
+    second after), lone steps again. Returns the outputs ``(STEPS, o)``."""
+    out = np.empty((STEPS, output_dim), np.float32)
+    for t in range(1, 4):
+        out[t - 1] = (await _step(manager, sid, t, x[t - 1])).output
+    futures = [manager.intake.submit_resident(sid, t, x[t - 1], True) for t in range(4, 12)]
+    for t, outcome in zip(range(4, 12), await asyncio.gather(*futures), strict=True):
+        assert outcome.error is None, outcome.error
+        out[t - 1] = outcome.output
+    run_future = manager.intake.submit_run_resident(sid, 12, x[11:27])
+    assert run_future is not None
+    run = await asyncio.wait_for(run_future, 10)
+    assert all(o is None or o.error is None for o in run.outcomes)
+    out[11:27] = run.outputs
+    for t in range(28, STEPS + 1):
+        out[t - 1] = (await _step(manager, sid, t, x[t - 1])).output
+    return out
+
+
+def _logged(worker, sid: str) -> dict[int, bytes]:
+    async def read() -> dict[int, bytes]:
+        raw = await worker.manager.store.read_log(sid, 1, STEPS)
+        return dict(enumerate(raw, start=1))
+
+    return worker.call(read())
+
+
+def test_logging_ahead_or_after_the_engine_call_logs_and_answers_the_same(
+    start_worker, served_models, monkeypatch
+):
+    model = served_models["demo"]
+    x = random_inputs(model, STEPS, seed=1901)
+    sent_ahead: list[int] = []
+    send = LogAhead.send
+
+    async def counted(self, blocks):  # counts, then sends as it would
+        sent_ahead.extend(block.count for _, block in blocks)
+        return await send(self, blocks)
+
+    monkeypatch.setattr(LogAhead, "send", counted)
+    logs, ahead_counts = {}, {}
+    for on in (True, False):
+        worker = start_worker(manager=_log_ahead_settings(on))
+        sid = worker.client.create_session(
+            "demo", durability=pb.DURABILITY_LOG, snapshot_every=8, snapshot_phase=0
+        ).session_id
+        sent_ahead.clear()
+        outputs = worker.call(_drive(worker.manager, sid, x, model.config.output_dim))
+        assert_bit_equal(outputs, reference(model, x))
+        logs[on] = _logged(worker, sid)
+        ahead_counts[on] = list(sent_ahead)
+        assert worker.client.get_session(sid).step == STEPS
+    assert logs[True] == logs[False]
+    assert len(logs[True]) == STEPS
+    # Ahead: the 6 lone steps, the first of the 8 queued singles, the first chunk of the
+    # run (12..16, up to the snapshot); the other 18 steps in group commits.
+    assert ahead_counts[True] == [1] * 3 + [1] + [5] + [1] * 13
+    assert ahead_counts[False] == []
+
+
+def test_a_step_logged_ahead_whose_engine_call_fails_reloads_the_session(
+    start_worker, served_models
+):
+    """The engine call raises after the step's input went to the log: the step is answered
+    with a retryable error and the session leaves memory, since Redis may hold the step
+    while memory does not. The resend of that step is then answered from the reloaded
+    session, right the first time: kept in memory at the earlier step, it would apply the
+    step again and find the log already past it."""
+    model = served_models["demo"]
+    x = random_inputs(model, 6, seed=1902)
+    worker = start_worker(manager=_log_ahead_settings(True))
+    manager = worker.manager
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
+    for t in range(1, 4):
+        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
+    session = manager.residents.get(sid)
+    assert session.config.durability == Durability.LOG
+    lane = manager.lanes.engines["demo"]
+    step = lane.step
+
+    async def fails_once(states, values):
+        lane.step = step  # the next call computes again
+        await asyncio.sleep(0.05)  # the append sent ahead reaches Redis meanwhile
+        raise RuntimeError("injected engine failure")
+
+    lane.step = fails_once
+    try:
+        failed = worker.call(_step(manager, sid, 4, x[3]))
+    finally:
+        lane.step = step
+    assert isinstance(failed.error, SessionGoneError), failed.error
+    assert "injected engine failure" in str(failed.error)
+    assert manager.residents.by_id.get(sid) is not session  # left memory
+    assert sorted(_logged_upto(worker, sid, 4)) == [1, 2, 3, 4]  # Redis kept step 4
+    outputs = [worker.call(_step(manager, sid, t, x[t - 1])) for t in (4, 5, 6)]
+    assert [o.error for o in outputs] == [None, None, None]
+    assert outputs[0].replayed  # step 4 came from the log
+    expected = reference(model, x)
+    for t, o in zip((4, 5, 6), outputs, strict=True):
+        assert_bit_equal(o.output, expected[t - 1])
+
+
+def _logged_upto(worker, sid: str, last: int) -> dict[int, bytes]:
+    async def read() -> dict[int, bytes]:
+        return dict(enumerate(await worker.manager.store.read_log(sid, 1, last), start=1))
+
+    return worker.call(read())
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_refused_append_takes_the_step_back_either_way(start_worker, served_models, on):
+    """A closed session's append is refused: with the log ahead as after, the step is
+    answered with the error, and nothing of it is in the log."""
+    model = served_models["demo"]
+    x = random_inputs(model, 3, seed=1903)
+    worker = start_worker(manager=_log_ahead_settings(on))
+    manager = worker.manager
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
+    for t in (1, 2):
+        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
+    session = manager.residents.get(sid)
+
+    async def close_in_redis_then_step():
+        keys = manager.store.keys(sid)
+        await manager.store.redis.hset(keys.meta, "closed", "1")
+        return await _step(manager, sid, 3, x[2])
+
+    outcome = worker.call(close_in_redis_then_step())
+    assert outcome.error is not None and outcome.output is None
+    assert "closed" in str(outcome.error)
+    assert session.step == 2
+    assert sorted(_logged_upto(worker, sid, 2)) == [1, 2]
+    with pytest.raises(Exception, match="lacks steps 3"):
+        _logged_upto(worker, sid, 3)
