@@ -291,9 +291,10 @@ class MambaModel:
             out.append(self.input_proj)
         return out
 
-    @property
+    @cached_property
     def flops_per_step(self) -> int:
-        """FLOPs of the products for one session-step (the elementwise work is extra)."""
+        """FLOPs of the products for one session-step (the elementwise work is extra).
+        Cached: weights never change, and every engine call reads it (``EngineLane``)."""
         return sum(2 * lin.in_features * lin.out_features for lin in self.linears)
 
     # ------------------------------------------------------------------ state and inputs

@@ -80,13 +80,13 @@ class LogAhead:
         in the log, else the error). A lost reply is StoreOutcomeUnknownError for every
         session of that append."""
         out: list[tuple[Session, SessionLease, SsmserveError | None]] = []
-        while self._appends:
-            task, sent = self._appends.pop(0)
+        for task, sent in self._appends:  # kept until all replied, for abandon() meanwhile
             try:
                 errors: list[SsmserveError | None] = await task
             except SsmserveError as exc:
                 errors = [exc] * len(sent)
             out.extend((s, lease, e) for (s, lease), e in zip(sent, errors, strict=True))
+        self._appends.clear()
         return out
 
     def abandon(self) -> list[Session]:

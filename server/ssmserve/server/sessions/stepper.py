@@ -92,6 +92,10 @@ class BatchHooks(Protocol):
     async def record_events(self, session: Session, events: list[SessionEvent]) -> None: ...
 
 
+#: Every durability, once: iterating the enum class each batch cost more than its dict.
+_DURABILITIES = tuple(Durability)
+
+
 @dataclass(frozen=True)
 class StepperSettings:
     max_batch: int = 256  # sessions per engine call
@@ -357,7 +361,7 @@ class Stepper:
             for _ in range(n):  # sessions per engine step, as ``_tick`` counts them
                 self._batch_size.observe(len(group))
             self.steps += len(group) * n
-            applied = dict.fromkeys(Durability, 0)
+            applied = dict.fromkeys(_DURABILITIES, 0)
             for row, (w, run, lo) in enumerate(group):
                 s = w.session
                 hi = lo + n
@@ -429,7 +433,7 @@ class Stepper:
         self._batch_seconds.observe(time.perf_counter() - started)
         self._batch_size.observe(len(apply))
         self.steps += len(apply)
-        applied = dict.fromkeys(Durability, 0)
+        applied = dict.fromkeys(_DURABILITIES, 0)
         for row, (w, job) in enumerate(apply):
             s = w.session
             # A view until answered; the session's recent outputs keep a copy in their ring.
