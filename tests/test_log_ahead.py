@@ -31,9 +31,9 @@ async def _step(manager, sid: str, step: int, value: np.ndarray) -> StepOutcome:
 
 async def _drive(manager, sid: str, x: np.ndarray, output_dim: int) -> np.ndarray:
     """Steps 1..STEPS in every shape a batch takes: lone steps (logged ahead), eight
-    queued singles (one batch: its first tick logged ahead, the other seven in the group
-    commit after), a run of 16 cut by a snapshot at step 16 (its first chunk ahead, the
-    second after), lone steps again. Returns the outputs ``(STEPS, o)``."""
+    queued singles (one batch of eight ticks: all eight logged ahead of the first), a run
+    of 16 cut by snapshots at steps 16 and 24 (its first chunk ahead, the other two in the
+    group commit after), lone steps again. Returns the outputs ``(STEPS, o)``."""
     out = np.empty((STEPS, output_dim), np.float32)
     for t in range(1, 4):
         out[t - 1] = (await _step(manager, sid, t, x[t - 1])).output
@@ -86,9 +86,9 @@ def test_logging_ahead_or_after_the_engine_call_logs_and_answers_the_same(
         assert worker.client.get_session(sid).step == STEPS
     assert logs[True] == logs[False]
     assert len(logs[True]) == STEPS
-    # Ahead: the 6 lone steps, the first of the 8 queued singles, the first chunk of the
-    # run (12..16, up to the snapshot); the other 18 steps in group commits.
-    assert ahead_counts[True] == [1] * 3 + [1] + [5] + [1] * 13
+    # Ahead: the lone steps, the 8 queued singles, the first chunk of the run (12..16, up
+    # to the snapshot); the run's other 11 steps in the group commit.
+    assert ahead_counts[True] == [1] * 3 + [8] + [5] + [1] * 13
     assert ahead_counts[False] == []
 
 
@@ -166,3 +166,52 @@ def test_a_refused_append_takes_the_step_back_either_way(start_worker, served_mo
     assert sorted(_logged_upto(worker, sid, 2)) == [1, 2]
     with pytest.raises(Exception, match="lacks steps 3"):
         _logged_upto(worker, sid, 3)
+
+
+def test_a_queued_step_logged_ahead_that_leaves_the_queue_reloads_the_session(
+    start_worker, served_models, monkeypatch
+):
+    """Queued single steps go to the log ahead with the first of them, as the batch's
+    later ticks will apply them. Should one leave the queue before its tick (nothing in
+    the server does that today but dropping the session), memory ends behind the log:
+    the session leaves memory, the steps it applied are answered, and the one that left
+    is answered on its resend from the log."""
+    model = served_models["demo"]
+    x = random_inputs(model, 7, seed=1904)
+    worker = start_worker(manager=_log_ahead_settings(True))
+    manager = worker.manager
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
+    for t in (1, 2):
+        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
+    session = manager.residents.get(sid)
+    send = LogAhead.send
+    taken_out = SessionGoneError("taken out of the queue by the test")
+
+    async def send_then_take_one_out(self, blocks):
+        await send(self, blocks)
+        for s, block in blocks:
+            if block.count > 1:  # the queued singles: the last leaves the queue
+                last = list(s.queue)[-1]
+                s.queue.remove(last)
+                s.queued_steps -= 1
+                last.future.set_result(StepOutcome(s.id, last.step, error=taken_out))
+
+    monkeypatch.setattr(LogAhead, "send", send_then_take_one_out)
+
+    async def queue_four():
+        futures = [manager.intake.submit_resident(sid, t, x[t - 1], True) for t in (3, 4, 5, 6)]
+        return await asyncio.wait_for(asyncio.gather(*futures), 10)
+
+    outcomes = worker.call(queue_four())
+    monkeypatch.setattr(LogAhead, "send", send)
+    assert [o.error for o in outcomes] == [None, None, None, taken_out]
+    expected = reference(model, x)
+    for t, o in zip((3, 4, 5), outcomes[:3], strict=True):
+        assert_bit_equal(o.output, expected[t - 1])
+    assert manager.residents.by_id.get(sid) is not session  # left memory
+    assert sorted(_logged_upto(worker, sid, 6)) == [1, 2, 3, 4, 5, 6]
+    resent, nxt = (worker.call(_step(manager, sid, t, x[t - 1])) for t in (6, 7))
+    assert resent.error is None and resent.replayed
+    assert nxt.error is None and not nxt.replayed
+    assert_bit_equal(resent.output, expected[5])
+    assert_bit_equal(nxt.output, expected[6])

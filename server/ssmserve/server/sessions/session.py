@@ -235,6 +235,10 @@ class SessionQueue:
         assert entry is not None
         return entry
 
+    def first(self, count: int) -> list[QueueEntry]:
+        """The first ``count`` entries (all, if fewer), oldest first, left queued."""
+        return self._items[self._head : self._head + max(count, 0)]  # type: ignore[return-value]
+
     def append(self, entry: QueueEntry) -> None:
         self._items.append(entry)
 

@@ -47,9 +47,10 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.config import Durability
+from ssmserve.server.sessions.errors import ReloadingError
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, check_output
-from ssmserve.server.sessions.log_ahead import LogAhead
+from ssmserve.server.sessions.log_ahead import LogAhead, steps_block
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
     GuardRolledBackError,
@@ -296,8 +297,8 @@ class Stepper:
             for _ in range(self.settings.max_ticks):
                 if not await self._run_chunks(work, ahead):
                     break
-            for _ in range(self.settings.max_ticks):
-                if not await self._tick(work, recompute, ahead):
+            for tick in range(self.settings.max_ticks):
+                if not await self._tick(work, recompute, ahead, self.settings.max_ticks - tick):
                     break
             await self._commit_logs(work, ahead)
             # Before anything else is written or answered for a session: is it still ours?
@@ -343,7 +344,7 @@ class Stepper:
         if not by_length:
             return False
         for n, group in by_length.items():
-            logged = await ahead.send(  # ids of the sessions whose chunk is logged ahead
+            await ahead.send(
                 [
                     (w.session, InputBlock(run.first + lo, n, run.raw_of(lo, lo + n)))
                     for w, run, lo in group
@@ -369,7 +370,10 @@ class Stepper:
                 state = new_batch.session(row)
                 s.state, s.step = state, s.step + n
                 s.recent.record_run(
-                    run.first + lo, run.raw_of(lo, hi), run.outputs[lo:hi], s.id in logged
+                    run.first + lo,
+                    run.raw_of(lo, hi),
+                    run.outputs[lo:hi],
+                    run.first + hi - 1 <= ahead.upto(s),
                 )
                 if s.config.snapshot_due(s.step) and s.config.durability != Durability.NONE:
                     w.snapshots_due.append((s.step, state))
@@ -384,8 +388,10 @@ class Stepper:
         work: list[_SessionBatch],
         recompute: list[tuple[_SessionBatch, StepJob, StepOutcome]],
         ahead: LogAhead,
+        ticks: int,
     ) -> bool:
-        """One engine call for every session with a step at its head; False if none had."""
+        """One engine call for every session with a step at its head; False if none had.
+        ``ticks``: this one and those the batch has left."""
         apply: list[tuple[_SessionBatch, StepJob]] = []
         for w in work:
             s = w.session
@@ -417,9 +423,9 @@ class Stepper:
                 apply.append((w, job))
         if not apply:
             return any(not w.stopped and w.session.head_is_step for w in work)
-        logged = await ahead.send(  # ids of the sessions whose step is logged ahead
+        await ahead.send(
             [
-                (w.session, InputBlock(job.step, 1, job.raw))
+                (w.session, steps_block(w.session, job, ticks))
                 for w, job in apply
                 if ahead.takes(w.session)
             ]
@@ -440,7 +446,7 @@ class Stepper:
             output = outputs[row]
             if not s.config.guards:  # the common case, without a verdict per step
                 w.done[-1][1].output = output
-                self._apply(w, job, new_batch.session(row), output, s.id in logged)
+                self._apply(w, job, new_batch.session(row), output, job.step <= ahead.upto(s))
                 applied[s.config.durability] += 1
             elif self._settle(w, job, new_batch.session(row), output):
                 applied[s.config.durability] += 1
@@ -502,6 +508,8 @@ class Stepper:
                 if error is not None:
                     w.take_back(error)
                     self.hooks.lost(s, lease, error)
+                elif s.step < ahead.upto(s):  # a queued step logged ahead left the queue
+                    self.hooks.drop(s, ReloadingError(f"session {s.id!r} is behind its log"))
         durable = [
             w
             for w in work
