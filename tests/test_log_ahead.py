@@ -215,3 +215,125 @@ def test_a_queued_step_logged_ahead_that_leaves_the_queue_reloads_the_session(
     assert nxt.error is None and not nxt.replayed
     assert_bit_equal(resent.output, expected[5])
     assert_bit_equal(nxt.output, expected[6])
+
+
+def test_a_step_is_computed_before_its_append_replies_and_answered_only_after(
+    start_worker, served_models
+):
+    """The overlap, and durable before acknowledged: with the append held up, the step
+    is already applied in memory, yet not answered until the append's reply."""
+    model = served_models["demo"]
+    x = random_inputs(model, 1, seed=1905)
+    worker = start_worker(manager=_log_ahead_settings(True))
+    manager = worker.manager
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
+    session = manager.residents.get(sid)
+    append = manager.store.append_logs
+
+    async def held_step():
+        gate = asyncio.Event()
+
+        async def held(appends, updated_at):
+            await gate.wait()
+            return await append(appends, updated_at)
+
+        manager.store.append_logs = held
+        try:
+            future = await manager.intake.submit(sid, 1, x[0])
+            await asyncio.sleep(0.2)
+            computed, answered = session.step, future.done()
+            gate.set()
+            return computed, answered, await asyncio.wait_for(future, 10)
+        finally:
+            manager.store.append_logs = append
+
+    computed, answered, outcome = worker.call(held_step())
+    assert computed == 1 and not answered
+    assert outcome.error is None
+    assert_bit_equal(outcome.output, reference(model, x)[0])
+    assert sorted(_logged_upto(worker, sid, 1)) == [1]
+
+
+def test_an_unknown_append_outcome_then_an_engine_failure_reloads_the_session(
+    start_worker, served_models
+):
+    """The append sent ahead came back as an unknown outcome (Redis may hold the step),
+    then the engine call raised: the session must leave memory even though its append
+    did not succeed, and the resend is answered right after a reload."""
+    from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
+
+    model = served_models["demo"]
+    x = random_inputs(model, 4, seed=1906)
+    worker = start_worker(manager=_log_ahead_settings(True))
+    manager = worker.manager
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
+    for t in (1, 2, 3):
+        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
+    session = manager.residents.get(sid)
+    append, lane = manager.store.append_logs, manager.lanes.engines["demo"]
+    step = lane.step
+
+    async def unknown(appends, updated_at):
+        return [StoreOutcomeUnknownError("injected: no answer")] * len(appends)
+
+    async def fails(states, values):
+        await asyncio.sleep(0.05)  # the append's reply is in by now
+        raise RuntimeError("injected engine failure")
+
+    manager.store.append_logs, lane.step = unknown, fails
+    try:
+        failed = worker.call(_step(manager, sid, 4, x[3]))
+    finally:
+        manager.store.append_logs, lane.step = append, step
+    assert failed.error is not None and failed.output is None
+    assert manager.residents.by_id.get(sid) is not session  # left memory
+    again = worker.call(_step(manager, sid, 4, x[3]))
+    assert again.error is None
+    assert_bit_equal(again.output, reference(model, x)[3])
+
+
+def test_a_group_commit_refused_after_an_append_ahead_of_the_same_session_reloads_it(
+    start_worker, served_models
+):
+    """A run cut by a snapshot: its first chunk goes ahead (accepted), its later chunks
+    in the group commit (refused here). Memory gives back the whole batch while Redis
+    holds the first chunk: the session leaves memory; resent, the first chunk's steps
+    are answered from the log and the rest computed, all bit-exact."""
+    from ssmserve.server.state.store_errors import StoreError
+
+    model = served_models["demo"]
+    x = random_inputs(model, 16, seed=1907)
+    worker = start_worker(manager=_log_ahead_settings(True))
+    manager = worker.manager
+    sid = worker.client.create_session(
+        "demo", durability=pb.DURABILITY_LOG, snapshot_every=8, snapshot_phase=0
+    ).session_id
+    for t in (1, 2, 3, 4):
+        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
+    session = manager.residents.get(sid)
+    append = manager.store.append_logs
+
+    async def refuse_later_chunks(appends, updated_at):
+        if appends[0][1].first == 5:  # the first chunk, 5..8, sent ahead
+            return await append(appends, updated_at)
+        return [StoreError("injected refusal")] * len(appends)
+
+    async def run(first: int, last: int):
+        future = manager.intake.submit_run_resident(sid, first, x[first - 1 : last])
+        assert future is not None
+        return await asyncio.wait_for(future, 10)
+
+    manager.store.append_logs = refuse_later_chunks
+    try:
+        refused = worker.call(run(5, 12))
+    finally:
+        manager.store.append_logs = append
+    assert all(o is not None and o.error is not None for o in refused.outcomes)
+    assert manager.residents.by_id.get(sid) is not session  # left memory
+    assert sorted(_logged_upto(worker, sid, 8)) == list(range(1, 9))
+    outcomes = [worker.call(_step(manager, sid, t, x[t - 1])) for t in range(5, 13)]
+    assert [o.error for o in outcomes] == [None] * 8
+    assert [o.replayed for o in outcomes] == [True] * 4 + [False] * 4
+    expected = reference(model, x)
+    for t, o in zip(range(5, 13), outcomes, strict=True):
+        assert_bit_equal(o.output, expected[t - 1])

@@ -22,6 +22,10 @@ If a step logged ahead is not applied after all (the engine call raised, the bat
 cancelled), Redis may hold an input that memory does not: the stepper drops the session
 (:meth:`LogAhead.abandon`) and the next request reloads it from Redis. It does not guess
 which of the two is right.
+
+On Redis Cluster the append is one pipeline per node, each started as a task of its own,
+so one turn of the event loop does not put it on the wire: it overlaps an engine call
+that runs on the engine thread (a large batch), not one that runs inline.
 """
 
 from __future__ import annotations
@@ -94,21 +98,27 @@ class LogAhead:
         self._appends.clear()
         return out
 
-    def abandon(self) -> list[Session]:
-        """The batch failed before :meth:`settle`: appends still on their way are
-        cancelled. Returns the sessions whose steps Redis may hold (every session of an
-        append not known to have been refused), for the stepper to drop."""
-        maybe: list[Session] = []
+    async def abandon(self) -> list[tuple[Session, SessionLease, SsmserveError | None]]:
+        """The batch failed before :meth:`settle` finished: appends still on their way
+        are cancelled, and all are waited for. Per session of each: (session, lease sent
+        with, None) when Redis holds its steps or may (done, or cancelled: unknown), else
+        the error its append was refused with (``hooks.lost`` decides from it)."""
+        for task, _ in self._appends:
+            task.cancel()  # nothing when it is done
+        await asyncio.gather(*(task for task, _ in self._appends), return_exceptions=True)
+        out: list[tuple[Session, SessionLease, SsmserveError | None]] = []
         for task, sent in self._appends:
-            if not task.done():
-                task.cancel()
-                maybe += [s for s, _ in sent]
-            elif task.cancelled() or task.exception() is not None:  # outcome not known
-                maybe += [s for s, _ in sent]
+            if task.cancelled():
+                errors: list[SsmserveError | None] = [None] * len(sent)
+            elif isinstance(exc := task.exception(), SsmserveError):
+                errors = [exc] * len(sent)
+            elif exc is not None:  # not a refusal: the outcome is not known
+                errors = [None] * len(sent)
             else:
-                maybe += [s for (s, _), e in zip(sent, task.result(), strict=True) if e is None]
+                errors = task.result()
+            out.extend((s, lease, e) for (s, lease), e in zip(sent, errors, strict=True))
         self._appends.clear()
-        return maybe
+        return out
 
 
 def steps_block(s: Session, job: StepJob, ticks: int) -> InputBlock:

@@ -126,7 +126,7 @@ class _SessionBatch:
     # No further steps in this batch: a REJECT or ROLLBACK, its share of the batch used
     # by runs, or a run at its head left for the next batch to step whole.
     stopped: bool = False
-    appended: bool = False  # steps of this batch of the session are in the log now
+    appended: bool = False  # steps of this batch of the session are (or may be) logged
     fenced: bool = False  # not surely ours any more: nothing of this batch is answered
     rollbacks: list[SessionEvent] = field(default_factory=list)  # by guards, this batch
     # Chunks of runs stepped whole (run, first index, end index), answered at the end.
@@ -316,9 +316,16 @@ class Stepper:
                 w.take_back(error)
             # Sessions whose steps Redis holds, or may hold, and memory just gave back:
             # they leave memory, and the next request reloads them from Redis.
-            logged = [w.session for w in work if w.appended]
-            for s in logged + ahead.abandon():
-                self.hooks.drop(s, error)
+            dropped = set()
+            for w in work:
+                if w.appended:
+                    self.hooks.drop(w.session, error)
+                    dropped.add(w.session.id)
+            for s, lease, refused in await ahead.abandon():
+                if refused is not None:  # not written; lost() drops it if not ours now
+                    self.hooks.lost(s, lease, refused)
+                elif s.id not in dropped:
+                    self.hooks.drop(s, error)
             raise
         finally:
             for w in work:
@@ -525,6 +532,10 @@ class Stepper:
             errors: list[SsmserveError | None] = await self.store.append_logs(appends, time.time())
         except SsmserveError as exc:
             errors = [exc] * len(appends)
+        except BaseException:  # cancelled, or a bug: each may be in the log now
+            for w, _lease, _block in pending:
+                w.appended = True  # so the batch's failure path drops it
+            raise
         for (w, lease, _block), error in zip(pending, errors, strict=True):
             if error is None:
                 w.appended = True
