@@ -29,6 +29,20 @@ async def _step(manager, sid: str, step: int, value: np.ndarray) -> StepOutcome:
     return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)
 
 
+def _log_session(
+    start_worker, served_models, steps: int, seed: int, stepped: int, on: bool = True, **config
+):
+    """A worker with log ahead ``on``, a log-durability demo session stepped through its
+    first ``stepped`` of ``steps`` random inputs: (model, inputs, worker, session id)."""
+    model = served_models["demo"]
+    x = random_inputs(model, steps, seed=seed)
+    worker = start_worker(manager=_log_ahead_settings(on))
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG, **config).session_id
+    for t in range(1, stepped + 1):
+        assert worker.call(_step(worker.manager, sid, t, x[t - 1])).error is None
+    return model, x, worker, sid
+
+
 async def _drive(manager, sid: str, x: np.ndarray, output_dim: int) -> np.ndarray:
     """Steps 1..STEPS in every shape a batch takes: lone steps (logged ahead), eight
     queued singles (one batch of eight ticks: all eight logged ahead of the first), a run
@@ -100,13 +114,8 @@ def test_a_step_logged_ahead_whose_engine_call_fails_reloads_the_session(
     while memory does not. The resend of that step is then answered from the reloaded
     session, right the first time: kept in memory at the earlier step, it would apply the
     step again and find the log already past it."""
-    model = served_models["demo"]
-    x = random_inputs(model, 6, seed=1902)
-    worker = start_worker(manager=_log_ahead_settings(True))
+    model, x, worker, sid = _log_session(start_worker, served_models, 6, 1902, 3)
     manager = worker.manager
-    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
-    for t in range(1, 4):
-        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
     session = manager.residents.get(sid)
     assert session.config.durability == Durability.LOG
     lane = manager.lanes.engines["demo"]
@@ -145,13 +154,8 @@ def _logged_upto(worker, sid: str, last: int) -> dict[int, bytes]:
 def test_a_refused_append_takes_the_step_back_either_way(start_worker, served_models, on):
     """A closed session's append is refused: with the log ahead as after, the step is
     answered with the error, and nothing of it is in the log."""
-    model = served_models["demo"]
-    x = random_inputs(model, 3, seed=1903)
-    worker = start_worker(manager=_log_ahead_settings(on))
+    _model, x, worker, sid = _log_session(start_worker, served_models, 3, 1903, 2, on)
     manager = worker.manager
-    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
-    for t in (1, 2):
-        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
     session = manager.residents.get(sid)
 
     async def close_in_redis_then_step():
@@ -176,13 +180,8 @@ def test_a_queued_step_logged_ahead_that_leaves_the_queue_reloads_the_session(
     the server does that today but dropping the session), memory ends behind the log:
     the session leaves memory, the steps it applied are answered, and the one that left
     is answered on its resend from the log."""
-    model = served_models["demo"]
-    x = random_inputs(model, 7, seed=1904)
-    worker = start_worker(manager=_log_ahead_settings(True))
+    model, x, worker, sid = _log_session(start_worker, served_models, 7, 1904, 2)
     manager = worker.manager
-    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
-    for t in (1, 2):
-        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
     session = manager.residents.get(sid)
     send = LogAhead.send
     taken_out = SessionGoneError("taken out of the queue by the test")
@@ -222,11 +221,8 @@ def test_a_step_is_computed_before_its_append_replies_and_answered_only_after(
 ):
     """The overlap, and durable before acknowledged: with the append held up, the step
     is already applied in memory, yet not answered until the append's reply."""
-    model = served_models["demo"]
-    x = random_inputs(model, 1, seed=1905)
-    worker = start_worker(manager=_log_ahead_settings(True))
+    model, x, worker, sid = _log_session(start_worker, served_models, 1, 1905, 0)
     manager = worker.manager
-    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
     session = manager.residents.get(sid)
     append = manager.store.append_logs
 
@@ -262,13 +258,8 @@ def test_an_unknown_append_outcome_then_an_engine_failure_reloads_the_session(
     did not succeed, and the resend is answered right after a reload."""
     from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
 
-    model = served_models["demo"]
-    x = random_inputs(model, 4, seed=1906)
-    worker = start_worker(manager=_log_ahead_settings(True))
+    model, x, worker, sid = _log_session(start_worker, served_models, 4, 1906, 3)
     manager = worker.manager
-    sid = worker.client.create_session("demo", durability=pb.DURABILITY_LOG).session_id
-    for t in (1, 2, 3):
-        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
     session = manager.residents.get(sid)
     append, lane = manager.store.append_logs, manager.lanes.engines["demo"]
     step = lane.step
@@ -301,15 +292,10 @@ def test_a_group_commit_refused_after_an_append_ahead_of_the_same_session_reload
     are answered from the log and the rest computed, all bit-exact."""
     from ssmserve.server.state.store_errors import StoreError
 
-    model = served_models["demo"]
-    x = random_inputs(model, 16, seed=1907)
-    worker = start_worker(manager=_log_ahead_settings(True))
+    model, x, worker, sid = _log_session(
+        start_worker, served_models, 16, 1907, 4, snapshot_every=8, snapshot_phase=0
+    )
     manager = worker.manager
-    sid = worker.client.create_session(
-        "demo", durability=pb.DURABILITY_LOG, snapshot_every=8, snapshot_phase=0
-    ).session_id
-    for t in (1, 2, 3, 4):
-        assert worker.call(_step(manager, sid, t, x[t - 1])).error is None
     session = manager.residents.get(sid)
     append = manager.store.append_logs
 
