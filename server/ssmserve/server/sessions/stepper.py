@@ -351,10 +351,11 @@ class Stepper:
         if not by_length:
             return False
         for n, group in by_length.items():
+            raws = [run.raw_of(lo, lo + n) for _, run, lo in group]  # logged and recorded
             await ahead.send(
                 [
-                    (w.session, InputBlock(run.first + lo, n, run.raw_of(lo, lo + n)))
-                    for w, run, lo in group
+                    (w.session, InputBlock(run.first + lo, n, raw))
+                    for (w, run, lo), raw in zip(group, raws, strict=True)
                     if ahead.takes(w.session)
                 ]
             )
@@ -378,7 +379,7 @@ class Stepper:
                 s.state, s.step = state, s.step + n
                 s.recent.record_run(
                     run.first + lo,
-                    run.raw_of(lo, hi),
+                    raws[row],
                     run.outputs[lo:hi],
                     run.first + hi - 1 <= ahead.upto(s),
                 )
