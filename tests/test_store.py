@@ -490,6 +490,76 @@ def test_an_answer_held_past_the_deadline_is_never_read_as_a_later_one(any_redis
             admin.flushall()
 
 
+def test_a_held_connection_the_server_closed_while_idle_is_opened_again(any_redis):
+    """A lone session's appends go on a connection the store holds (``held_connection``).
+    Redis closes it while the session is idle (a restart, ``timeout``, CLIENT KILL): the
+    next append is sent on a new connection and lands, not reported as an unknown
+    outcome (as the pool checks its connections before handing one out)."""
+
+    async def body(s: Store) -> None:
+        lease = await new(s, "idle")
+        await s.append_logs([(lease, InputBlock.of(1, [b"a"]))], 1.0)
+        held = s.batches._held
+        assert held is not None and held._connection is not None  # it was used
+        killed = await s.redis.client_kill_filter(_id=await _client_id(held), skipme=False)
+        assert killed == 1
+        for _ in range(100):  # bound: the loop sees the close within a few turns
+            if held._connection._reader is None or held._connection._reader.at_eof():
+                break
+            await asyncio.sleep(0.01)
+        assert await s.append_logs([(lease, InputBlock.of(2, [b"b"]))], 1.0) == [None]
+        assert await s.read_log("idle", 1, 2) == [b"a", b"b"]
+
+    try:
+        run(lambda: Store(StoreSettings(url=any_redis.url)), body)
+    finally:
+        with redis.Redis.from_url(any_redis.url) as admin:
+            admin.flushall()
+
+
+async def _client_id(held) -> int:
+    """The Redis client id of the held connection (asked on that connection)."""
+    held.busy = True
+    try:
+        await held._connection.send_command("CLIENT", "ID")
+        return int(await held._connection.read_response())
+    finally:
+        held.busy = False
+
+
+def test_single_appends_at_once_share_the_held_connection_and_the_pool(any_redis):
+    """Two sessions' single appends at the same moment: one goes on the held
+    connection, the other on a pooled one (nobody waits for the held one); both land,
+    each with its own reply, and closing the store closes the held connection."""
+
+    async def body(s: Store) -> None:
+        leases = [await new(s, f"both{i}") for i in range(6)]
+        for step in (1, 2, 3):
+            got = await asyncio.gather(
+                *(s.append_logs([(lease, InputBlock.of(step, [b"%d" % step]))], 1.0)
+                  for lease in leases)
+            )  # fmt: skip
+            assert got == [[None]] * len(leases)
+        for i in range(6):
+            assert await s.read_log(f"both{i}", 1, 3) == [b"1", b"2", b"3"]
+        stale = SessionLease("both0", "0.1", "w1")  # a refusal is a reply, not an error
+        refused = await s.append_logs([(stale, InputBlock.of(4, [b"x"]))], 1.0)
+        assert isinstance(refused[0], StaleEpochError | LeaseExpiredError)
+        assert await s.append_logs([(leases[0], InputBlock.of(4, [b"4"]))], 1.0) == [None]
+
+    try:
+        run(lambda: Store(StoreSettings(url=any_redis.url)), body)
+
+        async def connections() -> int:
+            async with redis.asyncio.Redis.from_url(any_redis.url) as admin:
+                return len(await admin.client_list())
+
+        assert asyncio.run(connections()) == 1  # only the one asking
+    finally:
+        with redis.Redis.from_url(any_redis.url) as admin:
+            admin.flushall()
+
+
 def test_a_connection_closed_under_a_command_is_an_unknown_outcome(store):
     """redis-py's cluster client can close a connection another task is writing on; the
     write fails inside redis-py with an AttributeError. The store reports what it knows:

@@ -485,6 +485,7 @@ class Store:
         await self._call("ping", self.redis.ping)
 
     async def aclose(self) -> None:
+        await self.batches.aclose()
         await self.redis.aclose()
 
     # ------------------------------------------------------------------ sessions
