@@ -143,6 +143,39 @@ def test_a_step_logged_ahead_whose_engine_call_fails_reloads_the_session(
         assert_bit_equal(o.output, expected[t - 1])
 
 
+def test_a_batch_whose_engine_call_is_cancelled_by_someone_else_fails_and_steps_go_on(
+    start_worker, served_models
+):
+    """A task a batch awaits is cancelled, not the stepper (an offloaded engine call's
+    future cancelled, say): the batch fails like any other (its step answered with the
+    error, the session reloaded since its input was logged ahead), and the model's stepper
+    keeps running. Ending it on that CancelledError left every later step of every
+    session of the model unanswered."""
+    model, x, worker, sid = _log_session(start_worker, served_models, 6, 1903, 3)
+    manager = worker.manager
+    lane = manager.lanes.engines["demo"]
+    step = lane.step
+
+    async def cancelled_once(states, values):
+        lane.step = step
+        raise asyncio.CancelledError  # as awaiting a task someone else cancelled
+
+    lane.step = cancelled_once
+    try:
+        failed = worker.call(_step(manager, sid, 4, x[3]))
+    finally:
+        lane.step = step
+    assert isinstance(failed.error, SessionGoneError), failed.error
+    assert "CancelledError" in str(failed.error)
+    outputs = [worker.call(_step(manager, sid, t, x[t - 1])) for t in (4, 5, 6)]  # bounded
+    assert [o.error for o in outputs] == [None, None, None]
+    expected = reference(model, x)
+    for t, o in zip((4, 5, 6), outputs, strict=True):
+        assert_bit_equal(o.output, expected[t - 1])
+    task = manager.steppers["demo"]._task
+    assert task is not None and not task.done()
+
+
 def _logged_upto(worker, sid: str, last: int) -> dict[int, bytes]:
     async def read() -> dict[int, bytes]:
         return dict(enumerate(await worker.manager.store.read_log(sid, 1, last), start=1))

@@ -279,6 +279,15 @@ class Stepper:
                     s.busy = True
                 try:
                     await self._batch(sessions)
+                except asyncio.CancelledError:
+                    # stop() cancelled the stepper: end. Otherwise a task the batch awaited
+                    # was cancelled by someone else (an offloaded engine call, a write):
+                    # that batch failed (its steps answered with the error), and the
+                    # stepper goes on, or every session of the model would wait forever.
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise
+                    log.exception("stepper batch failed: a task it awaited was cancelled")
                 except Exception:  # a bug must not kill the stepper: fail this batch's steps
                     log.exception("stepper batch failed")
                 finally:
