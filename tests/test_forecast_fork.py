@@ -81,6 +81,35 @@ def test_forecast_equals_the_engine_fed_its_own_outputs(worker, served_models, n
         assert fc.tokens is None
 
 
+def test_a_forecast_whose_engine_call_is_cancelled_by_someone_else_fails_alone(
+    worker, served_models, caplog
+):
+    """A task a forecast tick awaits is cancelled (not the forecaster): that tick fails
+    like any other (its forecast ends with a retryable error, which the client retries)
+    and the model's forecaster keeps running, so the retry is answered."""
+    model = served_models["demo"]
+    x = random_inputs(model, 10, seed=4)
+    sid = worker.client.create_session("demo").session_id
+    stream(worker, sid, as_inputs(model, x))
+    lane = worker.manager.lanes.engines["demo"]
+    step = lane.step
+
+    async def cancelled_once(states, values):
+        lane.step = step
+        raise asyncio.CancelledError  # as awaiting a task someone else cancelled
+
+    lane.step = cancelled_once
+    try:
+        fc = worker.client.forecast(sid, 5)  # the client's deadline bounds a hang
+    finally:
+        lane.step = step
+    assert "forecast tick failed" in caplog.text and "CancelledError" in caplog.text
+    assert fc.stopped is None
+    assert_bit_equal(fc.outputs, offline_forecast(model, x, 5))
+    task = worker.manager.forecasters["demo"]._task
+    assert task is not None and not task.done()
+
+
 @pytest.mark.parametrize("at", [7, 10, 16, 20])
 def test_forecast_from_an_earlier_step_is_reached_as_rollback_would(
     start_worker, served_models, at

@@ -202,7 +202,14 @@ class Forecaster:
                 try:
                     if batch:
                         await self._tick(batch)
-                except Exception as exc:  # a bug must not kill the forecaster
+                except (Exception, asyncio.CancelledError) as exc:
+                    # A bug, or a task the tick awaited cancelled by someone else, must not
+                    # end the forecaster (as in the stepper); stop() cancelling it must.
+                    task = asyncio.current_task()
+                    if isinstance(exc, asyncio.CancelledError) and (
+                        task is None or task.cancelling()
+                    ):
+                        raise
                     log.exception("forecast tick failed")
                     for job in batch:
                         job.finish(SessionGoneError(f"forecast failed: {exc!r}"))
