@@ -4,6 +4,8 @@ with the offline engine and with sessions stepped through the real stream."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,7 +18,10 @@ from ssmserve.client.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    SsmserveClientError,
 )
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.sync import Client
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.sessions.forecaster import (
     Forecaster,
@@ -108,6 +113,41 @@ def test_a_forecast_whose_engine_call_is_cancelled_by_someone_else_fails_alone(
     assert_bit_equal(fc.outputs, offline_forecast(model, x, 5))
     task = worker.manager.forecasters["demo"]._task
     assert task is not None and not task.done()
+
+
+def test_a_forecast_that_stops_sending_is_given_up_within_the_stall_bound(worker, served_models):
+    """The worker's forecaster hangs mid-forecast on a live connection (keepalive sees
+    nothing wrong). The client does not wait forever: no reply within the policy's
+    ``stall_timeout_s`` cancels the call, it is retried, and the client gives up after
+    ``give_up_after_s`` with a clear error. Once the forecaster moves again, forecasts
+    are answered."""
+    model = served_models["demo"]
+    x = random_inputs(model, 10, seed=5)
+    sid = worker.client.create_session("demo").session_id
+    stream(worker, sid, as_inputs(model, x))
+    lane = worker.manager.lanes.engines["demo"]
+    step = lane.step
+    release = threading.Event()
+
+    async def hung(states, values):
+        lane.step = step
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return await step(states, values)
+
+    lane.step = hung
+    policy = RetryPolicy(stall_timeout_s=0.3, give_up_after_s=1.0)
+    try:
+        with Client(worker.address, retry=policy) as client:
+            started = time.monotonic()
+            with pytest.raises(SsmserveClientError, match=r"no reply for 0\.3 s"):
+                client.forecast(sid, 5)
+            assert time.monotonic() - started < 20  # bound: a hang would be the bug
+    finally:
+        release.set()
+        lane.step = step
+    fc = worker.client.forecast(sid, 5)
+    assert_bit_equal(fc.outputs, offline_forecast(model, x, 5))
 
 
 @pytest.mark.parametrize("at", [7, 10, 16, 20])

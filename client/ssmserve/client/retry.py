@@ -24,7 +24,9 @@ class RetryPolicy:
     multiplier: float = 2.0
     give_up_after_s: float = 60.0  # without any progress (an answered step, a reply)
     max_redirects: int = 8  # hops in a row before backing off (a hand-off in progress)
-    stall_timeout_s: float = 30.0  # no answer for this long with steps pending: reconnect
+    # No answer for this long with steps pending on a stream, or no next reply of a
+    # forecast, history or export: reconnect (or retry the call).
+    stall_timeout_s: float = 30.0
     window: int = 256  # steps sent but not yet answered, per stream (kept for resending)
     # Deadline of every unary call (a rollback or fork may replay a snapshot interval).
     call_timeout_s: float = 30.0
