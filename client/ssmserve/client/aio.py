@@ -40,7 +40,7 @@ import numpy as np
 from ssmserve.client.errors import from_rpc_error
 from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.client.routing import WorkerRouter, WorkerStubs, replies_within, session_metadata
+from ssmserve.client.routing import WorkerRouter, WorkerStubs, session_metadata
 from ssmserve.client.step_values import (
     Forecast,
     SessionHistory,
@@ -272,14 +272,13 @@ class AsyncClient:
         request = pb.ForecastRequest(
             session_id=session_id, horizon=horizon, at_step=at_step, packed_outputs=True
         )
-        stall = self.retry.stall_timeout_s
 
         async def forecast(w: WorkerStubs) -> Forecast:
             from_step, stopped = 0, None
             outputs: list[np.ndarray] = []
             tokens: list[int] = []
             events: list[pb.GuardEvent] = []
-            async for reply in replies_within(w.sessions.Forecast(request), stall):
+            async for reply in self.router.replies(w.sessions.Forecast(request)):
                 from_step = reply.from_step
                 for item in reply.steps:
                     events.extend(item.guard_events)
@@ -312,10 +311,9 @@ class AsyncClient:
         """Steps ``from_step..to_step`` of a session as they were answered (0: from the
         oldest it can replay, to its current step), with its snapshots and events."""
         request = pb.GetHistoryRequest(session_id=session_id, from_step=from_step, to_step=to_step)
-        stall = self.retry.stall_timeout_s
 
         async def history(w: WorkerStubs) -> SessionHistory:
-            chunks = [c async for c in replies_within(w.sessions.GetHistory(request), stall)]
+            chunks = [c async for c in self.router.replies(w.sessions.GetHistory(request))]
             head = chunks[0]
             token = head.input_dim == 0
             inputs = np.frombuffer(b"".join(c.inputs for c in chunks), "<i8" if token else "<f4")
@@ -368,12 +366,11 @@ class AsyncClient:
     ) -> bytes:
         """The checkpoint's bytes; ``progress(received, total)`` after each chunk."""
         request = pb.ExportCheckpointRequest(session_id=session_id, snapshot_id=snapshot_id)
-        stall = self.retry.stall_timeout_s
 
         async def export(w: WorkerStubs) -> bytes:
             parts: list[bytes] = []
             received = 0
-            async for chunk in replies_within(w.sessions.ExportCheckpoint(request), stall):
+            async for chunk in self.router.replies(w.sessions.ExportCheckpoint(request)):
                 if chunk.index != len(parts):
                     raise ValueError(f"export: chunk {chunk.index} came out of order")
                 parts.append(chunk.data)

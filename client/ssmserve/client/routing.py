@@ -233,6 +233,11 @@ class WorkerRouter:
             self.served(session_id, address)
             return result
 
+    def replies(self, call: Any) -> AsyncIterator[Any]:
+        """A server-streaming call's replies, each within the policy's stall timeout
+        (:func:`replies_within`)."""
+        return replies_within(call, self.retry.stall_timeout_s)
+
     async def call_at(self, address: str, invoke: Callable[[WorkerStubs], Awaitable[T]]) -> T:
         """One request to one worker (``address``, or the first one): no redirect, no
         retry elsewhere; its error as a typed client error."""
