@@ -14,7 +14,7 @@ it directly. It serves one command at a time: a caller that finds it busy uses t
 (``busy``), so concurrent callers never queue behind it.
 
 Same failure rules as redis-py's own path (and ``Store._call`` above both): the command
-is sent once, never retried; any error while sending or reading, a cancellation included,
+is sent once, never retried; any error but an error reply, a cancellation included,
 closes the connection (a reply may still be on its way), and the next call connects
 again. Before each send, a connection with unread data or a closed socket is closed and
 opened again, as the pool's ``ensure_connection`` does.
@@ -60,9 +60,16 @@ class HeldConnection:
                 await connection.connect()
                 if await connection.can_read():
                     raise redis_errors.ConnectionError("a new connection has data nobody asked for")
-            # Both close the connection on any error but an error reply.
             await connection.send_packed_command(connection.pack_command(*args), False)
             return await connection.read_response()
+        except redis_errors.ResponseError:
+            raise  # an error reply: the connection is in step
+        except BaseException:
+            # Anything else, a cancellation included, also one inside connect() (its
+            # handshake's reply may still come): never read this connection again.
+            if self._connection is not None:
+                await self._connection.disconnect(nowait=True)
+            raise
         finally:
             self.busy = False
 
