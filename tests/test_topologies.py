@@ -428,3 +428,37 @@ def test_a_harness_picks_ports_that_are_not_each_others_bus_ports(tmp_path) -> N
         assert len({*ports, *(p + 10000 for p in ports)}) == 2 * len(ports)
         sentinel = SentinelHarness(tmp_path)
         assert len(set(sentinel._ports)) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.topology
+def test_the_held_connection_follows_the_master_sentinel_names(redis_sentinel: SentinelHarness):
+    """The store's held connection (a lone session's appends) is not the pool's, so the
+    pool does not close it when it learns that the master moved. It follows on its own:
+    once the pool knows another master, the next append reconnects through Sentinel."""
+    from ssmserve.server.state.input_log import InputBlock
+    from ssmserve.server.state.store import Store, StoreSettings
+    from tests.test_store import new
+
+    redis_sentinel.flushall()
+
+    async def body() -> None:
+        s = Store(StoreSettings(url=redis_sentinel.url))
+        try:
+            lease = await new(s, "follow")
+            assert await s.append_logs([(lease, InputBlock.of(1, [b"a"]))], 1.0) == [None]
+            held = s.batches._held
+            assert held is not None and held._connection is not None
+            first = held._connection._reader
+            pool = s.redis.connection_pool
+            master = pool.master_address
+            assert master == (held._connection.host, held._connection.port)
+            pool.master_address = ("127.0.0.1", 1)  # as after a failover the pool learned
+            assert await s.append_logs([(lease, InputBlock.of(2, [b"b"]))], 1.0) == [None]
+            assert held._connection._reader is not first  # a new connection, asked again
+            assert pool.master_address == master  # Sentinel named the real master again
+            assert await s.read_log("follow", 1, 2) == [b"a", b"b"]
+        finally:
+            await s.aclose()
+
+    asyncio.run(body())

@@ -47,6 +47,12 @@ class HeldConnection:
             connection = self._connection
             if connection is None:
                 connection = self._connection = self._pool.make_connection()
+            # Behind Sentinel, the pool closes its idle connections once a new one learns
+            # that the master moved; this one is not the pool's to close: follow it here.
+            master = getattr(self._pool, "master_address", None)
+            moved = master is not None and (connection.host, connection.port) != master
+            if moved and connection.is_connected:
+                await connection.disconnect()
             # As the pool's ensure_connection: connect() (behind Sentinel it asks for the
             # master; a no-op when connected), and a connection with data nobody asked
             # for, or that the server closed, is opened again.
