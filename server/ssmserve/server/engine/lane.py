@@ -61,7 +61,9 @@ class EngineLane:
         self, states: Sequence[SessionState], values: Sequence[np.ndarray]
     ) -> tuple[BatchState, np.ndarray]:
         batch = BatchState.stack(states)
-        inputs = np.stack(values)  # (b,) ids or (b, i)
+        # np.array, not np.stack: the same copy, 5-10x less Python (7.7 -> 1.5 us at b=1,
+        # 66 -> 22 us at b=64 here); every value has the same shape, checked at intake.
+        inputs = np.array(values)  # (b,) ids or (b, i)
         return self.model.step(batch, inputs)  # (b, o)
 
     def _call_many(

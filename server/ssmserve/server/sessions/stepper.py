@@ -369,7 +369,7 @@ class Stepper:
                 ]
             )
             started = time.perf_counter()
-            inputs = np.stack([run.values[lo : lo + n] for _, run, lo in group])  # (b, n, i)
+            inputs = np.array([run.values[lo : lo + n] for _, run, lo in group])  # (b, n, i)
             attributes = {"ssmserve.model": self.model.name, "ssmserve.batch_size": len(group)}
             with self.store.metrics.tracing.span("engine.batch", attributes):
                 new_batch, outputs = await self.engine.step_many(
