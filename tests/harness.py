@@ -9,8 +9,9 @@ inside (e.g. at the manager's resident sessions).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -77,3 +78,21 @@ class WorkerHarness:
 
     def with_manager(self, **changes: Any) -> ManagerSettings:
         return replace(self.settings.manager, **changes)
+
+
+@contextlib.contextmanager
+def next_engine_call(lane: Any, instead: Callable[..., Awaitable[Any]]) -> Iterator[None]:
+    """The next ``lane.step`` (an ``EngineLane``'s batch of steps) runs
+    ``instead(step, states, values)``, ``step`` being the real one; later calls compute as
+    usual. The real step is back on exit, whether or not the replacement ran."""
+    step = lane.step
+
+    async def once(states: Any, values: Any) -> Any:
+        lane.step = step
+        return await instead(step, states, values)
+
+    lane.step = once
+    try:
+        yield
+    finally:
+        lane.step = step

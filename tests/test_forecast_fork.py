@@ -34,6 +34,7 @@ from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.conftest import random_inputs
+from tests.harness import next_engine_call
 from tests.test_service import as_inputs, assert_bit_equal, reference, stream
 
 
@@ -96,18 +97,12 @@ def test_a_forecast_whose_engine_call_is_cancelled_by_someone_else_fails_alone(
     x = random_inputs(model, 10, seed=4)
     sid = worker.client.create_session("demo").session_id
     stream(worker, sid, as_inputs(model, x))
-    lane = worker.manager.lanes.engines["demo"]
-    step = lane.step
 
-    async def cancelled_once(states, values):
-        lane.step = step
+    async def cancelled(step, states, values):
         raise asyncio.CancelledError  # as awaiting a task someone else cancelled
 
-    lane.step = cancelled_once
-    try:
-        fc = worker.client.forecast(sid, 5)  # the client's deadline bounds a hang
-    finally:
-        lane.step = step
+    with next_engine_call(worker.manager.lanes.engines["demo"], cancelled):
+        fc = worker.client.forecast(sid, 5)  # the client's stall bound bounds a hang
     assert "forecast tick failed" in caplog.text and "CancelledError" in caplog.text
     assert fc.stopped is None
     assert_bit_equal(fc.outputs, offline_forecast(model, x, 5))
@@ -125,27 +120,25 @@ def test_a_forecast_that_stops_sending_is_given_up_within_the_stall_bound(worker
     x = random_inputs(model, 10, seed=5)
     sid = worker.client.create_session("demo").session_id
     stream(worker, sid, as_inputs(model, x))
-    lane = worker.manager.lanes.engines["demo"]
-    step = lane.step
     release = threading.Event()
 
-    async def hung(states, values):
-        lane.step = step
+    async def hung(step, states, values):
         while not release.is_set():
             await asyncio.sleep(0.01)
         return await step(states, values)
 
-    lane.step = hung
     policy = RetryPolicy(stall_timeout_s=0.3, give_up_after_s=1.0)
     try:
-        with Client(worker.address, retry=policy) as client:
+        with (
+            next_engine_call(worker.manager.lanes.engines["demo"], hung),
+            Client(worker.address, retry=policy) as client,
+        ):
             started = time.monotonic()
             with pytest.raises(SsmserveClientError, match=r"no reply for 0\.3 s"):
                 client.forecast(sid, 5)
             assert time.monotonic() - started < 20  # bound: a hang would be the bug
     finally:
         release.set()
-        lane.step = step
     fc = worker.client.forecast(sid, 5)
     assert_bit_equal(fc.outputs, offline_forecast(model, x, 5))
 

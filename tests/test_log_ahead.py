@@ -16,6 +16,7 @@ from ssmserve.server.sessions.session import SessionGoneError, StepOutcome
 from ssmserve.server.sessions.stepper import StepperSettings
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.conftest import random_inputs
+from tests.harness import next_engine_call
 from tests.test_service import assert_bit_equal, reference
 
 STEPS = 40
@@ -118,19 +119,13 @@ def test_a_step_logged_ahead_whose_engine_call_fails_reloads_the_session(
     manager = worker.manager
     session = manager.residents.get(sid)
     assert session.config.durability == Durability.LOG
-    lane = manager.lanes.engines["demo"]
-    step = lane.step
 
-    async def fails_once(states, values):
-        lane.step = step  # the next call computes again
+    async def fails(step, states, values):
         await asyncio.sleep(0.05)  # the append sent ahead reaches Redis meanwhile
         raise RuntimeError("injected engine failure")
 
-    lane.step = fails_once
-    try:
+    with next_engine_call(manager.lanes.engines["demo"], fails):
         failed = worker.call(_step(manager, sid, 4, x[3]))
-    finally:
-        lane.step = step
     assert isinstance(failed.error, SessionGoneError), failed.error
     assert "injected engine failure" in str(failed.error)
     assert manager.residents.by_id.get(sid) is not session  # left memory
@@ -153,18 +148,12 @@ def test_a_batch_whose_engine_call_is_cancelled_by_someone_else_fails_and_steps_
     session of the model unanswered."""
     model, x, worker, sid = _log_session(start_worker, served_models, 6, 1903, 3)
     manager = worker.manager
-    lane = manager.lanes.engines["demo"]
-    step = lane.step
 
-    async def cancelled_once(states, values):
-        lane.step = step
+    async def cancelled(step, states, values):
         raise asyncio.CancelledError  # as awaiting a task someone else cancelled
 
-    lane.step = cancelled_once
-    try:
+    with next_engine_call(manager.lanes.engines["demo"], cancelled):
         failed = worker.call(_step(manager, sid, 4, x[3]))
-    finally:
-        lane.step = step
     assert isinstance(failed.error, SessionGoneError), failed.error
     assert "CancelledError" in str(failed.error)
     outputs = [worker.call(_step(manager, sid, t, x[t - 1])) for t in (4, 5, 6)]  # bounded
