@@ -7,6 +7,7 @@ Messages say what was wrong and why, so they can be shown to users as they are.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 
 
@@ -107,3 +108,10 @@ class SessionMovedError(SsmserveError):
         super().__init__(message)
         self.owner = owner
         self.retry_after_ms = retry_after_ms
+
+
+def being_cancelled() -> bool:
+    """True when the running task itself was asked to stop (``Task.cancel``), as opposed
+    to a ``CancelledError`` raised by something it awaited that someone else cancelled."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -24,7 +24,7 @@ from ssmserve.server.api.budgets import Budgets, BudgetSettings
 from ssmserve.server.api.imports import CHUNK_BYTES, CheckpointUpload, RequestError
 from ssmserve.server.api.tenancy import TenantScope, tenant_of
 from ssmserve.server.cluster.migration import Migrator
-from ssmserve.server.errors import ErrorKind, SsmserveError, clip
+from ssmserve.server.errors import ErrorKind, SsmserveError, being_cancelled, clip
 from ssmserve.server.observability.recent_latency import RecentLatency
 from ssmserve.server.sessions.config import Durability, SessionConfig
 from ssmserve.server.sessions.events import SessionEvent
@@ -469,7 +469,7 @@ class _StreamReader:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
             except asyncio.CancelledError:
-                if _being_cancelled():  # this stream is ending
+                if being_cancelled():  # this stream is ending
                     raise
                 # Something this step waited on was cancelled under it, not this stream.
                 # Ending the stream with that CancelledError would never reach the client
@@ -541,12 +541,6 @@ def run_values(
         return None
     values = np.stack(rows)  # (T, i)
     return values if np.isfinite(values).all() else None
-
-
-def _being_cancelled() -> bool:
-    """True when the running task itself was asked to stop (``Task.cancel``)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 #: Room left in a message for what is not results (framing, the continued flag).

@@ -32,7 +32,7 @@ import numpy as np
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
-from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.errors import ErrorKind, SsmserveError, being_cancelled
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, GuardRule, check_output
 from ssmserve.server.sessions.memory import MemoryReservation
 from ssmserve.server.sessions.session import (
@@ -205,10 +205,7 @@ class Forecaster:
                 except (Exception, asyncio.CancelledError) as exc:
                     # A bug, or a task the tick awaited cancelled by someone else, must not
                     # end the forecaster (as in the stepper); stop() cancelling it must.
-                    task = asyncio.current_task()
-                    if isinstance(exc, asyncio.CancelledError) and (
-                        task is None or task.cancelling()
-                    ):
+                    if isinstance(exc, asyncio.CancelledError) and being_cancelled():
                         raise
                     log.exception("forecast tick failed")
                     for job in batch:

@@ -45,7 +45,7 @@ import numpy as np
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
-from ssmserve.server.errors import SsmserveError
+from ssmserve.server.errors import SsmserveError, being_cancelled
 from ssmserve.server.sessions.config import Durability
 from ssmserve.server.sessions.errors import ReloadingError
 from ssmserve.server.sessions.events import SessionEvent
@@ -284,8 +284,7 @@ class Stepper:
                     # was cancelled by someone else (an offloaded engine call, a write):
                     # that batch failed (its steps answered with the error), and the
                     # stepper goes on, or every session of the model would wait forever.
-                    task = asyncio.current_task()
-                    if task is None or task.cancelling():
+                    if being_cancelled():
                         raise
                     log.exception("stepper batch failed: a task it awaited was cancelled")
                 except Exception:  # a bug must not kill the stepper: fail this batch's steps
