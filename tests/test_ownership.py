@@ -4,8 +4,10 @@ redirects, fencing of a stale owner, migration (also under load), drain."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -14,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ssmserve.client.aio import step_input
 from ssmserve.client.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     NotFound,
     SessionMoved,
@@ -23,11 +26,15 @@ from ssmserve.client.errors import (
 )
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.sync import Client
+from ssmserve.server.cluster.migration import MigrationSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.cluster.peers import PeerSettings
 from ssmserve.server.cluster.rebalance import RebalanceSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config
 from ssmserve.server.worker import LIVENESS_SERVICE
 from ssmserve.v1 import ssmserve_pb2 as pb
+from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+from tests.cluster_helpers import wait_for
 from tests.conftest import random_inputs, write_model
 from tests.harness import WorkerHarness
 from tests.redis_topologies import sync_client
@@ -283,6 +290,69 @@ def test_drain_with_nowhere_to_go_parks_sessions_for_later(start_worker, served_
     got, _ = stream(b, sid, x[7:], first_step=8)
     assert_bit_equal(got, reference(model, x)[7:])
     assert b.client.get_session(sid).owner == b.address
+
+
+@contextlib.contextmanager
+def slow_moves(worker: WorkerHarness, seconds: float) -> Iterator[None]:
+    """Each session's move in a drain of ``worker`` starts ``seconds`` late (as a large
+    session's hand-off may take); moves are quick again on exit."""
+    migrator = worker.worker.migrator
+    move = migrator._move_or_park
+
+    async def slow(session_id: str, planned: dict[str, int]) -> tuple[str, str, str]:
+        await asyncio.sleep(seconds)
+        return await move(session_id, planned)
+
+    migrator._move_or_park = slow
+    try:
+        yield
+    finally:
+        migrator._move_or_park = move
+
+
+def test_a_slow_drain_sends_heartbeats(start_worker):
+    a = start_worker(migration=MigrationSettings(drain_heartbeat_s=0.05))
+    sid = a.client.create_session("demo").session_id
+    with slow_moves(a, 1.0), grpc.insecure_channel(a.address) as channel:
+        stub = pb_grpc.ClusterServiceStub(channel)
+        messages = list(stub.Drain(pb.DrainRequest(), timeout=30))
+    *beats, last = messages
+    # 1 s of a move at one every 0.05 s: at most 20, and the loop may run late under load
+    assert 3 <= len(beats) <= 20
+    assert all(m.heartbeat and not m.session_id and (m.done, m.total) == (0, 0) for m in beats)
+    assert not last.heartbeat and last.session_id == sid and (last.done, last.total) == (1, 1)
+    assert last.target == "" and not last.error  # nowhere to go: parked
+
+
+def test_the_client_bounds_each_wait_of_a_drain_by_its_stall_timeout(start_worker):
+    patient = RetryPolicy(stall_timeout_s=0.5)
+    a = start_worker(migration=MigrationSettings(drain_heartbeat_s=0.05))
+    sid = a.client.create_session("demo").session_id
+    with slow_moves(a, 1.5), Client(a.address, retry=patient) as client:
+        (progress,) = list(client.drain())  # heartbeats kept it going, and are not yielded
+    assert progress.session_id == sid and not progress.heartbeat
+    # A worker that sends nothing for longer than the bound (here: no heartbeats) is
+    # given up on, well before its move would have finished.
+    b = start_worker(migration=MigrationSettings(drain_heartbeat_s=60))
+    b.client.create_session("demo")
+    started = time.monotonic()
+    with slow_moves(b, 3), Client(b.address, retry=patient) as client:
+        with pytest.raises(DeadlineExceeded, match=r"no reply for 0\.5 s"):
+            list(client.drain())
+        assert time.monotonic() - started < 2.5
+    # Giving up ended the drain: the move under way finished (parked: nowhere to go).
+    wait_for(lambda: b.manager.resident_count == 0, [], 30, "the move under way")
+
+
+def test_a_relayed_drain_gives_up_on_a_worker_that_sends_nothing(start_worker):
+    a = start_worker(peers=PeerSettings(drain_stall_s=0.5))
+    b = start_worker(migration=MigrationSettings(drain_heartbeat_s=60))  # sends no heartbeat
+    b.client.create_session("demo")
+    started = time.monotonic()
+    with slow_moves(b, 3), pytest.raises(Unavailable, match="no drain progress or heartbeat"):
+        list(a.client.drain(b.address))
+    assert time.monotonic() - started < 2.5  # the relay's bound, not the move's 3 s
+    wait_for(lambda: b.manager.resident_count == 0, [], 30, "the move under way")
 
 
 def test_client_gives_up_on_a_cluster_it_cannot_reach():

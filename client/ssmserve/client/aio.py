@@ -454,11 +454,19 @@ class AsyncClient:
         return reply
 
     async def drain(self, worker: str = "") -> AsyncIterator[pb.DrainProgress]:
-        """Move every session off ``worker`` (default: the first address); yields progress."""
+        """Move every session off ``worker`` (default: the first address); yields one
+        progress entry per session.
+
+        The worker sends a heartbeat every few seconds while no session finishes moving
+        (not yielded here), and each message must come within the policy's
+        ``stall_timeout_s``: a worker that stopped sending raises ``DeadlineExceeded``.
+        Not retried: giving up cancels the call, which ends the drain where it stands
+        (sessions moved stay moved; drain again to move the rest)."""
         call = self.router.worker(self.address).cluster.Drain(pb.DrainRequest(worker=worker))
         with _typed_errors():
-            async for progress in call:
-                yield progress
+            async for progress in self.router.replies(call):
+                if not progress.heartbeat:
+                    yield progress
 
     async def undrain(self, worker: str = "") -> pb.WorkerInfo:
         """Undo a drain of ``worker`` (default: the first address): it serves again."""

@@ -626,18 +626,20 @@ class DrainRequest(_message.Message):
     def __init__(self, worker: _Optional[str] = ...) -> None: ...
 
 class DrainProgress(_message.Message):
-    __slots__ = ("session_id", "target", "done", "total", "error")
+    __slots__ = ("session_id", "target", "done", "total", "error", "heartbeat")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     target: str
     done: int
     total: int
     error: str
-    def __init__(self, session_id: _Optional[str] = ..., target: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    heartbeat: bool
+    def __init__(self, session_id: _Optional[str] = ..., target: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., error: _Optional[str] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class UndrainRequest(_message.Message):
     __slots__ = ("worker",)

@@ -11,6 +11,7 @@ from typing import Protocol
 import grpc
 
 from ssmserve.server.api import status
+from ssmserve.server.api.heartbeats import with_heartbeats
 from ssmserve.server.api.service import RequestError, model_to_pb
 from ssmserve.server.cluster.migration import Migrator, UnknownWorkerError
 from ssmserve.server.cluster.ownership import Ownership
@@ -90,17 +91,25 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
     ) -> AsyncIterator[pb.DrainProgress]:
         async with status.edge(context):
             if await self._elsewhere(request.worker):
-                async for progress in self.migrator.peers.drain(request.worker):
-                    yield progress
-                return
-            async for p in self.migrator.drain():
-                yield pb.DrainProgress(
-                    session_id=p.session_id,
-                    target=p.target,
-                    done=p.done,
-                    total=p.total,
-                    error=p.error,
-                )
+                progress = self.migrator.peers.drain(request.worker)
+            else:
+                progress = self._own_drain()
+            last = pb.DrainProgress()
+
+            def heartbeat() -> pb.DrainProgress:
+                return pb.DrainProgress(done=last.done, total=last.total, heartbeat=True)
+
+            every = self.migrator.settings.drain_heartbeat_s
+            async for p in with_heartbeats(progress, every, heartbeat):
+                if not p.heartbeat:
+                    last = p
+                yield p
+
+    async def _own_drain(self) -> AsyncIterator[pb.DrainProgress]:
+        async for p in self.migrator.drain():
+            yield pb.DrainProgress(
+                session_id=p.session_id, target=p.target, done=p.done, total=p.total, error=p.error
+            )
 
     async def Undrain(
         self, request: pb.UndrainRequest, context: grpc.aio.ServicerContext

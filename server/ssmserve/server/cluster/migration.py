@@ -70,6 +70,9 @@ class HandOffs(Protocol):
 class MigrationSettings:
     drain_parallel: int = 8  # sessions handed off at once during a drain
     drain_rounds: int = 3  # passes over resident sessions (loads racing a drain)
+    # A Drain stream's heartbeat while no session finished moving (one large session may
+    # take long): clients bound each wait for the next message by a multiple of this.
+    drain_heartbeat_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,11 @@ class Migrator:
     # ------------------------------------------------------------------ drain
 
     async def drain(self) -> AsyncIterator[DrainProgress]:
-        """Move every resident session away; yields one progress entry per session."""
+        """Move every resident session away; yields one progress entry per session.
+
+        Closed early (the caller went away), it starts no more moves and returns once
+        the moves under way have finished: a hand-off cut short could leave its outcome
+        unknown, and each is bounded by its own deadlines."""
         await self._on_drain()
         await self.ownership.set_draining()
         done = 0
@@ -222,12 +229,21 @@ class Migrator:
                 break
             planned: dict[str, int] = {}  # target address -> sessions sent there by us
             gate = asyncio.Semaphore(self.settings.drain_parallel)
+            given_up = asyncio.Event()
             total = done + len(ids)
-            moves = [self._drain_one(i, planned, gate) for i in ids]
-            for next_done in asyncio.as_completed(moves):
-                session_id, target, error = await next_done
-                done += 1
-                yield DrainProgress(session_id, target, done, total, error)
+            moves = [
+                asyncio.ensure_future(self._drain_one(i, planned, gate, given_up)) for i in ids
+            ]
+            try:
+                for next_done in asyncio.as_completed(moves):
+                    moved = await next_done
+                    assert moved is not None  # only after given_up, which ends this loop
+                    session_id, target, error = moved
+                    done += 1
+                    yield DrainProgress(session_id, target, done, total, error)
+            finally:
+                given_up.set()
+                await asyncio.gather(*moves, return_exceptions=True)
         log.info("drained: %d sessions moved or parked", done)
 
     async def undrain(self) -> None:
@@ -239,9 +255,15 @@ class Migrator:
         log.info("undrained: serving again")
 
     async def _drain_one(
-        self, session_id: str, planned: dict[str, int], gate: asyncio.Semaphore
-    ) -> tuple[str, str, str]:
+        self,
+        session_id: str,
+        planned: dict[str, int],
+        gate: asyncio.Semaphore,
+        given_up: asyncio.Event,
+    ) -> tuple[str, str, str] | None:
         async with gate:
+            if given_up.is_set():  # the drain was closed early: no new move
+                return None
             return await self._move_or_park(session_id, planned)
 
     async def _move_or_park(self, session_id: str, planned: dict[str, int]) -> tuple[str, str, str]:

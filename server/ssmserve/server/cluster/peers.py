@@ -34,6 +34,9 @@ class PeerSettings:
     adopt_timeout_s: float = 30.0
     # A relayed Drain streams until the other worker has moved all of its sessions.
     drain_timeout_s: float = 600.0
+    # ...and sends a message (progress or a heartbeat, every few seconds) at least this
+    # often, or the relay gives up on it.
+    drain_stall_s: float = 30.0
     keepalive_time_s: float = 2.0
     keepalive_timeout_s: float = 2.0
 
@@ -103,8 +106,17 @@ class Peers:
             timeout=self.settings.drain_timeout_s,
             metadata=self.metadata + self.trace_context(),
         )
+        stall = self.settings.drain_stall_s
         try:
-            async for progress in call:
+            while True:
+                try:
+                    progress = await asyncio.wait_for(call.read(), stall)
+                except TimeoutError:
+                    raise PeerError(
+                        f"worker {address}: no drain progress or heartbeat for {stall:g} s"
+                    ) from None
+                if progress is grpc.aio.EOF:
+                    return
                 yield progress
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
