@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ from tests.cluster_helpers import (
 from tests.conftest import random_inputs
 from tests.redis_topologies import sync_client
 from tests.tcp_proxy import TcpProxy
-from tests.test_service import assert_bit_equal, reference
+from tests.test_service import assert_bit_equal, reference, stream, stub
 
 TTL_S = 1.0
 KEEPALIVE_S = 0.5  # time and timeout, server and client
@@ -479,3 +480,33 @@ def test_a_session_dropped_as_it_loads_answers_its_step_with_an_error(worker, se
 
 async def _answer(manager, sid, step, value):
     return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)
+
+
+def test_a_rollback_cancelled_after_its_cut_landed_reloads_the_session(worker, served_models):
+    """The client gives up on a rollback after its history cut reached Redis but before
+    the reply: the worker cannot tell whether the cut landed, so it reloads the session
+    from Redis rather than keep in memory the steps Redis no longer has."""
+    model = served_models["demo"]
+    x = random_inputs(model, 30, seed=21)
+    sid = worker.client.create_session("demo", snapshot_every=5).session_id
+    stream(worker, sid, x[:12])
+    store = worker.manager.store
+    cut = store.cut_history
+
+    async def cut_then_hang(*args: object, **kwargs: object) -> None:
+        await cut(*args, **kwargs)  # lands in Redis...
+        await asyncio.sleep(60)  # ...and its reply is late
+
+    store.cut_history = cut_then_hang
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub(worker).Rollback(pb.RollbackRequest(session_id=sid, step=7), timeout=0.5)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The worker's handler is cancelled at the same deadline (it may learn it a moment
+        # after the client): then memory must agree with Redis, at step 7.
+        wait_for(lambda: worker.client.get_session(sid).step == 7, [], 30, "the reload")
+    finally:
+        store.cut_history = cut
+    got, outs = stream(worker, sid, x[7:17], first_step=8)
+    assert [o.step for o in outs] == list(range(8, 18)) and not any(o.replayed for o in outs)
+    assert_bit_equal(got, reference(model, x)[7:17])

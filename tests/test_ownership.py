@@ -355,6 +355,44 @@ def test_a_relayed_drain_gives_up_on_a_worker_that_sends_nothing(start_worker):
     wait_for(lambda: b.manager.resident_count == 0, [], 30, "the move under way")
 
 
+def test_a_migration_given_up_after_the_target_took_the_session_leaves_it_there(
+    start_worker, served_models
+):
+    """The client's deadline on a Migrate passes after the target took the session but
+    before the source heard back. The source cannot tell, so it keeps nothing in memory:
+    with snapshot durability no Redis write per step would stop a stale copy answering,
+    and A's lease renewal (off here: its lease is good for 27 s by its clock) would find
+    out only later."""
+    model = served_models["demo"]
+    x = random_inputs(model, 12, seed=9)
+    unrenewed = OwnershipSettings(lease_ttl_s=30, worker_ttl_s=30, renew_every_s=3600)
+    a = start_worker(ownership=unrenewed)
+    b = start_worker()
+    sid = a.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
+    stream(a, sid, x[:5])
+    migrator = b.worker.migrator
+    adopt = migrator.adopt
+
+    async def adopt_then_hang(session_id: str) -> tuple[int, int]:
+        taken = await adopt(session_id)  # B holds the session now...
+        await asyncio.sleep(60)  # ...and its answer does not reach A in time
+        return taken
+
+    migrator.adopt = adopt_then_hang
+    try:
+        request = pb.MigrateRequest(session_id=sid, target=b.address)
+        with grpc.insecure_channel(a.address) as channel, pytest.raises(grpc.RpcError) as raised:
+            pb_grpc.ClusterServiceStub(channel).Migrate(request, timeout=1.0)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: sid not in a.manager.resident_ids(), [], 10, "A letting go")
+    finally:
+        migrator.adopt = adopt
+    assert sid in b.manager.resident_ids()
+    rest, outs = stream(a, sid, x[5:], first_step=6)  # sent on to B
+    assert [o.step for o in outs] == list(range(6, 13))
+    assert_bit_equal(rest, reference(model, x)[5:])
+
+
 def test_client_gives_up_on_a_cluster_it_cannot_reach():
     with Client("127.0.0.1:1", retry=RetryPolicy(give_up_after_s=0.2), discover=False) as c:
         t0 = time.monotonic()

@@ -46,6 +46,7 @@ from ssmserve.server.state.store_errors import (
     SessionMissingError,
     StaleEpochError,
     StoreDataError,
+    StoreOutcomeUnknownError,
 )
 
 log = logging.getLogger(__name__)
@@ -311,6 +312,13 @@ class SessionLoader:
             )
             try:
                 await adopt(session_id)
+            except asyncio.CancelledError:
+                # Given up under way (the Migrate's deadline, a drain closed): whether the
+                # target took the session is unknown, so it is not kept here.
+                self.residents.lost(
+                    s, lease, StoreOutcomeUnknownError("a hand-off was cancelled under way")
+                )
+                raise
             except Exception as exc:
                 try:
                     await self.store.cancel_handoff(

@@ -203,12 +203,19 @@ class ResidentSessions:
 
     async def write(self, s: Session, write: Callable[[SessionLease], Awaitable[T]]) -> T:
         """Run a store write of ``s`` with its lease; on an error that means the session
-        is not ours any more, or that its outcome is unknown, drop ``s`` and re-raise."""
+        is not ours any more, or that its outcome is unknown, drop ``s`` and re-raise.
+
+        A write cancelled under way (the request that made it went away: a client's
+        deadline on a rollback, a migration) has an unknown outcome too: it may have
+        landed in Redis while memory was not changed to match."""
         lease = s.lease
         try:
             return await write(lease)
         except SsmserveError as exc:
             self.lost(s, lease, exc)
+            raise
+        except asyncio.CancelledError:
+            self.lost(s, lease, StoreOutcomeUnknownError("a write was cancelled under way"))
             raise
 
 
