@@ -510,3 +510,35 @@ def test_a_rollback_cancelled_after_its_cut_landed_reloads_the_session(worker, s
     got, outs = stream(worker, sid, x[7:17], first_step=8)
     assert [o.step for o in outs] == list(range(8, 18)) and not any(o.replayed for o in outs)
     assert_bit_equal(got, reference(model, x)[7:17])
+
+
+def test_a_snapshot_cancelled_after_its_log_flush_landed_reloads_the_session(worker, served_models):
+    """Snapshot durability keeps inputs in memory until a snapshot flushes them. A client
+    gives up on a Snapshot after the flush reached Redis and before its reply: the worker
+    cannot tell whether it landed, so it reloads the session at once rather than send
+    those inputs again with the next snapshot (Redis would refuse the repeat as a gap and
+    the session would reload then, failing a later request)."""
+    model = served_models["demo"]
+    x = random_inputs(model, 20, seed=22)
+    sid = worker.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
+    stream(worker, sid, x[:6])
+    store = worker.manager.store
+    append = store.append_logs
+
+    async def append_then_hang(*args: object, **kwargs: object) -> object:
+        result = await append(*args, **kwargs)  # lands in Redis...
+        await asyncio.sleep(60)  # ...and its reply is late
+        return result
+
+    store.append_logs = append_then_hang
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub(worker).Snapshot(pb.SnapshotRequest(session_id=sid), timeout=0.5)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: sid not in worker.manager.resident_ids(), [], 30, "the reload")
+    finally:
+        store.append_logs = append
+    assert worker.client.snapshot(sid).step == 6
+    got, outs = stream(worker, sid, x[6:16], first_step=7)
+    assert [o.step for o in outs] == list(range(7, 17))
+    assert_bit_equal(got, reference(model, x)[6:16])

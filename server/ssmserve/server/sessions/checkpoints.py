@@ -27,6 +27,7 @@ from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
 from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store
+from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
 
 # Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
 # keeps the event loop answering meanwhile; smaller ones cost less than the hop.
@@ -145,6 +146,11 @@ class Checkpoints:
                 (error,) = await self.store.append_logs([(lease, block)], time.time())
             except SsmserveError as exc:
                 error = exc
+            except asyncio.CancelledError:  # it may have landed: memory would not know
+                self.residents.lost(
+                    s, lease, StoreOutcomeUnknownError("a log flush was cancelled under way")
+                )
+                raise
             if error is not None:
                 self.residents.lost(s, lease, error)
                 raise error
