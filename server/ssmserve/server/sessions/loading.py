@@ -313,8 +313,9 @@ class SessionLoader:
             try:
                 await adopt(session_id)
             except asyncio.CancelledError:
-                # Given up under way (the Migrate's deadline, a drain closed): whether the
-                # target took the session is unknown, so it is not kept here.
+                # Given up under way (a Migrate whose client went away, a rebalance round
+                # stopped): whether the target took the session is unknown, so it is not
+                # kept here.
                 self.residents.lost(
                     s, lease, StoreOutcomeUnknownError("a hand-off was cancelled under way")
                 )
