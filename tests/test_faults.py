@@ -29,6 +29,7 @@ from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.sync import Client
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.state.store_errors import StoreUnavailableError
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.cluster_helpers import (
     check_exact,
@@ -482,63 +483,71 @@ async def _answer(manager, sid, step, value):
     return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)
 
 
-def test_a_rollback_cancelled_after_its_cut_landed_reloads_the_session(worker, served_models):
-    """The client gives up on a rollback after its history cut reached Redis but before
-    the reply: the worker cannot tell whether the cut landed, so it reloads the session
-    from Redis rather than keep in memory the steps Redis no longer has."""
+@pytest.mark.parametrize("lands", [True, False], ids=["cut-lands", "cut-fails"])
+def test_a_rollback_given_up_mid_write_leaves_memory_as_redis_has_it(worker, served_models, lands):
+    """The client gives up on a rollback while its history cut is under way. The worker
+    lets the cut finish and follows how it ended: landed (its reply late), the session is
+    reloaded from Redis at the rolled-back step; failed, the session is as it was."""
     model = served_models["demo"]
     x = random_inputs(model, 30, seed=21)
     sid = worker.client.create_session("demo", snapshot_every=5).session_id
     stream(worker, sid, x[:12])
+    resident = worker.manager.residents.by_id[sid]
     store = worker.manager.store
     cut = store.cut_history
 
-    async def cut_then_hang(*args: object, **kwargs: object) -> None:
-        await cut(*args, **kwargs)  # lands in Redis...
-        await asyncio.sleep(60)  # ...and its reply is late
+    async def slow_cut(*args: object, **kwargs: object) -> None:
+        if lands:
+            await cut(*args, **kwargs)
+        await asyncio.sleep(3)  # the reply comes after the client's deadline
+        if not lands:
+            raise StoreUnavailableError("Redis refused the cut")
 
-    store.cut_history = cut_then_hang
+    store.cut_history = slow_cut
     try:
         with pytest.raises(grpc.RpcError) as raised:
-            stub(worker).Rollback(pb.RollbackRequest(session_id=sid, step=7), timeout=0.5)
+            stub(worker).Rollback(pb.RollbackRequest(session_id=sid, step=7), timeout=1.0)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # The worker's handler is cancelled at the same deadline (it may learn it a moment
-        # after the client): then memory must agree with Redis, at step 7.
-        wait_for(lambda: worker.client.get_session(sid).step == 7, [], 30, "the reload")
+        want = 7 if lands else 12
+        # the worker learns the outcome when the cut ends, ~2 s after the deadline
+        wait_for(lambda: not resident.busy and worker.client.get_session(sid).step == want,
+                 [], 30, "the cut's outcome")  # fmt: skip
     finally:
         store.cut_history = cut
-    got, outs = stream(worker, sid, x[7:17], first_step=8)
-    assert [o.step for o in outs] == list(range(8, 18)) and not any(o.replayed for o in outs)
-    assert_bit_equal(got, reference(model, x)[7:17])
+    assert (sid not in worker.manager.resident_ids()) == lands  # reloaded only if it landed
+    got, outs = stream(worker, sid, x[want : want + 10], first_step=want + 1)
+    assert [o.step for o in outs] == list(range(want + 1, want + 11))
+    assert_bit_equal(got, reference(model, x)[want : want + 10])
 
 
-def test_a_snapshot_cancelled_after_its_log_flush_landed_reloads_the_session(worker, served_models):
+def test_a_snapshot_given_up_mid_flush_keeps_memory_as_redis_has_it(worker, served_models):
     """Snapshot durability keeps inputs in memory until a snapshot flushes them. A client
-    gives up on a Snapshot after the flush reached Redis and before its reply: the worker
-    cannot tell whether it landed, so it reloads the session at once rather than send
-    those inputs again with the next snapshot (Redis would refuse the repeat as a gap and
-    the session would reload then, failing a later request)."""
+    gives up on a Snapshot while the flush is under way: the worker lets the append finish
+    and marks the inputs flushed, so the next snapshot neither sends them again (Redis
+    would refuse the repeat as a gap, and the session reload) nor loses them."""
     model = served_models["demo"]
     x = random_inputs(model, 20, seed=22)
     sid = worker.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
     stream(worker, sid, x[:6])
+    resident = worker.manager.residents.by_id[sid]
     store = worker.manager.store
     append = store.append_logs
 
-    async def append_then_hang(*args: object, **kwargs: object) -> object:
+    async def append_then_reply_late(*args: object, **kwargs: object) -> object:
         result = await append(*args, **kwargs)  # lands in Redis...
-        await asyncio.sleep(60)  # ...and its reply is late
+        await asyncio.sleep(3)  # ...and its reply comes after the client's deadline
         return result
 
-    store.append_logs = append_then_hang
+    store.append_logs = append_then_reply_late
     try:
         with pytest.raises(grpc.RpcError) as raised:
-            stub(worker).Snapshot(pb.SnapshotRequest(session_id=sid), timeout=0.5)
+            stub(worker).Snapshot(pb.SnapshotRequest(session_id=sid), timeout=1.0)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: sid not in worker.manager.resident_ids(), [], 30, "the reload")
+        wait_for(lambda: not resident.busy, [], 30, "the flush's outcome")
     finally:
         store.append_logs = append
     assert worker.client.snapshot(sid).step == 6
+    assert worker.manager.residents.by_id.get(sid) is resident  # never reloaded
     got, outs = stream(worker, sid, x[6:16], first_step=7)
     assert [o.step for o in outs] == list(range(7, 17))
     assert_bit_equal(got, reference(model, x)[6:16])

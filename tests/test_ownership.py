@@ -313,12 +313,15 @@ def slow_moves(worker: WorkerHarness, seconds: float) -> Iterator[None]:
 def test_a_slow_drain_sends_heartbeats(start_worker):
     a = start_worker(migration=MigrationSettings(drain_heartbeat_s=0.05))
     sid = a.client.create_session("demo").session_id
+    started = time.monotonic()
     with slow_moves(a, 1.0), grpc.insecure_channel(a.address) as channel:
         stub = pb_grpc.ClusterServiceStub(channel)
         messages = list(stub.Drain(pb.DrainRequest(), timeout=30))
+    elapsed = time.monotonic() - started
     *beats, last = messages
-    # 1 s of a move at one every 0.05 s: at most 20, and the loop may run late under load
-    assert 3 <= len(beats) <= 20
+    # one every 0.05 s at most, over the 1 s move and the drain's own Redis calls; the loop
+    # may run late under load, so fewer
+    assert 3 <= len(beats) <= elapsed / 0.05 + 1
     assert all(m.heartbeat and not m.session_id and (m.done, m.total) == (0, 0) for m in beats)
     assert not last.heartbeat and last.session_id == sid and (last.done, last.total) == (1, 1)
     assert last.target == "" and not last.error  # nowhere to go: parked
@@ -382,12 +385,12 @@ def test_a_migration_given_up_after_the_target_took_the_session_leaves_it_there(
     try:
         request = pb.MigrateRequest(session_id=sid, target=b.address)
         with grpc.insecure_channel(a.address) as channel, pytest.raises(grpc.RpcError) as raised:
-            pb_grpc.ClusterServiceStub(channel).Migrate(request, timeout=1.0)
+            pb_grpc.ClusterServiceStub(channel).Migrate(request, timeout=3.0)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_for(lambda: sid not in a.manager.resident_ids(), [], 10, "A letting go")
     finally:
         migrator.adopt = adopt
-    assert sid in b.manager.resident_ids()
+    wait_for(lambda: sid in b.manager.resident_ids(), [], 10, "B holding it")
     rest, outs = stream(a, sid, x[5:], first_step=6)  # sent on to B
     assert [o.step for o in outs] == list(range(6, 13))
     assert_bit_equal(rest, reference(model, x)[5:])

@@ -243,7 +243,11 @@ class Migrator:
                     yield DrainProgress(session_id, target, done, total, error)
             finally:
                 given_up.set()
-                await asyncio.gather(*moves, return_exceptions=True)
+                # wait, not gather: cancelled again meanwhile, gather would cut them short
+                await asyncio.wait(moves)
+                for move in moves:  # their errors were this drain's to report, if any
+                    if not move.cancelled():
+                        move.exception()
         log.info("drained: %d sessions moved or parked", done)
 
     async def undrain(self) -> None:

@@ -21,13 +21,12 @@ import numpy as np
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
-from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.residency import ResidentSessions, write_outcome
 from ssmserve.server.sessions.session import Session, SnapshotEvent
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
 from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store
-from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
 
 # Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
 # keeps the event loop answering meanwhile; smaller ones cost less than the hop.
@@ -142,14 +141,22 @@ class Checkpoints:
             if block is None:
                 return
             lease = s.lease
+            task = asyncio.ensure_future(self.store.append_logs([(lease, block)], time.time()))
             try:
-                (error,) = await self.store.append_logs([(lease, block)], time.time())
+                (error,) = await asyncio.shield(task)
             except SsmserveError as exc:
                 error = exc
-            except asyncio.CancelledError:  # it may have landed: memory would not know
-                self.residents.lost(
-                    s, lease, StoreOutcomeUnknownError("a log flush was cancelled under way")
-                )
+            except asyncio.CancelledError:
+                # The request went away (a Snapshot, Close or Migrate): the append runs to
+                # its end, and memory follows how it ended, so no input is sent twice or
+                # lost (for snapshot and none durability memory holds the only copy).
+                ended = await write_outcome(task)
+                if ended is None:
+                    (ended,) = task.result()
+                if ended is None:
+                    s.recent.unflushed.drop(block.count)
+                else:
+                    self.residents.lost(s, lease, ended)
                 raise
             if error is not None:
                 self.residents.lost(s, lease, error)

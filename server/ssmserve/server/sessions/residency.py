@@ -205,18 +205,39 @@ class ResidentSessions:
         """Run a store write of ``s`` with its lease; on an error that means the session
         is not ours any more, or that its outcome is unknown, drop ``s`` and re-raise.
 
-        A write cancelled under way (the request that made it went away: a client's
-        deadline on a rollback, a migration) has an unknown outcome too: it may have
-        landed in Redis while memory was not changed to match."""
+        The write runs to its end even if the request that made it goes away (a client's
+        deadline on a rollback or a migration): then how it ended is learnt, not guessed
+        (:func:`write_outcome`). A write that landed while its caller will not change
+        memory to match drops ``s``; one that did not land changes nothing."""
         lease = s.lease
+        task = asyncio.ensure_future(write(lease))
         try:
-            return await write(lease)
+            return await asyncio.shield(task)
         except SsmserveError as exc:
             self.lost(s, lease, exc)
             raise
         except asyncio.CancelledError:
-            self.lost(s, lease, StoreOutcomeUnknownError("a write was cancelled under way"))
+            error = await write_outcome(task)
+            self.lost(s, lease, error or StoreOutcomeUnknownError("a write landed unanswered"))
             raise
+
+
+async def write_outcome(task: asyncio.Future[object]) -> SsmserveError | None:
+    """How a store write shielded from its cancelled caller ended: None if it landed, its
+    error if not. Waits for it (every store call has a deadline of its own); cancelled
+    again meanwhile, the outcome is unknown."""
+    try:
+        await asyncio.wait({task})
+    except asyncio.CancelledError:
+        return StoreOutcomeUnknownError("a write was cancelled twice under way")
+    if task.cancelled():
+        return StoreOutcomeUnknownError("a write was cancelled under way")
+    error = task.exception()
+    if error is None:
+        return None
+    if isinstance(error, SsmserveError):
+        return error
+    return StoreOutcomeUnknownError(f"a write failed under way: {type(error).__name__}")
 
 
 def _group(session_id: str) -> str:
