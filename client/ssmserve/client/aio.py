@@ -66,7 +66,12 @@ def _typed_errors() -> Iterator[None]:
 
 
 class AsyncClient:
-    """A client of one ssmserve cluster; ``address`` is one worker or several."""
+    """A client of one ssmserve cluster; ``address`` is one worker or several.
+
+    Why this class is long: it is the API's one facade, a short method per RPC (sessions,
+    snapshots, checkpoints, models, cluster operations); the work lives in ``routing``,
+    ``resumable_stream`` and ``retry``, and splitting the facade would split what users
+    import."""
 
     def __init__(
         self,
@@ -455,13 +460,9 @@ class AsyncClient:
 
     async def drain(self, worker: str = "") -> AsyncIterator[pb.DrainProgress]:
         """Move every session off ``worker`` (default: the first address); yields one
-        progress entry per session.
-
-        The worker sends a heartbeat every few seconds while no session finishes moving
-        (not yielded here), and each message must come within the policy's
-        ``stall_timeout_s``: a worker that stopped sending raises ``DeadlineExceeded``.
-        Not retried: giving up cancels the call, which ends the drain where it stands
-        (sessions moved stay moved; drain again to move the rest)."""
+        progress entry per session. Each message (heartbeats, not yielded, come while a
+        move is slow) within ``stall_timeout_s`` or ``DeadlineExceeded``, not retried:
+        that ends the drain (moves under way finish; drain again for the rest)."""
         call = self.router.worker(self.address).cluster.Drain(pb.DrainRequest(worker=worker))
         with _typed_errors():
             async for progress in self.router.replies(call):
