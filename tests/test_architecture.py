@@ -22,6 +22,7 @@ CLIENT_HELPERS = {
     "ssmserve.client.atomic_file",
     "ssmserve.client.tls",
     "ssmserve.client.step_values",  # the wire's Vector decoded one way on both sides
+    "ssmserve.client.stall_bound",  # a streaming call's replies each within a bound
     "ssmserve.v1",
 }  # the server builds on these
 MAX_CLASS_LINES = 400

@@ -20,6 +20,7 @@ import grpc
 
 from ssmserve.client.errors import SessionMoved, SsmserveClientError, from_rpc_error
 from ssmserve.client.retry import Backoff, RetryPolicy
+from ssmserve.client.stall_bound import replies_within
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -270,31 +271,6 @@ class WorkerRouter:
             # (once the owner's lease runs out; its redirect says when).
             return candidate
         return self.other(address)
-
-
-async def replies_within(call: Any, stall_s: float) -> AsyncIterator[Any]:
-    """The replies of a server-streaming call (a forecast, a history, an export), each
-    within ``stall_s`` of the one before.
-
-    Why: such a call has no deadline of its own (a long forecast or a large export may
-    rightly take minutes), and keepalive notices only a dead connection, not a worker
-    that stopped sending on a live one (a stuck forecaster). A stall cancels the call and
-    raises DEADLINE_EXCEEDED, which ``Router.call`` retries like any transient error
-    until the policy gives up."""
-    while True:
-        try:
-            reply = await asyncio.wait_for(call.read(), stall_s)
-        except TimeoutError:
-            call.cancel()
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                f"no reply for {stall_s:g} s (RetryPolicy.stall_timeout_s)",
-            ) from None
-        if reply is grpc.aio.EOF:
-            return
-        yield reply
 
 
 class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]

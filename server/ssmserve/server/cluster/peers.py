@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ssmserve.client.stall_bound import replies_within
 from ssmserve.client.tls import TlsConfig, TlsConfigError
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -108,17 +109,9 @@ class Peers:
         )
         stall = self.settings.drain_stall_s
         try:
-            while True:
-                try:
-                    progress = await asyncio.wait_for(call.read(), stall)
-                except TimeoutError:
-                    raise PeerError(
-                        f"worker {address}: no drain progress or heartbeat for {stall:g} s"
-                    ) from None
-                if progress is grpc.aio.EOF:
-                    return
+            async for progress in replies_within(call, stall, "PeerSettings.drain_stall_s"):
                 yield progress
-        except grpc.RpcError as exc:
+        except grpc.RpcError as exc:  # a stall too: DEADLINE_EXCEEDED, no reply for ...
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
         finally:
             call.cancel()
