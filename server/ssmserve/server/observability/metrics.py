@@ -164,6 +164,10 @@ class Metrics:
             "Store operations that failed: unavailable, outcome_unknown or error.",
             ["operation", "kind"],
         )
+        # A worker that runs its own Redis (no --redis-url, no --workers).
+        self.embedded_redis_restarts = counter(
+            EMBEDDED_REDIS_RESTARTS, EMBEDDED_REDIS_RESTARTS_HELP
+        )
         # OpenTelemetry's rpc.server.call.duration, in Prometheus' naming.
         self.rpc_seconds = histogram(
             "ssmserve_rpc_server_call_duration_seconds",
@@ -177,6 +181,31 @@ class Metrics:
     def watch(self, view: WorkerView) -> None:
         """Export the gauges ``view`` computes, at every scrape."""
         self.registry.register(_WorkerCollector(view))
+
+
+EMBEDDED_REDIS_RESTARTS = "ssmserve_embedded_redis_restarts_total"
+EMBEDDED_REDIS_RESTARTS_HELP = (
+    "Times the embedded redis-server died (a crash, the OOM killer) and was started again "
+    "from its AOF."
+)
+
+
+class SupervisorMetrics:
+    """The counters of the ``--workers N`` supervisor process; its workers export their
+    own :class:`Metrics` (updated from the supervisor's event loop only)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.embedded_redis_restarts = LoopCounter(
+            EMBEDDED_REDIS_RESTARTS, EMBEDDED_REDIS_RESTARTS_HELP
+        )
+        self.worker_restarts = LoopCounter(
+            "ssmserve_worker_restarts_total",
+            "Times a worker process died and the supervisor started it again.",
+        )
+        self.registry.register(
+            LoopMetricsCollector([self.embedded_redis_restarts, self.worker_restarts])
+        )
 
 
 class _Noop:
