@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -75,6 +76,19 @@ class WorkerHarness:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+    def saw_lease_unrenewed(self, session_id: str, beat: str) -> None:
+        """As if this worker had watched ``session_id``'s lease beat stand at ``beat`` for
+        a whole TTL (its owner froze): its next load of the session may take it over
+        (``cluster.takeover``). For tests whose owner cannot really freeze (it runs in
+        this process) and still must be taken over."""
+        from ssmserve.server.state.store_errors import LeaseHeldError
+
+        takeovers = self.worker.ownership.takeovers
+        seen = LeaseHeldError("seen", beat=beat)
+        self.loop.call_soon_threadsafe(
+            lambda: takeovers.saw(session_id, seen, now=time.monotonic() - 3600)
+        )
 
     def with_manager(self, **changes: Any) -> ManagerSettings:
         return replace(self.settings.manager, **changes)

@@ -122,6 +122,7 @@ def test_a_stale_owner_is_fenced_and_drops_the_session(
     stream(a, sid, x[:5])
     with sync_client(redis_url) as r:
         r.delete(f"ssm:{{{sid}}}:lease")  # A's lease ran out
+        b.saw_lease_unrenewed(sid, r.hget(f"ssm:{{{sid}}}:meta", "beat").decode())
         with Client(b.address) as via_b:
             got = [o.output for o in via_b.stream_steps(sid, list(x[5:8]), first_step=6)]
         assert_bit_equal(np.stack(got), reference(model, x)[5:8])
@@ -492,6 +493,8 @@ def test_an_owner_whose_lease_may_have_run_out_answers_nothing_from_memory(
     sid = a.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
     stream(a, sid, x[:5])  # in A's memory only
     time.sleep(0.8)
+    with sync_client(redis_url) as r:  # B watched A's lease stand, as if A had frozen
+        b.saw_lease_unrenewed(sid, r.hget(f"ssm:{{{sid}}}:meta", "beat").decode())
     with Client(b.address, discover=False) as via_b:  # B takes over at the base snapshot
         assert via_b.get_session(sid).step == 0
         got = [o.output for o in via_b.stream_steps(sid, list(x[:3]), first_step=1)]

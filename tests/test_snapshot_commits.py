@@ -77,7 +77,8 @@ def test_each_waiter_gets_its_own_outcome(redis_server: EmbeddedRedis) -> None:
     async def body(store: Store) -> None:
         ours, moved = await _sessions(store, ["ours", "moved"])
         await store.redis.delete(store.keys("moved").lease)
-        await store.acquire("moved", "w2", "addr:2", 60_000)
+        beat = (await store.redis.hget(store.keys("moved").meta, "beat") or b"0").decode()
+        await store.acquire("moved", "w2", "addr:2", 60_000, proof=beat)  # a takeover
         commits = SnapshotCommits(store)
         results = await asyncio.gather(
             commits.commit(_commit(ours)), commits.commit(_commit(moved)), return_exceptions=True

@@ -42,8 +42,8 @@ from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import SessionMeta, WorkerRecord
 from ssmserve.server.state.store_errors import (
+    LeaseHeldError,
     SessionClosedError,
-    SessionMissingError,
     StaleEpochError,
     StoreDataError,
     StoreOutcomeUnknownError,
@@ -113,8 +113,8 @@ class SessionLoader:
 
     async def meta(self, session_id: str, allow_closed: bool = False) -> SessionMeta:
         meta = await self.store.get_meta(session_id)
-        if meta is None:
-            raise SessionMissingError(f"session {session_id!r} does not exist")
+        if meta is None:  # NOT_FOUND, or DATA_LOSS when a wiped store took it
+            raise await self.residents.resets.missing(session_id)
         if meta.closed and not allow_closed:
             raise SessionClosedError(
                 f"session {session_id!r} is closed; its final snapshot can still be exported"
@@ -200,14 +200,20 @@ class SessionLoader:
         if meta.numerics and meta.numerics != self.ownership.numerics:
             raise await self._other_numerics(meta)
         sent_at = time.monotonic()
-        token = await self.store.acquire(
-            session_id, self.ownership.worker_id, self.ownership.address,
-            self.ownership.lease_ms, numerics=self.ownership.numerics,
-        )  # fmt: skip
+        takeovers = self.ownership.takeovers
+        try:
+            token = await self.store.acquire(
+                session_id, self.ownership.worker_id, self.ownership.address,
+                self.ownership.lease_ms, numerics=self.ownership.numerics,
+                proof=takeovers.proof(session_id),
+            )  # fmt: skip
+        except LeaseHeldError as held:
+            raise takeovers.saw(session_id, held) from None
+        takeovers.forget(session_id)
         lease = self.ownership.new_lease(session_id, token, sent_at)
         if meta.owner and meta.owner != self.ownership.worker_id:
             # Its owner neither released it nor handed it here: it crashed or froze, and
-            # its lease ran out (an acquire succeeds only then).
+            # this worker saw its lease unrenewed for a whole TTL (``cluster.takeover``).
             self.store.metrics.takeovers.inc()
             log.info(
                 "session %s taken over from worker %s, token %s", session_id, meta.owner,

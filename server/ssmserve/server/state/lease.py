@@ -3,11 +3,14 @@
 Ownership of a session is one value, produced only by the store's ``create`` and
 ``acquire`` scripts and required by every store write of the session:
 
-- ``token`` is the fencing token, ``<incarnation>.<epoch>``. The incarnation is 128 random
-  bits chosen when the session id is created (create, import, fork); the epoch counts the
-  acquisitions within that incarnation. So a token never repeats, not even when an id is
-  closed and created again: a worker that froze while it owned the old session can never
-  write into the new one (the ABA case). Redis compares tokens inside every write script.
+- ``token`` is the fencing token: ``<incarnation>.<epoch>`` as created,
+  ``<incarnation>.<epoch>.<nonce>`` once acquired. The incarnation is 128 random bits
+  chosen when the session id is created (create, import, fork), so a worker that froze
+  while it owned an old session of the same id can never write into the new one (the ABA
+  case). The nonce is 64 random bits per acquisition, so a token never repeats even when
+  Redis loses writes: the epoch counter (for people) can go back after a failover to a
+  replica that missed writes, a restored backup or an fsync window, and hand out the
+  same epoch twice. Redis compares whole tokens inside every write script.
 - ``holder`` is the owning worker's id (the value of the session's lease key in Redis).
 - ``valid_until`` is this worker's own bound, on its monotonic clock, of how long the lease
   certainly still runs: the start of the last call that set or extended it, plus the TTL,
@@ -26,22 +29,26 @@ from dataclasses import dataclass, field
 
 
 def new_incarnation() -> str:
-    """128 random bits, hex: the part of a fencing token that never repeats."""
+    """128 random bits, hex: the part of a fencing token that names one creation of an id."""
     return secrets.token_hex(16)
+
+
+def new_nonce() -> str:
+    """64 random bits, hex: the part of a fencing token that names one acquisition."""
+    return secrets.token_hex(8)
 
 
 @dataclass(eq=False, slots=True)
 class SessionLease:
     session_id: str
-    token: str  # "<incarnation>.<epoch>"
+    token: str  # "<incarnation>.<epoch>[.<nonce>]"
     holder: str  # worker id
     valid_until: float = field(default=0.0)  # time.monotonic() bound; 0: not valid
 
     @property
     def epoch(self) -> int:
         """The acquisition count within this incarnation (for logs and operators)."""
-        _incarnation, _, epoch = self.token.rpartition(".")
-        return int(epoch) if epoch.isdigit() else 0
+        return token_epoch(self.token)
 
     def valid(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.valid_until
@@ -61,3 +68,9 @@ class SessionLease:
     def __repr__(self) -> str:
         left = self.valid_until - time.monotonic()
         return f"SessionLease({self.session_id!r}, token={self.token}, valid {left:+.2f} s)"
+
+
+def token_epoch(token: str) -> int:
+    """The epoch of ``token`` (its second part), 0 if it has none."""
+    parts = token.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
