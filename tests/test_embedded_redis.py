@@ -85,3 +85,53 @@ def test_embedded_redis_has_a_random_password_kept_off_the_command_line(tmp_path
             assert other.password != server.password
     # A restart in the same directory keeps the password, as it keeps the data.
     assert EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path)).password == server.password
+
+
+def test_the_keeper_restarts_a_killed_redis_on_its_port_with_its_password(tmp_path: Path):
+    """kill -9 of the redis-server: the keeper starts it again on the same port with the
+    same password from its AOF (a write Redis answered is there), each time it dies, and
+    counts each restart."""
+    import asyncio
+    import os
+    import signal
+
+    from ssmserve.server.embedded_redis_keeper import EmbeddedRedisKeeper, KeeperSettings
+    from ssmserve.server.restart_backoff import BackoffSettings
+
+    async def scenario() -> None:
+        server = EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp_path)).start()
+        counted: list[int] = []
+        settings = KeeperSettings(check_every_s=0.02, backoff=BackoffSettings(first_s=0.05))
+        keeper = EmbeddedRedisKeeper(server, settings, lambda: counted.append(1))
+        keeper.start()
+        try:
+            url, port = server.url, server.port
+            with redis.Redis.from_url(url) as client:
+                client.set(b"answered", b"1")  # appendfsync everysec: in the AOF file already
+            for kills in (1, 2):
+                pid = server.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                for _ in range(500):  # up to 10 s
+                    if keeper.restarts == kills:
+                        break
+                    await asyncio.sleep(0.02)
+                assert keeper.restarts == kills and len(counted) == kills
+                assert server.pid != pid and (server.url, server.port) == (url, port)
+                with redis.Redis.from_url(url) as client:
+                    assert client.get(b"answered") == b"1"
+        finally:
+            await keeper.stop()
+            server.stop()
+        assert server.exit_code is None and server.pid is None  # stopped for good
+
+    asyncio.run(scenario())
+
+
+def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_once_stable():
+    from ssmserve.server.restart_backoff import BackoffSettings, RestartBackoff
+
+    dying = RestartBackoff(BackoffSettings(first_s=0.1, max_s=0.4, stable_s=60))
+    assert [dying.delay() for _ in range(5)] == [0.1, 0.2, 0.4, 0.4, 0.4]
+    stable = RestartBackoff(BackoffSettings(first_s=0.1, max_s=0.4, stable_s=0))
+    assert [stable.delay() for _ in range(3)] == [0.1, 0.1, 0.1]

@@ -7,6 +7,12 @@ in its data directory, never on a command line that ``ps`` shows; a restart in t
 directory keeps it), keeps its files in
 its own data directory with AOF on (so a restart in the same directory keeps every
 acknowledged write), and is stopped with SIGTERM (then SIGKILL) when the owner exits.
+
+On Linux the process also gets SIGTERM when the thread that started it ends
+(``parent_death``; start it from the owner's event loop thread), so a worker killed with
+SIGKILL leaves no redis-server behind on its data directory. :meth:`EmbeddedRedis.restart`
+starts it again on the same port with the same password (``embedded_redis_keeper``
+does so when it dies).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.parent_death import terminate_with_parent
 
 
 class EmbeddedRedisError(SsmserveError):
@@ -100,12 +107,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    """Start with :meth:`start` (or ``with``), connect with :attr:`url`, end with :meth:`stop`."""
+    """Start with :meth:`start` (or ``with``), connect with :attr:`url`, end with :meth:`stop`.
 
-    def __init__(self, settings: EmbeddedRedisSettings) -> None:
+    ``hold_fd``, if given, is an open file the process inherits and keeps open for its
+    life (the data directory's lock, ``data_dir_lock``): the directory stays locked while
+    this redis-server runs, even after its owner died.
+    """
+
+    def __init__(self, settings: EmbeddedRedisSettings, hold_fd: int | None = None) -> None:
         self.settings = settings
         self.port = settings.port
         self.password = _password(settings) if settings.require_password else ""
+        self.hold_fd = hold_fd
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -118,58 +131,94 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The process's exit code once it has ended (None while it runs or before start)."""
+        proc = self._process
+        return proc.poll() if proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.settings.data_dir / "redis.log"
+
+    def log_tail(self) -> str:
+        """The last lines of redis-server's own log, on one line."""
+        return _tail(self.log_path)
+
     def start(self) -> EmbeddedRedis:
+        """Start and wait until it answers PING; the port is picked here when it is 0."""
+        s = self.settings
+        attempts = 1 if s.port else 3  # a picked free port can be taken before redis binds it
+        for attempt in range(attempts):
+            self.port = s.port or free_port(s.host)
+            self.spawn()
+            if self.wait_ready():
+                return self
+            error = self.start_failure()
+            if attempt == attempts - 1:
+                raise error
+        raise AssertionError("unreachable")
+
+    def restart(self) -> EmbeddedRedis:
+        """Start again after the process ended: same port, same password, same AOF."""
+        self.spawn()
+        if not self.wait_ready():
+            raise self.start_failure()
+        return self
+
+    def spawn(self) -> None:
+        """Start the process on :attr:`port` without waiting (:meth:`wait_ready` waits)."""
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True)
         binary = s.binary or find_redis_server()
         config = s.data_dir / "redis.conf"
         config.write_text(f"requirepass {self.password}\n" if self.password else "")
         config.chmod(0o600)
-        attempts = 1 if s.port else 3  # a picked free port can be taken before redis binds it
-        for attempt in range(attempts):
-            self.port = s.port or free_port(s.host)
-            log = s.data_dir / "redis.log"
-            self._process = subprocess.Popen(
-                [
-                    binary,
-                    str(config.resolve()),
-                    "--bind",
-                    s.host,
-                    "--port",
-                    str(self.port),
-                    "--dir",
-                    str(s.data_dir.resolve()),
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    s.appendfsync,
-                    "--save",
-                    "",
-                    "--daemonize",
-                    "no",
-                    "--logfile",
-                    str(log.resolve()),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C for the worker is the worker's to handle
-            )
-            if self._wait_ready():
-                return self
-            tail = _tail(log)
-            self.stop()
-            if attempt == attempts - 1:
-                raise EmbeddedRedisError(
-                    f"redis-server did not start on {s.host}:{self.port}: {tail or 'no log'}"
-                )
-        raise AssertionError("unreachable")
+        if self._process is not None:  # the previous process, ended
+            _close_stderr(self._process)
+        self._process = subprocess.Popen(
+            [
+                binary,
+                str(config.resolve()),
+                "--bind",
+                s.host,
+                "--port",
+                str(self.port),
+                "--dir",
+                str(s.data_dir.resolve()),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                s.appendfsync,
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.log_path.resolve()),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C for the worker is the worker's to handle
+            pass_fds=(self.hold_fd,) if self.hold_fd is not None else (),
+            preexec_fn=terminate_with_parent(),
+        )
 
-    def _wait_ready(self) -> bool:
-        assert self._process is not None
+    def start_failure(self) -> EmbeddedRedisError:
+        """Stop a process that did not answer PING in time; the error says why (its log)."""
+        tail = self.log_tail()
+        self.stop()
+        where = f"{self.settings.host}:{self.port}"
+        return EmbeddedRedisError(f"redis-server did not start on {where}: {tail or 'no log'}")
+
+    def wait_ready(self) -> bool:
+        """Wait up to ``start_timeout_s`` for PONG; False if it ended or never answered."""
+        proc = self._process  # the one spawned (stop() may run on another thread meanwhile)
+        assert proc is not None
         deadline = time.monotonic() + self.settings.start_timeout_s
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+            if proc.poll() is not None:
                 return False
             address = (self.settings.host, self.port)
             with contextlib.suppress(OSError), socket.create_connection(address, 0.5) as conn:
@@ -188,21 +237,26 @@ class EmbeddedRedis:
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (Redis flushes its AOF), then SIGKILL after ``timeout_s``."""
         proc, self._process = self._process, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _close_stderr(proc)
 
     def kill(self) -> None:
         """SIGKILL, for crash tests: no shutdown hooks run."""
         proc, self._process = self._process, None
-        if proc is not None and proc.poll() is None:
+        if proc is None:
+            return
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
+        _close_stderr(proc)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
@@ -225,6 +279,11 @@ def _password(settings: EmbeddedRedisSettings) -> str:
             if key == "requirepass" and value.strip():
                 return value.strip()
     return secrets.token_urlsafe(24)
+
+
+def _close_stderr(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stderr is not None:
+        proc.stderr.close()
 
 
 def _tail(path: Path, lines: int = 5) -> str:
