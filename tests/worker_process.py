@@ -18,7 +18,7 @@ class WorkerProcess:
     def __init__(
         self,
         models: dict[str, Path],
-        redis_url: str,
+        redis_url: str | None,  # None: the worker runs its embedded Redis in data_dir
         data_dir: Path,
         lease_ttl_s: float = 1.0,
         port: int = 0,
@@ -41,7 +41,9 @@ class WorkerProcess:
     def start(self, timeout_s: float = 30.0) -> WorkerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "ssmserve.server.main", "--listen", self.address]
-        args += ["--redis-url", self.redis_url, "--data-dir", str(self.data_dir)]
+        if self.redis_url is not None:
+            args += ["--redis-url", self.redis_url]
+        args += ["--data-dir", str(self.data_dir)]
         args += ["--lease-ttl", str(self.lease_ttl_s)]
         for name, directory in self.models.items():
             args += ["--model", f"{name}={directory}"]

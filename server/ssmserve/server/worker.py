@@ -6,6 +6,10 @@ with none left, snapshotted and released for later pickup) while the gRPC server
 answers, so open streams get redirects; then the server stops taking calls and gives
 running ones ``shutdown_grace_s`` to finish, the worker leaves the registry, and the
 embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM).
+
+Readiness (``readiness``) also follows the store: NOT_SERVING while it does not answer.
+A worker without ``--redis-url`` locks its data directory (``data_dir_lock``), runs a
+private redis-server there and restarts it when it dies (``embedded_redis_keeper``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, 
 from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings, new_worker_id
 from ssmserve.server.cluster.peers import Peers, PeerSettings
 from ssmserve.server.cluster.rebalance import Rebalancer, RebalanceSettings
+from ssmserve.server.data_dir_lock import DataDirLock, DataDirLockSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.embedded_redis_keeper import EmbeddedRedisKeeper, KeeperSettings
 from ssmserve.server.engine.loader import load_model
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.numerics import (
@@ -50,8 +56,14 @@ from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
 from ssmserve.server.observability.tracing import Tracing
+from ssmserve.server.readiness import Readiness, ReadinessSettings
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
 from ssmserve.server.sessions.models import KEY_PATTERN
+from ssmserve.server.startup_checks import (
+    bind_listener,
+    refuse_later_twin,
+    refuse_taken_advertise,
+)
 from ssmserve.server.state.store import Store, StoreSettings, WorkerStats
 from ssmserve.server.state.store_errors import StoreUnavailableError
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -121,6 +133,8 @@ class WorkerSettings:
     # OTLP/gRPC endpoint for OpenTelemetry spans (pip install 'ssmserve[tracing]'); "": off.
     trace_otlp_endpoint: str = ""
     stored_count_every_s: float = 15.0  # how often ssmserve_sessions_stored is counted
+    readiness: ReadinessSettings = field(default_factory=ReadinessSettings)
+    embedded_redis: KeeperSettings = field(default_factory=KeeperSettings)
 
 
 def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
@@ -137,6 +151,9 @@ def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),
         ("grpc.http2.max_ping_strikes", 0),
+        # gRPC's default SO_REUSEPORT lets a second worker bind a taken port and take half
+        # of its new connections; off, that bind fails (startup_checks says so).
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -174,6 +191,8 @@ class Worker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.embedded: EmbeddedRedis | None = None
+        self.data_dir_lock: DataDirLock | None = None
+        self.embedded_keeper: EmbeddedRedisKeeper | None = None
         self.store: Store | None = None
         self.manager: SessionManager | None = None
         self.ownership: Ownership | None = None
@@ -192,6 +211,7 @@ class Worker:
         self.stopping = False  # stop() began: no undrain
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.readiness: Readiness | None = None
         self.address = ""
         self.numerics = ""
         self.metrics = Metrics(enabled=bool(settings.metrics_listen))  # off: no-ops
@@ -214,12 +234,7 @@ class Worker:
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
             self._check_fits(name, model)
-        url = s.redis_url
-        if url is None:
-            self.embedded = EmbeddedRedis(EmbeddedRedisSettings(data_dir=s.data_dir / "redis"))
-            await asyncio.to_thread(self.embedded.start)
-            url = self.embedded.url
-            log.info("embedded redis-server on %s (data in %s)", url, s.data_dir / "redis")
+        url = s.redis_url if s.redis_url is not None else await self._start_embedded_redis()
         self.store = Store(
             StoreSettings(
                 url=url,
@@ -240,13 +255,10 @@ class Worker:
             self.tokens.start()
         interceptors.insert(0, RpcMetrics(self.metrics))  # outermost: refusals are timed too
         self.server = grpc.aio.server(options=server_options(s), interceptors=interceptors)
-        if s.tls is None:
-            port = self.server.add_insecure_port(s.listen)
-        else:
+        if s.tls is not None:
             self.certificates = ReloadingCertificates(s.tls)
-            port = self.server.add_secure_port(s.listen, self.certificates.credentials())
-        if port == 0:
-            raise OSError(f"cannot listen on {s.listen}")
+        credentials = self.certificates.credentials() if self.certificates else None
+        port = bind_listener(self.server, s.listen, credentials)
         host = s.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{port}"
         self.ownership = Ownership(
@@ -260,6 +272,10 @@ class Worker:
             on_expired=lambda lease: manager.expired_lease(lease),
             worker_id=self.worker_id,
             stats=self._stats,
+        )
+        timing = s.ownership  # a dead worker's entry is gone one TTL after its last beat
+        await refuse_taken_advertise(
+            self.ownership, timing.worker_ttl_s + timing.period_s, timing.period_s / 8
         )
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         self.migrator = Migrator(
@@ -283,15 +299,47 @@ class Worker:
             (SERVICE_NAME, CLUSTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
             self.server,
         )
+        # grpc's health servicer starts with "" SERVING: not before the worker is ready.
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         await self._patiently("register in Redis", self.ownership.start)
+        await refuse_later_twin(self.ownership)
         self.rebalancer = Rebalancer(self.migrator, s.rebalance)
         self.rebalancer.start()
         if s.metrics_listen:
             self._start_metrics(s.metrics_listen)
-        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME, LIVENESS_SERVICE):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.readiness = Readiness(
+            self.health, ("", SERVICE_NAME, CLUSTER_SERVICE_NAME), self.store.ping, s.readiness
+        )
+        await self.readiness.start()
         return self.address
+
+    async def _start_embedded_redis(self) -> str:
+        """Lock the data directory, start the private redis-server, keep it running;
+        returns its URL (which holds the password: never logged)."""
+        s = self.settings
+        lock_settings = DataDirLockSettings(data_dir=s.data_dir)
+        self.data_dir_lock = await asyncio.to_thread(DataDirLock(lock_settings).acquire)
+        redis_dir = s.data_dir / "redis"
+        embedded = EmbeddedRedis(EmbeddedRedisSettings(data_dir=redis_dir), self.data_dir_lock.fd)
+        # Started from the event loop's thread, which lives as long as the process: on
+        # Linux the redis-server dies with the thread that started it.
+        self.embedded = embedded.start()
+        self.data_dir_lock.note(redis=embedded.pid)
+
+        def restarted() -> None:
+            self.metrics.embedded_redis_restarts.inc()
+            if self.data_dir_lock is not None:
+                self.data_dir_lock.note(redis=embedded.pid)
+
+        self.embedded_keeper = EmbeddedRedisKeeper(embedded, s.embedded_redis, restarted)
+        self.embedded_keeper.start()
+        log.info(
+            "embedded redis-server on %s:%d (data in %s)",
+            embedded.settings.host, embedded.port, redis_dir,
+        )  # fmt: skip
+        return embedded.url
 
     def _stats(self) -> WorkerStats:
         """What the heartbeat reports (``ssmserve workers``, ``ssmserve top``)."""
@@ -405,12 +453,15 @@ class Worker:
     async def _serving_again(self) -> None:
         if self.stopping:
             raise WorkerStoppingError("this worker is stopping; it cannot be undrained")
-        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.readiness is not None:
+            await self.readiness.set_draining(False)
 
     async def _not_serving(self) -> None:
-        for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.readiness is not None:
+            await self.readiness.set_draining(True)
+        else:  # still starting: nothing says SERVING yet
+            for service in ("", SERVICE_NAME, CLUSTER_SERVICE_NAME):
+                await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def drain(self) -> list[DrainProgress]:
         """Move every session to other workers (or park it); the worker keeps running."""
@@ -445,8 +496,7 @@ class Worker:
         if self.ownership is not None:
             await self.ownership.stop()
         await self._close_connections()
-        if self.embedded is not None:
-            await asyncio.to_thread(self.embedded.stop)
+        await self._stop_embedded_redis(kill=False)
 
     async def abort(self) -> None:
         """Stop serving at once, without the shutdown snapshots (as a crash would)."""
@@ -459,11 +509,21 @@ class Worker:
         if self.manager is not None:
             await self.manager.abandon()
         await self._close_connections()
+        await self._stop_embedded_redis(kill=True)
+
+    async def _stop_embedded_redis(self, kill: bool) -> None:
+        """The keeper first (so it does not start Redis again), then Redis, then the lock."""
+        if self.embedded_keeper is not None:
+            await self.embedded_keeper.stop()
         if self.embedded is not None:
-            await asyncio.to_thread(self.embedded.kill)
+            await asyncio.to_thread(self.embedded.kill if kill else self.embedded.stop)
+        if self.data_dir_lock is not None:
+            self.data_dir_lock.release()
 
     async def _close_connections(self) -> None:
         """Peer channels, the token file watcher and the store: last, after serving."""
+        if self.readiness is not None:
+            await self.readiness.stop()
         if self._counter is not None:
             self._counter.cancel()
             await asyncio.gather(self._counter, return_exceptions=True)
