@@ -6,6 +6,7 @@
                     [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
                     [--auth-tokens FILE] [--cluster-secret FILE] [--insecure]
                     [--checkpoint-key FILE [--require-signed-checkpoints]] [--demo]
+                    [--workers N]
 
 Every flag has an environment variable, used when the flag is absent:
 ``SSMSERVE_MODELS`` (``name=dir,name=dir``), ``SSMSERVE_LISTEN``, ``SSMSERVE_REDIS_URL``,
@@ -22,6 +23,10 @@ sessions move between them.
 
 SIGTERM or SIGINT drains the worker (its sessions move to the other live workers, or are
 snapshotted for later pickup when none is left), then stops it.
+
+``--workers N`` (N >= 2) runs N worker processes on PORT..PORT+N-1 under one supervisor
+process that owns the embedded Redis, restarts a worker that dies and drains them all
+on SIGTERM (``ssmserve.server.supervisor``).
 
 ``--demo`` also serves the demo signal model as ``demo`` (written once to
 ``DATA_DIR/models/demo``; ``--demo mamba2``: a signal Mamba-2, in ``demo-mamba2``).
@@ -61,6 +66,7 @@ from ssmserve.server.sessions.config import SessionDefaults
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl, topology_of
+from ssmserve.server.supervisor import MAX_WORKERS, SupervisorSettings, supervise
 from ssmserve.server.worker import Worker, WorkerSettings
 
 log = logging.getLogger("ssmserve.server")
@@ -118,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         "round trip per write; fewer replicas in time reloads the session (default 0; "
         "on Redis Cluster, replicas of the master that holds the session; env "
         "SSMSERVE_REDIS_WAIT_REPLICAS)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=int(env("SSMSERVE_WORKERS", "1")),
+        metavar="N",
+        help="run N worker processes on ports PORT..PORT+N-1 of --listen (and of "
+        "--advertise), under one supervisor that owns the embedded Redis, restarts a "
+        "worker that dies and drains them all on SIGTERM; one process per core it should "
+        "use (default 1; env SSMSERVE_WORKERS)",
     )
     parser.add_argument(
         "--data-dir",
@@ -411,6 +427,21 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     )
 
 
+def supervisor_settings(
+    args: argparse.Namespace, argv: Sequence[str], settings: WorkerSettings
+) -> SupervisorSettings:
+    """``--workers N``: what the supervisor needs; each worker gets ``argv`` as given."""
+    return SupervisorSettings(
+        workers=args.workers,
+        listen=settings.listen,
+        data_dir=settings.data_dir,
+        worker_args=tuple(argv),
+        redis_url=settings.redis_url,
+        advertise=settings.advertise,
+        metrics_listen=settings.metrics_listen,
+    )
+
+
 def ensure_demo_model(directory: Path, arch: str = "mamba") -> Path:
     if not (directory / CONFIG_FILE).exists():
         spec = DemoSpec(arch=arch)
@@ -450,9 +481,16 @@ async def serve(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     json_logs = configure_logging(args.log_level, args.log_format)
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise SystemExit(f"ssmserve-server: error: --workers must be 1..{MAX_WORKERS}")
     try:
+        if args.workers > 1:
+            settings = settings_from_args(args)  # refuses bad flags before anything starts
+            asyncio.run(supervise(supervisor_settings(args, argv, settings)))
+            return 0
         gc_settings = GcSettings(
             young_threshold=max(args.gc_young_threshold, 0),
             freeze_when_ready=args.gc_young_threshold > 0,
