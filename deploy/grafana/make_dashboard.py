@@ -254,6 +254,18 @@ ts(
     "ops",
 )
 ts(
+    "Embedded Redis restarts",
+    [
+        (
+            f"sum by (instance) (increase(ssmserve_embedded_redis_restarts_total{sel()}[$__rate_interval]))",
+            "{{instance}}",
+        ),
+    ],
+    "short",
+    desc="A worker without --redis-url started its redis-server again after it died (a "
+    "crash, the OOM killer: look at the memory limit); steps fail with UNAVAILABLE meanwhile.",
+)
+ts(
     "RPCs/s by method and code",
     [
         (
