@@ -18,24 +18,34 @@ from ssmserve.server.data_dir_lock import DataDirInUseError, DataDirLock, DataDi
 from tests.worker_process import WorkerProcess
 
 
-def run_worker(args: list[str], timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    """A worker that is expected not to start: its exit code and output."""
-    return subprocess.run(
+def run_worker(args: list[str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+    """A worker that is expected not to start: its exit code and output (one that starts
+    anyway is stopped, and its exit code is -1)."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "ssmserve.server.main", *args],
-        capture_output=True, text=True, timeout=timeout_s,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"},
     )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # it serves: "listening on" is all it printed
+        proc.kill()
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, -1, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_a_second_worker_on_a_taken_port_is_refused(worker, model_dirs, redis_url, tmp_path):
+def test_a_second_worker_on_a_taken_port_is_refused(worker, model_dirs, tmp_path):
     """gRPC's default SO_REUSEPORT would let the second one bind and take half of the
-    new connections; with it off, the second one is refused and says why."""
+    new connections; with it off, the second one is refused and says why. (The second
+    runs its own Redis, as two workers started side by side on one machine would.)"""
     port = worker.address.rsplit(":", 1)[1]
     second = run_worker(
-        ["--listen", worker.address, "--redis-url", redis_url, "--data-dir", str(tmp_path),
-         "--model", f"demo={model_dirs['demo']}"]
+        ["--listen", worker.address, "--data-dir", str(tmp_path),
+         "--model", f"demo={model_dirs['demo']}"],
+        timeout_s=20,
     )  # fmt: skip
-    assert second.returncode == 2, second.stderr
+    assert second.returncode == 2, second.stdout + second.stderr
     assert f"port {port} is already in use (another ssmserve worker?)" in second.stderr
     assert "pick another --listen or stop it" in second.stderr
     assert worker.client.create_session("demo").session_id  # the first one serves on

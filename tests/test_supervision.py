@@ -82,6 +82,7 @@ def test_health_is_not_serving_while_the_store_does_not_answer(
         assert everything_is(NOT_SERVING)  # draining wins
         w.call(w.worker.migrator.undrain())
         assert everything_is(SERVING)
+        w.stop()  # while its store runs: a drain needs it
     finally:
         store.stop()
 
