@@ -145,6 +145,11 @@ class Metrics:
             "ssmserve_fenced_writes_total",
             "Writes the store refused because this worker's fencing token was stale.",
         )
+        self.store_resets = counter(
+            "ssmserve_store_resets_total",
+            "Times the store turned out wiped or replaced (its identity changed or vanished): "
+            "every session this worker held was lost.",
+        )
         self.gc_pause = histogram(
             "ssmserve_gc_pause_seconds",
             "Pauses of Python's cyclic garbage collector (the event loop stands still), "

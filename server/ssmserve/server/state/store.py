@@ -50,6 +50,8 @@ from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.script_batches import NOT_RUN, ScriptBatches, until_run
 from ssmserve.server.state.store_errors import (
     SessionExistsError,
+    SessionMissingError,
+    SessionVanishedError,
     SnapshotsChangedError,
     StagedPiecesMissingError,
     StaleEpochError,
@@ -58,9 +60,12 @@ from ssmserve.server.state.store_errors import (
     StoreOutcomeUnknownError,
     StoreUnavailableError,
     check_reply,
+    is_out_of_memory,
+    out_of_memory,
     reply_fields,
     reply_outcome,
 )
+from ssmserve.server.state.store_facts import EvictionPolicies, StoreIdentity
 from ssmserve.server.state.store_layout import Keys
 
 T = TypeVar("T")
@@ -377,6 +382,9 @@ class Store:
                 f"the session store (Redis) is unavailable: {exc}"
             ) from None
         except redis_errors.RedisError as exc:
+            if is_out_of_memory(exc):  # only writes are refused so
+                self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
+                raise out_of_memory(exc) from None
             self.metrics.redis_errors.labels(op, "error").inc()
             raise StoreError(f"the session store (Redis) failed: {exc}") from None
         finally:
@@ -456,9 +464,14 @@ class Store:
                 outcomes += (self._outcome(r) for r in reply)
                 continue
             self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
-            error = StoreOutcomeUnknownError(
-                f"the session store (Redis) refused a batched {what}, which may have been "
-                f"applied in part: {clip(str(reply))}"
+            oom = isinstance(reply, Exception) and is_out_of_memory(reply)
+            error = (
+                out_of_memory(reply)
+                if oom
+                else StoreOutcomeUnknownError(
+                    f"the session store (Redis) refused a batched {what}, which may have been "
+                    f"applied in part: {clip(str(reply))}"
+                )
             )
             outcomes += [error] * len(chunk)
         return outcomes
@@ -472,11 +485,23 @@ class Store:
             raise
 
     def _outcome(self, raw: Any) -> SsmserveError | None:
-        """``reply_outcome``, counting refusals by fencing."""
+        """``reply_outcome`` of a fenced write, counting refusals by fencing."""
         outcome = reply_outcome(raw)
         if isinstance(outcome, StaleEpochError):
             self.metrics.fenced_writes.inc()
+        elif type(outcome) is SessionMissingError:
+            return _vanished(outcome)
         return outcome
+
+    def _fenced(self, raw: Any) -> list[str]:
+        """``_check`` of a fenced write's reply: a session found missing vanished while
+        the writer held it (``SessionVanishedError``)."""
+        try:
+            return self._check(raw)
+        except SessionVanishedError:
+            raise
+        except SessionMissingError as exc:
+            raise _vanished(exc) from None
 
     def keys(self, session_id: str) -> Keys:
         return Keys(self.settings.key_prefix, check_session_id(session_id, stored=True))
@@ -487,6 +512,70 @@ class Store:
     async def aclose(self) -> None:
         await self.batches.aclose()
         await self.redis.aclose()
+
+    # ------------------------------------------------------------------ the store itself
+
+    async def store_identity(self) -> StoreIdentity | None:
+        """The store's identity (``store_facts``); None when it has none (new, or wiped)."""
+        key = layout.store_identity_key(self.settings.key_prefix)
+        raw = await self._call("store_identity", lambda: self.redis.get(key))
+        return None if raw is None else StoreIdentity.from_value(raw)
+
+    async def claim_store_identity(self, candidate: StoreIdentity) -> StoreIdentity:
+        """Give the store ``candidate`` as its identity unless it has one (SET NX); the
+        identity it has now. Sent again after a lost answer, it finds whichever won."""
+        key = layout.store_identity_key(self.settings.key_prefix)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(key, candidate.to_value(), nx=True)
+                pipe.get(key)
+                return await pipe.execute()
+
+        _, raw = await self._call("store_identity", run, write=True)
+        if raw is None:  # deleted between the two commands: ask again
+            return await self.claim_store_identity(candidate)
+        return StoreIdentity.from_value(raw)
+
+    async def eviction_policies(self) -> EvictionPolicies:
+        """``maxmemory-policy`` of every server that holds sessions: the one server, the
+        master behind Sentinel, or every master of a cluster. Read with CONFIG GET or,
+        where CONFIG is refused (managed Redis disables it; an ACL user may lack it), from
+        INFO memory; ``unreadable`` says why when both are refused."""
+        if isinstance(self.redis, RedisCluster):
+            targets = [(n.name, {"target_nodes": n}) for n in self.redis.get_primaries()]
+        elif self.topology == "sentinel":
+            targets = [("the Sentinel master", {})]
+        else:
+            at = self.redis.connection_pool.connection_kwargs
+            targets = [(at.get("path") or f"{at.get('host')}:{at.get('port')}", {})]
+
+        async def read() -> EvictionPolicies:
+            by_server: dict[str, str] = {}
+            refused: list[str] = []
+            for name, where in targets:
+                try:
+                    by_server[name] = await self._eviction_policy(where)
+                except redis_errors.ResponseError as exc:  # refused, not unavailable
+                    refused.append(f"{name}: {str(exc)[:300]}")
+            return EvictionPolicies(by_server, "; ".join(refused))
+
+        return await self._call("eviction_policy", read)
+
+    async def _eviction_policy(self, where: dict[str, Any]) -> str:
+        try:
+            got = await self.redis.config_get("maxmemory-policy", **where)
+            value = got.get(b"maxmemory-policy", got.get("maxmemory-policy"))
+        except redis_errors.ResponseError as config_refused:
+            try:
+                value = (await self.redis.info("memory", **where)).get("maxmemory_policy")
+            except redis_errors.ResponseError as info_refused:
+                raise redis_errors.ResponseError(
+                    f"CONFIG GET: {config_refused}; INFO: {info_refused}"
+                ) from None
+        if value is None:
+            raise redis_errors.ResponseError("neither CONFIG GET nor INFO names the policy")
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     # ------------------------------------------------------------------ sessions
 
@@ -617,7 +706,7 @@ class Store:
             drop_keys, drop_args = _declared_drops(k, ids, pieces)
             reply = await self._script(op, script, [*keys, *drop_keys], [*args, *drop_args])
             try:
-                self._check(reply)
+                self._fenced(reply)
                 return
             except SnapshotsChangedError:
                 continue
@@ -685,14 +774,14 @@ class Store:
         reply = await self._script(
             "release", self._release, [k.meta, k.lease], [lease.holder, lease.token]
         )
-        self._check(reply)
+        self._fenced(reply)
 
     async def handoff(self, lease: SessionLease, target: WorkerRecord, lease_ms: int) -> None:
         """Reserve the session for ``target``: only it may acquire it next."""
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
         reply = await self._script("handoff", self._handoff, [k.meta, k.lease], args)
-        self._check(reply)
+        self._fenced(reply)
 
     async def cancel_handoff(
         self, lease: SessionLease, address: str, target_id: str, lease_ms: int
@@ -701,7 +790,7 @@ class Store:
         k = self.keys(lease.session_id)
         args = [lease.holder, lease.token, address, lease_ms, target_id]
         reply = await self._script("cancel_handoff", self._cancel_handoff, [k.meta, k.lease], args)
-        self._check(reply)
+        self._fenced(reply)
 
     async def lease_holder(self, session_id: str) -> LeaseHolder | None:
         """The session's current lease holder, or None when nobody holds it."""
@@ -1036,7 +1125,7 @@ class Store:
         reply = await self._script(
             "record_events", self._record_events, [k.meta, k.events], [lease.token, keep, *entries]
         )
-        self._check(reply)
+        self._fenced(reply)
 
     async def read_events(self, session_id: str) -> list[bytes]:
         k = self.keys(session_id)
@@ -1130,6 +1219,13 @@ class Store:
             return [key.decode() async for key in self.redis.scan_iter(match=pattern, count=500)]
 
         return sorted(await self._call("session_keys", scan))
+
+
+def _vanished(error: SessionMissingError) -> SessionVanishedError:
+    return SessionVanishedError(
+        f"{error} while this worker held it (closed by a later owner, or the store was "
+        f"wiped: the worker checks which); retry"
+    )
 
 
 def _retention(ids: list[str], new_id: str, max_snapshots: int) -> list[str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis import exceptions as redis_errors
+
 from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
 from ssmserve.server.state.script_batches import NOT_RUN
 
@@ -39,8 +41,34 @@ class StoreDataError(SsmserveError):
     kind = ErrorKind.DATA_LOSS
 
 
+class StoreResetError(SsmserveError):
+    """The store was wiped or replaced (its identity changed, ``state.store_facts``) while
+    this worker held the session: what it had in Redis is gone, and memory is not served
+    as if nothing had happened. Creating or importing the id again starts it anew."""
+
+    kind = ErrorKind.DATA_LOSS
+
+    def __init__(self, session_id: str, step: int) -> None:
+        super().__init__(
+            f"the store was wiped or replaced; session {session_id!r} at step {step} is lost"
+        )
+        self.session_id = session_id
+        self.step = step
+
+
 class SessionMissingError(SsmserveError):
     kind = ErrorKind.NOT_FOUND
+
+
+class SessionVanishedError(SessionMissingError):
+    """A fenced write found its session's metadata gone while the writer held the lease.
+
+    Not NOT_FOUND yet: a new owner may have closed it after this worker's lease ran out,
+    or the store was wiped. The worker drops the session and checks the store's identity;
+    the request is retried and then answered NOT_FOUND or DATA_LOSS (``StoreResetError``).
+    """
+
+    kind = ErrorKind.UNAVAILABLE
 
 
 class SessionExistsError(SsmserveError):
@@ -105,8 +133,29 @@ SCRIPT_ERRORS: dict[str, type[SsmserveError]] = {
 SUCCESS_CODES = frozenset({"OK", "HANDOFF"})
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether Redis refused a command for lack of memory (``maxmemory`` reached under
+    ``noeviction``). Redis 7 keeps the OOM code of a write a script made; Redis 6.2 wraps
+    it in the script's ERR."""
+    return isinstance(error, redis_errors.OutOfMemoryError) or (
+        isinstance(error, redis_errors.ResponseError) and "OOM command not allowed" in str(error)
+    )
+
+
+def out_of_memory(error: BaseException) -> StoreOutcomeUnknownError:
+    """An OOM refusal as an unknown outcome: never an acknowledgement, and never a plain
+    error either, since what else the same script or pipeline wrote is not known."""
+    return StoreOutcomeUnknownError(
+        f"the session store (Redis) is out of memory and refused a write "
+        f"({str(error)[:200]}); what the operation wrote is not known (a session it wrote "
+        f"for is reloaded from Redis): raise Redis's maxmemory, or free memory"
+    )
+
+
 def reply_fields(raw: Any) -> list[str]:
     """A script's reply as a list of strings."""
+    if isinstance(raw, Exception) and is_out_of_memory(raw):
+        raise out_of_memory(raw)
     if isinstance(raw, list) and raw:
         return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in raw]
     raise UnknownReplyError(f"unexpected reply from the session store: {raw!r:.200}")
@@ -137,6 +186,8 @@ def reply_outcome(raw: Any) -> SsmserveError | None:
             f"the session store (Redis Cluster) did not run the command: {clip(str(raw))}"
         )
     if isinstance(raw, Exception):
+        if is_out_of_memory(raw):
+            return out_of_memory(raw)
         return StoreError(f"the session store (Redis) failed: {raw}")
     try:
         check_reply(raw)

@@ -25,6 +25,11 @@ tag, so all keys of one session sit in one slot and one script may touch them to
                                         msgpack maps, oldest first, the newest 1,024 kept
     P:upload:{<id>}              LIST   pieces of a checkpoint being imported, in order
                                         (PX ttl, renewed with each piece; dropped after)
+    P:store                      STRING the store's identity, '<random id> <created_at>':
+                                        written once (SET NX) by the first worker, read
+                                        by every worker at start and with each
+                                        heartbeat; another one, or none, means the
+                                        store was wiped or replaced
 
 **Fencing.** ``meta.token`` is the current owner's fencing token (``ssmserve.server.state.lease``):
 ``<incarnation>.<epoch>``, where the incarnation is random per creation of the id and the
@@ -101,6 +106,11 @@ class Keys:
 def upload_key(prefix: str, upload_id: str) -> str:
     """The staging list of one import (``upload_id`` is random, one per ImportCheckpoint)."""
     return f"{prefix}:upload:{{{upload_id}}}"
+
+
+def store_identity_key(prefix: str) -> str:
+    """The store's identity (``state.store_facts.StoreIdentity``), one key for the store."""
+    return f"{prefix}:store"
 
 
 # ---------------------------------------------------------------------------- scripts
