@@ -252,23 +252,28 @@ class RedisClusterHarness:
 
 
 class SentinelHarness:
-    """One master, one replica, three sentinels watching them as ``ssm-master``."""
+    """One master, ``replicas`` replicas (1 by default), three sentinels watching them as
+    ``ssm-master``."""
 
     MASTER_NAME = "ssm-master"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, replicas: int = 1) -> None:
         self.root = root
         self.processes = _Processes(root)
         self.master_port = free_cluster_port()
-        self.replica_port = free_cluster_port(taken=[self.master_port])
+        self.replica_ports: list[int] = []
+        for _ in range(replicas):
+            self.replica_ports.append(
+                free_cluster_port(taken=[self.master_port, *self.replica_ports])
+            )
         self.sentinel_ports: list[int] = []
         for _ in range(3):
-            taken = [self.master_port, self.replica_port, *self.sentinel_ports]
+            taken = [self.master_port, *self.replica_ports, *self.sentinel_ports]
             self.sentinel_ports.append(free_cluster_port(taken=taken))
 
     @property
     def _ports(self) -> list[int]:
-        return [self.master_port, self.replica_port, *self.sentinel_ports]
+        return [self.master_port, *self.replica_ports, *self.sentinel_ports]
 
     @property
     def url(self) -> str:
@@ -297,9 +302,10 @@ class SentinelHarness:
 
     def start(self) -> SentinelHarness:
         self.master_port = self._server(self.master_port)
-        self.replica_port = self._server(
-            self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port)
-        )
+        for i, port in enumerate(self.replica_ports):
+            self.replica_ports[i] = self._server(
+                port, "--replicaof", "127.0.0.1", str(self.master_port)
+            )
         for i, port in enumerate(self.sentinel_ports):
             self.sentinel_ports[i] = self.processes.start_on_free_port(
                 port, self._sentinel_args, self._ports
@@ -311,12 +317,15 @@ class SentinelHarness:
         for port in self.sentinel_ports:
             with redis.Redis(port=port, socket_timeout=1) as s:
                 info = s.sentinel_master(self.MASTER_NAME)
-                if info["num-other-sentinels"] < 2 or info["num-slaves"] < 1:
+                if info["num-other-sentinels"] < 2 or info["num-slaves"] < len(self.replica_ports):
                     return False
         with redis.Redis(port=self.master_port, socket_timeout=1) as m:
             # online: the initial sync is done (until then WAIT counts no replica)
-            replica = m.info("replication").get("slave0")
-            return isinstance(replica, dict) and replica.get("state") == "online"
+            info = m.info("replication")
+            return all(
+                isinstance(info.get(f"slave{i}"), dict) and info[f"slave{i}"]["state"] == "online"
+                for i in range(len(self.replica_ports))
+            )
 
     def master(self) -> int:
         with redis.Redis(port=self.sentinel_ports[0], socket_timeout=1) as s:
@@ -325,7 +334,7 @@ class SentinelHarness:
     def flushall(self) -> None:
         with redis.Redis(port=self.master(), socket_timeout=10) as m:
             m.flushall()
-            m.wait(1, 5000)
+            m.wait(len(self.replica_ports), 5000)
 
     def failover(self, timeout_s: float = 30.0) -> int:
         """``SENTINEL FAILOVER``: the replica becomes master; its port, once every

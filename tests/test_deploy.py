@@ -84,7 +84,7 @@ def test_the_worker_takes_its_flags_and_environment(monkeypatch) -> None:
     parser = server_main.build_parser()
     parsed = parser.parse_args(args[1:])
     assert parsed.advertise == "10.1.2.3:50051"
-    assert parsed.redis_wait_replicas == 1 and parsed.log_format == "json"
+    assert parsed.redis_wait_replicas is None and parsed.log_format == "json"  # auto
     assert parsed.rebalance_every == 10
     assert parsed.memory_budget == int(config["SSMSERVE_MEMORY_BUDGET"])
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}

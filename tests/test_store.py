@@ -31,6 +31,7 @@ from ssmserve.server.state.store import (
 from ssmserve.server.state.store_errors import (
     LabelTakenError,
     LeaseExpiredError,
+    LeaseHeldError,
     LogDivergedError,
     SessionClosedError,
     SessionExistsError,
@@ -130,7 +131,11 @@ async def new(s: Store, sid: str, step: int = 0, owner: str = "w1", lease_ms=LEA
 
 
 async def acquire(s: Store, sid: str, owner: str, expect: str = "") -> SessionLease:
-    token = await s.acquire(sid, owner, f"addr:{owner[1:]}", LEASE_MS, expect=expect)
+    """``owner`` acquires ``sid``, as a worker that watched its lease's beat stand for a
+    whole TTL would (``cluster.takeover``; the time part is that module's, tested there)."""
+    beat = await s.redis.hget(s.keys(sid).meta, "beat")
+    proof = (beat or b"0").decode()
+    token = await s.acquire(sid, owner, f"addr:{owner[1:]}", LEASE_MS, expect=expect, proof=proof)
     return SessionLease(sid, token, owner)
 
 
@@ -199,7 +204,7 @@ def test_a_group_commit_gives_each_session_its_own_outcome(store):
         outcomes = await s.append_logs(appends, 7.0)
         assert [type(o).__name__ for o in outcomes] == [
             "NoneType", "StaleEpochError", "NoneType", "LogDivergedError",
-            "SessionClosedError", "SessionMissingError", "NoneType", "NoneType", "NoneType",
+            "SessionClosedError", "SessionVanishedError", "NoneType", "NoneType", "NoneType",
         ]  # fmt: skip
         assert await s.read_log("ok0", 1, 3) == [b"a001", b"a002", b"a003"]
         assert (await s.get_meta("ok0")).step == 3 and (await s.get_meta("ok1")).step == 1
@@ -692,7 +697,7 @@ def test_renewals_of_many_leases_give_each_its_own_outcome(store, monkeypatch):
         outcomes = await s.renew_leases(leases, LEASE_MS)
         assert [type(o).__name__ for o in outcomes] == [
             "NoneType", "LeaseExpiredError", "NoneType", "StaleEpochError", "NoneType",
-            "SessionMissingError", "SessionMissingError", "NoneType", "NoneType", "NoneType",
+            "SessionVanishedError", "SessionVanishedError", "NoneType", "NoneType", "NoneType",
         ]  # fmt: skip
         for lease in (*ok, other_worker):
             holder = await s.lease_holder(lease.session_id)
@@ -765,6 +770,62 @@ def test_closed_sessions_cannot_be_acquired(store):
     run(store, body)
 
 
+def test_a_token_never_repeats_when_redis_loses_the_epoch(store):
+    """The epoch counter lives in data Redis can lose (a failover to a replica that missed
+    writes, a restored backup, an fsync window). w2 acquires epoch 2; Redis then goes back
+    to before that write, and w1 acquires epoch 2 again. The tokens still differ (each
+    acquisition draws a nonce), so w2's writes are refused."""
+
+    async def body(s: Store):
+        w1 = await new(s, "r")
+        k = s.keys("r")
+        before = await s.redis.hgetall(k.meta)
+        await s.redis.delete(k.lease)  # w1 froze past its lease
+        w2 = await acquire(s, "r", "w2")
+        assert w2.epoch == 2
+        await s.redis.delete(k.meta, k.lease)  # Redis goes back in time: w2's acquire is lost
+        await s.redis.hset(k.meta, mapping=before)
+        again = await acquire(s, "r", "w1", expect=w1.token)
+        assert again.epoch == 2 == w2.epoch and again.token != w2.token
+        (stale,) = await s.append_logs([(w2, InputBlock.of(1, [b"w2"]))], 1.0)
+        assert isinstance(stale, StaleEpochError)
+        with pytest.raises(StaleEpochError):
+            await s.cut_history(w2, 0, 0, 9.0)
+        assert await s.append_logs([(again, InputBlock.of(1, [b"w1"]))], 1.0) == [None]
+        assert await s.read_log("r", 1, 1) == [b"w1"]
+
+    run(store, body)
+
+
+def test_a_lease_that_ran_out_in_redis_is_taken_over_only_with_proof(store):
+    """Redis expires a lease by its own clock; its owner trusts it by its own. A lease
+    that ran out while its owner never let go is taken over only by a worker that shows
+    the beat it saw stand (``cluster.takeover``); a renewal moves the beat, so a proof
+    taken before it no longer works. A released session needs no proof, and the owner
+    takes its own session back without one."""
+
+    async def body(s: Store):
+        w1 = await new(s, "t")
+        k = s.keys("t")
+        seen = (await s.redis.hget(k.meta, "beat") or b"0").decode()
+        (renewed,) = await s.renew_leases([w1], LEASE_MS)
+        assert renewed is None
+        await s.redis.delete(k.lease)  # Redis's clock jumped: the lease ran out there
+        with pytest.raises(LeaseHeldError) as held:
+            await s.acquire("t", "w2", "addr:2", LEASE_MS)
+        assert held.value.owner == "addr:1" and held.value.beat != seen
+        assert held.value.owner_lease_ms == LEASE_MS
+        with pytest.raises(LeaseHeldError):  # a proof from before the renewal
+            await s.acquire("t", "w2", "addr:2", LEASE_MS, proof=seen)
+        assert (await s.get_meta("t")).token == w1.token  # nothing changed
+        again = await s.acquire("t", "w1", "addr:1", LEASE_MS, expect=w1.token)
+        assert again != w1.token  # the owner itself: no proof needed
+        await s.release(SessionLease("t", again, "w1"))
+        assert await s.acquire("t", "w2", "addr:2", LEASE_MS)  # released: no proof needed
+
+    run(store, body)
+
+
 def test_sessions_stored_before_tokens_get_one_when_acquired(store):
     async def body(s: Store):
         k = s.keys("old")
@@ -774,7 +835,8 @@ def test_sessions_stored_before_tokens_get_one_when_acquired(store):
         })  # fmt: skip
         lease = await acquire(s, "old", "w1")
         got = await s.get_meta("old")
-        assert lease.epoch == 4 and got.token == lease.token and len(got.token) == 34
+        # "<32 hex incarnation>.4.<16 hex nonce>"
+        assert lease.epoch == 4 and got.token == lease.token and len(got.token) == 51
         assert got.numerics == ""  # acquire() without numerics records none
 
     run(store, body)

@@ -84,6 +84,15 @@ def _model_arg(text: str) -> tuple[str, Path]:
     return name, Path(directory)
 
 
+def _wait_replicas_arg(text: str) -> int | None:
+    """``--redis-wait-replicas``: ``auto`` (None) or a number of replicas, 0..16."""
+    if text.strip().lower() == "auto":
+        return None
+    if not text.strip().isdigit() or not 0 <= int(text) <= 16:
+        raise argparse.ArgumentTypeError(f"must be auto or a number 0..16, got {text[:40]!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser = argparse.ArgumentParser(
@@ -116,13 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--redis-wait-replicas",
-        type=int,
-        default=int(env("SSMSERVE_REDIS_WAIT_REPLICAS", "0")),
-        metavar="N",
+        type=_wait_replicas_arg,
+        default=env("SSMSERVE_REDIS_WAIT_REPLICAS", "auto"),
+        metavar="auto|N",
         help="wait until N replicas hold every write (Redis WAIT) before it counts: "
         "acknowledged steps then survive a master failover, at the cost of a replication "
-        "round trip per write; fewer replicas in time reloads the session (default 0; "
-        "on Redis Cluster, replicas of the master that holds the session; env "
+        "round trip per write; fewer replicas in time reloads the session. auto (the "
+        "default): every replica the master(s) have at start (a Sentinel master, Cluster "
+        "masters: the fewest any master has), none where there are none; 0 opts out (on "
+        "Redis Cluster, replicas of the master that holds the session; env "
         "SSMSERVE_REDIS_WAIT_REPLICAS)",
     )
     parser.add_argument(
@@ -222,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("SSMSERVE_INSECURE", "") == "1",
         help="serve a non-loopback address without --auth-tokens (anyone who reaches it "
         "can call every RPC); refused otherwise",
+    )
+    parser.add_argument(
+        "--allow-evicting-redis",
+        action="store_true",
+        default=env("SSMSERVE_ALLOW_EVICTING_REDIS", "") == "1",
+        help="serve even though Redis's maxmemory-policy is not noeviction (a warning "
+        "instead of a refusal): such a Redis deletes session keys, leases and registry "
+        "entries when it fills up, so acknowledged steps may vanish (env "
+        "SSMSERVE_ALLOW_EVICTING_REDIS=1)",
     )
     parser.add_argument(
         "--checkpoint-key",
@@ -351,8 +371,6 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit("ssmserve-server: error: --lease-ttl must be between 0.1 and 600 s")
     if not 0.05 <= args.redis_timeout <= 60:
         raise SystemExit("ssmserve-server: error: --redis-timeout must be between 0.05 and 60 s")
-    if not 0 <= args.redis_wait_replicas <= 16:
-        raise SystemExit("ssmserve-server: error: --redis-wait-replicas must be 0..16")
     if args.redis_wait_replicas and not args.redis_url:
         raise SystemExit(
             "ssmserve-server: error: --redis-wait-replicas needs --redis-url (the embedded "
@@ -415,6 +433,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         ownership=OwnershipSettings(lease_ttl_s=args.lease_ttl, worker_ttl_s=args.lease_ttl),
         redis_timeout_s=args.redis_timeout,
         redis_wait_replicas=args.redis_wait_replicas,
+        allow_evicting_redis=args.allow_evicting_redis,
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,12 +37,14 @@ from ssmserve.server.api.auth import (
 from ssmserve.server.api.cluster_service import ClusterService
 from ssmserve.server.api.rpc_metrics import RpcMetrics
 from ssmserve.server.api.service import ServiceSettings, SessionService
+from ssmserve.server.api.serving_gate import ServingGate
 from ssmserve.server.api.status import UndecodableRequests
 from ssmserve.server.api.tls import ReloadingCertificates, TlsSettings
 from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, Migrator
 from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings, new_worker_id
 from ssmserve.server.cluster.peers import Peers, PeerSettings
 from ssmserve.server.cluster.rebalance import Rebalancer, RebalanceSettings
+from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.data_dir_lock import DataDirLock, DataDirLockSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.embedded_redis_keeper import EmbeddedRedisKeeper, KeeperSettings
@@ -70,6 +73,7 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ModelTooLargeError(SsmserveError):
@@ -107,7 +111,9 @@ class WorkerSettings:
     keepalive_time_s: float = 5.0
     keepalive_timeout_s: float = 3.0
     redis_timeout_s: float = 2.0  # every Redis operation's deadline (StoreSettings)
-    redis_wait_replicas: int = 0  # replicas that must hold each write (StoreSettings)
+    # Replicas that must hold each write (StoreSettings); None (auto): 1 where the store
+    # has replicas, else 0.
+    redis_wait_replicas: int | None = None
     startup_timeout_s: float = 30.0  # how long a starting worker waits for Redis
     shutdown_grace_s: float = 5.0
     blas_threads: int | None = None  # None: SSMSERVE_BLAS_THREADS or 2
@@ -133,6 +139,9 @@ class WorkerSettings:
     # OTLP/gRPC endpoint for OpenTelemetry spans (pip install 'ssmserve[tracing]'); "": off.
     trace_otlp_endpoint: str = ""
     stored_count_every_s: float = 15.0  # how often ssmserve_sessions_stored is counted
+    # Serve from a Redis whose maxmemory-policy lets it delete keys (a warning instead of
+    # a refusal; ``cluster.store_guard``): acknowledged steps may then vanish.
+    allow_evicting_redis: bool = False
     readiness: ReadinessSettings = field(default_factory=ReadinessSettings)
     embedded_redis: KeeperSettings = field(default_factory=KeeperSettings)
 
@@ -194,6 +203,7 @@ class Worker:
         self.data_dir_lock: DataDirLock | None = None
         self.embedded_keeper: EmbeddedRedisKeeper | None = None
         self.store: Store | None = None
+        self.guard: StoreGuard | None = None  # the store's eviction policy and identity
         self.manager: SessionManager | None = None
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
@@ -246,10 +256,22 @@ class Worker:
             self.metrics,
         )
         await self._patiently("reach Redis", self.store.ping)
+        replication = await self._patiently(
+            "count the store's replicas", self.store.settle_replica_confirmation
+        )
+        log.log(
+            logging.INFO if replication.replicas or not replication.found else logging.WARNING,
+            "store: %s", replication.describe(),
+        )  # fmt: skip
+        guard = self.guard = StoreGuard(self.store, s.allow_evicting_redis)
+        await self._patiently("check the store's settings", guard.start)
         self.numerics = numerics_description()
         log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
 
-        interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequests()]
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            ServingGate(lambda: guard.refusal),
+            UndecodableRequests(),
+        ]
         if self.tokens is not None:  # first: a refused call is never parsed
             interceptors.insert(0, Authorization(self.authenticator))
             self.tokens.start()
@@ -277,7 +299,9 @@ class Worker:
         await refuse_taken_advertise(
             self.ownership, timing.worker_ttl_s + timing.period_s, timing.period_s / 8
         )
+        self.ownership.store_checks = guard.check
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
+        manager.residents.resets.watch(guard)
         self.migrator = Migrator(
             manager, self.ownership, self.peers, s.migration,
             on_drain=self._not_serving, on_undrain=self._serving_again,
@@ -289,6 +313,7 @@ class Worker:
             replace(s.service, max_message_bytes=s.max_message_bytes),
             self.migrator,
             self.authenticator,
+            refusal=lambda: guard.refusal,
         )
         pb_grpc.add_SessionServiceServicer_to_server(self.service, self.server)
         pb_grpc.add_ClusterServiceServicer_to_server(
@@ -310,7 +335,7 @@ class Worker:
             self._start_metrics(s.metrics_listen)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.readiness = Readiness(
-            self.health, ("", SERVICE_NAME, CLUSTER_SERVICE_NAME), self.store.ping, s.readiness
+            self.health, ("", SERVICE_NAME, CLUSTER_SERVICE_NAME), self._store_usable, s.readiness
         )
         await self.readiness.start()
         return self.address
@@ -340,6 +365,14 @@ class Worker:
             embedded.settings.host, embedded.port, redis_dir,
         )  # fmt: skip
         return embedded.url
+
+    async def _store_usable(self) -> None:
+        """What readiness asks: the store answers, and this worker may serve from it (not
+        while the store guard refuses it: an evicting Redis)."""
+        assert self.store is not None and self.guard is not None
+        await self.store.ping()
+        if self.guard.refusal is not None:
+            raise self.guard.refusal
 
     def _stats(self) -> WorkerStats:
         """What the heartbeat reports (``ssmserve workers``, ``ssmserve top``)."""
@@ -381,6 +414,7 @@ class Worker:
                 },
                 draining=lambda: ownership.draining,
                 stored_sessions=lambda: self._stored_sessions,
+                replicas_confirming=lambda: self.store.wait_replicas if self.store else 0,
             )
         )
         self.metrics_endpoint = MetricsEndpoint(listen, self.metrics.registry)
@@ -435,7 +469,7 @@ class Worker:
         except SsmserveError as exc:  # the next heartbeat says it
             log.warning("could not announce the models at once: %s", exc)
 
-    async def _patiently(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+    async def _patiently(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Retry ``call`` while Redis is unavailable, up to ``startup_timeout_s``: a store
         that is restarting, or slow for a moment, does not stop a worker from starting."""
         deadline = time.monotonic() + self.settings.startup_timeout_s

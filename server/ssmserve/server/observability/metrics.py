@@ -249,6 +249,7 @@ class WorkerView:
     forecasts_running: Callable[[], dict[str, int]]
     draining: Callable[[], bool]
     stored_sessions: Callable[[], int | None]  # as last counted (None: not yet)
+    replicas_confirming: Callable[[], int] = lambda: 0  # the WAIT behind each write
 
 
 class _WorkerCollector(Collector):
@@ -299,4 +300,10 @@ class _WorkerCollector(Collector):
         )
         yield GaugeMetricFamily(
             "ssmserve_worker_draining", "1 while this worker drains.", value=int(v.draining())
+        )
+        yield GaugeMetricFamily(
+            "ssmserve_store_replicas_confirming",
+            "Replicas that must hold each write before it counts (Redis WAIT); 0: a write "
+            "counts once the master has it, and a failover may lose acknowledged steps.",
+            value=v.replicas_confirming(),
         )

@@ -46,9 +46,10 @@ from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.state import redis_topology
 from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.input_log import InputBlock
-from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.lease import SessionLease, new_incarnation, new_nonce
 from ssmserve.server.state.script_batches import NOT_RUN, ScriptBatches, until_run
 from ssmserve.server.state.store_errors import (
+    LeaseHeldError,
     SessionExistsError,
     SessionMissingError,
     SessionVanishedError,
@@ -60,10 +61,9 @@ from ssmserve.server.state.store_errors import (
     StoreOutcomeUnknownError,
     StoreUnavailableError,
     check_reply,
-    is_out_of_memory,
-    out_of_memory,
     reply_fields,
     reply_outcome,
+    unknown_outcome_of,
 )
 from ssmserve.server.state.store_facts import EvictionPolicies, StoreIdentity
 from ssmserve.server.state.store_layout import Keys
@@ -126,7 +126,7 @@ class SessionMeta:
     epoch: int = 0  # acquisitions within this incarnation (for people; fencing uses token)
     owner: str = ""  # worker id of the last acquirer ('' after a release)
     owner_addr: str = ""
-    token: str = ""  # the current owner's fencing token ("<incarnation>.<epoch>")
+    token: str = ""  # the current owner's fencing token (``state.lease``)
     numerics: str = ""  # the numerics signature its history was computed with
 
     def to_fields(self) -> list[Any]:
@@ -134,7 +134,7 @@ class SessionMeta:
             "model", self.model, "fingerprint", self.fingerprint, "step", self.step,
             "log_start", self.log_start, "config", self.config, "created_at", self.created_at,
             "updated_at", self.updated_at, "closed", "1" if self.closed else "0",
-            "incarnation", self.token.rpartition(".")[0], "epoch", self.epoch,
+            "incarnation", self.token.partition(".")[0], "epoch", self.epoch,
             "token", self.token, "owner", self.owner, "owner_addr", self.owner_addr,
             "numerics", self.numerics,
         ]  # fmt: skip
@@ -297,9 +297,59 @@ class StoreSettings:
     socket_timeout_s: float = 2.0
     # After every write, wait until this many replicas have it (Redis WAIT) before it
     # counts as done; fewer in time makes its outcome unknown (the session reloads). 0:
-    # asynchronous replication, so a master failover can lose acknowledged steps.
-    wait_replicas: int = 0
+    # asynchronous replication, so a master failover can lose acknowledged steps. None
+    # (auto): 1 where every server holding sessions has a replica, else 0
+    # (``Store.settle_replica_confirmation``, before the first write).
+    wait_replicas: int | None = 0
     wait_timeout_ms: int = 1000  # the WAIT's own bound; below socket_timeout_s
+
+
+@dataclass(frozen=True)
+class ReplicaConfirmation:
+    """How many replicas confirm each write, and what that was decided from."""
+
+    replicas: int  # each write waits (WAIT) until this many replicas hold it
+    auto: bool  # decided from the replicas found (``--redis-wait-replicas auto``)
+    found: dict[str, int]  # replicas connected to each server holding sessions, at start
+    unreadable: str = ""  # why they could not be counted ('' if they were)
+
+    def describe(self) -> str:
+        """What the worker runs with, and what it means for a client (logged at start)."""
+        found = ", ".join(f"{name}: {n}" for name, n in sorted(self.found.items()))
+        seen = f" (replicas found: {found})" if found else ""
+        if self.replicas:
+            return (
+                f"every write waits until {self.replicas} replica(s) hold it (Redis WAIT){seen}: "
+                f"a failover to a replica keeps every acknowledged step; while fewer "
+                f"replicas answer, steps are answered UNAVAILABLE and retried"
+                + (
+                    " (--redis-wait-replicas 1 keeps serving with a replica down, and a "
+                    "failover may then lose the steps only the others had)"
+                    if self.auto and self.replicas > 1
+                    else ""
+                )
+            )
+        if self.unreadable:
+            return (
+                f"the replicas could not be counted ({clip(self.unreadable)}), so writes do "
+                f"not wait for any: a failover can lose acknowledged steps; give "
+                f"--redis-wait-replicas N (or allow the ROLE command)"
+            )
+        if not self.auto:
+            return (
+                f"writes wait for no replica (--redis-wait-replicas 0){seen}: a failover "
+                f"can lose acknowledged steps"
+            )
+        if any(self.found.values()):
+            bare = ", ".join(name for name, n in sorted(self.found.items()) if not n)
+            return (
+                f"writes wait for no replica: {bare} ha(s) none{seen}, and a write there "
+                f"could never be confirmed; a failover can lose acknowledged steps"
+            )
+        return (
+            "Redis has no replicas: a write counts once the server has it (a crash of the "
+            "server loses what its appendfsync policy had not yet written to disk)"
+        )
 
 
 class Store:
@@ -318,12 +368,15 @@ class Store:
         self.settings = settings
         self.metrics = metrics or Metrics(enabled=False)
         self.topology = redis_topology.topology_of(settings.url)
-        if settings.wait_replicas and settings.wait_timeout_ms >= settings.socket_timeout_s * 1000:
+        waits = settings.wait_replicas != 0  # a number, or auto
+        if waits and settings.wait_timeout_ms >= settings.socket_timeout_s * 1000:
             raise ValueError("wait_timeout_ms must be below the command deadline")
         self.redis: Any = redis_topology.connect(settings.url, settings.socket_timeout_s)
+        # Replicas each write waits for; auto (None) waits for none until settled.
+        self.wait_replicas = settings.wait_replicas or 0
         self.batches = ScriptBatches(
             self.redis,
-            settings.wait_replicas,
+            self.wait_replicas,
             settings.wait_timeout_ms,
             settings.socket_timeout_s,
             self._retry,
@@ -382,9 +435,10 @@ class Store:
                 f"the session store (Redis) is unavailable: {exc}"
             ) from None
         except redis_errors.RedisError as exc:
-            if is_out_of_memory(exc):  # only writes are refused so
+            unknown = unknown_outcome_of(exc)  # OOM, READONLY: only writes are refused so
+            if unknown is not None:
                 self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
-                raise out_of_memory(exc) from None
+                raise unknown from None
             self.metrics.redis_errors.labels(op, "error").inc()
             raise StoreError(f"the session store (Redis) failed: {exc}") from None
         finally:
@@ -414,7 +468,7 @@ class Store:
         self, op: str, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]
     ) -> Any:
         """Run one write script (waiting for replicas when the settings say so)."""
-        if not self.settings.wait_replicas:
+        if not self.wait_replicas:
             return await self._call(op, lambda: script(keys=keys, args=args), write=True)
         return (await self._scripts(op, script, [(keys, args)]))[0]
 
@@ -464,14 +518,10 @@ class Store:
                 outcomes += (self._outcome(r) for r in reply)
                 continue
             self.metrics.redis_errors.labels(op, "outcome_unknown").inc()
-            oom = isinstance(reply, Exception) and is_out_of_memory(reply)
-            error = (
-                out_of_memory(reply)
-                if oom
-                else StoreOutcomeUnknownError(
-                    f"the session store (Redis) refused a batched {what}, which may have been "
-                    f"applied in part: {clip(str(reply))}"
-                )
+            unknown = unknown_outcome_of(reply) if isinstance(reply, Exception) else None
+            error = unknown or StoreOutcomeUnknownError(
+                f"the session store (Redis) refused a batched {what}, which may have been "
+                f"applied in part: {clip(str(reply))}"
             )
             outcomes += [error] * len(chunk)
         return outcomes
@@ -514,6 +564,49 @@ class Store:
         await self.redis.aclose()
 
     # ------------------------------------------------------------------ the store itself
+
+    async def replica_counts(self) -> dict[str, int]:
+        """Replicas connected to each server that holds sessions (``ROLE``): the one
+        server, the master behind Sentinel, or every master of a cluster."""
+        if isinstance(self.redis, RedisCluster):
+            targets = [(n.name, {"target_nodes": n}) for n in self.redis.get_primaries()]
+        else:
+            targets = [("redis", {})]
+
+        async def read() -> dict[str, int]:
+            counts = {}
+            for name, where in targets:
+                role = await self.redis.execute_command("ROLE", **where)
+                counts[name] = len(role[2]) if role and role[0] in (b"master", "master") else 0
+            return counts
+
+        return await self._call("replica_counts", read)
+
+    async def settle_replica_confirmation(self) -> ReplicaConfirmation:
+        """Decide, before the first write, how many replicas confirm each write: the
+        setting when it names a number; auto (None): every replica the servers holding
+        sessions have now (the fewest any of them has), else 0.
+
+        Why every replica, not one: Sentinel promotes one replica and only then points the
+        others at it, while the old master still takes writes. A write the old master made
+        in between, confirmed by a replica that is about to be re-pointed, is thrown away
+        when that replica resyncs from the new master: with two replicas and WAIT 1, a
+        failover lost acknowledged steps in every run beside two CPU hogs
+        (``tests/test_replicated_redis.py``). A write every replica confirmed is on the
+        promoted one, whichever it is."""
+        wanted = self.settings.wait_replicas
+        counts: dict[str, int] = {}
+        unreadable = ""
+        try:
+            counts = await self.replica_counts()
+        except StoreUnavailableError:
+            raise
+        except StoreError as exc:  # ROLE refused (an ACL user without +role)
+            unreadable = str(exc)
+        if wanted is None:
+            wanted = min(counts.values()) if counts else 0
+        self.wait_replicas = self.batches.wait_replicas = wanted
+        return ReplicaConfirmation(wanted, self.settings.wait_replicas is None, counts, unreadable)
 
     async def store_identity(self) -> StoreIdentity | None:
         """The store's identity (``store_facts``); None when it has none (new, or wiped)."""
@@ -615,7 +708,7 @@ class Store:
                     f"session {meta.session_id!r} may or may not have been created: {unknown}"
                 ) from None
             if current is not None and current.token == meta.token:
-                if self.settings.wait_replicas:  # applied, but maybe on the master only
+                if self.wait_replicas:  # applied, but maybe on the master only
                     raise StoreOutcomeUnknownError(
                         f"session {meta.session_id!r} was created, but too few replicas "
                         f"confirmed it: {unknown}"
@@ -724,22 +817,31 @@ class Store:
         lease_ms: int,
         expect: str = "",
         numerics: str = "",
+        proof: str = "",
     ) -> str:
         """Take the session's lease; returns the new fencing token.
 
         ``expect``: only if the session's token is still this one (nobody acquired it
-        since). ``numerics``: recorded for a session stored without a signature. Raises
-        :class:`SessionMovedError` (with the owner's address and how long its lease still
-        runs) when another worker holds it.
+        since). ``numerics``: recorded for a session stored without a signature.
+        ``proof``: the beat this worker saw at least a lease TTL ago, needed to take over a
+        lease that ran out while its owner never let go (``cluster.takeover``). Raises
+        :class:`LeaseHeldError` (the owner's address, how long its lease still runs in
+        Redis, the beat now) when another worker holds it or may still trust it.
         """
         k = self.keys(session_id)
-        args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics]
+        args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics, new_nonce(),
+                proof]  # fmt: skip
         raw = await self._script("acquire", self._acquire, [k.meta, k.lease], args)
         reply = reply_fields(raw)
         if reply[0] == "ERR_OWNED":
-            owner, ttl = reply[2], reply[3]
-            raise LeaseHolder("", owner, max(0, int(ttl) if ttl.isdigit() else 0)).redirect(
-                session_id
+            owner, ttl, beat, owner_lease_ms = reply[2], reply[3], reply[4], reply[5]
+            raise LeaseHeldError(
+                f"session {session_id!r} is served by worker {owner or '(unknown)'}"
+                + ("" if ttl.isdigit() and int(ttl) > 0 else f" ({reply[1]})"),
+                owner=owner,
+                retry_after_ms=max(0, int(ttl) if ttl.isdigit() else 0),
+                beat=beat,
+                owner_lease_ms=int(owner_lease_ms) if owner_lease_ms.isdigit() else 0,
             )
         self._check(raw)
         return reply[1]

@@ -89,6 +89,30 @@ class StaleEpochError(SessionMovedError):
     (``owner`` says where to go); the reason code keeps its historic name."""
 
 
+class LeaseHeldError(SessionMovedError):
+    """Another worker holds the session's lease, or may still trust it by its own clock.
+
+    ``beat`` is the session's lease beat as Redis has it now (it moves with every
+    acquisition and renewal); ``owner_lease_ms`` is the TTL its owner's lease was given
+    (``cluster.takeover`` waits that long, on this worker's clock, for the beat to move)."""
+
+    def __init__(
+        self,
+        message: str,
+        owner: str = "",
+        retry_after_ms: int = 0,
+        beat: str = "",
+        owner_lease_ms: int = 0,
+    ) -> None:
+        super().__init__(message, owner=owner, retry_after_ms=retry_after_ms)
+        self.beat = beat
+        self.owner_lease_ms = owner_lease_ms
+
+    @property
+    def reason(self) -> str:
+        return "SESSION_MOVED"  # a redirect to the owner, as clients know it
+
+
 class LeaseExpiredError(StoreError):
     """This worker's lease ran out before it was renewed (nobody took the session yet)."""
 
@@ -152,10 +176,37 @@ def out_of_memory(error: BaseException) -> StoreOutcomeUnknownError:
     )
 
 
+def is_demoted(error: BaseException) -> bool:
+    """Whether the server refused a write because it is a replica now (READONLY): a
+    failover demoted the master this connection was made to."""
+    return isinstance(error, redis_errors.ReadOnlyError) or (
+        isinstance(error, redis_errors.ResponseError) and str(error).startswith("READONLY")
+    )
+
+
+def demoted(error: BaseException) -> StoreOutcomeUnknownError:
+    """A READONLY refusal as an unknown outcome: what this connection wrote before it, on
+    a master that is a replica now, may be gone (the new master never had it)."""
+    return StoreOutcomeUnknownError(
+        f"the Redis server this worker wrote to is a replica now (a failover demoted it: "
+        f"{str(error)[:200]}); what was written there may be lost, so the session is "
+        f"reloaded from the new master"
+    )
+
+
+def unknown_outcome_of(error: BaseException) -> StoreOutcomeUnknownError | None:
+    """The unknown outcome an error reply stands for (OOM, READONLY), or None."""
+    if is_out_of_memory(error):
+        return out_of_memory(error)
+    if is_demoted(error):
+        return demoted(error)
+    return None
+
+
 def reply_fields(raw: Any) -> list[str]:
     """A script's reply as a list of strings."""
-    if isinstance(raw, Exception) and is_out_of_memory(raw):
-        raise out_of_memory(raw)
+    if isinstance(raw, Exception) and (unknown := unknown_outcome_of(raw)) is not None:
+        raise unknown
     if isinstance(raw, list) and raw:
         return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in raw]
     raise UnknownReplyError(f"unexpected reply from the session store: {raw!r:.200}")
@@ -186,8 +237,9 @@ def reply_outcome(raw: Any) -> SsmserveError | None:
             f"the session store (Redis Cluster) did not run the command: {clip(str(raw))}"
         )
     if isinstance(raw, Exception):
-        if is_out_of_memory(raw):
-            return out_of_memory(raw)
+        unknown = unknown_outcome_of(raw)
+        if unknown is not None:
+            return unknown
         return StoreError(f"the session store (Redis) failed: {raw}")
     try:
         check_reply(raw)

@@ -13,7 +13,9 @@ tag, so all keys of one session sit in one slot and one script may touch them to
                                         numerics (PX ttl)
     P:{sid}:meta                 HASH   model, fingerprint, numerics, step, log_start,
                                         config, times, incarnation, epoch, token,
-                                        owner (worker id), owner_addr
+                                        owner (worker id), owner_addr, lease_ms (the
+                                        owner's lease TTL), beat (moves with every
+                                        acquisition and renewal)
     P:{sid}:lease                STRING the owning worker's id, or 'handoff:<id>' (PX ttl)
     P:{sid}:log                  HASH   step -> raw input bytes (float32 or int64, LE)
     P:{sid}:snaps                ZSET   snapshot id, scored by its step
@@ -32,11 +34,23 @@ tag, so all keys of one session sit in one slot and one script may touch them to
                                         store was wiped or replaced
 
 **Fencing.** ``meta.token`` is the current owner's fencing token (``ssmserve.server.state.lease``):
-``<incarnation>.<epoch>``, where the incarnation is random per creation of the id and the
-epoch counts acquisitions. Only ``CREATE`` and ``ACQUIRE`` make a token; every other
-write script starts with ``fence``, which refuses a token that is not the current one and
-changes nothing then. ``RENEW`` only extends the caller's own live lease key: it never
-re-creates one that expired (the caller must acquire again, which makes a new token).
+``<incarnation>.<epoch>`` from ``CREATE`` (the incarnation is random per creation of the
+id) and ``<incarnation>.<epoch>.<nonce>`` from ``ACQUIRE``, where the epoch counts
+acquisitions (for people) and the nonce is random per acquisition. The nonce is what
+makes a token unique: the epoch counter lives in data that Redis can lose (a failover to
+a replica that missed writes, a restored backup, an fsync window), after which the same
+epoch is handed out again. Only ``CREATE`` and ``ACQUIRE`` make a token; every other
+write script starts with ``fence``, which compares the whole token, refuses one that is
+not the current one and changes nothing then. ``RENEW`` only extends the caller's own
+live lease key: it never re-creates one that expired (the caller must acquire again,
+which makes a new token).
+
+**Takeover.** A lease key expires by Redis's wall clock, which can step; the owner trusts
+its lease by its own monotonic clock. So a lease that ran out while its owner never let
+go (a crash, a freeze, a clock step) is taken over only by a worker that proves it saw
+the lease unrenewed for a whole TTL on its own clock: every acquisition and renewal moves
+``meta.beat``, and ``ACQUIRE`` wants the beat the caller saw that long ago
+(``cluster.takeover``).
 
 **Numbers.** Lua numbers are doubles and ``tostring`` prints 1e14 as ``1e+14``; every
 number a script writes or uses in a key name goes through ``int()`` (``%d``, exact up to
@@ -302,6 +316,7 @@ for i = 1, pieces do
     end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 11))
+redis.call('HSET', KEYS[1], 'lease_ms', ARGV[2], 'beat', '0')
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local err = commit(KEYS[1], KEYS[3], KEYS[4], KEYS[5], new, {}, ARGV[4], tonumber(ARGV[5]),
     '', ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10]))
@@ -311,9 +326,14 @@ return err or {'OK'}
 
 # KEYS: meta, lease. ARGV: worker id, worker address, lease ms, expected token ('' for
 # any), a fresh incarnation and the worker's numerics signature (both used only by
-# sessions stored before the store recorded them).
+# sessions stored before the store recorded them), a fresh nonce, and the caller's proof
+# of an unrenewed lease ('' for none: the ``beat`` it saw at least a lease TTL ago by its
+# own clock, ``cluster.takeover``).
 # Free (no lease), held by this worker, or reserved for it by a hand-off: take it with a
-# new token. With an expected token, only if nobody acquired it since that token.
+# new token. With an expected token, only if nobody acquired it since that token. A lease
+# that ran out in Redis while its owner never let go is taken over only with the proof:
+# Redis expires keys by its wall clock, which can jump, so its expiry alone never hands a
+# session on (the owner may still trust its lease by its own clock).
 ACQUIRE = (
     _COMMON
     + """
@@ -328,9 +348,17 @@ if ARGV[4] ~= '' then
     if err then return err end
 end
 local holder = redis.call('GET', KEYS[2])
+local beat = redis.call('HGET', KEYS[1], 'beat') or '0'
 if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] then
     return {'ERR_OWNED', 'the session is held by another worker',
-        redis.call('HGET', KEYS[1], 'owner_addr') or '', int(redis.call('PTTL', KEYS[2]))}
+        redis.call('HGET', KEYS[1], 'owner_addr') or '', int(redis.call('PTTL', KEYS[2])),
+        beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
+end
+local owner = redis.call('HGET', KEYS[1], 'owner') or ''
+if not holder and ARGV[4] == '' and owner ~= '' and owner ~= ARGV[1] and ARGV[8] ~= beat then
+    return {'ERR_OWNED', 'the lease ran out in Redis, but this worker has not yet seen it '
+        .. 'unrenewed for a whole lease TTL', redis.call('HGET', KEYS[1], 'owner_addr') or '',
+        0, beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
 end
 local incarnation = redis.call('HGET', KEYS[1], 'incarnation')
 if not incarnation then
@@ -341,8 +369,10 @@ if (redis.call('HGET', KEYS[1], 'numerics') or '') == '' then
     redis.call('HSET', KEYS[1], 'numerics', ARGV[6])
 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-local token = incarnation .. '.' .. int(epoch)
-redis.call('HSET', KEYS[1], 'token', token, 'owner', ARGV[1], 'owner_addr', ARGV[2])
+local token = incarnation .. '.' .. int(epoch) .. '.' .. ARGV[7]
+redis.call('HSET', KEYS[1], 'token', token, 'owner', ARGV[1], 'owner_addr', ARGV[2],
+    'lease_ms', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'beat', 1)
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 return {'OK', token}
 """
@@ -357,13 +387,17 @@ local function renew(meta, lease, holder, token, ms)
     local current = redis.call('GET', lease)
     if current == holder then
         redis.call('PEXPIRE', lease, ms)
+        redis.call('HINCRBY', meta, 'beat', 1)
         return {'OK'}
     end
     if not current then
         return {'ERR_EXPIRED', 'the lease ran out before it was renewed'}
     end
     if string.sub(current, 1, 8) == 'handoff:' then
-        return {'HANDOFF'}  -- being handed to another worker by this one: leave it alone
+        -- Being handed to another worker by this one: leave the reservation alone. The
+        -- owner goes on trusting its lease, so the beat moves as for a renewal.
+        redis.call('HINCRBY', meta, 'beat', 1)
+        return {'HANDOFF'}
     end
     return {'ERR_STALE', 'the lease is held by ' .. current,
         redis.call('HGET', meta, 'owner_addr') or ''}
@@ -436,6 +470,7 @@ if holder and holder ~= 'handoff:' .. ARGV[5] and holder ~= ARGV[1] then
 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'beat', 1)
 return {'OK'}
 """
 )
@@ -600,13 +635,15 @@ return {'OK'}
 #: commands above (in scripts and outside them), EVALSHA with script loading, and keys
 #: under the prefix only. ``tests/test_store.py`` runs a worker as such a user on every
 #: Redis version it tests. (CLIENT SETINFO, which redis-py sends on connect, may be
-#: refused: redis-py ignores that.)
+#: refused: redis-py ignores that.) INFO is how the worker reads ``maxmemory_policy``
+#: where CONFIG GET is refused (``cluster.store_guard``); CONFIG GET itself is left out,
+#: since it would show this user the server's passwords too.
 WORKER_ACL_RULES = (
     "resetkeys ~ssm:* resetchannels -@all +ping +select +multi +exec +discard +evalsha +eval "
     "+script|load +script|exists +get +set +del +unlink +exists +rename +persist +pexpire "
     "+pttl +mget +hget +hgetall +hmget +hset +hdel +hexists +hincrby +sadd +srem +smembers "
     "+zadd +zrem +zcard +zrange +zrangebylex +zrangebyscore +zscore +scan +zrevrangebyscore "
-    "+zlexcount +rpush +lrange +llen +ltrim +wait"
+    "+zlexcount +rpush +lrange +llen +ltrim +wait +info +role"
 )
 #: What a worker needs beyond :data:`WORKER_ACL_RULES` on Redis Cluster (on every node):
 #: the cluster client learns the slot map (CLUSTER SLOTS) and each command's keys
