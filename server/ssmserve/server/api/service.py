@@ -78,11 +78,14 @@ class SessionService(pb_grpc.SessionServiceServicer):
         settings: ServiceSettings,
         migrator: Migrator,
         authenticator: Authenticator | None = None,
+        refusal: Callable[[], SsmserveError | None] = lambda: None,
     ) -> None:
         self.manager = manager
         self.settings = settings
         self.migrator = migrator  # places forks on other workers
         self.authenticator = authenticator  # None or disabled: no tenants
+        # Why this worker must not serve now (``serving_gate``); None: it serves.
+        self.refusal = refusal
         self.budgets = Budgets(settings.budgets, manager.store, manager.residents.footprint_of)
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
         self.recent_latency = RecentLatency()  # for the registry entry (ssmserve top)
@@ -177,7 +180,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         # redirect included, is answered in its StepResult: ending a bidi call while the
         # client still writes can reach the client as INTERNAL with the real status lost.
         scope = self._scope(context)
-        reader = _StreamReader(self.manager, self.settings, scope)
+        reader = _StreamReader(self.manager, self.settings, scope, self.refusal)
         task = asyncio.create_task(reader.run(request_iterator), name="stream-reader")
         budget = self.settings.max_message_bytes - _RESPONSE_MARGIN
         self.open_streams += 1
@@ -405,11 +408,16 @@ class _StreamReader:
     """
 
     def __init__(
-        self, manager: SessionManager, settings: ServiceSettings, scope: TenantScope
+        self,
+        manager: SessionManager,
+        settings: ServiceSettings,
+        scope: TenantScope,
+        refusal: Callable[[], SsmserveError | None] = lambda: None,
     ) -> None:
         self.manager = manager
         self.settings = settings
         self.scope = scope
+        self.refusal = refusal  # set: every step is answered with it, none is applied
         # Per message: when it arrived, the futures of its steps (one per step or run),
         # whether it asked for packed outputs, how many steps it has.
         self.answers: asyncio.Queue[tuple[float, list[_Answer], bool, int] | None] = asyncio.Queue()
@@ -438,6 +446,12 @@ class _StreamReader:
     async def _submit(self, request: pb.StreamRequest) -> list[_Answer]:
         loop = asyncio.get_running_loop()
         futures: list[_Answer] = []
+        if (refusal := self.refusal()) is not None:
+            for step in request.steps:
+                future = loop.create_future()
+                future.set_result(StepOutcome(step.session_id, step.step, error=refusal))
+                futures.append(future)
+            return futures
         limit = self.settings.max_steps_per_message
         steps = request.steps
         too_many = len(steps) > limit

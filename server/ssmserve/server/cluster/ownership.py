@@ -25,7 +25,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ssmserve.server.errors import SsmserveError
@@ -105,6 +105,9 @@ class Ownership:
         self._held = held
         self._on_lost = on_lost
         self._on_expired = on_expired
+        # Read alongside each round's heartbeat (``store_guard``: the store's eviction
+        # policy and identity); never raises.
+        self.store_checks: Callable[[], Awaitable[None]] | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -224,8 +227,9 @@ class Ownership:
                 self.late_rounds += 1
                 log.warning("lease renewal ran %.2f s late (the event loop was blocked)", now - due)
             due = max(due + period, now)
+            checks = self.store_checks() if self.store_checks else asyncio.sleep(0)
             try:
-                await asyncio.gather(self.heartbeat(), self.renew())
+                await asyncio.gather(self.heartbeat(), self.renew(), checks)
                 self.renewals += 1
             except SsmserveError as exc:  # Redis away: keep trying; leases self-fence
                 self.store.metrics.lease_renewals_failed.inc()

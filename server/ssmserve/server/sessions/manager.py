@@ -285,8 +285,8 @@ class SessionManager:
         if s is not None and s.gone is not None:
             s = None
         meta = await self.store.get_meta(session_id)
-        if meta is None:
-            raise SessionMissingError(f"session {session_id!r} does not exist")
+        if meta is None:  # NOT_FOUND, or DATA_LOSS when a wiped store took it
+            raise await self.residents.resets.missing(session_id)
         count, oldest = await self.store.snapshot_count_and_oldest(session_id)
         lease = None if s else await self.store.lease_holder(session_id)
         model = self.models.get(meta.model)

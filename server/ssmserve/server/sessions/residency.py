@@ -24,6 +24,7 @@ from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.sessions.errors import ReloadingError
 from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
 from ssmserve.server.sessions.session import Session
+from ssmserve.server.sessions.store_resets import StoreResets
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_errors import (
@@ -56,6 +57,7 @@ class ResidentSessions:
         self._footprint_by_group: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
         self._lease_checks = LocksWhileUsed()
+        self.resets = StoreResets(self)  # what a wiped store took (``store_resets``)
 
     def get(self, session_id: str) -> Session | None:
         """The resident session ``session_id`` unless it is gone (being dropped)."""
@@ -66,6 +68,7 @@ class ResidentSessions:
         """``s`` is resident from now on; it may hold up to ``footprint`` bytes."""
         self.remove(s.id)
         self.by_id[s.id] = s
+        self.resets.resident(s.id)
         self._footprints[s.id] = footprint
         self.footprint_bytes += footprint
         self._footprint_by_group[_group(s.id)] += footprint
@@ -102,6 +105,7 @@ class ResidentSessions:
         s.fail_queued(error)
         if self.by_id.get(s.id) is s:
             self.remove(s.id)
+            self.resets.left(s, error)
 
     def lost(self, s: Session, lease: SessionLease, error: SsmserveError) -> None:
         """A write or lease renewal with ``lease`` failed with ``error``: if it means the
