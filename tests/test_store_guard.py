@@ -472,3 +472,43 @@ def test_a_redis_restarted_empty_on_the_same_port_is_said_loudly(plain_redis, mo
             check_said_loudly(w, caplog, {busy: 3, idle: 1})
     finally:
         w.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.topology
+def test_the_policy_of_every_master_is_read_on_a_cluster_and_behind_sentinel(
+    redis_cluster, redis_sentinel
+):
+    """On Redis Cluster every master holds sessions, so each one's policy counts: one
+    master set to ``volatile-lru`` is found and named. Behind Sentinel, the master's."""
+
+    async def cluster() -> None:
+        s = Store(StoreSettings(url=redis_cluster.url))
+        masters = redis_cluster.live_masters()
+        try:
+            await s.ping()
+            found = await s.eviction_policies()
+            assert sorted(found.by_server) == sorted(f"127.0.0.1:{p}" for p in masters)
+            assert found.evicting == {} and found.unreadable == ""
+            with redis_cluster.node(masters[1]) as node:
+                node.config_set("maxmemory-policy", "volatile-lru")
+            try:
+                found = await s.eviction_policies()
+                assert found.evicting == {f"127.0.0.1:{masters[1]}": "volatile-lru"}
+                with pytest.raises(EvictingRedisError, match=f"127.0.0.1:{masters[1]}"):
+                    await StoreGuard(s).start()
+            finally:
+                with redis_cluster.node(masters[1]) as node:
+                    node.config_set("maxmemory-policy", "noeviction")
+        finally:
+            await s.aclose()
+
+    async def sentinel() -> None:
+        s = Store(StoreSettings(url=redis_sentinel.url))
+        try:
+            assert (await s.eviction_policies()).by_server == {"the Sentinel master": "noeviction"}
+        finally:
+            await s.aclose()
+
+    asyncio.run(cluster())
+    asyncio.run(sentinel())

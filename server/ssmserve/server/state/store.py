@@ -625,10 +625,14 @@ class Store:
                 pipe.get(key)
                 return await pipe.execute()
 
-        _, raw = await self._call("store_identity", run, write=True)
-        if raw is None:  # deleted between the two commands: ask again
-            return await self.claim_store_identity(candidate)
-        return StoreIdentity.from_value(raw)
+        for _ in range(3):  # deleted between the two commands (a wipe): ask again
+            _, raw = await self._call("store_identity", run, write=True)
+            if raw is not None:
+                return StoreIdentity.from_value(raw)
+        raise StoreUnavailableError(
+            "the store's identity was gone as soon as it was written, three times: "
+            "something keeps wiping the store"
+        )
 
     async def eviction_policies(self) -> EvictionPolicies:
         """``maxmemory-policy`` of every server that holds sessions: the one server, the
