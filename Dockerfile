@@ -36,8 +36,10 @@ WORKDIR /home/ssmserve
 ENV SSMSERVE_LISTEN=0.0.0.0:50051 SSMSERVE_DATA_DIR=/data SSMSERVE_METRICS_LISTEN=0.0.0.0:9400
 VOLUME ["/data"]
 EXPOSE 50051 9400
-# (A plaintext probe: with --tls-cert, point your orchestrator's gRPC probe at the TLS
-# port instead, or override this check.)
+# SERVING while the worker takes work and its Redis answers (NOT_SERVING while it drains,
+# and while the embedded Redis is being restarted after it died). (A plaintext probe:
+# with --tls-cert, point your orchestrator's gRPC probe at the TLS port instead, or
+# override this check.)
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import grpc, sys; \
 from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
 c = grpc.insecure_channel('127.0.0.1:50051'); \
