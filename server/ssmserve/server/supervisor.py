@@ -327,12 +327,21 @@ async def supervise(settings: SupervisorSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
     supervisor = Supervisor(settings)
     loop.add_signal_handler(signal.SIGHUP, supervisor.signal_workers, signal.SIGHUP)
+    starting = asyncio.create_task(supervisor.start())
+    stopped = asyncio.create_task(stop.wait())
     try:
-        addresses = await supervisor.start()
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # SIGTERM while the workers start: stop them all
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.info("stopped while starting")
+            return
+        addresses = starting.result()
         for address in addresses:
             print(f"{READY_LINE}{address}", flush=True)
         log.info("%d workers ready: %s", len(addresses), ", ".join(addresses))
         await stop.wait()
         log.info("shutting down: draining %d workers", len(addresses))
     finally:
+        stopped.cancel()
         await supervisor.stop()
