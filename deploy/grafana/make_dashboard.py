@@ -266,6 +266,19 @@ ts(
     "crash, the OOM killer: look at the memory limit); steps fail with UNAVAILABLE meanwhile.",
 )
 ts(
+    "Store wiped or replaced",
+    [
+        (
+            f"sum by (instance) (increase(ssmserve_store_resets_total{sel()}[$__rate_interval]))",
+            "{{instance}}",
+        ),
+    ],
+    "short",
+    desc="The store's identity changed or vanished (FLUSHALL, a Redis restarted without "
+    "persistence, another Redis at its address): every session the worker held was lost "
+    "and answers DATA_LOSS. Any point here deserves a look.",
+)
+ts(
     "RPCs/s by method and code",
     [
         (
