@@ -132,6 +132,23 @@ class StepFailed(SsmserveClientError):
         self.result = result
 
 
+class SessionRewound(FailedPrecondition):
+    """A session came back at ``session_step``, behind steps this stream was answered
+    (its durability keeps steps in memory between flushes and its worker crashed, or the
+    store lost writes), and the stream no longer holds the inputs from there on
+    (``RetryPolicy.rewind_window``): send them again from ``session_step + 1``."""
+
+    def __init__(self, message: str, session_id: str, session_step: int, answered: int) -> None:
+        super().__init__(message, "SESSION_REWOUND")
+        self.session_id = session_id
+        self.session_step = session_step
+        self.answered = answered  # the last step this stream was answered
+
+
+#: Reasons of a step error that say where the session is (``StepError.session_step``).
+GAP_REASONS = frozenset({"STEP_GAP", "SESSION_REWOUND"})
+
+
 def from_rpc_error(error: grpc.RpcError) -> SsmserveClientError:
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     message: str = error.details() or code.name  # type: ignore[attr-defined]

@@ -5,6 +5,13 @@ froze, the store was briefly away), it reconnects to the owner and resends every
 not yet answered. Steps are numbered, so a resend of an applied step is answered with its
 recorded output and never applied twice; each step is yielded exactly once, in order.
 At most ``RetryPolicy.window`` steps (or one message) are outstanding.
+
+A session can come back *behind* steps that were answered: ``snapshot`` and ``none``
+durability keep the steps since the last flush in memory only, and a crash loses them
+(or a store loses writes). The worker then answers SESSION_REWOUND (or STEP_GAP) with the
+step the session is at; the stream sends the inputs again from there if it still holds
+them (the last ``RetryPolicy.rewind_window`` answered ones), without yielding those
+steps a second time, and raises :class:`SessionRewound` if it does not.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from typing import Any
 import grpc
 
 from ssmserve.client.errors import (
+    GAP_REASONS,
+    SessionRewound,
     SsmserveClientError,
     StepFailed,
     Unavailable,
@@ -57,7 +66,9 @@ class ResumableStream:
         steps_per_message = self.steps_per_message
         # At least one message's worth may be outstanding, or a message would never fill.
         window = max(router.retry.window, steps_per_message)
-        feed = _StepFeed(session_id, _aiter(self.inputs), self.first_step, window)
+        feed = _StepFeed(
+            session_id, _aiter(self.inputs), self.first_step, window, router.retry.rewind_window
+        )
         backoff = Backoff(router.retry)
         address = router.owner_of(session_id)
         try:
@@ -118,11 +129,24 @@ class ResumableStream:
             for result in response.results:
                 if result.step < feed.lo:
                     continue  # answered before the stream was resumed
+                if result.step <= feed.yielded and not result.HasField("error"):
+                    feed.ack(result.step)  # answered before the session rewound: again
+                    continue
                 if result.step != feed.lo:
                     raise SsmserveClientError(
                         f"session {feed.session_id!r}: the answer to step {result.step} came "
                         f"before the answer to step {feed.lo}"
                     )
+                if (
+                    result.HasField("error")
+                    and result.error.reason in GAP_REASONS
+                    and result.error.HasField("session_step")
+                    and result.error.session_step < result.step - 1
+                    and result.error.session_step < feed.lo - 1
+                ):
+                    # The session is behind steps this stream was answered: send the
+                    # inputs again from where it is (their answers are not yielded again).
+                    raise _Retry(feed.rewind(result.error.session_step, result.error.message))
                 if result.HasField("error") and result.error.code in TRANSIENT_NUMBERS:
                     # Not applied: the session moved (go to its owner), or the store or the
                     # session is briefly away (retry). Resume from this step.
@@ -151,13 +175,22 @@ class _StepFeed:
     """
 
     def __init__(
-        self, session_id: str, source: AsyncIterator[Any], first_step: int, window: int
+        self,
+        session_id: str,
+        source: AsyncIterator[Any],
+        first_step: int,
+        window: int,
+        rewind_window: int = 0,
     ) -> None:
         self.session_id = session_id
         self.lo = first_step  # the first unanswered step
         self.hi = first_step  # the next step number to draw from the source
+        self.yielded = first_step - 1  # the last step whose answer was yielded
         self.exhausted = False
         self._values: dict[int, Any] = {}
+        # Answered inputs kept for a rewind: step -> value, the newest rewind_window.
+        self._answered: dict[int, Any] = {}
+        self._rewind_window = rewind_window
         self._window = window
         self._room = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -182,10 +215,40 @@ class _StepFeed:
         return time.monotonic() - self._quiet_since
 
     def ack(self, step: int) -> None:
-        self._values.pop(step, None)
+        value = self._values.pop(step, _END)
+        if self._rewind_window and value is not _END:
+            self._answered[step] = value
+            self._answered.pop(step - self._rewind_window, None)
         self.lo = step + 1
+        self.yielded = max(self.yielded, step)
         self._quiet_since = time.monotonic()
         self._room.set()
+
+    def rewind(self, session_step: int, why: str) -> SsmserveClientError:
+        """The session is at ``session_step``, behind answered steps: put their inputs
+        back to be sent again from ``session_step + 1`` (their answers are not yielded a
+        second time). Returns the error to resume with; SessionRewound if the inputs
+        from there are no longer kept."""
+        first = session_step + 1
+        if any(step not in self._answered for step in range(first, self.lo)):
+            raise SessionRewound(
+                f"session {self.session_id!r} came back at step {session_step}, behind step "
+                f"{self.lo - 1} that was answered, and this stream no longer holds the "
+                f"inputs from step {first} on (it keeps the last "
+                f"{self._rewind_window} answered): send them again from step {first} "
+                f"({why})",
+                self.session_id,
+                session_step,
+                self.lo - 1,
+            )
+        for step in range(first, self.lo):
+            self._values[step] = self._answered.pop(step)
+        self.lo = first
+        return Unavailable(
+            f"session {self.session_id!r} came back at step {session_step}: resending from "
+            f"step {first}",
+            "SESSION_REWOUND",
+        )
 
     async def value_at(self, step: int) -> Any:
         """The input of ``step``, drawing from the source as needed; _END after the last."""

@@ -28,6 +28,12 @@ class RetryPolicy:
     # forecast, history or export: reconnect (or retry the call).
     stall_timeout_s: float = 30.0
     window: int = 256  # steps sent but not yet answered, per stream (kept for resending)
+    # Answered inputs a stream keeps, so that a session that comes back behind them
+    # (SESSION_REWOUND: snapshot or none durability after a crash, or a store that lost
+    # writes) is streamed again from where it is; 0 keeps none (such a stream then
+    # raises SessionRewound). A crash loses at most the steps since the last snapshot
+    # (snapshot_every, 64 by default) and those not yet flushed.
+    rewind_window: int = 1024
     # Deadline of every unary call (a rollback or fork may replay a snapshot interval).
     call_timeout_s: float = 30.0
     # Deadline of an import (the whole checkpoint goes up in one call).

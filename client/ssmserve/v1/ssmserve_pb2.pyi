@@ -242,18 +242,20 @@ class SnapshotEvent(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepError(_message.Message):
-    __slots__ = ("code", "reason", "message", "owner", "retry_after_ms")
+    __slots__ = ("code", "reason", "message", "owner", "retry_after_ms", "session_step")
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
     code: int
     reason: str
     message: str
     owner: str
     retry_after_ms: int
-    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    session_step: int
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., session_step: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("session_id", "step", "output", "replayed", "guard_events", "snapshot_events", "error")

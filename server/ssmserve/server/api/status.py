@@ -124,6 +124,9 @@ def step_error(error: SsmserveError, clean: Callable[[str], str] = str) -> pb.St
     if isinstance(error, SessionMovedError):  # a redirect: where to go, and from when
         out.owner = error.owner
         out.retry_after_ms = max(0, min(error.retry_after_ms, 2**32 - 1))
+    session_step = getattr(error, "session_step", None)  # a gap: where the session is
+    if isinstance(session_step, int) and session_step >= 0:
+        out.session_step = session_step
     return out
 
 

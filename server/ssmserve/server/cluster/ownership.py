@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from ssmserve.server.cluster.takeover import Takeovers
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import Store, WorkerRecord, WorkerStats
@@ -102,12 +103,14 @@ class Ownership:
         self.renewals = 0  # rounds that reached Redis (tests, operators)
         self.late_rounds = 0  # rounds that started over a period late (a blocked loop)
         self.worst_late_s = 0.0  # the latest start of a round after its due time (tests)
-        self._held = held
-        self._on_lost = on_lost
-        self._on_expired = on_expired
+        # Sessions found held by others, watched until they may be taken over.
+        self.takeovers = Takeovers(settings.lease_ttl_s)
         # Read alongside each round's heartbeat (``store_guard``: the store's eviction
         # policy and identity); never raises.
         self.store_checks: Callable[[], Awaitable[None]] | None = None
+        self._held = held
+        self._on_lost = on_lost
+        self._on_expired = on_expired
         self._task: asyncio.Task[None] | None = None
 
     @property

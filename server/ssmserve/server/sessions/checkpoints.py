@@ -27,6 +27,13 @@ from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
 from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store
+from ssmserve.server.state.store_errors import (
+    LogDivergedError,
+    SessionMissingError,
+    SessionVanishedError,
+    StaleEpochError,
+    StoreUnavailableError,
+)
 
 # Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
 # keeps the event loop answering meanwhile; smaller ones cost less than the hop.
@@ -95,6 +102,7 @@ class Checkpoints:
             lambda lease: self.commits.commit(
                 SnapshotCommit(lease, record, blob, s.config.max_snapshots)
             ),
+            settle=True,
         )
         s.last_snapshot_step = max(s.last_snapshot_step, step)
         self.committed += 1
@@ -156,13 +164,54 @@ class Checkpoints:
                 if ended is None:
                     s.recent.unflushed.drop(block.count)
                 else:
-                    self.residents.lost(s, lease, ended)
+                    self.residents.lost(s, lease, ended, settle=True)
                 raise
             if error is not None:
-                self.residents.lost(s, lease, error)
+                self.residents.lost(s, lease, error, settle=True)
                 raise error
             # Steps recorded meanwhile were appended behind these: drop just the written.
             s.recent.unflushed.drop(block.count)
+
+    async def settle(self, s: Session) -> SsmserveError | None:
+        """After a write of ``s`` whose outcome is unknown: read what the store holds and
+        make memory's bookkeeping match it, if memory holds everything the store lacks.
+
+        The store's durable step ``D`` must be where memory's log stands: the step before
+        its oldest unflushed input (those up to ``D`` landed: they are flushed now), or,
+        with nothing unflushed, memory's own step. The newest snapshot at or before
+        memory's step is the one memory knows of (a commit that landed unanswered counts).
+        Returns None when settled; a StoreUnavailableError when the store did not answer
+        (ask again later); the reason memory cannot go on otherwise (the session is not
+        ours, or the store holds steps memory gave back: it reloads)."""
+        async with self._flushes.hold(s):  # no flush of it runs meanwhile
+            try:
+                meta = await self.store.get_meta(s.id)
+                newest = await self.store.snapshot_at_or_before(s.id, s.step)
+            except StoreUnavailableError as exc:
+                return exc
+            if meta is None:  # a later owner closed it, or the store was wiped: checked
+                return SessionVanishedError(
+                    f"session {s.id!r} is gone from the store while this worker held it; retry"
+                )
+            if meta.closed:
+                return SessionMissingError(f"session {s.id!r} is gone from the store")
+            if meta.token != s.lease.token:
+                return StaleEpochError(
+                    f"session {s.id!r} was taken over (its token is now {meta.token})",
+                    owner=meta.owner_addr,
+                )
+            unflushed = s.recent.unflushed
+            if unflushed and unflushed.first <= meta.step:
+                unflushed.drop(min(len(unflushed), meta.step - unflushed.first + 1))
+            logged = unflushed.first - 1 if unflushed else s.step
+            if meta.step != logged:
+                return LogDivergedError(
+                    f"the store's log of session {s.id!r} ends at step {meta.step}, memory's "
+                    f"at step {logged}"
+                )
+            if newest is not None:
+                s.last_snapshot_step = newest.step
+        return None
 
 
 class DueSnapshot:

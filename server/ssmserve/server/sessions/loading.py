@@ -266,6 +266,7 @@ class SessionLoader:
             s.recent.remember_output(record.step, rebuilt.checkpoint.output)
         s.recent.remember(record.step + 1, rebuilt.inputs, rebuilt.outputs)
         s.state, s.step, s.last_snapshot_step = rebuilt.state, meta.step, record.step
+        s.restored_step = meta.step
         self.residents.add(s, self.footprint(model, config))
         log.info(
             "session %s restored at step %d, token %s (snapshot %d + %d replayed)",

@@ -141,8 +141,10 @@ class StepperHooks:
     async def flush_unflushed(self, s: Session, upto: int) -> None:
         await self.checkpoints.flush_unflushed(s, upto)
 
-    def lost(self, s: Session, lease: SessionLease, error: SsmserveError) -> None:
-        self.residents.lost(s, lease, error)
+    def lost(
+        self, s: Session, lease: SessionLease, error: SsmserveError, settle: bool = False
+    ) -> None:
+        self.residents.lost(s, lease, error, settle)
 
     async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]:
         return await self.residents.revalidate(sessions)
@@ -169,6 +171,7 @@ class SessionManager:
         self.metrics = store.metrics  # the worker's, handed to its store
         self.residents = ResidentSessions(store, ownership)
         self.checkpoints = Checkpoints(store, self.residents, settings.snapshot_writes_in_flight)
+        self.residents.settle_with = self.checkpoints.settle
         self.replay = Replay(store, self.residents, self.checkpoints, engines={})
         hooks = StepperHooks(self.residents, self.checkpoints, self.replay)
         self.lanes = ModelLanes(self.models, store, hooks, settings.stepper, settings.forecast)
@@ -276,7 +279,7 @@ class SessionManager:
     async def view(self, session_id: str) -> SessionView:
         await self.checkpoints.settled(session_id)
         s = self.residents.by_id.get(session_id)
-        if s is not None and s.gone is None and not s.lease.valid():
+        if s is not None and s.gone is None and not s.answerable():
             # What memory says counts only while the lease is surely ours.
             with contextlib.suppress(SessionMovedError, SessionGoneError, ReloadingError):
                 async with self.residents.hold(s, read_only=True):

@@ -5,9 +5,16 @@ A session is resident on at most one worker: the holder of its lease
 session carries its lease's fencing token (:meth:`ResidentSessions.write`); a write
 refused as stale means another worker took the session over, and it leaves memory at
 once. Nothing is answered for a session while this worker's clock says its lease may
-have run out (:meth:`ResidentSessions.hold` revalidates first). A write whose outcome is
-unknown, or a log that does not continue what Redis holds, drops the session too: the
-next request reloads it from Redis, the source of truth.
+have run out (:meth:`ResidentSessions.hold` revalidates first).
+
+A write whose outcome is unknown, or a log that does not continue what Redis holds:
+- if the write only adds to what Redis holds (a log append or flush, a snapshot commit),
+  memory is kept, *unsettled*: nothing is answered for the session until its lease is
+  proven again and the store says what it holds (``Checkpoints.settle``); memory then
+  goes on if it holds everything the store lacks, else it is dropped;
+- any other write drops the session: the next request reloads it from Redis.
+Only a session taken over by another worker, or a store that holds more than memory,
+lets a session's memory go; a stalled Redis costs answers, never answered steps.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ssmserve.server.state.store_errors import (
     SessionMissingError,
     StaleEpochError,
     StoreOutcomeUnknownError,
+    StoreUnavailableError,
 )
 
 T = TypeVar("T")
@@ -57,6 +65,10 @@ class ResidentSessions:
         self._footprint_by_group: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
         self._lease_checks = LocksWhileUsed()
+        # How a session whose write had an unknown outcome learns what the store holds
+        # (``Checkpoints.settle``, which owns the log flushes); None: it has nothing to
+        # settle (a store with no checkpoints, in tests).
+        self.settle_with: Callable[[Session], Awaitable[SsmserveError | None]] = _nothing
         self.resets = StoreResets(self)  # what a wiped store took (``store_resets``)
 
     def get(self, session_id: str) -> Session | None:
@@ -107,11 +119,24 @@ class ResidentSessions:
             self.remove(s.id)
             self.resets.left(s, error)
 
-    def lost(self, s: Session, lease: SessionLease, error: SsmserveError) -> None:
+    def lost(
+        self, s: Session, lease: SessionLease, error: SsmserveError, settle: bool = False
+    ) -> None:
         """A write or lease renewal with ``lease`` failed with ``error``: if it means the
-        session is not ours any more, or that memory and Redis may differ (an unknown
-        outcome, a log that does not continue), drop ``s`` from memory. The next request
-        loads it again from Redis, the source of truth, or is sent to its new owner.
+        session is not ours any more, drop ``s`` from memory (the next request is sent to
+        its new owner). If memory and Redis may differ (an unknown outcome, a log that does
+        not continue), drop it too: the next request loads it again from Redis, the
+        source of truth.
+
+        ``settle``: the write only adds to what Redis holds (a log append or flush, a
+        snapshot commit), so memory still holds everything Redis may lack. Then memory
+        is kept and answers nothing until the store says which outcome it was
+        (:meth:`settle`): for ``snapshot`` and ``none`` durability memory holds the only
+        copy of the steps since the last flush, and dropping it would lose steps that
+        were answered. This holds even if the lease may have run out meanwhile: settling
+        first proves the lease (renewed, or acquired again with the same token, which
+        only works if nobody else acquired it since), so memory goes on only if it is
+        provably still the session's.
 
         A lease that is no longer the session's (it was acquired again since) proves
         nothing about the session as it is now, so it is left alone."""
@@ -120,6 +145,15 @@ class ResidentSessions:
         if isinstance(error, _NOT_OURS):
             self.drop(s, error)
         elif isinstance(error, StoreOutcomeUnknownError | LogDivergedError):
+            if settle:
+                if s.unsettled is None:
+                    log.warning(
+                        "session %s: a write's outcome is unknown (%s); it answers nothing "
+                        "until the store says which it was", s.id, error,
+                        extra={"session_id": s.id, "step": s.step, "event": "unsettled"},
+                    )  # fmt: skip
+                s.unsettled = error
+                return
             self.drop(
                 s,
                 ReloadingError(
@@ -161,25 +195,59 @@ class ResidentSessions:
         the sessions.
         """
         stale = [s for s in sessions if s.gone is None and not s.lease.valid()]
-        if not stale:
-            return {}
         errors: dict[str, SsmserveError] = {}
-        leases = [s.lease for s in stale]
-        for s, lease, result in zip(
-            stale, leases, await self.ownership.revalidate(leases), strict=True
-        ):
-            if isinstance(result, SessionLease):
-                if s.lease is lease:
-                    s.lease = result
-                continue
-            errors[s.id] = result
-            if isinstance(result, _NOT_OURS):
-                self.lost(s, lease, result)
+        if stale:
+            leases = [s.lease for s in stale]
+            for s, lease, result in zip(
+                stale, leases, await self.ownership.revalidate(leases), strict=True
+            ):
+                if isinstance(result, SessionLease):
+                    if s.lease is lease:
+                        s.lease = result
+                    continue
+                errors[s.id] = result
+                if isinstance(result, _NOT_OURS):
+                    self.lost(s, lease, result)
+        for s in sessions:
+            if s.gone is None and s.unsettled is not None and s.id not in errors:
+                error = await self.settle(s)
+                if error is not None:
+                    errors[s.id] = error
         return errors
+
+    async def settle(self, s: Session) -> SsmserveError | None:
+        """Learn what the store holds of ``s`` after a write with an unknown outcome, and
+        go on from memory if memory holds it all (``settle_with``). None: ``s`` answers
+        again. Otherwise the error: the store unreachable (``s`` stays, unanswered), or
+        memory cannot follow the store (``s`` left memory and reloads)."""
+        error = await self.settle_with(s)
+        if error is None:
+            if s.unsettled is not None:
+                log.info(
+                    "session %s: the store agrees with memory at step %d; answering again",
+                    s.id, s.step, extra={"session_id": s.id, "step": s.step, "event": "settled"},
+                )  # fmt: skip
+            s.unsettled = None
+            return None
+        if isinstance(error, StoreUnavailableError):
+            # Not yet: ask again on the next request. Memory stays even if the lease ran
+            # out meanwhile: its revalidation acquires it again only if nobody else did
+            # (the same token), which proves memory is still the session's.
+            return error
+        if isinstance(error, _NOT_OURS):
+            self.drop(s, error)
+        else:
+            self.drop(
+                s,
+                ReloadingError(
+                    f"session {s.id!r} is being reloaded from the store ({error}); retry"
+                ),
+            )
+        return s.gone or error
 
     async def ensure_lease(self, s: Session) -> None:
         """:meth:`revalidate` for one session; raises what stands in the way."""
-        if s.lease.valid():
+        if s.answerable():
             return
         async with self._lease_checks.hold(s):  # one revalidation of a lease at a time
             error = (await self.revalidate([s])).get(s.id)
@@ -205,24 +273,28 @@ class ResidentSessions:
             await self.ensure_lease(s)
             yield
 
-    async def write(self, s: Session, write: Callable[[SessionLease], Awaitable[T]]) -> T:
+    async def write(
+        self, s: Session, write: Callable[[SessionLease], Awaitable[T]], settle: bool = False
+    ) -> T:
         """Run a store write of ``s`` with its lease; on an error that means the session
         is not ours any more, or that its outcome is unknown, drop ``s`` and re-raise.
 
         The write runs to its end even if the request that made it goes away (a client's
         deadline on a rollback or a migration): then how it ended is learnt, not guessed
         (:func:`write_outcome`). A write that landed while its caller will not change
-        memory to match drops ``s``; one that did not land changes nothing."""
+        memory to match drops ``s`` (with ``settle``: leaves it unsettled, see
+        :meth:`lost`); one that did not land changes nothing."""
         lease = s.lease
         task = asyncio.ensure_future(write(lease))
         try:
             return await asyncio.shield(task)
         except SsmserveError as exc:
-            self.lost(s, lease, exc)
+            self.lost(s, lease, exc, settle)
             raise
         except asyncio.CancelledError:
             error = await write_outcome(task)
-            self.lost(s, lease, error or StoreOutcomeUnknownError("a write landed unanswered"))
+            unknown = error or StoreOutcomeUnknownError("a write landed unanswered")
+            self.lost(s, lease, unknown, settle)
             raise
 
 
@@ -242,6 +314,10 @@ async def write_outcome(task: asyncio.Future[object]) -> SsmserveError | None:
     if isinstance(error, SsmserveError):
         return error
     return StoreOutcomeUnknownError(f"a write failed under way: {type(error).__name__}")
+
+
+async def _nothing(s: Session) -> SsmserveError | None:
+    return None
 
 
 def _group(session_id: str) -> str:

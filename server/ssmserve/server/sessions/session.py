@@ -30,9 +30,23 @@ from ssmserve.server.state.lease import SessionLease
 
 
 class StepGapError(SsmserveError):
-    """A step number beyond the next one: an input is missing in between."""
+    """A step number beyond the next one: an input is missing in between.
+
+    ``session_step`` is the step the session is at (the next input it takes is one more)."""
 
     kind = ErrorKind.FAILED_PRECONDITION
+
+    def __init__(self, message: str, session_step: int = 0) -> None:
+        super().__init__(message)
+        self.session_step = session_step
+
+
+class SessionRewoundError(StepGapError):
+    """A step beyond the next one, sent to a session that has just come back from the
+    store at ``session_step`` and not stepped since: it is behind steps a client was
+    answered (``snapshot`` and ``none`` durability keep the steps since the last flush in
+    memory only, and a crash loses them; or the store lost writes). The client resends
+    from ``session_step + 1`` if it still holds those inputs."""
 
 
 class GuardRejectedError(SsmserveError):
@@ -302,10 +316,12 @@ class Session:
         "queue",
         "queued_steps",
         "recent",
+        "restored_step",
         "snapshot_events",
         "snapshots",
         "state",
         "step",
+        "unsettled",
         "updated_at",
     )
 
@@ -339,11 +355,21 @@ class Session:
         self.lease = lease  # this worker's ownership: every store write carries it
         self.last_snapshot_step = -1  # step of the newest snapshot this worker knows of
         self.gone: SsmserveError | None = None  # set once closed or evicted
+        # Why memory may not match the store (a write of it had an unknown outcome): set,
+        # nothing is answered for it until the store says which it was (``residency``).
+        self.unsettled: SsmserveError | None = None
+        # The step memory was rebuilt at from the store (a load, a takeover); -1: none.
+        self.restored_step = -1
         self.snapshots = SnapshotWriter(session_id)  # periodic snapshots, in the background
         # Committed, not yet in an answer: a tuple, replaced when it changes (most
         # sessions have none, and () is one shared object where a list is 56 bytes each).
         self.snapshot_events: tuple[SnapshotEvent, ...] = ()
         self._on_release = on_release  # tells the stepper the head of the queue moved
+
+    def answerable(self) -> bool:
+        """Whether memory may answer for this session now: its lease surely still runs by
+        this worker's clock, and the store agrees with memory as far as anyone knows."""
+        return self.unsettled is None and self.lease.valid()
 
     @property
     def head_is_step(self) -> bool:

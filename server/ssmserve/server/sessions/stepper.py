@@ -56,6 +56,7 @@ from ssmserve.server.sessions.session import (
     GuardRolledBackError,
     Session,
     SessionGoneError,
+    SessionRewoundError,
     StepGapError,
     StepJob,
     StepOutcome,
@@ -84,7 +85,9 @@ class BatchHooks(Protocol):
 
     async def flush_unflushed(self, session: Session, upto: int) -> None: ...
 
-    def lost(self, session: Session, lease: SessionLease, error: SsmserveError) -> None: ...
+    def lost(
+        self, session: Session, lease: SessionLease, error: SsmserveError, settle: bool = False
+    ) -> None: ...
 
     async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]: ...
 
@@ -430,10 +433,18 @@ class Stepper:
                 outcome.output = s.recent.output_at(job.step)
                 if outcome.output is None:
                     recompute.append((w, job, outcome))
+            elif job.step > s.step + 1 and s.step == s.restored_step:
+                outcome.error = SessionRewoundError(
+                    f"session {s.id!r} came back from the store at step {s.step}, behind "
+                    f"step {job.step - 1} (its durability keeps steps in memory between "
+                    f"flushes, or the store lost writes): resend from step {s.step + 1}",
+                    session_step=s.step,
+                )
             elif job.step > s.step + 1:
                 outcome.error = StepGapError(
                     f"step {job.step} of session {s.id!r} skips ahead: the session is at "
-                    f"step {s.step}, so the next input is step {s.step + 1}"
+                    f"step {s.step}, so the next input is step {s.step + 1}",
+                    session_step=s.step,
                 )
             else:
                 apply.append((w, job))
@@ -523,7 +534,7 @@ class Stepper:
                 w.appended = error is None
                 if error is not None:
                     w.take_back(error)
-                    self.hooks.lost(s, lease, error)
+                    self.hooks.lost(s, lease, error, settle=True)
                 elif s.step < ahead.upto(s):  # a queued step logged ahead left the queue
                     self.hooks.drop(s, ReloadingError(f"session {s.id!r} is behind its log"))
         durable = [
@@ -553,9 +564,9 @@ class Stepper:
             if w.appended:  # its steps logged ahead are in Redis, memory gave them back
                 self.hooks.drop(w.session, error)
             else:
-                # Dropped if another worker owns it now, or if Redis may hold more than
-                # memory now (an unknown outcome): the next request reloads it.
-                self.hooks.lost(w.session, lease, error)
+                # Dropped if another worker owns it now; an unknown outcome waits for
+                # the store to say whether it holds more than memory (then it reloads).
+                self.hooks.lost(w.session, lease, error, settle=True)
         for w in work:
             s = w.session
             if (
