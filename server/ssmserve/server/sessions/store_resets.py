@@ -75,8 +75,10 @@ class StoreResets:
         if isinstance(error, _NOT_RELOADED) and not isinstance(error, SessionVanishedError):
             return
         _remember(self._reloading, s.id, s.step, self.remembered)
-        if isinstance(error, SessionVanishedError) and self.guard is not None:
-            check = asyncio.ensure_future(self.guard.check_identity())
+        # One check at a time: thousands of sessions vanish at once when a store is wiped.
+        guard = self.guard
+        if isinstance(error, SessionVanishedError) and guard is not None and not self._checks:
+            check = asyncio.ensure_future(guard.check_identity())
             self._checks.add(check)
             check.add_done_callback(_checked)
             check.add_done_callback(self._checks.discard)
