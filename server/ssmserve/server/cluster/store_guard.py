@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.state.store import Store
@@ -57,20 +57,19 @@ def evicting_message(evicting: dict[str, str]) -> str:
 class StoreGuard:
     """Reads the store's eviction policy and identity at start and with each heartbeat.
 
-    ``on_refusal``: awaited whenever :attr:`refusal` changes (health follows it).
-    ``on_reset``: called with the identity the worker had when the store turns out to
-    be wiped or replaced; it returns how many sessions this worker lost.
+    :attr:`refusal` is read by the serving gate (``api.serving_gate``) and by readiness
+    (``worker``), so calls and health follow it. ``on_reset`` is called with the identity
+    the worker had when the store turns out to be wiped or replaced; it returns how many
+    sessions this worker lost.
     """
 
     def __init__(
         self,
         store: Store,
         allow_evicting: bool = False,
-        on_refusal: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.allow_evicting = allow_evicting
-        self.on_refusal = on_refusal
         self.on_reset: Callable[[StoreIdentity | None], int] = lambda _was: 0
         self.identity: StoreIdentity | None = None  # adopted at start
         self.refusal: EvictingRedisError | None = None  # set: serve nothing
@@ -82,7 +81,7 @@ class StoreGuard:
     async def start(self) -> None:
         """Before the worker serves: refuse an evicting Redis (raises
         :class:`EvictingRedisError`), and adopt the store's identity."""
-        await self._judge(await self.store.eviction_policies(), starting=True)
+        self._judge(await self.store.eviction_policies(), starting=True)
         self.identity = await self.store.claim_store_identity(StoreIdentity.new())
         log.info("session store identity %s", self.identity.describe())
 
@@ -101,7 +100,7 @@ class StoreGuard:
             elif isinstance(result, BaseException):  # a bug: said, and the heartbeat goes on
                 log.error("store check failed", exc_info=result)
         if isinstance(policies, EvictionPolicies):
-            await self._judge(policies, starting=False)
+            self._judge(policies, starting=False)
 
     async def check_identity(self) -> bool:
         """Read the store's identity; True when it is not the one adopted (the store was
@@ -126,7 +125,7 @@ class StoreGuard:
             )
             return True
 
-    async def _judge(self, policies: EvictionPolicies, starting: bool) -> None:
+    def _judge(self, policies: EvictionPolicies, starting: bool) -> None:
         if policies.unreadable:
             if not self._said_unreadable:
                 self._said_unreadable = True
@@ -148,7 +147,6 @@ class StoreGuard:
             if self.refusal is not None:
                 self.refusal = None
                 log.warning("maxmemory-policy is %r again: serving", NO_EVICTION)
-                await self._changed()
             return
         message = evicting_message(evicting)
         if self.allow_evicting:
@@ -158,12 +156,3 @@ class StoreGuard:
             raise EvictingRedisError(message)
         self.refusal = EvictingRedisError(message)
         log.error("%s. This worker serves nothing until then.", message)
-        await self._changed()
-
-    async def _changed(self) -> None:
-        if self.on_refusal is None:
-            return
-        try:
-            await self.on_refusal()
-        except Exception:  # health not updated: said; calls are refused all the same
-            log.exception("could not publish the store's refusal")
