@@ -69,10 +69,17 @@ POLICY = {
 }
 
 
-def session_dump(url: str, sid: str) -> dict[bytes, bytes]:
-    """Every key of a session with its DUMP (the lease's TTL is not in a DUMP)."""
+def session_dump(url: str, sid: str) -> dict[bytes, object]:
+    """Every key of a session with its DUMP (the lease's TTL is not in a DUMP); the meta
+    hash as its fields, but its ``beat``, which the owner's lease renewals move."""
     with sync_client(url) as r:
-        return {k: r.dump(k) for k in r.scan_iter(match=f"ssm:{{{sid}}}:*")}
+        dump: dict[bytes, object] = {}
+        for k in r.scan_iter(match=f"ssm:{{{sid}}}:*"):
+            if k.endswith(b":meta"):
+                dump[k] = {f: v for f, v in r.hgetall(k).items() if f != b"beat"}
+            else:
+                dump[k] = r.dump(k)
+        return dump
 
 
 # ---------------------------------------------------------------------------- Redis stalls

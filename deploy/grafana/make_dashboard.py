@@ -266,6 +266,14 @@ ts(
     "crash, the OOM killer: look at the memory limit); steps fail with UNAVAILABLE meanwhile.",
 )
 ts(
+    "Replicas confirming each write",
+    [(f"min by (instance) (ssmserve_store_replicas_confirming{sel()})", "{{instance}}")],
+    "short",
+    desc="How many replicas every write waits for (Redis WAIT) before a step is answered "
+    "(--redis-wait-replicas; auto: every replica the masters had at start). 0 on a "
+    "replicated Redis means a failover can lose acknowledged steps.",
+)
+ts(
     "Store wiped or replaced",
     [
         (
