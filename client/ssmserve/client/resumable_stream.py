@@ -137,13 +137,7 @@ class ResumableStream:
                         f"session {feed.session_id!r}: the answer to step {result.step} came "
                         f"before the answer to step {feed.lo}"
                     )
-                if (
-                    result.HasField("error")
-                    and result.error.reason in GAP_REASONS
-                    and result.error.HasField("session_step")
-                    and result.error.session_step < result.step - 1
-                    and result.error.session_step < feed.lo - 1
-                ):
+                if result.HasField("error") and feed.behind(result.error):
                     # The session is behind steps this stream was answered: send the
                     # inputs again from where it is (their answers are not yielded again).
                     raise _Retry(feed.rewind(result.error.session_step, result.error.message))
@@ -186,6 +180,7 @@ class _StepFeed:
         self.lo = first_step  # the first unanswered step
         self.hi = first_step  # the next step number to draw from the source
         self.yielded = first_step - 1  # the last step whose answer was yielded
+        self.answered_here = False  # a step of this stream was answered
         self.exhausted = False
         self._values: dict[int, Any] = {}
         # Answered inputs kept for a rewind: step -> value, the newest rewind_window.
@@ -221,8 +216,20 @@ class _StepFeed:
             self._answered.pop(step - self._rewind_window, None)
         self.lo = step + 1
         self.yielded = max(self.yielded, step)
+        self.answered_here = True
         self._quiet_since = time.monotonic()
         self._room.set()
+
+    def behind(self, error: pb.StepError) -> bool:
+        """Whether ``error`` says the session is behind steps answered to this stream:
+        SESSION_REWOUND (it came back from the store) behind the steps this stream
+        started after or was answered, or a STEP_GAP behind a step this very stream was
+        answered (a gap past what it was answered is the caller's own, and stays one)."""
+        if error.reason not in GAP_REASONS or not error.HasField("session_step"):
+            return False
+        if error.reason == "SESSION_REWOUND":
+            return error.session_step < self.lo - 1
+        return self.answered_here and error.session_step < self.lo - 1
 
     def rewind(self, session_step: int, why: str) -> SsmserveClientError:
         """The session is at ``session_step``, behind answered steps: put their inputs
