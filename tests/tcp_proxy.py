@@ -61,6 +61,12 @@ class TcpProxy:
             self._call(self._reset())
         self._call(self._set(True))
 
+    def retarget(self, host: str, port: int) -> None:
+        """Send new connections to ``host:port`` and reset the open ones: what a client
+        sees when the address it dials now leads to another server (a failover behind a
+        virtual IP or a DNS name)."""
+        self._call(self._retarget((host, port)))
+
     def close(self) -> None:
         if not self._thread.is_alive():
             return
@@ -90,6 +96,10 @@ class TcpProxy:
             self._flowing.set()
         else:
             self._flowing.clear()
+
+    async def _retarget(self, target: tuple[str, int]) -> None:
+        self.target = target
+        await self._reset()
 
     async def _reset(self) -> None:
         for writer in list(self._conns):

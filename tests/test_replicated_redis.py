@@ -10,11 +10,16 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+import redis
 
 from ssmserve.client.sync import Client
+from ssmserve.server.embedded_redis import find_redis_server
+from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.cluster_helpers import (
     check_exact,
     moving_on,
@@ -101,3 +106,110 @@ def test_a_sentinel_failover_at_default_settings_loses_no_acknowledged_step(
     finally:
         for w in workers:
             w.kill()
+
+
+@pytest.mark.slow
+def test_a_failover_to_a_replica_that_missed_a_takeover_never_repeats_a_token(
+    start_worker, served_models, tmp_path
+):
+    """The epoch counter lives in data replication can lose. A master P and a replica R
+    that replicates through a proxy; the workers reach "the master" through another proxy.
+    A owns X; replication is black-holed; X migrates to B (B acquires epoch 2 on P only);
+    P is lost and R promoted in its place. A loads X from R and acquires epoch 2 again.
+    B still trusts its lease by its own clock and sends a Rollback with its token: the
+    tokens share the epoch but not the nonce, so R refuses it. Nothing changes, B lets X
+    go, and A's session is exactly as R holds it.
+
+    Without the nonce both tokens were '<incarnation>.2': B's rollback erased 20 of A's
+    client's acknowledged steps, and A still said step 110 while Redis held 90."""
+    import grpc
+
+    from ssmserve.server.cluster.ownership import OwnershipSettings
+    from ssmserve.server.embedded_redis import free_port
+    from tests.tcp_proxy import TcpProxy
+    from tests.test_service import assert_bit_equal, reference, stream, stub
+
+    model = served_models["demo"]
+    x = random_inputs(model, 40, seed=910)
+    primary, replica = free_port(), free_port()
+    args = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    servers = [
+        subprocess.Popen(
+            [find_redis_server(), "--port", str(port), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
+        for port in (primary, replica)
+    ]
+    try:
+        for port in (primary, replica):
+            wait_until(lambda p=port: redis.Redis(port=p).ping(), f"redis on {port}")
+        with (
+            TcpProxy("127.0.0.1", primary).start() as link,  # replication: P -> R
+            TcpProxy("127.0.0.1", primary).start() as front,  # the workers' "master"
+        ):
+            redis.Redis(port=replica).replicaof("127.0.0.1", link.port)
+            wait_until(
+                lambda: redis.Redis(port=replica).info("replication")["master_link_status"] == "up",
+                "the replica's initial sync",
+            )
+            # B trusts its lease for 30 s by its own clock and never renews it meanwhile.
+            trusting = OwnershipSettings(lease_ttl_s=30.0, worker_ttl_s=30.0, renew_every_s=3600)
+            # Replica confirmation off (--redis-wait-replicas 0): with it, the migration
+            # below would not complete while R misses writes. Tokens must not repeat
+            # even so: a restored backup or an fsync window loses writes the same way.
+            a = start_worker(url=front.url, redis_wait_replicas=0)
+            b = start_worker(url=front.url, ownership=trusting, redis_wait_replicas=0)
+            sid = a.client.create_session("demo", snapshot_every=8).session_id
+            stream(a, sid, x[:20])
+            assert redis.Redis(port=primary).wait(1, 5000) == 1  # R holds all of it
+            link.black_hole()  # from here R misses every write
+            assert a.client.migrate(sid, b.address).target == b.address
+            stream(b, sid, x[20:30], first_step=21)  # on P only
+            b_token = b.manager.residents.get(sid).lease.token
+            # P is lost; R is promoted and takes its address.
+            redis.Redis(port=replica).replicaof("NO", "ONE")
+            front.retarget("127.0.0.1", replica)
+            with Client(a.address, discover=False) as via_a:  # A loads X from R
+                assert via_a.get_session(sid).step == 20
+                got = [o.output for o in via_a.stream_steps(sid, list(x[20:25]), first_step=21)]
+            assert_bit_equal(np.stack(got), reference(model, x[:25])[20:])
+            a_token = a.manager.residents.get(sid).lease.token
+            assert a_token.split(".")[:2] == b_token.split(".")[:2]  # the same epoch ...
+            assert a_token != b_token  # ... and still not the same token
+            with redis.Redis(port=replica) as r:
+                before = r.hgetall(f"ssm:{{{sid}}}:meta"), r.hgetall(f"ssm:{{{sid}}}:log")
+            # B, sure of its lease, is asked to roll X back: R refuses B's token.
+            # (Its first calls may meet the connections the failover reset: sent again.)
+            answers: list[str] = []
+
+            def rollback_at_b() -> str:
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub(b).Rollback(pb.RollbackRequest(session_id=sid, step=10))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                answers.append(str(refused.value.trailing_metadata()))
+                return answers[-1]
+
+            wait_until(lambda: "STORE_UNAVAILABLE" not in rollback_at_b(), "B reaching R", 10)
+            assert "STALE_EPOCH" in answers[-1], answers[-1]
+            with redis.Redis(port=replica) as r:
+                after = r.hgetall(f"ssm:{{{sid}}}:meta"), r.hgetall(f"ssm:{{{sid}}}:log")
+            assert (after[0].pop(b"beat", None), after) == (before[0].pop(b"beat", None), before)
+            assert sid not in b.manager.resident_ids()
+            assert a.client.get_session(sid).step == 25
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait(10)
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (errors count as not yet) until it holds, within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):
+            if condition():
+                return
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
