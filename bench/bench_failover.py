@@ -1,6 +1,7 @@
 """Failover after a freeze (SIGSTOP) of the owning worker, next to kill -9, in one run.
 
-Usage: ``.venv/bin/python bench/bench_failover.py [--quick] [--json OUT]``
+Usage: ``.venv/bin/python bench/bench_failover.py [--quick] [--rounds N] [--json OUT]
+[--baseline-tree PATH]``
 
 Processes: one private redis-server (AOF on, appendfsync everysec) and, per lease TTL
 (0.5 / 1 / 2 s), two ``python -m ssmserve.server.main --lease-ttl S`` workers on loopback
@@ -34,6 +35,13 @@ A round with no answer from the other worker within ``bench_migration.FOLLOW_TIM
 is counted as stuck (the victim is then resumed) and left out of the percentiles; rounds
 over TTL + keepalive timeout + 1 s (kill -9: TTL + 1 s) are listed with the workers' log
 lines of that round (stderr, and the JSON).
+
+``--baseline-tree PATH`` (a checkout of another commit, e.g. a git worktree) adds a second
+set of groups whose workers run that tree's server (``PYTHONPATH=PATH/server:PATH/client``,
+same venv), on a redis-server of their own; their rounds are shuffled into the same
+repetitions as this checkout's, so both see the same drift of this shared machine, and
+the report adds per (fault, TTL) the ratio this checkout / baseline. The client (this
+process) is this checkout's for both. The last line of the output is one JSON object.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +80,8 @@ DEFAULT_KEEPALIVE = (RetryPolicy().keepalive_time_s, RetryPolicy().keepalive_tim
 PACE_S = 0.004  # at least this long between two steps drawn from the input generator
 STALL_S = 600.0  # the client's stall timer never fires here: keepalive must notice
 DROP_WAIT_S = 5.0  # how long a resumed victim may take to log that it dropped the session
+CURRENT, BASELINE = "current", "baseline"  # which server code a group's workers run
+GroupKey = tuple[str, float]  # (code, lease TTL)
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -108,6 +119,11 @@ class Config:
     ttl: float
     keepalive: tuple[float, float]
     event: str  # "freeze" or "kill -9"
+    code: str = CURRENT  # CURRENT or BASELINE: the server code of the group's workers
+
+    @property
+    def group(self) -> GroupKey:
+        return (self.code, self.ttl)
 
     @property
     def label(self) -> str:
@@ -141,20 +157,30 @@ class Round:
         times = {"takeover_ms": self.takeover_s, "gap_ms": self.gap_s,
                  "restart_up_ms": self.restart_s}  # fmt: skip
         ms = {k: None if v is None else v * 1e3 for k, v in times.items()}
-        return {"ttl_s": c.ttl, "keepalive_s": list(c.keepalive), "event": c.event,
-                "victim": self.victim, **ms, "logs": self.logs}  # fmt: skip
+        return {"code": c.code, "ttl_s": c.ttl, "keepalive_s": list(c.keepalive),
+                "event": c.event, "victim": self.victim, **ms, "logs": self.logs}  # fmt: skip
 
 
 class Group:
-    """The two workers of one lease TTL and their one long-lived session: each round
-    signals its current owner, so the victim alternates between the two."""
+    """The two workers of one lease TTL (running one server code) and their one long-lived
+    session: each round signals its current owner, so the victim alternates between the two."""
 
-    def __init__(self, ttl: float, models: dict[str, Path], redis_url: str, root: Path) -> None:
-        self.ttl = ttl
+    def __init__(
+        self,
+        key: GroupKey,
+        models: dict[str, Path],
+        redis_url: str,
+        root: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.code, self.ttl = key
         self.workers = [
-            WorkerProcess(models, redis_url, root / f"ttl{ttl:g}-{i}", lease_ttl_s=ttl)
+            WorkerProcess(
+                models, redis_url, root / f"{self.code}-ttl{self.ttl:g}-{i}",
+                lease_ttl_s=self.ttl, env=env,
+            )
             for i in range(2)
-        ]
+        ]  # fmt: skip
         self.session_id = ""
 
     async def create_session(self) -> None:
@@ -316,20 +342,21 @@ def start_all(workers: list[WorkerProcess]) -> None:
         raise SystemExit(f"workers did not start: {dead}")
 
 
-def schedule(ttls: list[float], rng: random.Random) -> list[list[Config]]:
-    """One repetition: every configuration once, in a shuffled order of items. A kill -9 is
-    paired with a freeze of another TTL group with the slowest client keepalive, during
-    whose wait (>= its keepalive timeout, 2 s) the killed worker starts again (about 1 s:
-    it is not waited for separately, and the round checks that it was up in time)."""
+def schedule(keys: list[GroupKey], rng: random.Random) -> list[list[Config]]:
+    """One repetition: every configuration of every group (code, TTL) once, in a shuffled
+    order of items. A kill -9 is paired with a freeze of another group with the slowest
+    client keepalive, during whose wait (>= its keepalive timeout, 2 s) the killed worker
+    starts again (about 1 s: it is not waited for separately, and the round checks that it
+    was up in time)."""
     fast, slow = sorted(KEEPALIVES, key=sum)
     while True:
-        killed = rng.sample(ttls, len(ttls))
-        frozen = rng.sample(ttls, len(ttls))
+        killed = rng.sample(keys, len(keys))
+        frozen = rng.sample(keys, len(keys))
         if all(k != f for k, f in zip(killed, frozen, strict=True)):
             break
-    items = [[Config(ttl, fast, "freeze")] for ttl in ttls]
+    items = [[Config(ttl, fast, "freeze", code)] for code, ttl in keys]
     items += [
-        [Config(k, DEFAULT_KEEPALIVE, "kill -9"), Config(f, slow, "freeze")]
+        [Config(k[1], DEFAULT_KEEPALIVE, "kill -9", k[0]), Config(f[1], slow, "freeze", f[0])]
         for k, f in zip(killed, frozen, strict=True)
     ]
     rng.shuffle(items)
@@ -337,7 +364,7 @@ def schedule(ttls: list[float], rng: random.Random) -> list[list[Config]]:
 
 
 async def bench(
-    groups: dict[float, Group], reps: int, seed: int
+    groups: dict[GroupKey, Group], reps: int, seed: int
 ) -> tuple[list[Round], list[Round]]:
     """The rounds kept, and those run again because a restart overlapped their takeover."""
     rng = random.Random(seed)
@@ -347,15 +374,20 @@ async def bench(
         await g.create_session()
     # From now on the leases run on their owners' renewal schedules (every TTL / 3), as
     # those of a session that has been streaming for a while.
-    await asyncio.sleep(max(groups))
+    await asyncio.sleep(max(g.ttl for g in groups.values()))
     for rep in range(reps):
         t0 = time.perf_counter()
         for item in schedule(list(groups), rng):
             dead: WorkerProcess | None = None
             for config in item:
-                group = groups[config.ttl]
+                group = groups[config.group]
+                # a live worker of another group running the same code (its own Redis)
                 witness = next(
-                    w for g in groups.values() if g is not group for w in g.workers if w.ready
+                    w
+                    for g in groups.values()
+                    if g is not group and g.code == group.code
+                    for w in g.workers
+                    if w.ready
                 )
                 r = await takeover_round(group, config, witness, rng, restart=dead)
                 if r.overlapped:  # again, with nothing starting meanwhile
@@ -365,7 +397,8 @@ async def bench(
                 dead = next((w for w in group.workers if not w.ready), None)
                 if r.logs:
                     what = "stuck" if r.takeover_s is None else f"{r.takeover_s * 1e3:,.0f} ms"
-                    print(f"slow round: TTL {config.ttl:g} s, keepalive {config.label}, "
+                    print(f"slow round: {config.code} code, TTL {config.ttl:g} s, "
+                          f"keepalive {config.label}, "
                           f"{config.event}: {what} (victim {r.victim})\n{r.logs}",
                           file=sys.stderr, flush=True)  # fmt: skip
             assert dead is None, "a killed worker was not started again"
@@ -373,31 +406,61 @@ async def bench(
     return rounds, redone
 
 
-def report(rounds: list[Round], redone: list[Round]) -> tuple[str, str, list[dict[str, object]]]:
-    """The table, a note on the restarts during freeze rounds, and the JSON rows."""
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """Takeover figures of one configuration (ms; zeros when no round finished)."""
+
+    config: Config
+    n: int
+    stuck: int
+    over_bound: int
+    p50: float
+    p90: float
+    p99: float
+    worst: float
+    gap_p50: float | None
+    takeover_ms: list[float]
+
+    @classmethod
+    def of(cls, c: Config, rounds: list[Round]) -> Figures:
+        done = [r for r in rounds if r.takeover_s is not None and r.gap_s is not None]
+        ms = [r.takeover_s * 1e3 for r in done if r.takeover_s is not None]
+        gaps = [r.gap_s * 1e3 for r in done if r.gap_s is not None]
+        over = sum(1 for v in ms if v > c.bound_s * 1e3)
+        qs = [pct(ms, q) for q in (50, 90, 99)] + [max(ms)] if ms else [0.0] * 4
+        gap = pct(gaps, 50) if gaps else None
+        return cls(c, len(ms), len(rounds) - len(done), over, *qs, gap, ms)
+
+    def to_json(self) -> dict[str, object]:
+        c = self.config
+        return {
+            "code": c.code, "ttl_s": c.ttl, "keepalive_s": list(c.keepalive), "event": c.event,
+            "n": self.n, "stuck": self.stuck, "over_bound": self.over_bound,
+            "bound_ms": c.bound_s * 1e3, "p50_ms": self.p50, "p90_ms": self.p90,
+            "p99_ms": self.p99, "max_ms": self.worst, "p50_over_ttl": self.p50 / (c.ttl * 1e3),
+            "gap_p50_ms": self.gap_p50, "takeover_ms": self.takeover_ms,
+        }  # fmt: skip
+
+
+def report(rounds: list[Round], redone: list[Round]) -> tuple[str, str, list[Figures]]:
+    """The table, a note on the restarts during freeze rounds, and the figures."""
     by_config: dict[Config, list[Round]] = {}
     for r in rounds:
         by_config.setdefault(r.config, []).append(r)
-    order = sorted(by_config, key=lambda c: (c.event != "freeze", c.keepalive, c.ttl))
+    order = sorted(by_config, key=lambda c: (c.code, c.event != "freeze", c.keepalive, c.ttl))
+    figures = [Figures.of(c, by_config[c]) for c in order]
+    several = len({c.code for c in order}) > 1
     rows: list[list[object]] = []
-    data: list[dict[str, object]] = []
-    for c in order:
-        done = [r for r in by_config[c] if r.takeover_s is not None and r.gap_s is not None]
-        ms = [r.takeover_s * 1e3 for r in done if r.takeover_s is not None]
-        gaps = [r.gap_s * 1e3 for r in done if r.gap_s is not None]
-        stuck = len(by_config[c]) - len(done)
-        over = sum(1 for v in ms if v > c.bound_s * 1e3)
-        p50, p99, worst = (pct(ms, 50), pct(ms, 99), max(ms)) if ms else (0.0, 0.0, 0.0)
-        rows.append([c.ttl, c.label, c.event, len(ms), p50, p99, worst, p50 / (c.ttl * 1e3),
-                     pct(gaps, 50) if gaps else "-", over + stuck])  # fmt: skip
-        data.append({
-            "ttl_s": c.ttl, "keepalive_s": list(c.keepalive), "event": c.event, "n": len(ms),
-            "stuck": stuck, "over_bound": over, "bound_ms": c.bound_s * 1e3, "p50_ms": p50,
-            "p99_ms": p99, "max_ms": worst, "p50_over_ttl": p50 / (c.ttl * 1e3),
-            "gap_p50_ms": pct(gaps, 50) if gaps else None, "takeover_ms": ms,
-        })  # fmt: skip
-    headers = ["lease TTL s", "client keepalive s", "event", "n", "p50 ms", "p99 ms",
+    for f in figures:
+        c = f.config
+        row: list[object] = [c.ttl, c.label, c.event, f.n, f.p50, f.p90, f.p99, f.worst,
+                             f.p50 / (c.ttl * 1e3), "-" if f.gap_p50 is None else f.gap_p50,
+                             f.over_bound + f.stuck]  # fmt: skip
+        rows.append([c.code, *row] if several else row)
+    headers = ["lease TTL s", "client keepalive s", "event", "n", "p50 ms", "p90 ms", "p99 ms",
                "max ms", "p50 / TTL", "gap p50 ms", "over bound"]  # fmt: skip
+    if several:
+        headers = ["code", *headers]
     up = [r.restart_s * 1e3 for r in rounds + redone if r.restart_s is not None]
     note = ""
     if up:
@@ -405,22 +468,84 @@ def report(rounds: list[Round], redone: list[Round]) -> tuple[str, str, list[dic
                 f"group: up {pct(up, 50):,.0f} ms (p50; max {max(up):,.0f} ms) after that "
                 f"round's SIGSTOP; {len(redone)} of them still starting 0.25 s before that "
                 "round's takeover (such rounds are run again, with nothing starting)")  # fmt: skip
-    return table(headers, rows), note, data
+    return table(headers, rows), note, figures
+
+
+def comparison(figures: list[Figures]) -> tuple[str, list[dict[str, object]]]:
+    """Per (event, keepalive, TTL) measured with both codes: takeover p50 / p90 / max of
+    each and the ratios current / baseline (nothing when only one code ran)."""
+    pairs: dict[tuple[str, tuple[float, float], float], dict[str, Figures]] = {}
+    for f in figures:
+        c = f.config
+        pairs.setdefault((c.event, c.keepalive, c.ttl), {})[c.code] = f
+    rows: list[list[object]] = []
+    out: list[dict[str, object]] = []
+    for (event, keepalive, ttl), pair in sorted(
+        pairs.items(), key=lambda kv: (kv[0][0] != "freeze", kv[0][1:])
+    ):
+        if CURRENT not in pair or BASELINE not in pair:
+            continue
+        base, cur = pair[BASELINE], pair[CURRENT]
+        ratios = {
+            q: getattr(cur, q) / getattr(base, q) if getattr(base, q) and getattr(cur, q) else None
+            for q in ("p50", "p90", "worst")
+        }
+        rows.append([
+            event, pair[CURRENT].config.label, ttl, f"{base.n} / {cur.n}",
+            base.p50, base.p90, base.worst, cur.p50, cur.p90, cur.worst,
+            *("-" if v is None else f"{v:.2f}" for v in ratios.values()),
+            f"{base.stuck + base.over_bound} / {cur.stuck + cur.over_bound}",
+        ])  # fmt: skip
+        out.append({
+            "event": event, "keepalive_s": list(keepalive), "ttl_s": ttl,
+            **{f"{code}_{q.replace('worst', 'max')}_ms": getattr(f, q)
+               for code, f in ((BASELINE, base), (CURRENT, cur)) for q in ratios},
+            "n": [base.n, cur.n], "stuck": [base.stuck, cur.stuck],
+            **{f"ratio_{q.replace('worst', 'max')}": v for q, v in ratios.items()},
+        })  # fmt: skip
+    if not rows:
+        return "", out
+    headers = ["event", "client keepalive s", "lease TTL s", "n base / current",
+               "base p50 ms", "base p90 ms", "base max ms", "current p50 ms",
+               "current p90 ms", "current max ms", "p50 current / base", "p90 current / base",
+               "max current / base", "over bound or stuck: base / current"]  # fmt: skip
+    return table(headers, rows), out
+
+
+def baseline_env(tree: Path) -> dict[str, str]:
+    """The environment of a worker running the server code of ``tree``; refuses a tree
+    that does not look like a checkout of this repository."""
+    server, client = tree / "server", tree / "client"
+    if not (server / "ssmserve" / "server" / "main.py").is_file() or not client.is_dir():
+        raise SystemExit(
+            f"--baseline-tree {tree}: no server/ssmserve/server/main.py or client/ there "
+            "(want a checkout of this repository, e.g. a git worktree)"
+        )
+    return {"PYTHONPATH": f"{server.resolve()}:{client.resolve()}"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds each (smoke run)")
+    parser.add_argument("--rounds", type=int, help="rounds per configuration (default 20)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--baseline-tree", type=Path, metavar="PATH",
+                        help="also run workers of the server code in this checkout, "
+                             "interleaved with this one's, and report the ratios")  # fmt: skip
     args = parser.parse_args()
-    reps = 3 if args.quick else 20
+    reps = args.rounds or (3 if args.quick else 20)
+    envs: dict[str, dict[str, str] | None] = {CURRENT: None}
+    if args.baseline_tree:
+        envs[BASELINE] = baseline_env(args.baseline_tree)
     started = time.perf_counter()
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / "redis")) as redis_server,
-    ):
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         models = {"demo": ensure_demo_model(Path(tmp) / "models" / "demo")}
-        groups = {ttl: Group(ttl, models, redis_server.url, Path(tmp)) for ttl in TTLS}
+        groups: dict[GroupKey, Group] = {}
+        for code, env in envs.items():  # each code on a redis-server of its own
+            settings = EmbeddedRedisSettings(data_dir=Path(tmp) / f"redis-{code}")
+            redis_server = stack.enter_context(EmbeddedRedis(settings))
+            for ttl in TTLS:
+                groups[(code, ttl)] = Group((code, ttl), models, redis_server.url, Path(tmp), env)
         workers = [w for g in groups.values() for w in g.workers]
         try:
             start_all(workers)
@@ -430,7 +555,8 @@ def main() -> int:
         finally:
             for w in workers:
                 w.kill()
-    text, note, data = report(rounds, redone)
+    text, note, figures = report(rounds, redone)
+    data = [f.to_json() for f in figures]
     print("\n# takeover after a freeze (SIGSTOP) or kill -9 of the owner, as a streaming "
           "client sees it\n")  # fmt: skip
     print(text)
@@ -440,15 +566,24 @@ def main() -> int:
         "bound: rounds above TTL + keepalive timeout + 1 s (kill -9: TTL + 1 s), stuck ones "
         f"(no takeover within {FOLLOW_TIMEOUT_S:g} s) included"
     )
+    compared, ratios = comparison(figures)
+    if compared:
+        print(f"\n# this checkout (current) against {args.baseline_tree} (base), same run\n")
+        print(compared)
     if note:
         print(f"\n{note}")
     elapsed = time.perf_counter() - started
     print(f"\n(whole benchmark: {elapsed:.0f} s)")
     if args.json:
-        report_json = {"rows": data, "restarts": note, "rounds_per_config": reps,
-                       "seconds": elapsed, "rounds": [r.to_json() for r in rounds],
+        report_json = {"rows": data, "comparison": ratios, "restarts": note,
+                       "rounds_per_config": reps, "seconds": elapsed,
+                       "rounds": [r.to_json() for r in rounds],
                        "redone": [r.to_json() for r in redone]}  # fmt: skip
         args.json.write_text(json.dumps(report_json, indent=2) + "\n")
+    summary = {"rows": [{k: v for k, v in d.items() if k != "takeover_ms"} for d in data],
+               "comparison": ratios, "rounds_per_config": reps, "redone": len(redone),
+               "seconds": round(elapsed, 1)}  # fmt: skip
+    print(json.dumps(summary))
     return 0
 
 
