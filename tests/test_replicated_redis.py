@@ -58,8 +58,9 @@ def sentinel_set(
 
 @pytest.mark.slow
 @pytest.mark.topology
+@pytest.mark.parametrize("hogs", [2, 0], ids=["beside-two-cpu-hogs", "quiet"])
 def test_a_sentinel_failover_at_default_settings_loses_no_acknowledged_step(
-    model_dirs, served_models, sentinel_set: SentinelHarness, tmp_path
+    model_dirs, served_models, sentinel_set: SentinelHarness, tmp_path, hogs
 ):
     """Two workers on Sentinel with no replica flag at all (``auto``: every write waits
     until every replica holds it), beside two CPU hogs. Twice: a session is created and
@@ -79,7 +80,7 @@ def test_a_sentinel_failover_at_default_settings_loses_no_acknowledged_step(
     try:
         for w in workers:
             assert f"every write waits until {replicas} replica(s) hold it" in w.log_text()
-        with cpu_hogs():
+        with cpu_hogs(hogs):
             for round_ in range(2):
                 failed_over: list[int] = []
                 failover = threading.Thread(
