@@ -24,9 +24,12 @@ each stream's first exchange of a block is not counted (the stream opens). A (ca
 worker)'s figures pool its blocks of all rounds, so the machine's drift spreads over both
 workers alike; the ratios auto / 0 are what to read. Checked: every step is answered
 once, in order, without an error, and the master's ``WAIT`` calls (``INFO
-commandstats``) are counted per block: the ``auto`` worker must send them, the ``0``
-worker none. The workers' log lines of their replica confirmation and any WARNING or
-ERROR lines are printed at the end. The last line of the output is one JSON object.
+commandstats``) are counted per block: the ``auto`` worker's blocks must have them (the
+other worker's see only the idle ``auto`` worker's own, for its lease renewals and
+heartbeats); after the rounds the ``auto`` worker is stopped and every case runs once
+more on the ``0`` worker alone, which must cause no WAIT at all. The workers' log lines
+of their replica confirmation and any WARNING or ERROR lines are printed at the end. The
+last line of the output is one JSON object.
 """
 
 from __future__ import annotations
@@ -193,7 +196,8 @@ async def bench(
     seconds: float,
     master_port: int,
     seed: int,
-) -> dict[tuple[Case, str], Pool]:
+) -> tuple[dict[tuple[Case, str], Pool], int]:
+    """The pools of every (case, worker), and the WAITs of the 0 worker's blocks alone."""
     rng = random.Random(seed)
     most = max(c.sessions for c in cases)
     served: dict[str, Served] = {}
@@ -220,7 +224,12 @@ async def bench(
             for c, config in items:
                 await block(served[config], c, seconds, master_port, pools[(c, config)])
             print(f"(round {i + 1}/{rounds}: {time.perf_counter() - t0:.1f} s)", flush=True)
-        return pools
+        # the 0 worker alone (nothing else that could send a WAIT): it must send none
+        workers["auto"].kill()
+        alone = Pool()
+        for c in cases:
+            await block(served["0"], c, min(seconds, 0.5), master_port, alone)
+        return pools, alone.waits
     finally:
         for s in served.values():
             await s.channel.close()
@@ -308,7 +317,9 @@ def main() -> int:
                       f"{time.perf_counter() - started:.1f} s; {rounds} rounds of "
                       f"{seconds:g} s blocks)\n", flush=True)  # fmt: skip
                 master = sentinel.master()
-                pools = asyncio.run(bench(workers, cases, rounds, seconds, master, seed=0))
+                pools, alone_waits = asyncio.run(
+                    bench(workers, cases, rounds, seconds, master, seed=0)
+                )
                 logs = {config: log_lines(w) for config, w in workers.items()}
             finally:
                 for w in workers.values():
@@ -335,19 +346,22 @@ def main() -> int:
     ))  # fmt: skip
     print("\nlatency: a message's round trip (its steps are answered together); one stream "
           "per session, ping-pong; WAITs per message: the master's WAIT calls during the "
-          "worker's blocks / its messages")  # fmt: skip
+          "worker's blocks (the 0 worker's: the idle auto worker's renewals) / its "
+          "messages")  # fmt: skip
     for config, (confirmation, bad) in logs.items():
         print(f"\nworker --redis-wait-replicas {config}: {confirmation.strip()}")
         print(f"  {len(bad)} WARNING/ERROR lines" + "".join(f"\n    {b}" for b in bad[-10:]))
+    print(f"\nWAIT calls while the 0 worker ran alone (every case once): {alone_waits}")
     elapsed = time.perf_counter() - started
     print(f"\n(whole benchmark: {elapsed:.0f} s)")
-    problems = [f"{r['wait_replicas']}: {r['waits_per_message']:.2f} WAITs per message"
-                for r in rows
-                if (r["wait_replicas"] == "0") != (r["waits_per_message"] == 0)]  # fmt: skip
+    problems = [f"auto, {r['sessions']} x {r['per_message']}: no WAIT" for r in rows
+                if r["wait_replicas"] == "auto" and not r["waits_per_message"]]  # fmt: skip
+    if alone_waits:
+        problems.append(f"0, alone: {alone_waits} WAIT calls")
     if problems:
         print(f"\nreplica confirmation not as configured: {problems}", file=sys.stderr)
     report = {"rows": rows, "ratios": compared, "rounds": rounds, "block_s": seconds,
-              "seconds": round(elapsed, 1), "problems": problems,
+              "seconds": round(elapsed, 1), "problems": problems, "alone_waits_0": alone_waits,
               "worker_logs": {c: {"confirmation": v[0], "warnings_or_errors": len(v[1])}
                               for c, v in logs.items()}}  # fmt: skip
     if args.json:
