@@ -10,7 +10,8 @@
   hands sessions to itself. :func:`refuse_taken_advertise` reads the registry before
   the worker registers; an entry with the address that is refreshed meanwhile belongs
   to a live worker (refused), one that expires belonged to a worker that died (a
-  restarted worker waits that out, at most one worker TTL). Two workers that start at
+  restarted worker waits that out, at most one worker TTL, unless the entry is of its
+  own host and address: the port it just bound proves that one dead). Two workers that start at
   the same moment both pass that check; :func:`refuse_later_twin` after registering
   lets the earlier one stay.
 
@@ -81,13 +82,26 @@ def _bind_error(listen: str) -> Exception:
     return OSError(f"cannot listen on {listen}" + (f": {problem.strerror}" if problem else ""))
 
 
-def _holders(records: list[WorkerRecord], ownership: Ownership) -> dict[str, float]:
-    """Other workers registered with this worker's address: id -> last heartbeat."""
+def _holders(
+    records: list[WorkerRecord], ownership: Ownership, listening_on: str
+) -> dict[str, float]:
+    """Other workers registered with this worker's address: id -> last heartbeat. An
+    entry of a worker on this host (its id starts with this host's name) for the address
+    this worker itself listens on now is left out: that worker is dead, since the port
+    could not be bound while it lived (SO_REUSEPORT is off). So a worker restarted in
+    place after a crash starts at once instead of waiting its predecessor's entry out."""
     return {
         r.worker_id: r.heartbeat_at
         for r in records
-        if r.address == ownership.address and r.worker_id != ownership.worker_id
+        if r.address == ownership.address
+        and r.worker_id != ownership.worker_id
+        and not (ownership.address == listening_on and _same_host(r.worker_id, ownership))
     }
+
+
+def _same_host(worker_id: str, ownership: Ownership) -> bool:
+    """Whether ``worker_id`` was made on this host (``ownership.new_worker_id``)."""
+    return worker_id.rpartition("-")[0] == ownership.worker_id.rpartition("-")[0]
 
 
 def _clash(record_id: str, ownership: Ownership) -> AdvertiseInUseError:
@@ -98,11 +112,14 @@ def _clash(record_id: str, ownership: Ownership) -> AdvertiseInUseError:
     )
 
 
-async def refuse_taken_advertise(ownership: Ownership, wait_s: float, poll_s: float) -> None:
+async def refuse_taken_advertise(
+    ownership: Ownership, listening_on: str, wait_s: float, poll_s: float
+) -> None:
     """Raise :class:`AdvertiseInUseError` if a live worker registered this worker's
     address; wait (at most ``wait_s``, the registry's TTL and a round) for the entry of
-    a dead one to expire."""
-    seen = _holders(await ownership.live_workers(), ownership)
+    a dead one to expire. ``listening_on``: the address this worker's socket is bound
+    to."""
+    seen = _holders(await ownership.live_workers(), ownership, listening_on)
     if not seen:
         return
     log.warning(
@@ -112,7 +129,7 @@ async def refuse_taken_advertise(ownership: Ownership, wait_s: float, poll_s: fl
     deadline = time.monotonic() + wait_s
     while seen:
         await asyncio.sleep(poll_s)
-        now = _holders(await ownership.live_workers(), ownership)
+        now = _holders(await ownership.live_workers(), ownership, listening_on)
         for worker_id, beat in now.items():
             if worker_id not in seen or seen[worker_id] != beat:  # a new one, or refreshed
                 raise _clash(worker_id, ownership)
@@ -121,12 +138,13 @@ async def refuse_taken_advertise(ownership: Ownership, wait_s: float, poll_s: fl
             raise _clash(next(iter(sorted(seen))), ownership)
 
 
-async def refuse_later_twin(ownership: Ownership) -> None:
-    """After registering: if another worker registered the same address, the one that
-    started later (by start time, then id) steps back."""
+async def refuse_later_twin(ownership: Ownership, listening_on: str) -> None:
+    """After registering: if another live worker registered the same address, the one
+    that started later (by start time, then id) steps back."""
     me = (ownership.started_at, ownership.worker_id)
+    holders = _holders(await ownership.live_workers(), ownership, listening_on)
     for record in await ownership.live_workers():
-        if record.address != ownership.address or record.worker_id == ownership.worker_id:
+        if record.worker_id not in holders:
             continue
         if (record.started_at, record.worker_id) < me:
             raise _clash(record.worker_id, ownership)

@@ -297,8 +297,9 @@ class Worker:
         )
         timing = s.ownership  # a dead worker's entry is gone one TTL after its last beat
         await refuse_taken_advertise(
-            self.ownership, timing.worker_ttl_s + timing.period_s, timing.period_s / 8
-        )
+            self.ownership, self.address, timing.worker_ttl_s + timing.period_s,
+            timing.period_s / 8,
+        )  # fmt: skip
         self.ownership.store_checks = guard.check
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         manager.residents.resets.watch(guard)
@@ -328,7 +329,7 @@ class Worker:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         await self._patiently("register in Redis", self.ownership.start)
-        await refuse_later_twin(self.ownership)
+        await refuse_later_twin(self.ownership, self.address)
         self.rebalancer = Rebalancer(self.migrator, s.rebalance)
         self.rebalancer.start()
         if s.metrics_listen:
