@@ -920,16 +920,16 @@ def test_every_error_code_a_script_can_answer_maps_to_a_typed_error() -> None:
     assert reply_outcome([b"OK"]) is None
 
 
-def test_the_readme_gives_the_acl_the_worker_needs() -> None:
+def test_the_docs_give_the_acl_the_worker_needs() -> None:
     from ssmserve.server.state.store_layout import WORKER_ACL_RULES
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme.split("ACL SETUSER ssmserve on >PASSWORD ", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).parent.parent / "docs" / "redis.md").read_text()
+    block = page.split("ACL SETUSER ssmserve on >PASSWORD ", 1)[1].split("```", 1)[0]
     assert block.split() == WORKER_ACL_RULES.split()
 
 
 def test_a_worker_runs_as_a_least_privilege_acl_user(any_redis, model_dirs, served_models):
-    """The ACL the README gives is enough for every session operation, and no more."""
+    """The ACL docs/redis.md gives is enough for every session operation, and no more."""
     from ssmserve.server.state.store_layout import WORKER_ACL_RULES
     from tests.harness import WorkerHarness
 

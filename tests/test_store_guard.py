@@ -252,7 +252,7 @@ def test_an_evicting_policy_set_live_stops_serving_until_noeviction(plain_redis,
 def test_a_user_that_may_not_read_the_policy_starts_with_a_warning(plain_redis, model_dirs, caplog):
     """An ACL user without CONFIG GET and INFO (a managed Redis may refuse both): the
     worker cannot tell whether Redis evicts, says so once at WARNING, and serves. With
-    the README's rules (INFO allowed) the same user's worker reads the policy."""
+    the rules of docs/redis.md (INFO allowed) the same user's worker reads the policy."""
     server = plain_redis("--maxmemory-policy", "allkeys-lru")
     with server.admin() as conn:
         for user, extra in (("blind", "-info"), ("worker", "")):

@@ -299,7 +299,7 @@ def test_bad_topology_flags_are_refused_at_start():
 def test_a_worker_runs_as_a_least_privilege_acl_user_on_the_cluster(
     model_dirs, served_models, redis_cluster
 ):
-    """The README's ACL, plus its two cluster rules, set on every node, is enough for
+    """The ACL of docs/redis.md, plus its two cluster rules, set on every node, is enough for
     every session operation on Redis Cluster; without the cluster rules it is not."""
     from ssmserve.server.state.store_layout import WORKER_ACL_RULES, WORKER_CLUSTER_ACL_RULES
     from tests.harness import WorkerHarness
@@ -351,7 +351,7 @@ def test_the_store_goes_on_after_a_cluster_node_restarts(redis_cluster):
     # back with it. With `appendfsync everysec` Redis may hold the AOF write back while an
     # earlier fsync is slow (up to 2 s) and reply all the same, so a kill loses acknowledged
     # writes on a busy disk (CI beside a soak: a session created just before the kill was
-    # gone after the restart). `always` writes and syncs before replying, as the README
+    # gone after the restart). `always` writes and syncs before replying, as docs/redis.md
     # says a deployment that must lose nothing on a Redis crash should.
     redis_cluster.node(victim).config_set("appendfsync", "always")
 
