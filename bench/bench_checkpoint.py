@@ -1,6 +1,6 @@
 """Checkpoint codec throughput for a mamba-130m-sized session state.
 
-Usage: ``.venv/bin/python bench/bench_checkpoint.py``
+Usage: ``.venv/bin/python bench/bench_checkpoint.py [--json OUT]``
 
 State: 24 layers x (conv (1536, 4) + ssm (1536, 16)) float32 = 2.95 MB (2.81 MiB), plus
 a 64-token input history. Beside the codec, in the same run: sha256 alone over the same
@@ -9,7 +9,9 @@ bytes and a plain ``bytes`` copy, the two costs encode cannot avoid.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -39,6 +41,9 @@ def mamba130m_checkpoint() -> Checkpoint:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
     ckpt = mamba130m_checkpoint()
     state = ckpt.state
     layers = state.layers
@@ -65,6 +70,16 @@ def main() -> int:
             ],
         )
     )
+    if args.json:
+        figures = {
+            "state_bytes": state.nbytes,
+            "blob_bytes": len(blob),
+            "encode_ms": enc * 1e3,
+            "decode_ms": dec * 1e3,
+            "sha256_ms": sha * 1e3,
+            "copy_ms": copy * 1e3,
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Migration downtime and crash recovery, as a streaming client sees them, in one run.
 
-Usage: ``.venv/bin/python bench/bench_migration.py [--quick]``
+Usage: ``.venv/bin/python bench/bench_migration.py [--quick] [--json OUT]``
 
 Processes: one private redis-server (AOF on, appendfsync everysec) and ssmserve workers,
 each its own process on loopback, all sharing that Redis; this process is the client
@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import os
 import random
 import signal
@@ -303,7 +304,7 @@ def pct(samples: list[float], q: float) -> float:
     return float(np.percentile(np.array(samples), q))
 
 
-async def bench(tmp: Path, redis_url: str, workers: Workers, quick: bool) -> None:
+async def bench(tmp: Path, redis_url: str, workers: Workers, quick: bool) -> dict[str, object]:
     demo_dir = ensure_demo_model(tmp / "models" / "demo")
     t0 = time.perf_counter()
     big_dir = big_model(tmp / "models" / "m130")
@@ -370,11 +371,19 @@ async def bench(tmp: Path, redis_url: str, workers: Workers, quick: bool) -> Non
                "median - TTL ms", "max - TTL ms"]  # fmt: skip
     print(table(headers, rows))
     print("\nrecovery: SIGKILL of the owner -> first answer from the survivor")
+    return {
+        "downtime_p50_ms": {r.model: pct(r.downtime_ms, 50) for r in runs},
+        "downtime_p99_ms": {r.model: pct(r.downtime_ms, 99) for r in runs},
+        "idle_handoff_p50_ms": {r.model: pct(r.idle_server_ms, 50) for r in runs},
+        "recovery": [dict(zip(("ttl_s", "runs", "median_ms", "max_ms"), row[:4], strict=True))
+                     for row in rows],
+    }  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     random.seed(0)
     started = time.perf_counter()
@@ -385,7 +394,7 @@ def main() -> int:
         (Path(tmp) / "logs").mkdir()
         workers = Workers(Path(tmp) / "logs")
         try:
-            asyncio.run(bench(Path(tmp), redis_server.url, workers, args.quick))
+            figures = asyncio.run(bench(Path(tmp), redis_server.url, workers, args.quick))
         except BaseException:
             for log in sorted((Path(tmp) / "logs").iterdir()):
                 text = log.read_text().strip()
@@ -395,6 +404,8 @@ def main() -> int:
         finally:
             workers.close()
     print(f"\n(whole benchmark: {time.perf_counter() - started:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

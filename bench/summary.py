@@ -1,108 +1,405 @@
-"""One table of every issue-5 figure, from the JSON the benchmarks of one run wrote.
+"""BENCHMARKS.md's table of current figures, from the JSON the benchmarks write.
 
-Usage: ``python bench/summary.py RESULTS_DIR`` (``bench/run`` calls it last). Reads
-``engine.json``, ``hf_peer.json``, ``service.json`` and ``memory.json``; a missing or
-skipped file leaves its rows out and says so.
+Usage::
+
+    python bench/summary.py [RESULTS_DIR]                         # print the rows
+    python bench/summary.py RESULTS_DIR --write BENCHMARKS.md     # and update its table
+
+``bench/run`` (``./dev bench``) runs every benchmark with ``--json RESULTS_DIR/NAME.json``
+(``bench/results`` by default) and ends with the second line. Each headline figure below
+is one row: the figure, what it measured, its peer or limit (measured in the same run, or
+a goal), the ratio of the two, the command that produced it, and the date (the day its
+result file was written). ``--write`` replaces, in the table between the markers of the
+page, every row whose result file is there, and keeps the other rows as they stand, so
+the table always shows the latest measurement of each figure; a benchmark run on its own
+with ``--json bench/results/NAME.json`` updates just its rows.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
+import statistics
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BEGIN = "<!-- current figures: bench/summary.py writes the rows between these markers -->"
+END = "<!-- end of current figures -->"
+HEADER = ["figure", "measured", "peer or limit (same run)", "ratio", "command", "date"]
 
-from common import table
+#: How bench_server_cpu and bench_served_memory name this checkout's server (not a baseline).
+SHIPPED = "as shipped"
 
-
-def load(directory: Path, name: str) -> dict[str, Any] | None:
-    path = directory / f"{name}.json"
-    if not path.exists():
-        print(f"({name}: no results)")
-        return None
-    data = json.loads(path.read_text())
-    if data.get("skipped"):
-        print(f"({name}: {data.get('notes', 'skipped')})")
-        return None
-    return data
+#: One row's cells after the figure's name: measured, peer or limit, ratio.
+Cells = tuple[str, str, str]
 
 
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+def fmt(value: float) -> str:
+    """3 significant figures below 100, whole numbers with thousands separators above."""
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
 
 
-def main() -> int:
-    directory = Path(sys.argv[1])
-    rows: list[list[object]] = []
-    engine = load(directory, "engine")
-    if engine is not None:
-        small = engine["signal"]
-        ours_1 = small["batches"]["1"]["step_ms"] * 1e3
-        ours_64 = small["batches"]["64"]["steps_per_s"]
-        peer = engine.get("kizzasi")
-        if peer:
-            p_us = min(peer["before"]["step_us_p50"], peer["after"]["step_us_p50"])
-            p_sps = max(peer["before"]["steps_per_s"], peer["after"]["steps_per_s"])
-            r1, r64 = ours_1 / p_us, ours_64 / p_sps
-            rows.append(["engine batch-1 step, us", ours_1, f"kizzasi {p_us:.0f}", r1,
-                         "<= 1.0x", verdict(r1 <= 1.0)])  # fmt: skip
-            rows.append(["engine steps/s at 64 vs peer single", ours_64, f"kizzasi {p_sps:,.0f}",
-                         r64, ">= 5x", verdict(r64 >= 5)])  # fmt: skip
-        rows.append(["  same, share of sgemm ceiling", ours_64,
-                     f"ceiling {small['ceiling_steps_per_s']:,.0f}",
-                     small["ceiling_fraction_64"], "-", "-"])  # fmt: skip
-    hf = load(directory, "hf_peer")
-    if hf is not None:
-        faster = min(hf["torch_p50_ms"], hf["torch_flush_denormal_p50_ms"])
-        ratio = hf["ours_p50_ms"] / faster
-        peers = f"torch {hf['torch_p50_ms']:.1f} / ftz {hf['torch_flush_denormal_p50_ms']:.1f}"
-        rows.append(["130m per token batch 1, ms", hf["ours_p50_ms"], peers, ratio,
-                     "<= 0.7x", verdict(ratio <= 0.7)])  # fmt: skip
-    service = load(directory, "service")
-    if service is not None:
-        for count, t in service["throughput"].items():
-            best = max(t["stream_per_session"], t["mux_1"], t["mux_8_pipelined"])
-            target = ">= 20k" if count == "64" else "-"
-            rows.append([f"served steps/s, {count} sessions (demo)", best,
-                         f"echo {t['echo_msgs_per_s']:,.0f} msg/s",
-                         best / t["echo_msgs_per_s"], target,
-                         verdict(best >= 20_000) if count == "64" else "-"])  # fmt: skip
-            rows.append([f"  message p50 / p99 ms, {count} x 8 steps",
-                         t["mux_8_msg_p50_ms"], f"p99 {t['mux_8_msg_p99_ms']:.2f}",
-                         "-", "-", "-"])  # fmt: skip
-        p99 = service["snapshot_p99_ms"]
-        quiet = p99["no snapshot due"]
-        rows.append(["p99 with snapshots being written (one phase), ms",
-                     p99["snapshot every 8 steps, one phase"], f"without {quiet:.2f}",
-                     service["snapshot_p99_rise"], "<= 1.25x",
-                     verdict(service["snapshot_p99_rise"] <= 1.25)])  # fmt: skip
-        rows.append(["p99 with snapshots being written (phases spread), ms",
-                     p99["snapshot every 8 steps, phases spread"], f"without {quiet:.2f}",
-                     service["snapshot_p99_rise_spread"], "<= 1.25x",
-                     verdict(service["snapshot_p99_rise_spread"] <= 1.25)])  # fmt: skip
-        lat = service["latency_ms"]
-        rows.append(["served step p50, 1 session (log), ms", lat["log"][0],
-                     f"bare echo {lat['echo'][0]:.3f}", lat["log"][0] / lat["echo"][0],
-                     "-", "-"])  # fmt: skip
-        redis = service["redis"]
-        rows.append(["log append (Lua) p50, ms", redis["log_append_p50_ms"],
-                     f"bare SET {redis['set16_p50_ms']:.3f}",
-                     redis["log_append_p50_ms"] / redis["set16_p50_ms"], "-", "-"])  # fmt: skip
-        rows.append(["2.8 MiB snapshot write p50, ms", redis["snapshot_big_p50_ms"],
-                     f"bare SET {redis['setbig_p50_ms']:.2f}",
-                     redis["snapshot_big_p50_ms"] / redis["setbig_p50_ms"], "-", "-"])  # fmt: skip
-    memory = load(directory, "memory")
-    if memory is not None:
-        for key in sorted(k for k in memory if k.endswith("_rss_per_session_bytes")):
-            stem = key.removesuffix("_rss_per_session_bytes")
-            held = memory[f"{stem}_state_bytes"] + memory[f"{stem}_history_bytes"]
-            rows.append([f"memory per session, {stem}, KiB", memory[key] / 1024,
-                         f"state+history {held / 1024:,.1f}", memory[key] / held,
-                         "-", "-"])  # fmt: skip
-    print("\n# issue 5 summary: ours, the reference beside it, ratio, target\n")
-    print(table(["figure", "ssmserve", "reference (same run)", "ratio", "target", "verdict"], rows))
+def joined(values: Sequence[float]) -> str:
+    return " / ".join(fmt(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # the row's first cell: the key the page's table is merged on
+    source: str  # RESULTS_DIR/<source>.json
+    command: str
+    cells: Callable[[dict[str, Any]], Cells]
+
+
+# ---------------------------------------------------------------------------- the rows
+
+
+def _hf_peer(d: dict[str, Any]) -> Cells:
+    peer = min(d["torch_p50_ms"], d["torch_flush_denormal_p50_ms"])
+    return fmt(d["ours_p50_ms"]), f"transformers: {fmt(peer)}", fmt(d["ours_p50_ms"] / peer)
+
+
+def _mamba2_token(d: dict[str, Any]) -> Cells:
+    return fmt(d["ours_p50_ms"]), f"transformers: {fmt(d['torch_p50_ms'])}", fmt(d["ratio_p50"])
+
+
+def _mamba2_batch(d: dict[str, Any]) -> Cells:
+    ours, peer = d["ours_batch_tokens_per_s"], d["torch_batch_tokens_per_s"]
+    return fmt(ours), f"transformers: {fmt(peer)}", fmt(ours / peer)
+
+
+def _kizzasi(d: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+    peer = d["kizzasi"]
+    return (
+        min(peer["before"]["step_us_p50"], peer["after"]["step_us_p50"]),
+        max(peer["before"]["steps_per_s"], peer["after"]["steps_per_s"]),
+        d["signal"]["batches"],
+    )
+
+
+def _engine_batch_1(d: dict[str, Any]) -> Cells:
+    peer_us, _, batches = _kizzasi(d)
+    ours = batches["1"]["step_ms"] * 1e3
+    return fmt(ours), f"kizzasi 0.2.3: {fmt(peer_us)}", fmt(ours / peer_us)
+
+
+def _engine_batch_64(d: dict[str, Any]) -> Cells:
+    _, peer_rate, batches = _kizzasi(d)
+    ours = batches["64"]["steps_per_s"]
+    return fmt(ours), f"kizzasi, one stream: {fmt(peer_rate)}", fmt(ours / peer_rate)
+
+
+def _engine_floor(d: dict[str, Any]) -> Cells:
+    ratios = [d["signal"]["batches"][b]["vs_floor"] for b in ("1", "64", "256")]
+    return joined(ratios), "goal <= 1.5", joined([r / 1.5 for r in ratios])
+
+
+def _served_p50(d: dict[str, Any]) -> Cells:
+    parts = d["served_p50_parts_ms"]
+    return (
+        fmt(parts["served"]),
+        f"budget (echo + engine + append + 0.1 ms): {fmt(parts['budget'])}",
+        fmt(parts["served"] / parts["budget"]),
+    )
+
+
+def _snapshot_p99(d: dict[str, Any]) -> Cells:
+    p99 = d["snapshot_p99_ms"]
+    return (
+        fmt(p99["snapshot every 8 steps, one phase"]),
+        f"without snapshots: {fmt(p99['no snapshot due'])} (goal <= 1.25x)",
+        fmt(d["snapshot_p99_rise"]),
+    )
+
+
+def _snapshot_write(d: dict[str, Any]) -> Cells:
+    r = d["redis"]
+    return (
+        fmt(r["snapshot_big_p50_ms"]),
+        f"a bare SET of the same bytes: {fmt(r['setbig_p50_ms'])}",
+        fmt(r["snapshot_big_p50_ms"] / r["setbig_p50_ms"]),
+    )
+
+
+def _rollback(d: dict[str, Any]) -> Cells:
+    ms = d["rollback_p50_ms"]["32"]
+    return fmt(ms), "goal <= 5", fmt(ms / 5)
+
+
+def _server_rounds(d: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    rounds = [r for r in d["rounds"] if r["sessions"] == 3000 and r["server"].startswith(SHIPPED)]
+    if not rounds:
+        raise KeyError("no round of 3,000 sessions")
+    return (
+        [r for r in rounds if not r["server"].endswith("by step")],
+        [r for r in rounds if r["server"].endswith("by step")],
+    )
+
+
+def _server_cpu(d: dict[str, Any]) -> Cells:
+    runs, _ = _server_rounds(d)
+    us = statistics.median(r["server_cpu_us_per_step"] for r in runs)
+    return fmt(us), "goal <= 25", fmt(us / 25)
+
+
+def _served_at_scale(d: dict[str, Any]) -> Cells:
+    runs, per_step = _server_rounds(d)
+    ours = statistics.median(r["steps_per_s"] for r in runs)
+    peer = statistics.median(r["steps_per_s"] for r in per_step)
+    return fmt(ours), f"the same steps one by one (per-step path): {fmt(peer)}", fmt(ours / peer)
+
+
+def _served_memory(d: dict[str, Any]) -> Cells:
+    rows = [
+        r
+        for r in d["rows"]
+        if r["steps"] == 40 and r["sessions"] == 3000 and r["server"] == SHIPPED
+    ]
+    if not rows:
+        raise KeyError("no row of 3,000 sessions at 40 steps")
+    kib = statistics.median(r["idle_kib"][-1] for r in rows)
+    own = rows[0]["own_kib"]
+    return (
+        fmt(kib),
+        f"own data (state + history + outputs): {fmt(own)} (goal <= 1.3x)",
+        fmt(kib / own),
+    )
+
+
+def _memory_130m(d: dict[str, Any]) -> Cells:
+    rss = d["130m_batched_rss_per_session_bytes"] / 1024
+    held = (d["130m_batched_state_bytes"] + d["130m_batched_history_bytes"]) / 1024
+    return fmt(rss), f"state + history: {fmt(held)}", f"{rss / held:.3f}"
+
+
+def _migration(d: dict[str, Any]) -> Cells:
+    p50 = [d["downtime_p50_ms"]["demo"], d["downtime_p50_ms"]["m130"]]
+    return joined(p50), "goal <= 20", joined([v / 20 for v in p50])
+
+
+def _checkpoint(d: dict[str, Any]) -> Cells:
+    ms = [d["encode_ms"], d["decode_ms"]]
+    return (
+        joined(ms),
+        f"sha256 alone: {fmt(d['sha256_ms'])}",
+        joined([v / d["sha256_ms"] for v in ms]),
+    )
+
+
+def _takeover(event: str, keepalive: list[float]) -> Callable[[dict[str, Any]], Cells]:
+    def cells(d: dict[str, Any]) -> Cells:
+        rows = sorted(
+            (r for r in d["rows"]
+             if r["code"] != "baseline" and r["event"] == event and r["keepalive_s"] == keepalive),
+            key=lambda r: r["ttl_s"],
+        )  # fmt: skip
+        if not rows:
+            raise KeyError(event)
+        return (
+            joined([r["p50_ms"] for r in rows]),
+            f"the lease TTL: {joined([r['ttl_s'] * 1e3 for r in rows])}",
+            joined([r["p50_over_ttl"] for r in rows]),
+        )
+
+    return cells
+
+
+def _replication(sessions: int, per_message: int) -> Callable[[dict[str, Any]], Cells]:
+    def cells(d: dict[str, Any]) -> Cells:
+        rate = {
+            r["wait_replicas"]: r["steps_per_s"]
+            for r in d["rows"]
+            if r["sessions"] == sessions and r["per_message"] == per_message
+        }
+        return (
+            fmt(rate["auto"]),
+            f"--redis-wait-replicas 0: {fmt(rate['0'])}",
+            fmt(rate["auto"] / rate["0"]),
+        )
+
+    return cells
+
+
+def _side_by_side(name: str, base: str, goal: str) -> Callable[[dict[str, Any]], Cells]:
+    def cells(d: dict[str, Any]) -> Cells:
+        rate = d["steps_per_s"]
+        return (
+            fmt(rate[name]),
+            f"{base}: {fmt(rate[base])} ({goal})",
+            f"{rate[name] / rate[base]:.3g}",
+        )
+
+    return cells
+
+
+def _forecast(d: dict[str, Any]) -> Cells:
+    f = d["demo"]["forecast"]["128"]
+    return (
+        fmt(f["served_ms"]),
+        f"by hand (fork + ping-pong): {fmt(f['by_hand_ms'])}",
+        fmt(f["served_ms"] / f["by_hand_ms"]),
+    )
+
+
+def _workers(d: dict[str, Any]) -> Cells:
+    rate = {(r["topology"], r["workers"]): r["steps_per_s"] for r in d["workers"]}
+    ours, base = rate[("cluster", 2)], rate[("single", 1)]
+    return fmt(ours), f"1 worker on one Redis: {fmt(base)}", fmt(ours / base)
+
+
+def _group_commit(d: dict[str, Any]) -> Cells:
+    row = max(
+        (r for r in d["group_commit"] if r["topology"] == "cluster"), key=lambda r: r["sessions"]
+    )
+    return (
+        fmt(row["grouped_appends_per_s"]),
+        f"one call per session: {fmt(row['concurrent_appends_per_s'])}",
+        fmt(row["grouped_over_concurrent"]),
+    )
+
+
+def _cli_start(d: dict[str, Any]) -> Cells:
+    ms = [
+        d["commands"][c]["current"]["median_ms"]
+        for c in ("ssmserve --help", "ssmserve session list")
+    ]
+    return joined(ms), "goal <= 400", joined([v / 400 for v in ms])
+
+
+FIGURES = [
+    Figure("mamba-130m-shaped decode, batch 1, ms per token (p50)", "hf_peer",
+           "`bench/bench_hf_peer.py`", _hf_peer),
+    Figure("mamba2-130m-shaped decode, batch 1, ms per token (p50)", "mamba2",
+           "`bench/bench_mamba2.py`", _mamba2_token),
+    Figure("mamba2-130m-shaped decode, batch 64, tokens/s", "mamba2",
+           "`bench/bench_mamba2.py`", _mamba2_batch),
+    Figure("engine step, signal 256x4 model, batch 1, us", "engine",
+           "`bench/bench_engine.py`", _engine_batch_1),
+    Figure("engine steps/s, signal 256x4 model, batch 64", "engine",
+           "`bench/bench_engine.py`", _engine_batch_64),
+    Figure("engine step / floor, signal 256x4 model, batch 1 / 64 / 256", "engine",
+           "`bench/bench_engine.py`", _engine_floor),
+    Figure("served step p50, one session, durability log, ms", "service",
+           "`bench/bench_service.py`", _served_p50),
+    Figure("step p99 while snapshots are written, 64 lockstep sessions, ms", "service",
+           "`bench/bench_service.py`", _snapshot_p99),
+    Figure("snapshot write of a 2.8 MiB state to Redis, p50 ms", "service",
+           "`bench/bench_service.py`", _snapshot_write),
+    Figure("rollback with 32 replayed steps, p50 ms", "service",
+           "`bench/bench_service.py`", _rollback),
+    Figure("server CPU per step, 3,000 sessions, 8 steps of each per message, us", "server_cpu",
+           "`bench/bench_server_cpu.py --sessions 3000 --orders session,step`", _server_cpu),
+    Figure("served steps/s, 3,000 sessions, 8 steps of each per message", "server_cpu",
+           "`bench/bench_server_cpu.py --sessions 3000 --orders session,step`", _served_at_scale),
+    Figure("memory per resident session, demo model, served, 40 steps, KiB", "served_memory",
+           "`bench/bench_served_memory.py --sessions 3000 --steps 40`", _served_memory),
+    Figure("memory per resident session, mamba-130m-shaped, KiB", "memory",
+           "`bench/bench_memory.py`", _memory_130m),
+    Figure("migration downtime p50, demo / 2.81 MiB state, ms", "migration",
+           "`bench/bench_migration.py`", _migration),
+    Figure("checkpoint encode / decode, 2.81 MiB state, ms", "checkpoint",
+           "`bench/bench_checkpoint.py`", _checkpoint),
+    Figure("takeover after kill -9, p50 ms, lease TTL 0.5 / 1 / 2 s", "failover",
+           "`bench/bench_failover.py`", _takeover("kill -9", [2.0, 2.0])),
+    Figure("takeover after a freeze, client keepalive 2 s + 2 s, p50 ms, TTL 0.5 / 1 / 2 s",
+           "failover", "`bench/bench_failover.py`", _takeover("freeze", [2.0, 2.0])),
+    Figure("served steps/s on Sentinel + 1 replica, 1 session, 1 step per message", "replication",
+           "`bench/bench_replication.py`", _replication(1, 1)),
+    Figure("served steps/s on Sentinel + 1 replica, 64 sessions, 8 steps per message",
+           "replication", "`bench/bench_replication.py`", _replication(64, 8)),
+    Figure("served steps/s with TLS and tokens, 64 sessions", "security",
+           "`bench/bench_security.py`", _side_by_side("TLS + token", "plaintext", "goal: >= 0.9x")),
+    Figure("served steps/s with metrics scraped every second, 64 sessions", "metrics",
+           "`bench/bench_metrics.py`",
+           _side_by_side("metrics on, scraped 1/s", "metrics off", "goal: >= 0.97x")),
+    Figure("forecast of 128 steps, demo model, ms", "forecast",
+           "`bench/bench_forecast.py`", _forecast),
+    Figure("served steps/s, 2 workers on a 3-master Redis Cluster", "scale",
+           "`bench/bench_scale.py`", _workers),
+    Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale",
+           "`bench/bench_scale.py`", _group_commit),
+    Figure("`ssmserve --help` / `ssmserve session list` start-up, median ms", "cli_start",
+           "`bench/bench_cli_start.py`", _cli_start),
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def rows_from(results: Path) -> dict[str, list[str]]:
+    """The rows the result files in ``results`` give, by figure; a missing file, or one
+    without a figure's fields (a skipped peer, an older benchmark), gives none."""
+    rows: dict[str, list[str]] = {}
+    for figure in FIGURES:
+        path = results / f"{figure.source}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        try:
+            cells = figure.cells(data)
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+            print(f"({figure.source}.json: no {figure.name!r}: {exc!r})", file=sys.stderr)
+            continue
+        day = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.UTC).date()
+        rows[figure.name] = [figure.name, *cells, figure.command, day.isoformat()]
+    return rows
+
+
+def render(rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cells_of(line: str) -> list[str]:
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    parts, cell, escaped = [], "", False
+    for ch in inner:
+        if ch == "|" and not escaped:
+            parts.append(cell.strip())
+            cell = ""
+        else:
+            cell += ch
+        escaped = ch == "\\"
+    parts.append(cell.strip())
+    return [p.replace("\\|", "|") for p in parts]
+
+
+def merge(page: str, fresh: dict[str, list[str]]) -> str:
+    """``page`` with the rows of ``fresh`` in its table (by figure), the others kept."""
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"the page has no table between {BEGIN!r} and {END!r}")
+    head, rest = page.split(BEGIN, 1)
+    body, tail = rest.split(END, 1)
+    kept = {}
+    for line in body.strip().splitlines()[2:]:
+        cells = _cells_of(line)
+        kept[cells[0]] = cells
+    order = [f.name for f in FIGURES] + [name for name in kept if name not in fresh]
+    rows = [
+        fresh.get(name) or kept[name]
+        for name in dict.fromkeys(order)
+        if name in fresh or name in kept
+    ]
+    return f"{head}{BEGIN}\n{render(rows)}\n{END}{tail}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", type=Path, default=Path("bench/results"))
+    parser.add_argument("--write", type=Path, metavar="PAGE", help="update this page's table")
+    args = parser.parse_args(argv)
+    fresh = rows_from(args.results)
+    print(render(list(fresh.values())) if fresh else f"(no results in {args.results})")
+    if args.write:
+        args.write.write_text(merge(args.write.read_text(), fresh))
+        print(f"\n{len(fresh)} of {len(FIGURES)} figures written to {args.write}")
     return 0
 
 
