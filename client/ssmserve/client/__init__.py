@@ -3,29 +3,69 @@
     from ssmserve.client import Client
 
     with Client("127.0.0.1:50051") as client:
-        sid = client.create_session("demo").session_id
-        for out in client.stream_steps(sid, signal):
+        session = client.create_session("demo")
+        for out in client.stream_steps(session, signal):
             ...
-        client.rollback(sid, to_step=10)
+        client.rollback(session, to_step=10)
 
 ``Client`` (blocking) and ``AsyncClient`` (asyncio) have the same methods; both follow
 sessions between workers (``RetryPolicy``) and raise the typed errors of
 ``ssmserve.client.errors``. The generated stubs are ``ssmserve.v1``. This distribution
 never imports the server's.
+
+The names below are imported on first use (PEP 562): the ``ssmserve`` command imports
+modules of this package without paying for gRPC and numpy when it only parses flags.
 """
 
-from ssmserve.client.aio import AsyncClient, Forecast, StepOutput
-from ssmserve.client.errors import SessionMoved, SsmserveClientError, StepFailed
-from ssmserve.client.retry import RetryPolicy
-from ssmserve.client.sync import Client
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ssmserve.client.aio import AsyncClient, Forecast, StepOutput
+    from ssmserve.client.errors import (
+        ServerUnreachable,
+        SessionMoved,
+        SsmserveClientError,
+        StepFailed,
+    )
+    from ssmserve.client.retry import RetryPolicy
+    from ssmserve.client.sync import Client
+
+_HOMES = {
+    "AsyncClient": "ssmserve.client.aio",
+    "Forecast": "ssmserve.client.aio",
+    "StepOutput": "ssmserve.client.aio",
+    "ServerUnreachable": "ssmserve.client.errors",
+    "SessionMoved": "ssmserve.client.errors",
+    "SsmserveClientError": "ssmserve.client.errors",
+    "StepFailed": "ssmserve.client.errors",
+    "RetryPolicy": "ssmserve.client.retry",
+    "Client": "ssmserve.client.sync",
+}
 
 __all__ = [
     "AsyncClient",
     "Client",
     "Forecast",
     "RetryPolicy",
+    "ServerUnreachable",
     "SessionMoved",
     "SsmserveClientError",
     "StepFailed",
     "StepOutput",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -11,15 +11,13 @@ from __future__ import annotations
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+# CliError lives in the light cli_errors (the CLI loads it before gRPC); here for imports.
+from ssmserve.client.cli_errors import CliError as CliError
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"
 OWNER_KEY = "ssmserve-owner"
 RETRY_AFTER_KEY = "ssmserve-retry-after-ms"
-
-
-class CliError(Exception):
-    """A user-facing failure of the CLI itself (bad file, bad flag, refused overwrite)."""
 
 
 class SsmserveClientError(Exception):
@@ -93,6 +91,48 @@ class SessionMoved(Unavailable):
         super().__init__(message, reason, grpc.StatusCode.UNAVAILABLE)
         self.owner = owner
         self.retry_after_ms = retry_after_ms
+
+
+class ServerUnreachable(Unavailable):
+    """No worker at any of ``addresses`` could be connected to, and none ever answered
+    this client: nothing is listening there (or a wrong address, or TLS on one side
+    only). ``cause`` says what the connection attempt ran into."""
+
+    def __init__(self, addresses: list[str], cause: str) -> None:
+        where = ", ".join(addresses)
+        question = "is it running?" if len(addresses) == 1 else "is one of them running?"
+        super().__init__(f"no ssmserve server at {where}: {cause}; {question}")
+        self.addresses = addresses
+        self.cause = cause
+
+
+#: What a failed connection attempt's status details say, and how to say it shortly.
+_CONNECTION_CAUSES = (
+    ("Connection refused", "connection refused"),
+    ("Domain name not found", "no such host"),
+    ("DNS resolution failed", "no such host"),
+    ("errors resolving", "no such host"),
+    ("Failed parsing HTTP/2", "something else than a gRPC server answers there"),
+    ("handshake", "the TLS handshake failed (TLS on one side only, or an untrusted certificate)"),
+    ("Ssl", "the TLS handshake failed (TLS on one side only, or an untrusted certificate)"),
+    ("Connection reset", "the connection was reset"),
+    ("Socket closed", "the connection was closed"),
+    ("Deadline Exceeded", "no answer in time"),
+    ("Timeout occurred", "no answer in time"),
+    ("No route to host", "no route to host"),
+    ("Network is unreachable", "the network is unreachable"),
+)
+
+
+def connection_cause(error: SsmserveClientError) -> str:
+    """What a failed connection ran into, in a few words (the status details' last
+    error when none of the known causes)."""
+    for needle, cause in _CONNECTION_CAUSES:
+        if needle.lower() in error.message.lower():
+            return cause
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time"
+    return error.message.rpartition("last error: ")[2] or error.message
 
 
 _BY_CODE: dict[grpc.StatusCode, type[SsmserveClientError]] = {

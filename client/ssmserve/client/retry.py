@@ -5,6 +5,14 @@ A request for a session another worker owns comes back as
 once. A worker that cannot be reached, or a store outage (UNAVAILABLE), is retried with
 exponential backoff and jitter, trying the other known workers in turn, until
 ``give_up_after_s`` passes without progress.
+
+Except before the first answer: a client that no worker has ever answered gives up
+``connect_timeout_s`` after its first failed connection, when every address it knows
+failed, with :class:`~ssmserve.client.errors.ServerUnreachable`. Nothing it knows of is
+then a cluster that could come back: the address is wrong, or nothing runs there (a
+minute of retries would only hide that). Once a worker has answered, the client knows a
+cluster is there, and one that goes away (restarting, failing over, its sessions moving)
+is waited for as long as ``give_up_after_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ class RetryPolicy:
     max_backoff_s: float = 0.2  # small: a dead owner's sessions return after its lease TTL
     multiplier: float = 2.0
     give_up_after_s: float = 60.0  # without any progress (an answered step, a reply)
+    # Until some worker has answered this client: how long connections that fail at
+    # every known address are retried (a worker still starting gets this long).
+    connect_timeout_s: float = 2.0
     max_redirects: int = 8  # hops in a row before backing off (a hand-off in progress)
     # No answer for this long with steps pending on a stream, or no next reply of a
     # forecast, history or export: reconnect (or retry the call).
@@ -59,7 +70,11 @@ class Backoff:
         self.waited_for = ""  # an unreachable owner whose lease we last waited out
 
     def expired(self) -> bool:
-        return time.monotonic() - self._since > self.policy.give_up_after_s
+        return self.elapsed() > self.policy.give_up_after_s
+
+    def elapsed(self) -> float:
+        """Seconds since the operation started or last made progress."""
+        return time.monotonic() - self._since
 
     async def wait(self, at_least_s: float = 0.0) -> None:
         delay = max(at_least_s, self._delay * (0.5 + random.random() / 2))

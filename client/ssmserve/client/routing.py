@@ -7,6 +7,12 @@ learns the live ones from ``ListWorkers``); a call never starts at a worker mark
 unreachable. An owner that froze or died keeps its lease until it runs out, so the
 client waits that long (``retry_after_ms``) and then lets any worker take the session
 over. How long all this may go on is the ``RetryPolicy``'s.
+
+The one exception is a client no worker has answered yet (``reached`` is false): when
+connecting fails at every address it knows for ``RetryPolicy.connect_timeout_s``, it
+raises :class:`ServerUnreachable` (what the connection ran into, e.g. "connection
+refused") instead of retrying for ``give_up_after_s``; a worker that goes away after
+answering is retried as above (see ``retry``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ssmserve.client.errors import SessionMoved, SsmserveClientError, from_rpc_error
+from ssmserve.client.errors import (
+    ServerUnreachable,
+    SessionMoved,
+    SsmserveClientError,
+    connection_cause,
+    from_rpc_error,
+)
 from ssmserve.client.retry import Backoff, RetryPolicy
 from ssmserve.client.stall_bound import replies_within
 from ssmserve.client.tls import TlsConfig
@@ -71,6 +83,7 @@ class WorkerRouter:
         self._owners: dict[str, str] = {}  # session id -> where it was last served
         self._unreachable: set[str] = set()
         self.discover_pending = discover
+        self.reached = False  # some worker has answered this client
 
     @property
     def first(self) -> str:
@@ -126,6 +139,7 @@ class WorkerRouter:
 
     def served(self, session_id: str, address: str) -> None:
         """``address`` just answered for ``session_id``: it is reachable and the owner."""
+        self.reached = True
         self._unreachable.discard(address)
         if session_id:
             self._owners[session_id] = address
@@ -162,6 +176,7 @@ class WorkerRouter:
                 )
             except grpc.RpcError:
                 continue
+            self.reached = True
             for w in reply.workers:
                 self.learn(w.address)
             return
@@ -200,7 +215,12 @@ class WorkerRouter:
             raise error
         if not error.reason:  # the worker itself is unreachable or stopping
             self._unreachable.add(address)
-            if self.discover_pending:
+            if not self.reached:  # nobody to ask for other workers, nothing to wait for
+                if self._unreachable >= set(self.addresses) and (
+                    backoff.elapsed() >= self.retry.connect_timeout_s
+                ):
+                    raise ServerUnreachable(list(self.addresses), connection_cause(error))
+            elif self.discover_pending:
                 await self.discover()
             await backoff.wait()
             return self.other(address)
@@ -228,7 +248,7 @@ class WorkerRouter:
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
                 if not idempotent and not isinstance(error, SessionMoved):
-                    raise error from None
+                    raise self.connection_failed(address, error) from None
                 address = await self.next_address(address, error, backoff)
                 continue
             self.served(session_id, address)
@@ -242,10 +262,20 @@ class WorkerRouter:
     async def call_at(self, address: str, invoke: Callable[[WorkerStubs], Awaitable[T]]) -> T:
         """One request to one worker (``address``, or the first one): no redirect, no
         retry elsewhere; its error as a typed client error."""
+        address = address or self.first
         try:
-            return await invoke(self.worker(address or self.first))
+            result = await invoke(self.worker(address))
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self.connection_failed(address, from_rpc_error(exc)) from None
+        self.served("", address)
+        return result
+
+    def connection_failed(self, address: str, error: SsmserveClientError) -> SsmserveClientError:
+        """``error`` of a call to ``address`` that is not retried: ServerUnreachable when
+        it is a failed connection and no worker has answered this client yet."""
+        if self.reached or error.reason or error.code not in TRANSIENT:
+            return error
+        return ServerUnreachable([address], connection_cause(error))
 
     async def locate(self, session_id: str, address: str) -> str:
         """The session's owner as the cluster reports it (``address`` if nobody holds it).
@@ -264,6 +294,7 @@ class WorkerRouter:
                     self._unreachable.add(candidate)
                     continue
                 return address
+            self.reached = True
             self._unreachable.discard(candidate)
             if info.owner and info.owner not in self._unreachable:
                 return info.owner

@@ -1,14 +1,33 @@
-"""What a step and a forecast answer, as Python values; and a value as a ``StepInput``."""
+"""What a step and a forecast answer, as Python values; and a value as a ``StepInput``.
+
+numpy is imported where it is used, not with this module: the CLI's commands that move
+no arrays (``session list``, ``workers``, ...) then start without it (a tenth of a
+second). Once imported, an ``import numpy`` in a function is a dictionary lookup.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ssmserve.v1 import ssmserve_pb2 as pb
+
+if TYPE_CHECKING:
+    import numpy as np
+
+#: A session, as the client's methods take it: its id, or the SessionInfo that
+#: ``create_session``, ``get_session`` or ``list_sessions`` returned.
+SessionRef: TypeAlias = str | pb.SessionInfo
+
+
+def session_id_of(session: SessionRef) -> str:
+    """The id of ``session`` (an id, or a SessionInfo); TypeError for anything else."""
+    if isinstance(session, str):
+        return session
+    if isinstance(session, pb.SessionInfo):
+        return session.session_id
+    raise TypeError(f"expected a session id (str) or a SessionInfo, got {type(session).__name__}")
 
 
 @dataclass(frozen=True)
@@ -48,12 +67,16 @@ class Forecast:
     @property
     def steps(self) -> np.ndarray:
         """(h,) the step number of each output."""
+        import numpy as np
+
         return np.arange(self.from_step + 1, self.from_step + 1 + len(self.outputs))
 
 
 def vector_array(vector: pb.Vector) -> np.ndarray:
     """A Vector's floats as a float32 array, whichever form the worker sent (``packed``
     little-endian bytes when asked for, ``values`` otherwise or from older workers)."""
+    import numpy as np
+
     if vector.packed:
         return np.frombuffer(vector.packed, "<f4").astype(np.float32)  # own, writable copy
     return np.asarray(vector.values, np.float32)
@@ -66,6 +89,8 @@ def step_input(session_id: str, step: int, value: Any, packed: bool = False) -> 
     worker decodes in one copy instead of float by float. Workers older than packed
     vectors read only ``values``: send packed only to workers that have it.
     """
+    import numpy as np
+
     if isinstance(value, int | np.integer):
         return pb.StepInput(session_id=session_id, step=step, token=int(value))
     array = np.asarray(value, np.float32).reshape(-1)
@@ -90,6 +115,8 @@ class SessionHistory:
     @property
     def steps(self) -> np.ndarray:
         """(t,) the step number of each row."""
+        import numpy as np
+
         return np.arange(self.first_step, self.first_step + len(self.outputs))
 
     @property
