@@ -1,57 +1,73 @@
 """``ssmserve``: the user and operator command line.
 
-The service commands (``--server HOST:PORT`` goes before the command) live in
+The service commands (``--server HOST[:PORT]`` goes before the command, or
+``SSMSERVE_SERVER`` in the environment) are parsed by ``cli_parsers`` and run by
 ``session_commands``. Other installed distributions add commands through the
 ``ssmserve.cli`` entry-point group: each entry is a callable that gets the CLI's
 subparsers and adds its commands there, each with a ``handler(args)`` default. The
-server adds ``ssmserve model ...`` that way, so a client-only install never imports it.
+server adds ``ssmserve model ...`` and ``ssmserve auth ...`` that way, so a client-only
+install never imports it.
 
-Any failure prints one line on stderr and exits with code 2: ``ssmserve: error: CODE
-(REASON): message`` for an error a worker answered (the gRPC status code, and the
-``ErrorInfo`` reason when there is one), ``ssmserve: error: message`` for a local one
-(a bad file or flag). Nothing is written unless the command succeeds.
+Starting fast: parsing imports argparse alone, and a command's code (gRPC, numpy; the
+engine for a server command) is imported only when it runs. The installed
+distributions are searched for plugin commands only when the command word is not one
+of this distribution's (``--help``, a server command, a typo): that search reads every
+installed package's metadata.
+
+Any failure prints one line on stderr and exits with code 2 (130 on Ctrl-C):
+``ssmserve: error: CODE (REASON): message`` for an error a worker answered (the gRPC
+status code, and the ``ErrorInfo`` reason when there is one), ``ssmserve: error:
+message`` for a local one (a bad file or flag), never a traceback (``SSMSERVE_DEBUG=1``
+adds it). A command that writes a file checks it can before it asks a worker for
+anything; one cut part-way saves what was answered and says where to go on from.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Sequence
-from importlib.metadata import entry_points
-from pathlib import Path
 
-from ssmserve.client import session_commands
-from ssmserve.client.errors import CliError, SsmserveClientError
-from ssmserve.client.tls import TlsConfigError
+from ssmserve.client import cli_parsers
+from ssmserve.client.cli_errors import describe
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 PLUGIN_GROUP = "ssmserve.cli"
+#: Commands the server distribution adds: named here so that a client-only install can
+#: say where they come from instead of argparse's bare "invalid choice".
+SERVER_COMMANDS = ("auth", "model")
+SERVER_MISSING = (
+    "the server distribution (ssmserve), which is not installed here; install it beside "
+    "the client from a clone of the repository: pip install ./client ."
+)
 
 log = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``plugins=False`` leaves out the commands of other
+    distributions (no search of the installed packages)."""
     parser = argparse.ArgumentParser(
         prog="ssmserve", description="Streaming inference-state server for SSM models."
     )
-    parser.add_argument(
-        "--server", metavar="HOST:PORT", help="worker to talk to (service commands)"
-    )
-    for flag, what in (
-        ("ca", "PEM CA to trust: talk TLS to the worker (env SSMSERVE_TLS_CA)"),
-        ("cert", "PEM client certificate, for workers that require one (SSMSERVE_TLS_CERT)"),
-        ("key", "PEM private key of --tls-cert (SSMSERVE_TLS_KEY)"),
-    ):
-        parser.add_argument(f"--tls-{flag}", type=Path, metavar="FILE", help=what)
-    parser.add_argument(
-        "--token",
-        metavar="TOKEN",
-        help="bearer token for workers that require one (env SSMSERVE_TOKEN, which keeps "
-        "it out of the process list)",
-    )
+    cli_parsers.add_global_options(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    session_commands.add_parsers(commands)
+    cli_parsers.add_service_commands(commands)
+    if plugins:
+        _add_plugin_commands(commands)
+        missing = [c for c in SERVER_COMMANDS if c not in commands.choices]
+        if missing:
+            parser.epilog = f"{' and '.join(missing)} are commands of {SERVER_MISSING}"
+    return parser
+
+
+def _add_plugin_commands(commands: cli_parsers.Subparsers) -> None:
+    from importlib.metadata import entry_points
+
     for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
         try:
             add_commands = entry.load()
@@ -59,29 +75,53 @@ def build_parser() -> argparse.ArgumentParser:
             log.warning("ssmserve: commands %r unavailable: %s", entry.name, exc)
             continue
         add_commands(commands)
-    return parser
+
+
+def command_word(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (after the global options), or None (``--help``, none,
+    or options argparse will refuse anyway)."""
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    cli_parsers.add_global_options(pre)
+    pre.add_argument("command", nargs="?")
+    pre.add_argument("rest", nargs=argparse.REMAINDER)
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit):
+        return None
+    return known.command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = command_word(argv)
+    parser = build_parser(plugins=command not in cli_parsers.SERVICE_COMMANDS)
+    if command in SERVER_COMMANDS and command not in _command_names(parser):
+        print(f"ssmserve: error: '{command}' is a command of {SERVER_MISSING}", file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     try:
         handler = getattr(args, "handler", None)
         if handler is not None:
             handler(args)
         else:
+            from ssmserve.client import session_commands
+
             session_commands.run(args)
         return 0
-    except SsmserveClientError as exc:
-        # The status code (and reason) first, so people and scripts can tell failures apart.
-        reason = f" ({exc.reason})" if exc.reason else ""
-        print(f"ssmserve: error: {exc.code.name}{reason}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (CliError, TlsConfigError) as exc:
-        print(f"ssmserve: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # every failure is one line; a traceback only when asked
+        if os.environ.get("SSMSERVE_DEBUG"):
+            traceback.print_exc()
+        print(f"ssmserve: error: {describe(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _command_names(parser: argparse.ArgumentParser) -> set[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    return set()
 
 
 if __name__ == "__main__":

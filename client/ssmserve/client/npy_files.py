@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-from ssmserve.client.atomic_file import atomic_write
-from ssmserve.client.errors import CliError
+from ssmserve.client.cli_errors import CliError
+from ssmserve.client.output_files import check_output, write_output
 
 
 def load_npy(path: Path) -> np.ndarray:
@@ -22,18 +24,20 @@ def load_npy(path: Path) -> np.ndarray:
     return arr
 
 
-def check_writable(path: Path) -> None:
-    """Fail before the work when ``path`` cannot be written (its directory is missing)."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise CliError(f"{path}: directory {parent} does not exist")
+def npy_writer(arr: np.ndarray) -> Callable[[BinaryIO], None]:
+    """What writes ``arr`` as .npy into an open file (np.save on a name would add
+    ".npy" to it)."""
+
+    def write(f: BinaryIO) -> None:
+        np.save(f, arr, allow_pickle=False)
+
+    return write
 
 
 def save_npy(path: Path, arr: np.ndarray) -> None:
-    check_writable(path)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a name
-            np.save(f, arr, allow_pickle=False)
-
-    atomic_write(path, write)
+    """``arr`` into ``path`` as .npy, atomically; CliError (one line) if it cannot be."""
+    check_output(path)
+    try:
+        write_output(path, npy_writer(arr))
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -12,17 +12,17 @@ their action at the step they judged, and rollbacks as a red arrow from the step
 session was at back to the step it returned to (steps past it were undone, and later
 ones replace them).
 
-Needs matplotlib: ``pip install 'ssmserve-client[plot]'``.
+Needs matplotlib (``pip install matplotlib``; the client's ``plot`` extra brings it:
+``pip install './client[plot]'`` from a clone). The flags are ``cli_parsers``'.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from ssmserve.client.errors import CliError
-from ssmserve.client.npy_files import check_writable
+from ssmserve.client.cli_errors import CliError
+from ssmserve.client.output_files import check_output, write_output
 from ssmserve.client.step_values import SessionHistory
 from ssmserve.client.sync import Client
 
@@ -30,27 +30,25 @@ ACTION_COLOURS = {"report": "tab:blue", "clamp": "tab:orange", "reject": "tab:pu
                   "rollback": "tab:red"}  # fmt: skip
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    plot = commands.add_parser(
-        "plot", help="draw a session's inputs, outputs, snapshots, guard events and rollbacks"
-    )
-    plot.add_argument("session_id", help="the session to draw")
-    plot.add_argument("--output", required=True, type=Path, help="the PNG file to write")
-    plot.add_argument("--from-step", type=int, default=0, metavar="T",
-                      help="first step (default: the oldest it can replay)")  # fmt: skip
-    plot.add_argument("--to-step", type=int, default=0, metavar="T",
-                      help="last step (default: its current step)")  # fmt: skip
-    plot.add_argument("--dims", type=int, default=8, metavar="N",
-                      help="draw at most N input and output dimensions (default 8)")  # fmt: skip
-
-
 def run(client: Client, args: argparse.Namespace) -> None:
-    check_writable(args.output)
+    check_output(args.output)
     pyplot = load_pyplot()
+    kind = args.output.suffix.lstrip(".").lower() or "png"
+    formats = pyplot.figure().canvas.get_supported_filetypes()
+    pyplot.close("all")
+    if kind not in formats:
+        raise CliError(
+            f"--output {args.output}: matplotlib cannot write .{kind} files; name a "
+            f"{', '.join(f'.{k}' for k in sorted(formats))} file"
+        )
     history = client.history(args.session_id, args.from_step, args.to_step)
     figure = draw(pyplot, history, max(1, args.dims))
-    figure.savefig(args.output, dpi=100)
-    pyplot.close(figure)
+    try:
+        write_output(args.output, lambda f: figure.savefig(f, format=kind, dpi=100))
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    finally:
+        pyplot.close(figure)
     last = history.first_step + len(history.outputs) - 1
     print(
         f"wrote {args.output}: steps {history.first_step}..{last}, "
@@ -63,7 +61,8 @@ def load_pyplot() -> Any:
         import matplotlib
     except ImportError:
         raise CliError(
-            "ssmserve plot needs matplotlib: pip install 'ssmserve-client[plot]'"
+            "ssmserve plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or, from a clone, the client's plot extra: pip install './client[plot]')"
         ) from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as pyplot

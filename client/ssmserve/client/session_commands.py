@@ -1,23 +1,11 @@
-"""The CLI commands that talk to a worker (``ssmserve --server HOST:PORT ...``).
+"""What the CLI's service commands do (``ssmserve --server HOST[:PORT] ...``); their flags
+are ``cli_parsers``'.
 
-    session create --model NAME [--session-id SID] [--snapshot-every K] [--snapshot-phase P]
-                   [--max-snapshots N] [--history-window N] [--durability log|snapshot|none]
-                   [--idle-ttl S]
-                   [--label KEY=VALUE]... [--guard SPEC]...
-    session stream SID --input IN.npy --output OUT.npy [--steps-per-message N]
-    session inspect SID [--json] | session list [--model NAME] [--json] | session close SID
-    snapshot SID [--label L] | snapshots SID [--json]
-    rollback SID (--to-step T | --to-snapshot ID | --to-label L | --back N)
-    export SID --out FILE [--snapshot ID] | import --in FILE [--session SID] [--model NAME]
-    forecast SID --horizon H [--at-step T] [--output OUT.npy]
-    fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
-    workers [--json] | models [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
-    top [--interval S] [--sessions N] [--once | --json]   (``top.py``)
-    plot SID --output OUT.png [--from-step T] [--to-step T] [--dims N]   (``plot.py``)
-
-A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range), ``action``
-(report | clamp | reject | rollback), and optionally ``min``, ``max``, ``dims`` (``0+2``)
-and ``name``. Example: ``check=range,min=-3,max=3,action=rollback``.
+Each command checks what it can locally (its input files, the path it writes) before it
+asks a worker for anything, so a bad path costs no work. ``session stream`` keeps every
+answer: cut part-way (a worker's error, Ctrl-C), it saves the outputs of the steps
+answered so far and says how to go on (``--first-step``: the steps already taken are
+answered from the session's record, never applied twice).
 """
 
 from __future__ import annotations
@@ -27,16 +15,14 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from google.protobuf import json_format
 
 from ssmserve.client import plot, top
-from ssmserve.client.atomic_file import atomic_write
-from ssmserve.client.errors import CliError, SsmserveClientError
-from ssmserve.client.npy_files import check_writable, load_npy, save_npy
+from ssmserve.client.addresses import worker_address
+from ssmserve.client.cli_errors import CliError
+from ssmserve.client.output_files import check_output, write_or_keep
 from ssmserve.client.progress import ProgressBar
 from ssmserve.client.sync import Client
 from ssmserve.client.tls import TlsConfig
@@ -89,237 +75,27 @@ def parse_guard(spec: str, index: int = 0) -> pb.GuardRule:
     return rule
 
 
-def _label(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def _int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-    return value
-
-
-def count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _int_at_least(text, 0)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    session = commands.add_parser("session", help="create, stream, inspect, list, close")
-    sc = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
-
-    create = sc.add_parser("create", help="create a session; prints its id last")
-    create.add_argument("--model", required=True, help="a model the worker serves")
-    create.add_argument("--session-id", default="", help="its id (default: generated)")
-    create.add_argument(
-        "--snapshot-every", type=count, default=0, metavar="K",
-        help="steps between periodic snapshots (default: the server's, 64)",
-    )  # fmt: skip
-    create.add_argument(
-        "--snapshot-phase", type=int, default=None, metavar="P",
-        help="periodic snapshots at steps s with s %% K == P, 0 <= P < K (default: the "
-        "worker picks one at random, so sessions made together snapshot apart)",
-    )  # fmt: skip
-    create.add_argument(
-        "--max-snapshots", type=count, default=0, metavar="N",
-        help="snapshots kept; older ones and their log are trimmed (default: 16)",
-    )  # fmt: skip
-    create.add_argument(
-        "--history-window", type=count, default=0, metavar="N",
-        help="inputs of history each checkpoint carries (default: 256)",
-    )  # fmt: skip
-    create.add_argument(
-        "--durability", choices=sorted(_DURABILITY), default=None,
-        help="log: answer a step once its input is in Redis (default); snapshot: periodic "
-        "snapshots only; none: write only when asked",
-    )  # fmt: skip
-    create.add_argument(
-        "--idle-ttl", type=float, default=0.0, metavar="SECONDS",
-        help="unload it from memory after this long without steps (0: server default)",
-    )  # fmt: skip
-    create.add_argument(
-        "--label", type=_label, action="append", default=[], metavar="K=V",
-        help="a label to keep with the session (repeatable)",
-    )  # fmt: skip
-    create.add_argument(
-        "--guard", action="append", default=[], metavar="SPEC",
-        help="an output guard, e.g. check=range,min=-3,max=3,action=rollback (repeatable)",
-    )  # fmt: skip
-
-    stream = sc.add_parser("stream", help="stream every row of a .npy as the next steps")
-    stream.add_argument("session_id", help="the session to step")
-    stream.add_argument("--input", required=True, type=Path, help="a .npy: one row per step")
-    stream.add_argument("--output", required=True, type=Path, help="the outputs, as .npy")
-    stream.add_argument(
-        "--steps-per-message", type=count, default=64, help="steps sent per message (64)"
-    )
-
-    inspect = sc.add_parser("inspect", help="show a session")
-    inspect.add_argument("session_id", help="the session to show")
-    inspect.add_argument("--json", action="store_true", help="print JSON")
-
-    listing = sc.add_parser("list", help="list sessions")
-    listing.add_argument("--model", default="", help="only sessions of this model")
-    listing.add_argument("--json", action="store_true", help="print JSON")
-
-    close = sc.add_parser("close", help="close a session")
-    close.add_argument("session_id", help="the session to close")
-    close.add_argument("--final-snapshot", action="store_true", help="keep it exportable")
-
-    snap = commands.add_parser("snapshot", help="take a snapshot now")
-    snap.add_argument("session_id", help="the session to snapshot")
-    snap.add_argument("--label", default="", help="a name to roll back to later")
-
-    snaps = commands.add_parser("snapshots", help="list a session's snapshots")
-    snaps.add_argument("session_id", help="the session")
-    snaps.add_argument("--json", action="store_true", help="print JSON")
-
-    rollback = commands.add_parser("rollback", help="return a session exactly to an earlier step")
-    rollback.add_argument("session_id", help="the session to roll back")
-    target = rollback.add_mutually_exclusive_group(required=True)
-    target.add_argument("--to-step", type=count, metavar="T", help="back to step T")
-    target.add_argument("--to-snapshot", metavar="ID", help="back to a snapshot")
-    target.add_argument("--to-label", metavar="L", help="back to a labelled snapshot")
-    target.add_argument("--back", type=count, metavar="N", help="N steps back")
-
-    export = commands.add_parser("export", help="write a session's checkpoint to a file")
-    export.add_argument("session_id", help="the session to export")
-    export.add_argument("--out", required=True, type=Path, help="the checkpoint file to write")
-    export.add_argument("--snapshot", default="", help="a snapshot id (default: current state)")
-    export.add_argument("--json", action="store_true", help="print the result as JSON")
-
-    imp = commands.add_parser("import", help="bring a checkpoint file back as a session")
-    imp.add_argument(
-        "--in", dest="input", required=True, type=Path, help="a checkpoint file (ssmserve export)"
-    )
-    imp.add_argument("--session", default="", help="session id (default: the checkpoint's)")
-    imp.add_argument("--model", default="", help="model name (default: by fingerprint)")
-    imp.add_argument("--replace", action="store_true", help="overwrite an existing session")
-    imp.add_argument("--json", action="store_true", help="print the new session as JSON")
-
-    forecast = commands.add_parser(
-        "forecast", help="run a session's model ahead on its own outputs (session unchanged)"
-    )
-    forecast.add_argument("session_id", help="the session to forecast from")
-    forecast.add_argument(
-        "--horizon", required=True, type=positive_int, metavar="H", help="steps to run ahead"
-    )
-    forecast.add_argument("--at-step", type=count, metavar="T", help="default: current step")
-    forecast.add_argument("--output", type=Path, help="write the (H, output_dim) outputs here")
-
-    fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")
-    fork.add_argument("session_id", help="the session to branch")
-    point = fork.add_mutually_exclusive_group(required=True)
-    point.add_argument("--at-step", type=count, metavar="T", help="branch at step T")
-    point.add_argument("--at-snapshot", metavar="ID", help="branch at a snapshot")
-    point.add_argument("--at-label", metavar="L", help="branch at a labelled snapshot")
-    fork.add_argument("--new-id", default="", help="the fork's session id (default: generated)")
-    fork.add_argument("--target", default="", metavar="HOST:PORT", help="the worker to serve it")
-
-    models = commands.add_parser(
-        "models", help="the models each live worker serves: versions and their sessions"
-    )
-    models.add_argument("--json", action="store_true", help="print JSON")
-    upgrade = commands.add_parser(
-        "upgrade", help="move a session to another version of its model (a replay of its inputs)"
-    )
-    upgrade.add_argument("session_id", help="the session to move")
-    upgrade.add_argument(
-        "--model", default="", metavar="NAME@VERSION", help="default: the newest version"
-    )
-    upgrade.add_argument("--json", action="store_true", help="print the result as JSON")
-    load = commands.add_parser(
-        "load-model", help="admin: a worker serves another model (version), no restart"
-    )
-    load.add_argument("key", metavar="NAME[@VERSION]", help="the model's name and version")
-    load.add_argument("directory", help="its directory on the worker's host")
-    load.add_argument("--worker", default="", metavar="HOST:PORT", help="default: --server")
-    load.add_argument("--json", action="store_true", help="print the worker's models as JSON")
-    unload = commands.add_parser(
-        "unload-model", help="admin: a worker stops serving a model (no session may run it)"
-    )
-    unload.add_argument("key", metavar="NAME[@VERSION]", help="the model to stop serving")
-    unload.add_argument("--worker", default="", metavar="HOST:PORT", help="default: --server")
-    unload.add_argument("--json", action="store_true", help="print the worker's models as JSON")
-
-    workers = commands.add_parser("workers", help="list the live workers of the cluster")
-    workers.add_argument("--json", action="store_true", help="print JSON")
-
-    migrate = commands.add_parser("migrate", help="move a session to another worker")
-    migrate.add_argument("session_id", help="the session to move")
-    migrate.add_argument("--to", required=True, metavar="HOST:PORT", help="the target worker")
-    migrate.add_argument("--json", action="store_true", help="print the result as JSON")
-
-    drain = commands.add_parser(
-        "drain", help="move every session off a worker (it then refuses new ones)"
-    )
-    drain.add_argument(
-        "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
-    )
-    drain.add_argument(
-        "--json", action="store_true", help="print each session's progress as a JSON line"
-    )
-    top.add_parser(commands)
-    plot.add_parser(commands)
-    undrain = commands.add_parser("undrain", help="undo a drain: the worker serves again")
-    undrain.add_argument(
-        "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
-    )
-
-
-SERVICE_COMMANDS = {
-    "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain", "undrain", "top", "plot", "models", "load-model",
-    "unload-model", "upgrade",
-}  # fmt: skip
-
-
 def run(args: argparse.Namespace) -> None:
+    """Run the service command ``args`` names against ``--server``."""
     if not args.server:
-        raise CliError(f"'{args.command}' talks to a worker: give --server HOST:PORT first")
-    handler: Callable[[Client, argparse.Namespace], None]
-    if args.command == "session":
-        handler = {
-            "create": _create,
-            "stream": _stream,
-            "inspect": _inspect,
-            "list": _list,
-            "close": _close,
-        }[args.session_command]
-    else:
-        handler = {
-            "snapshot": _snapshot,
-            "snapshots": _snapshots,
-            "rollback": _rollback,
-            "export": _export,
-            "import": _import,
-            "forecast": _forecast,
-            "fork": _fork,
-            "workers": _workers,
-            "migrate": _migrate,
-            "drain": _drain,
-            "undrain": _undrain,
-            "top": top.run,
-            "models": _models,
-            "load-model": _load_model,
-            "upgrade": _upgrade,
-            "unload-model": _unload_model,
-            "plot": plot.run,
-        }[args.command]
+        raise CliError(
+            f"'{args.command}' talks to a worker: give --server HOST[:PORT] before the "
+            "command, or set SSMSERVE_SERVER"
+        )
+    args.server = worker_address(args.server)
+    name = args.session_command if args.command == "session" else args.command
+    handler = _HANDLERS.get(name) or _array_command(name)
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
         handler(client, args)
+
+
+def _array_command(name: str) -> Callable[[Client, argparse.Namespace], None]:
+    """``session stream`` and ``forecast``, which move arrays: imported (with numpy)
+    only for them, so the other commands start without numpy."""
+    from ssmserve.client import array_commands
+
+    handler: Callable[[Client, argparse.Namespace], None] = getattr(array_commands, name)
+    return handler
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig | None:
@@ -352,43 +128,6 @@ def _create(client: Client, args: argparse.Namespace) -> None:
     print(info.session_id)
 
 
-def _stream(client: Client, args: argparse.Namespace) -> None:
-    inputs = load_npy(args.input)
-    info = client.get_session(args.session_id)
-    if info.token_input:
-        if inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
-            raise CliError(f"{args.input}: a token model takes int ids of shape (T,)")
-        rows: list[Any] = [int(t) for t in inputs]
-    else:
-        if inputs.ndim != 2 or inputs.shape[1] != info.input_dim:
-            raise CliError(
-                f"{args.input}: expected shape (T, {info.input_dim}), got {list(inputs.shape)}"
-            )
-        rows = list(np.asarray(inputs, np.float32))
-    outputs = np.empty((len(rows), info.output_dim), np.float32)
-    done = 0
-    try:
-        for out in client.stream_steps(
-            args.session_id,
-            rows,
-            first_step=info.step + 1,
-            steps_per_message=max(1, args.steps_per_message),
-        ):
-            outputs[done] = out.output
-            for event in out.guard_events:
-                print(f"step {out.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
-            done += 1
-    except SsmserveClientError as exc:
-        raise CliError(
-            f"{exc} ({done} of {len(rows)} steps were applied; nothing written)"
-        ) from None
-    save_npy(args.output, outputs)
-    print(
-        f"streamed {done} steps (session {args.session_id} at step {info.step + done}); "
-        f"outputs in {args.output}"
-    )
-
-
 def _inspect(client: Client, args: argparse.Namespace) -> None:
     info = client.get_session(args.session_id)
     if args.json:
@@ -402,6 +141,10 @@ def _inspect(client: Client, args: argparse.Namespace) -> None:
         f"snapshots {info.snapshot_count} (every {c.snapshot_every} at phase "
         f"{c.snapshot_phase}, keep {c.max_snapshots})"
     )
+    if info.token_input:
+        print(f"input     a token id per step; output {info.output_dim} logits")
+    else:
+        print(f"input     {info.input_dim} floats per step; output {info.output_dim} floats")
     print(f"durability {pb.Durability.Name(c.durability).removeprefix('DURABILITY_').lower()}")
     print(
         f"resident  {'yes, on ' + info.owner if info.resident else 'no'}"
@@ -460,25 +203,27 @@ def _rollback(client: Client, args: argparse.Namespace) -> None:
 
 
 def _export(client: Client, args: argparse.Namespace) -> None:
+    check_output(args.output)
     bar = ProgressBar("export", "bytes")
     try:
         blob = client.export_checkpoint(args.session_id, args.snapshot, progress=bar)
     finally:
         bar.close()
-    atomic_write(args.out, lambda tmp: Path(tmp).write_bytes(blob))
+    where = write_or_keep(
+        args.output, lambda f: f.write(blob), f"{args.session_id}-export", ".ckpt",
+        f"the checkpoint ({len(blob)} bytes) was exported",
+    )  # fmt: skip
     if args.json:
-        print(
-            json.dumps({"session_id": args.session_id, "bytes": len(blob), "path": str(args.out)})
-        )
+        print(json.dumps({"session_id": args.session_id, "bytes": len(blob), "path": str(where)}))
         return
-    print(f"wrote {len(blob)} bytes to {args.out}")
+    print(f"wrote {len(blob)} bytes to {where}")
 
 
 def _import(client: Client, args: argparse.Namespace) -> None:
     try:
         blob = args.input.read_bytes()
     except OSError as exc:
-        raise CliError(f"cannot read {args.input}: {exc}") from None
+        raise CliError(f"cannot read {args.input}: {exc.strerror or exc}") from None
     bar = ProgressBar("import", "bytes")
     try:
         info = client.import_checkpoint(
@@ -493,32 +238,6 @@ def _import(client: Client, args: argparse.Namespace) -> None:
     print(info.session_id)
 
 
-def _forecast(client: Client, args: argparse.Namespace) -> None:
-    if args.output is not None:
-        check_writable(args.output)
-    fc = client.forecast(args.session_id, args.horizon, at_step=args.at_step)
-    for event in fc.guard_events:
-        print(f"step {event.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
-    if args.output is not None:
-        save_npy(args.output, fc.outputs)
-    else:
-        for i, step in enumerate(fc.steps):
-            if fc.tokens is not None:
-                print(f"step {step}: token {fc.tokens[i]} (logit {fc.outputs[i].max():.6g})")
-            else:
-                print(f"step {step}: " + " ".join(f"{v:.6g}" for v in fc.outputs[i]))
-    where = f"; outputs in {args.output}" if args.output is not None else ""
-    if fc.stopped is not None:
-        raise CliError(
-            f"the forecast stopped after {len(fc.outputs)} of {args.horizon} steps "
-            f"({fc.stopped.reason}): {fc.stopped.message}{where}"
-        )
-    print(
-        f"forecast of {len(fc.outputs)} steps from step {fc.from_step} of {args.session_id} "
-        f"(the session is unchanged){where}"
-    )
-
-
 def _fork(client: Client, args: argparse.Namespace) -> None:
     reply = client.fork(
         args.session_id,
@@ -526,7 +245,7 @@ def _fork(client: Client, args: argparse.Namespace) -> None:
         at_snapshot=args.at_snapshot,
         at_label=args.at_label,
         new_session_id=args.new_id,
-        target=args.target,
+        target=worker_address(args.target),
     )
     source = (
         f"snapshot {reply.from_snapshot_id} + {reply.replayed_steps} replayed"
@@ -574,11 +293,12 @@ def _upgrade(client: Client, args: argparse.Namespace) -> None:
 
 
 def _load_model(client: Client, args: argparse.Namespace) -> None:
-    _print_models(client.load_model(args.key, args.directory, args.worker), args.json)
+    worker = worker_address(args.worker)
+    _print_models(client.load_model(args.key, args.directory, worker), args.json)
 
 
 def _unload_model(client: Client, args: argparse.Namespace) -> None:
-    _print_models(client.unload_model(args.key, args.worker), args.json)
+    _print_models(client.unload_model(args.key, worker_address(args.worker)), args.json)
 
 
 def _print_models(reply: pb.ListModelsResponse, as_json: bool) -> None:
@@ -594,7 +314,7 @@ def _print_models(reply: pb.ListModelsResponse, as_json: bool) -> None:
 
 
 def _migrate(client: Client, args: argparse.Namespace) -> None:
-    reply = client.migrate(args.session_id, args.to)
+    reply = client.migrate(args.session_id, worker_address(args.to))
     if args.json:
         _print_json(reply)
         return
@@ -609,7 +329,7 @@ def _migrate(client: Client, args: argparse.Namespace) -> None:
 
 
 def _drain(client: Client, args: argparse.Namespace) -> None:
-    worker = args.worker or args.server
+    worker = worker_address(args.worker or args.server)
     done = 0
     bar = ProgressBar("drain", "sessions")
     try:
@@ -633,5 +353,29 @@ def _drain(client: Client, args: argparse.Namespace) -> None:
 
 
 def _undrain(client: Client, args: argparse.Namespace) -> None:
-    info = client.undrain(args.worker or args.server)
+    info = client.undrain(worker_address(args.worker or args.server))
     print(f"{info.address} serves again (draining: {str(info.draining).lower()})")
+
+
+_HANDLERS: dict[str, Callable[[Client, argparse.Namespace], None]] = {
+    "create": _create,
+    "inspect": _inspect,
+    "list": _list,
+    "close": _close,
+    "snapshot": _snapshot,
+    "snapshots": _snapshots,
+    "rollback": _rollback,
+    "export": _export,
+    "import": _import,
+    "fork": _fork,
+    "workers": _workers,
+    "migrate": _migrate,
+    "drain": _drain,
+    "undrain": _undrain,
+    "top": top.run,
+    "models": _models,
+    "load-model": _load_model,
+    "upgrade": _upgrade,
+    "unload-model": _unload_model,
+    "plot": plot.run,
+}

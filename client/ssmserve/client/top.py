@@ -135,20 +135,6 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    top = commands.add_parser(
-        "top", help="a live table of workers and their busiest sessions (q quits)"
-    )
-    top.add_argument(
-        "--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes"
-    )
-    top.add_argument(
-        "--sessions", type=int, default=20, metavar="N", help="how many sessions to show"
-    )
-    top.add_argument("--once", action="store_true", help="print one table and exit")
-    top.add_argument("--json", action="store_true", help="print one look as JSON and exit")
-
-
 def run(client: Client, args: argparse.Namespace) -> None:
     interval = max(0.1, args.interval)
     if args.once or args.json or not sys.stdout.isatty() or not sys.stdin.isatty():

@@ -1,0 +1,188 @@
+"""What the server-side commands of the ``ssmserve`` CLI do (``model``, ``auth``): the
+engine and the token file, offline. Their flags are ``ssmserve.server.cli``'s, which
+imports this module only when one of them runs (it loads the engine, numba included).
+
+Server errors become the CLI's one-line ``CliError`` here, at the boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ssmserve.client.atomic_file import atomic_write
+from ssmserve.client.cli_errors import CliError
+from ssmserve.client.npy_files import load_npy, save_npy
+from ssmserve.client.output_files import check_output
+from ssmserve.server.api.auth import TENANT_PATTERN, parse_token_file, token_entry, token_hash
+from ssmserve.server.engine.bench import bench_model
+from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.loader import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    expected_shapes,
+    load_model,
+    save_model,
+)
+from ssmserve.server.engine.numerics import blas_signature
+from ssmserve.server.errors import ModelInputError, SsmserveError
+
+
+def make_token(args: argparse.Namespace) -> None:
+    if not TENANT_PATTERN.fullmatch(args.tenant):
+        raise CliError("--tenant must be 1-64 letters, digits, '.', '_' or '-'")
+    path: Path = args.file
+    check_output(path, "--file")
+    existing = ""
+    if path.exists():
+        try:
+            existing = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read {path}: {exc}") from None
+        parse_token_file(existing, str(path))  # never append to a file the server refuses
+    secret = "ssm_" + secrets.token_urlsafe(32)
+    entry = token_entry(token_hash(secret), args.tenant, args.role, args.note)
+    header = "" if existing else "# ssmserve bearer tokens: sha256 hashes only, never tokens.\n"
+    text = existing + ("" if not existing or existing.endswith("\n") else "\n") + header + entry
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text)
+        os.chmod(tmp, 0o600)
+
+    try:
+        atomic_write(path, write)
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}") from None
+    print(f"token for tenant {args.tenant} (role {args.role}); its hash is in {path}.")
+    print("It is shown only now: keep it secret. Clients pass it as --token or SSMSERVE_TOKEN.")
+    print(secret)
+
+
+def init_demo(args: argparse.Namespace) -> None:
+    directory: Path = args.dir
+    existing = [f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if (directory / f).exists()]
+    if existing and not args.force:
+        raise CliError(f"{directory} already holds {', '.join(existing)}; pass --force to replace")
+    spec = DemoSpec(
+        input_dim=args.input_dim,
+        output_dim=args.output_dim,
+        hidden=args.hidden,
+        layers=args.layers,
+        state=args.state,
+        seed=args.seed,
+        arch=args.arch,
+        head_dim=args.head_dim,
+        groups=args.groups,
+    )
+    try:
+        config = demo_config(spec)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        save_model(directory, config, random_tensors(config, spec.seed))
+    except OSError as exc:
+        raise CliError(f"cannot write {directory}: {exc.strerror or exc}") from None
+    model = load_model(directory)
+    kind = "Mamba-2" if args.arch == "mamba2" else "Mamba"
+    print(f"wrote signal {kind} to {directory} (fingerprint {model.fingerprint[:16]})")
+
+
+def describe(directory: Path) -> dict[str, object]:
+    model = load_model(directory)
+    c = model.config
+    params = sum(int(np.prod(shape)) for shape in expected_shapes(c).values())
+    info: dict[str, object] = {
+        "name": model.name,
+        "architecture": str(c.architecture),
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "intermediate_size": c.intermediate_size,
+        "state_size": c.state_size,
+        "conv_kernel": c.conv_kernel,
+        **(
+            {
+                "num_heads": c.num_heads,
+                "head_dim": c.head_dim,
+                "n_groups": c.n_groups,
+                "time_step_limit": list(c.time_step_limit),
+            }
+            if c.mamba_version == 2
+            else {"time_step_rank": c.time_step_rank}
+        ),
+        "input": "token id" if c.is_token_model else f"float32[{c.input_dim}]",
+        "output": f"logits[{c.vocab_size}]" if c.is_token_model else f"float32[{c.output_dim}]",
+        "parameters": params,
+        "state_bytes_per_session": c.state_bytes,
+        "fingerprint": model.fingerprint,
+        "blas": blas_signature(),
+    }
+    return info
+
+
+def inspect(args: argparse.Namespace) -> None:
+    info = describe(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        shown = f"{value:,}" if isinstance(value, int) else value
+        print(f"{key.replace('_', ' '):<{width}}  {shown}")
+
+
+def run(args: argparse.Namespace) -> None:
+    inputs = load_npy(args.input)
+    check_output(args.output)  # before the model runs: its work is not thrown away
+    model = load_model(args.dir)
+    c = model.config
+    if c.is_token_model:
+        if inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
+            raise ModelInputError(
+                f"{args.input}: token model needs integer ids of shape (T,), "
+                f"got {inputs.dtype}{list(inputs.shape)}"
+            )
+    elif inputs.dtype != np.float32 or inputs.ndim != 2 or inputs.shape[1] != c.input_dim:
+        raise ModelInputError(
+            f"{args.input}: signal model needs float32 of shape (T, {c.input_dim}), "
+            f"got {inputs.dtype}{list(inputs.shape)}"
+        )
+    try:
+        outputs, _ = model.run(inputs)
+    except ModelInputError as exc:
+        raise ModelInputError(f"{args.input}: {exc}") from None
+    save_npy(args.output, outputs)
+    print(f"wrote {outputs.shape[0]} steps of {outputs.shape[1]} outputs to {args.output}")
+
+
+def bench(args: argparse.Namespace) -> None:
+    model = load_model(args.dir)
+    result = bench_model(model, args.batch, args.steps, args.warmup)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return
+    c = model.config
+    print(
+        f"model       {args.dir} ({c.architecture}, hidden {c.hidden_size}, "
+        f"{c.num_hidden_layers} layers, state {c.state_size})\n"
+        f"batch       {result.batch} sessions, {result.steps} timed steps "
+        f"after {result.warmup} warm-up\n"
+        f"step        median {result.step_us_median:,.1f} us   p10 {result.step_us_p10:,.1f} us"
+        f"   p90 {result.step_us_p90:,.1f} us\n"
+        f"throughput  {result.steps_per_s:,.0f} session-steps/s (batch / median step)\n"
+        f"numerics    {result.numerics} (engine alone: no gRPC, no Redis)"
+    )
+
+
+def offline(command: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """Run ``command``; the server's typed errors as the CLI's one-line CliError."""
+    try:
+        command(args)
+    except SsmserveError as exc:
+        raise CliError(str(exc)) from None
