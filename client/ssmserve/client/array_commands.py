@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ssmserve.client.cli_errors import CliError, rpc_failure
-from ssmserve.client.errors import SsmserveClientError
+from ssmserve.client.errors import SsmserveClientError, StepFailed
 from ssmserve.client.npy_files import load_npy, npy_writer
 from ssmserve.client.output_files import check_output, save_elsewhere, write_or_keep, write_output
 from ssmserve.client.sync import Client
@@ -54,8 +54,9 @@ def stream(client: Client, args: argparse.Namespace) -> None:
               file=sys.stderr)  # fmt: skip
         raise
     except SsmserveClientError as exc:
+        where = f"step {exc.step}: " if isinstance(exc, StepFailed) else ""
         raise CliError(
-            f"{rpc_failure(exc)}; {_keep_answered(args, outputs[:done], first, last)}"
+            f"{where}{rpc_failure(exc)}; {_keep_answered(args, outputs[:done], first, last)}"
         ) from None
     where = write_or_keep(
         args.output, npy_writer(outputs), f"{sid}-steps-{first}-{last}", ".npy",

@@ -36,6 +36,7 @@ from ssmserve.client.cli_errors import describe
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # what a shell shows for a command SIGPIPE ended
 PLUGIN_GROUP = "ssmserve.cli"
 #: Commands the server distribution adds: named here so that a client-only install can
 #: say where they come from instead of argparse's bare "invalid choice".
@@ -92,6 +93,8 @@ def command_word(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC's core logs each failed TLS handshake, say, on stderr; the error line says it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_word(argv)
     parser = build_parser(plugins=command not in cli_parsers.SERVICE_COMMANDS)
@@ -110,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `ssmserve ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # every failure is one line; a traceback only when asked
         if os.environ.get("SSMSERVE_DEBUG"):
             traceback.print_exc()

@@ -95,44 +95,50 @@ class SessionMoved(Unavailable):
 
 class ServerUnreachable(Unavailable):
     """No worker at any of ``addresses`` could be connected to, and none ever answered
-    this client: nothing is listening there (or a wrong address, or TLS on one side
-    only). ``cause`` says what the connection attempt ran into."""
+    this client: nothing is listening there, a wrong address, or TLS on one side only.
+    ``cause`` says what the connection attempt ran into; the message adds what to
+    check."""
 
-    def __init__(self, addresses: list[str], cause: str) -> None:
+    def __init__(self, addresses: list[str], cause: str, advice: str = "") -> None:
         where = ", ".join(addresses)
-        question = "is it running?" if len(addresses) == 1 else "is one of them running?"
-        super().__init__(f"no ssmserve server at {where}: {cause}; {question}")
+        advice = advice or ("is it running?" if len(addresses) == 1 else "is one running?")
+        super().__init__(f"no ssmserve server at {where}: {cause}; {advice}")
         self.addresses = addresses
         self.cause = cause
 
 
-#: What a failed connection attempt's status details say, and how to say it shortly.
+_TLS = ("the TLS handshake failed", "do both sides use TLS, and does the CA trust its certificate?")
+_CLOSED = "does the server use TLS (then give the client its CA) or is that another service?"
+#: What a failed connection's status details say: (text in them, the cause in a few
+#: words, what to check; "" for "is it running?").
 _CONNECTION_CAUSES = (
-    ("Connection refused", "connection refused"),
-    ("Domain name not found", "no such host"),
-    ("DNS resolution failed", "no such host"),
-    ("errors resolving", "no such host"),
-    ("Failed parsing HTTP/2", "something else than a gRPC server answers there"),
-    ("handshake", "the TLS handshake failed (TLS on one side only, or an untrusted certificate)"),
-    ("Ssl", "the TLS handshake failed (TLS on one side only, or an untrusted certificate)"),
-    ("Connection reset", "the connection was reset"),
-    ("Socket closed", "the connection was closed"),
-    ("Deadline Exceeded", "no answer in time"),
-    ("Timeout occurred", "no answer in time"),
-    ("No route to host", "no route to host"),
-    ("Network is unreachable", "the network is unreachable"),
+    ("Connection refused", "connection refused", ""),
+    ("Domain name not found", "no such host", "is the host name right?"),
+    ("DNS resolution failed", "no such host", "is the host name right?"),
+    ("errors resolving", "no such host", "is the host name right?"),
+    ("Failed parsing HTTP/2", "something else than a gRPC server answers", "is the port right?"),
+    ("handshake", *_TLS),
+    ("Ssl", *_TLS),
+    ("Connection reset", "the connection was reset", _CLOSED),
+    ("Socket closed", "the connection was closed", _CLOSED),
+    ("Deadline Exceeded", "no answer in time", ""),
+    ("Timeout occurred", "no answer in time", ""),
+    ("No route to host", "no route to host", "is the address right?"),
+    ("Network is unreachable", "the network is unreachable", "is the address right?"),
 )
 
 
-def connection_cause(error: SsmserveClientError) -> str:
-    """What a failed connection ran into, in a few words (the status details' last
-    error when none of the known causes)."""
-    for needle, cause in _CONNECTION_CAUSES:
-        if needle.lower() in error.message.lower():
-            return cause
+def server_unreachable(addresses: list[str], error: SsmserveClientError) -> ServerUnreachable:
+    """The ServerUnreachable that the failed connection ``error`` means: what it ran
+    into, in a few words (the status details' last error when it is none of the known
+    causes), and what to check."""
+    details = error.message.lower()
+    for needle, cause, advice in _CONNECTION_CAUSES:
+        if needle.lower() in details:
+            return ServerUnreachable(addresses, cause, advice)
     if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return "no answer in time"
-    return error.message.rpartition("last error: ")[2] or error.message
+        return ServerUnreachable(addresses, "no answer in time")
+    return ServerUnreachable(addresses, error.message.rpartition("last error: ")[2])
 
 
 _BY_CODE: dict[grpc.StatusCode, type[SsmserveClientError]] = {

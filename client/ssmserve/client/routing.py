@@ -25,11 +25,10 @@ from typing import Any, TypeVar
 import grpc
 
 from ssmserve.client.errors import (
-    ServerUnreachable,
     SessionMoved,
     SsmserveClientError,
-    connection_cause,
     from_rpc_error,
+    server_unreachable,
 )
 from ssmserve.client.retry import Backoff, RetryPolicy
 from ssmserve.client.stall_bound import replies_within
@@ -219,7 +218,7 @@ class WorkerRouter:
                 if self._unreachable >= set(self.addresses) and (
                     backoff.elapsed() >= self.retry.connect_timeout_s
                 ):
-                    raise ServerUnreachable(list(self.addresses), connection_cause(error))
+                    raise server_unreachable(list(self.addresses), error)
             elif self.discover_pending:
                 await self.discover()
             await backoff.wait()
@@ -275,7 +274,7 @@ class WorkerRouter:
         it is a failed connection and no worker has answered this client yet."""
         if self.reached or error.reason or error.code not in TRANSIENT:
             return error
-        return ServerUnreachable([address], connection_cause(error))
+        return server_unreachable([address], error)
 
     async def locate(self, session_id: str, address: str) -> str:
         """The session's owner as the cluster reports it (``address`` if nobody holds it).
