@@ -111,7 +111,7 @@ class Client(ClusterCalls):
                 self._run(_aclose(agen))
 
     def close(self) -> None:
-        """Close every channel and stop the client's loop thread. Safe to repeat."""
+        """Close every channel; calls still running end with CANCELLED. Safe to repeat."""
         if self._loop.is_closed():
             return
         self._run(self._aio.close())
