@@ -213,3 +213,36 @@ def test_bench_refuses_a_batch_whose_state_does_not_fit_in_memory(tmp_path: Path
     assert_one_line_error(
         ssmserve("model", "bench", big, "--batch", "4096"), "use a smaller --batch"
     )
+
+
+def test_model_run_checks_its_output_before_it_loads_the_model(tmp_path: Path) -> None:
+    np.save(tmp_path / "in.npy", np.zeros((2, 3), np.float32))
+    out = tmp_path / "no-such-dir" / "o.npy"
+    result = ssmserve(
+        "model", "run", tmp_path / "missing-model", "--input", tmp_path / "in.npy",
+        "--output", out,
+    )  # fmt: skip
+    assert_one_line_error(result, f"--output {out}: directory {out.parent} does not exist")
+
+
+def test_auth_token_refuses_a_file_it_cannot_write_before_making_a_token(tmp_path: Path) -> None:
+    out = tmp_path / "no-such-dir" / "tokens.toml"
+    result = ssmserve("auth", "token", "--tenant", "t", "--role", "client", "--file", out)
+    assert_one_line_error(result, f"--file {out}: directory {out.parent} does not exist")
+    assert "ssm_" not in result.stdout  # no token shown that no file knows
+
+
+def test_server_commands_show_the_engines_own_defaults_and_limits() -> None:
+    """``ssmserve.server.cli`` writes them out (it must not import the engine to list its
+    commands); they must be the engine's."""
+    from dataclasses import asdict
+
+    from ssmserve.server import cli
+    from ssmserve.server.api.auth import Role
+    from ssmserve.server.engine import bench, demo
+
+    spec = asdict(demo.DemoSpec())
+    assert {key: spec[key] for key in cli.DEMO_DEFAULTS} == cli.DEMO_DEFAULTS
+    assert (cli.ARCHS, cli.MAX_BATCH, cli.MAX_STEPS) == (demo.ARCHS, bench.MAX_BATCH,
+                                                         bench.MAX_STEPS)  # fmt: skip
+    assert tuple(r.value for r in Role if r is not Role.WORKER) == cli.TOKEN_ROLES

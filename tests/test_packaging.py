@@ -116,17 +116,23 @@ print(",".join(sorted(d.metadata["Name"].lower() for d in distributions())))
 """
 
 
-@pytest.mark.slow
-def test_a_client_only_install_streams_and_rolls_back_exactly(
-    client_wheel: Path, tmp_path: Path, model_dirs, served_models, redis_url: str
-) -> None:
-    env_dir = tmp_path / "client-venv"
+@pytest.fixture(scope="module")
+def client_venv(client_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtual environment with the client's wheel alone installed; its bin/."""
+    env_dir = tmp_path_factory.mktemp("client-venv")
     venv.EnvBuilder(with_pip=True).create(env_dir)
-    python = env_dir / "bin" / "python"
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(client_wheel)],
+        [str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet", str(client_wheel)],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
+    return env_dir / "bin"
+
+
+@pytest.mark.slow
+def test_a_client_only_install_streams_and_rolls_back_exactly(
+    client_venv: Path, tmp_path: Path, model_dirs, served_models, redis_url: str
+) -> None:
+    python = client_venv / "python"
     model = served_models["demo"]
     rng = np.random.default_rng(7)
     x = rng.standard_normal((16, model.config.input_dim)).astype(np.float32)
@@ -140,6 +146,13 @@ def test_a_client_only_install_streams_and_rolls_back_exactly(
              str(tmp_path / "out.npy")],
             capture_output=True, text=True, timeout=120, cwd=tmp_path,
         )  # fmt: skip
+        ssmserve = [str(client_venv / "ssmserve"), "--server", worker.address]
+        listing = subprocess.run([*ssmserve, "session", "list"], capture_output=True,
+                                 text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+        plot = subprocess.run(
+            [*ssmserve, "plot", "any", "--output", str(tmp_path / "p.png")],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
     finally:
         worker.terminate()
     assert run.returncode == 0, run.stderr[-2000:]
@@ -151,3 +164,74 @@ def test_a_client_only_install_streams_and_rolls_back_exactly(
     np.testing.assert_array_equal(
         got.view(np.uint32), np.concatenate([want, want[8:]]).view(np.uint32)
     )
+    assert listing.returncode == 0 and len(listing.stdout.strip().splitlines()) == 1
+    # no matplotlib here: the hint names what to install, a package that exists on PyPI
+    assert plot.returncode == 2 and plot.stderr == (
+        "ssmserve: error: ssmserve plot needs matplotlib, which is not installed: pip install "
+        "matplotlib (or, from a clone, the client's plot extra: pip install './client[plot]')\n"
+    )
+
+
+@pytest.mark.slow
+def test_a_client_only_install_says_where_the_server_commands_come_from(
+    client_venv: Path, tmp_path: Path
+) -> None:
+    ssmserve = str(client_venv / "ssmserve")
+    usage = subprocess.run([ssmserve, "--help"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0, usage.stderr
+    assert "auth and model are commands of the server distribution (ssmserve)" in " ".join(
+        usage.stdout.split()
+    )
+    for argv in (["model", "init-demo", str(tmp_path / "m")], ["auth", "token", "--help"]):
+        run = subprocess.run([ssmserve, *argv], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stderr == (
+            f"ssmserve: error: '{argv[0]}' is a command of the server distribution "
+            "(ssmserve), which is not installed here; install it beside the client from a "
+            "clone of the repository: pip install ./client .\n"
+        )
+    assert not (tmp_path / "m").exists()
+
+
+#: Runs the CLI with ``sys.argv[1:]`` in this process, then prints its exit code and the
+#: heavy modules it imported: the engine (numba, llvmlite, ssmserve.server.engine) and
+#: numpy.
+IMPORTS_PROGRAM = """
+import sys
+from ssmserve.client.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+heavy = [m for m in ("numba", "llvmlite", "ssmserve.server.engine", "numpy") if m in sys.modules]
+print(code, ",".join(heavy))
+"""
+
+
+def test_service_commands_never_import_the_engine(worker, served_models, tmp_path: Path) -> None:
+    """With the server installed too: its commands are listed and parsed without
+    importing it; only running one loads the engine (and numba)."""
+    sid = worker.client.create_session("demo").session_id
+    np.save(tmp_path / "in.npy", np.zeros((3, 4), np.float32))
+    server = ["--server", worker.address]
+
+    def imported(*argv: str) -> tuple[int, set[str]]:
+        run = subprocess.run(
+            [sys.executable, "-c", IMPORTS_PROGRAM, *argv],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        code, _, heavy = run.stdout.strip().splitlines()[-1].partition(" ")
+        return int(code), set(filter(None, heavy.split(",")))
+
+    engine = {"numba", "llvmlite", "ssmserve.server.engine"}
+    # parsing alone, and the commands that move no arrays: neither the engine nor numpy
+    for argv in (["--help"], ["model", "--help"], ["model", "init-demo", "--help"],
+                 [*server, "session", "list"], [*server, "session", "inspect", sid]):  # fmt: skip
+        assert imported(*argv) == (0, set()), argv
+    for argv in (
+        [*server, "session", "stream", sid, "--input", "in.npy", "--output", "out.npy"],
+        [*server, "export", sid, "--output", "ckpt"],
+    ):
+        code, heavy = imported(*argv)
+        assert code == 0 and not heavy & engine, (argv, heavy)
+    code, heavy = imported("model", "init-demo", str(tmp_path / "m"))
+    assert code == 0 and engine <= heavy  # a server command does load it
