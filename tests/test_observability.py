@@ -392,7 +392,7 @@ def test_plot_writes_a_png_of_the_session(start_worker, served_models, tmp_path,
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
-    assert (width, height) == (1100, 650)
+    assert (width, height) == (1200, 750)
     missing_dir = str(tmp_path / "no" / "x.png")
     assert main(["--server", w.address, "plot", sid, "--output", missing_dir]) == 2
     assert "does not exist" in capsys.readouterr().err

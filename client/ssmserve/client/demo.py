@@ -12,25 +12,30 @@
 5. Looks ahead and branches: a forecast of 8 steps (the session is not changed), and a
    fork at the labelled snapshot that streams the rest of the signal on its own; its
    outputs must equal the reference's too.
-6. Prints a summary and stops the server with SIGTERM.
+6. Prints a summary, draws the guarded session (``ssmserve plot``'s picture, with the
+   guard's limit and the spike it rejected), closes every session it made (also when it
+   fails part-way: repeated runs leave nothing stored) and stops the server with SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ssmserve.client import plot
-from ssmserve.client.errors import CliError, StepFailed
+from ssmserve.client.errors import CliError, NotFound, SsmserveClientError, StepFailed
 from ssmserve.client.sync import Client
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -45,6 +50,12 @@ def synthetic_signal(steps: int, channels: int, seed: int = 0) -> np.ndarray:
     return (clean + 0.05 * rng.standard_normal((steps, channels))).astype(np.float32)
 
 
+#: How long the demo waits for its server's ready line: a first start on a machine compiles
+#: the engine's kernels (about 20 s on 2 busy cores), a later one loads them from numba's
+#: cache in a second or two.
+SERVER_START_TIMEOUT_S = 300.0
+
+
 def start_server(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ssmserve.server.main", "--demo", "--listen", "127.0.0.1:0",
@@ -53,26 +64,70 @@ def start_server(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
         env={**os.environ, "SSMSERVE_LOG_LEVEL": os.environ.get("SSMSERVE_LOG_LEVEL", "WARNING")},
     )  # fmt: skip
     assert proc.stdout is not None
-    line = proc.stdout.readline()
+    ready, _, _ = select.select([proc.stdout], [], [], SERVER_START_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
     if not line.startswith("ssmserve-server listening on "):
         proc.kill()
-        raise SystemExit(f"demo: the server did not start (exit code {proc.wait()})")
+        code = proc.wait()
+        why = f"exit code {code}" if ready else f"no ready line in {SERVER_START_TIMEOUT_S:.0f} s"
+        raise SystemExit(f"demo: the server did not start ({why})")
     return proc, line.split()[-1]
 
 
-def calibrate(
-    client: Client, calm: np.ndarray
-) -> tuple[int, float | None, float | None, np.ndarray]:
-    """A guard the calm signal keeps and a spike breaks: (dim, min, max, spike).
+class DemoSessions:
+    """The sessions the demo makes, closed at its end (also when it fails part-way):
+    closing one deletes all it stored, so repeated runs leave nothing behind."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.open: list[str] = []
+
+    def add(self, session_id: str) -> str:
+        self.open.append(session_id)
+        return session_id
+
+    def close(self, session_id: str) -> None:
+        self.open.remove(session_id)
+        with contextlib.suppress(NotFound):  # gone already: nothing of it is stored
+            self.client.close_session(session_id)
+
+    def close_all(self) -> list[str]:
+        """Close every session still open; returns what could not be closed, each with why."""
+        failed = []
+        for session_id in list(self.open):
+            try:
+                self.close(session_id)
+            except SsmserveClientError as exc:
+                failed.append(f"{session_id} ({exc})")
+        return failed
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the monitor learned: the output it watches and the range it stays in on the
+    calm signal (one bound), and a spike that breaks it with the output that spike gives."""
+
+    dim: int
+    lo: float | None
+    hi: float | None
+    spike: np.ndarray  # (i,) the input
+    spike_output: np.ndarray  # (o,) the output it gives after the calm steps
+
+
+def calibrate(client: Client, sessions: DemoSessions, calm: np.ndarray) -> Calibration:
+    """A guard the calm signal keeps and a spike breaks.
 
     Streams ``calm`` through a scratch session, then tries spikes (each undone with a
     rollback) and keeps the one whose next prediction leaves the calm range the most.
+    Outputs are deterministic, so a session streamed the same calm steps gives the same
+    output for that spike.
     """
-    probe = client.create_session("demo", durability=pb.DURABILITY_NONE).session_id
+    probe = sessions.add(client.create_session("demo", durability=pb.DURABILITY_NONE).session_id)
     outs = np.stack([o.output for o in client.stream_steps(probe, calm, steps_per_message=32)])
     top, bottom = outs.max(axis=0), outs.min(axis=0)  # (o,)
     at = len(calm)
-    best = (0.0, 0, None, None, np.zeros(calm.shape[1], np.float32))
+    best: Calibration | None = None
+    margin = 0.0
     signs = np.array(list(itertools.product((-1.0, 1.0), repeat=calm.shape[1])), np.float32)
     for level in (40.0, 8.0, 3.0):
         for pattern in signs:
@@ -81,14 +136,15 @@ def calibrate(
             client.rollback(probe, to_step=at)
             for margins, upper in ((out - top, True), (bottom - out, False)):
                 dim = int(np.argmax(margins))
-                if margins[dim] > best[0]:
+                if margins[dim] > margin:
                     edge = (top if upper else bottom)[dim] + (1 if upper else -1) * margins[dim] / 2
                     lo, hi = (None, float(edge)) if upper else (float(edge), None)
-                    best = (float(margins[dim]), dim, lo, hi, spike)
-    client.close_session(probe)
-    if best[0] <= 0:
+                    margin = float(margins[dim])
+                    best = Calibration(dim, lo, hi, spike, out)
+    sessions.close(probe)
+    if best is None:
         raise SystemExit("demo: no spike leaves the calm range of this model")
-    return best[1], best[2], best[3], best[4]
+    return best
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,37 +170,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.server:
         addresses = [a.strip() for a in args.server.split(",") if a.strip()]
         with Client(addresses) as client:
-            code, sid = run_demo(client, addresses[0], args.steps)
-            draw_session(client, sid, args.plot)
-            return code
-    print("starting ssmserve-server --demo (embedded Redis, demo signal model) ...")
+            return run_and_draw(client, addresses[0], args.steps, args.plot)
+    print(
+        f"starting ssmserve-server --demo (the demo signal model, an embedded Redis in "
+        f"{args.data_dir}/) ...\n"
+        "  its first start compiles the engine's kernels (numba; about 20 s), later ones load "
+        "them from the cache"
+    )
+    started = time.monotonic()
     proc, address = start_server(args.data_dir)
+    print(f"server ready in {time.monotonic() - started:.1f} s")
     try:
         with Client(address) as client:
-            code, sid = run_demo(client, address, args.steps)
-            draw_session(client, sid, args.plot)
-            return code
+            return run_and_draw(client, address, args.steps, args.plot)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
         print(f"server stopped with SIGTERM (exit code {code})")
 
 
-def run_demo(client: Client, address: str, steps: int) -> tuple[int, str]:
-    """The walk-through; its exit code (0: every output bit-exact) and the session."""
+def run_and_draw(client: Client, address: str, steps: int, path: Path) -> int:
+    """The walk-through and its picture; every session it made is closed at the end."""
+    sessions = DemoSessions(client)
+    try:
+        code, drawing = run_demo(client, sessions, address, steps)
+        draw_session(client, drawing, path)
+        return code
+    finally:
+        failed = sessions.close_all()
+        if failed:
+            print(f"demo: could not close {'; '.join(failed)}")
+        else:
+            print("closed the demo's sessions: nothing of this run stays stored")
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """What the picture shows beyond the session's history: the spike it did not keep."""
+
+    session_id: str
+    rejected: plot.RejectedStep
+    title: str
+
+
+def run_demo(
+    client: Client, sessions: DemoSessions, address: str, steps: int
+) -> tuple[int, Drawing]:
+    """The walk-through; its exit code (0: every output bit-exact) and what to draw."""
     calm = synthetic_signal(steps, 4)
     label_at, spike_at = 40, 53  # a labelled snapshot at 40; periodic ones every 16
     print(f"server on {address}; demo model: 4 channels in, 4 predictions out")
 
-    dim, lo, hi, spike = calibrate(client, calm[: spike_at - 1])
+    cal = calibrate(client, sessions, calm[: spike_at - 1])
+    dim, lo, hi, spike = cal.dim, cal.lo, cal.hi, cal.spike
     side = f"under {hi:+.3f}" if hi is not None else f"over {lo:+.3f}"
     print(f"monitor calibrated: prediction {dim} stays {side} on the calm signal")
     guard = pb.GuardRule(
         name="calm-range", check=pb.GuardRule.CHECK_RANGE, min=lo, max=hi, dims=[dim],
         action=pb.GuardRule.ACTION_ROLLBACK,
     )  # fmt: skip
-    sid = client.create_session("demo", snapshot_every=16, guards=[guard]).session_id
-    ref = client.create_session("demo").session_id  # untouched reference
+    sid = sessions.add(client.create_session("demo", snapshot_every=16, guards=[guard]).session_id)
+    ref = sessions.add(client.create_session("demo").session_id)  # untouched reference
     print(f"session {sid}: snapshot every 16 steps, guard {guard.name} -> rollback\n")
 
     latencies, outputs = [], []
@@ -193,6 +279,7 @@ def run_demo(client: Client, address: str, steps: int) -> tuple[int, str]:
     if fc.stopped is not None:
         print(f"  (stopped after {len(fc.outputs)} steps: {fc.stopped.message})")
     branch = client.fork(sid, at_label="calm")
+    sessions.add(branch.session.session_id)
     forked = np.stack(
         [o.output for o in client.stream_steps(branch.session.session_id, calm[label_at:])]
     )
@@ -213,22 +300,34 @@ def run_demo(client: Client, address: str, steps: int) -> tuple[int, str]:
         f"  outputs (session and fork) equal an untouched reference session bit for bit: "
         f"{'yes' if exact and exact_resent else 'NO'}"
     )
-    client.close_session(ref)
-    client.close_session(branch.session.session_id)
-    return (0 if exact and exact_resent else 1), sid
+    title = (
+        f"ssmserve demo: guard '{guard.name}' keeps out {dim} {side} (dashed); the spike "
+        f"at step {spike_at} breaks it and the guard rolls the session back,\nthen a monitor "
+        f"rolls it back to the snapshot 'calm' and streams on (session {sid})"
+    )
+    drawing = Drawing(sid, plot.RejectedStep(spike_at, spike, cal.spike_output), title)
+    return (0 if exact and exact_resent else 1), drawing
 
 
-def draw_session(client: Client, sid: str, path: Path) -> None:
-    """Draw the session (``ssmserve plot``), if matplotlib is installed."""
+def draw_session(client: Client, drawing: Drawing, path: Path) -> None:
+    """Draw the guarded session (``ssmserve plot``'s picture), if matplotlib is installed."""
     try:
         pyplot = plot.load_pyplot()
     except CliError as exc:
         print(f"(no plot: {exc})")
         return
-    figure = plot.draw(pyplot, client.history(sid), dims=4)
+    sid = drawing.session_id
+    figure = plot.draw(
+        pyplot,
+        client.history(sid),
+        dims=4,
+        guards=client.get_session(sid).config.guards,
+        rejected=[drawing.rejected],
+        title=drawing.title,
+    )
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
-    print(f"drew session {sid} to {path} (ssmserve plot {sid} --output {path})")
+    print(f"drew session {sid} to {path} (what ssmserve plot draws of a session, with the spike)")
 
 
 def _fmt(vec: np.ndarray) -> str:
