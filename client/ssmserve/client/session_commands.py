@@ -11,6 +11,7 @@ answered from the session's record, never applied twice).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from ssmserve.client import plot, top
+from ssmserve.client import top
 from ssmserve.client.addresses import worker_address
 from ssmserve.client.cli_errors import CliError
 from ssmserve.client.output_files import check_output, write_or_keep
@@ -89,12 +90,20 @@ def run(args: argparse.Namespace) -> None:
         handler(client, args)
 
 
-def _array_command(name: str) -> Callable[[Client, argparse.Namespace], None]:
-    """``session stream`` and ``forecast``, which move arrays: imported (with numpy)
-    only for them, so the other commands start without numpy."""
-    from ssmserve.client import array_commands
+#: The commands that move arrays (numpy; matplotlib for plot): their modules are
+#: imported when one of them runs, so the other commands start without numpy.
+_ARRAY_COMMANDS = {
+    "stream": ("ssmserve.client.array_commands", "stream"),
+    "forecast": ("ssmserve.client.array_commands", "forecast"),
+    "plot": ("ssmserve.client.plot", "run"),
+}
 
-    handler: Callable[[Client, argparse.Namespace], None] = getattr(array_commands, name)
+
+def _array_command(name: str) -> Callable[[Client, argparse.Namespace], None]:
+    module, function = _ARRAY_COMMANDS[name]
+    handler: Callable[[Client, argparse.Namespace], None] = getattr(
+        importlib.import_module(module), function
+    )
     return handler
 
 
@@ -377,5 +386,4 @@ _HANDLERS: dict[str, Callable[[Client, argparse.Namespace], None]] = {
     "load-model": _load_model,
     "upgrade": _upgrade,
     "unload-model": _unload_model,
-    "plot": plot.run,
 }
