@@ -13,7 +13,9 @@ Commands timed (each a fresh process, as a user runs it; wall clock from spawn t
 ``--baseline-tree PATH`` (another checkout, e.g. a git worktree of an older commit) runs
 the same commands with that tree's client and server code first on ``PYTHONPATH``, each
 run interleaved with this checkout's, so load on this shared machine hits both alike.
-Reported: median and p90 of ``--runs`` runs after 2 warm-up runs; the last line is JSON.
+Reported: median and p90 of the wall clock of ``--runs`` runs after 2 warm-up runs, and
+the median CPU time (user + system) of the process: on a machine other work keeps busy
+the wall clock waits for a core, the CPU time much less. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -55,13 +58,20 @@ def tree_env(tree: Path | None) -> dict[str, str]:
     return {**env, "PYTHONPATH": f"{client.resolve()}:{server.resolve()}"}
 
 
-def once(argv: list[str], env: dict[str, str]) -> float:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run of ``argv``."""
+    cpu = _children_cpu_s()
     started = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-500:]}")
-    return elapsed
+    return elapsed, _children_cpu_s() - cpu
 
 
 def p90(samples: list[float]) -> float:
@@ -95,19 +105,22 @@ def main() -> int:
                 "ssmserve model inspect": ["model", "inspect", str(model_dir), "--json"],
             }
             for name, argv in commands.items():
-                samples: dict[str, list[float]] = {code: [] for code in envs}
+                walls: dict[str, list[float]] = {code: [] for code in envs}
+                cpus: dict[str, list[float]] = {code: [] for code in envs}
                 for i in range(WARMUP + args.runs):
                     for code, env in envs.items():  # interleaved: drift hits both alike
-                        elapsed = once([ssmserve, *argv], env)
+                        elapsed, cpu = once([ssmserve, *argv], env)
                         if i >= WARMUP:
-                            samples[code].append(elapsed)
+                            walls[code].append(elapsed)
+                            cpus[code].append(cpu)
                 results[name] = {
                     code: {
-                        "median_ms": statistics.median(s) * 1e3,
-                        "p90_ms": p90(s) * 1e3,
-                        "runs": len(s),
+                        "median_ms": statistics.median(walls[code]) * 1e3,
+                        "p90_ms": p90(walls[code]) * 1e3,
+                        "cpu_median_ms": statistics.median(cpus[code]) * 1e3,
+                        "runs": len(walls[code]),
                     }
-                    for code, s in samples.items()
+                    for code in envs
                 }
         finally:
             proc.terminate()
@@ -116,18 +129,20 @@ def main() -> int:
     for name, by_code in results.items():
         row: list[object] = [name]
         for code in envs:
-            row += [by_code[code]["median_ms"], by_code[code]["p90_ms"]]
+            row += [by_code[code][k] for k in ("median_ms", "p90_ms", "cpu_median_ms")]
         if BASELINE in by_code:
             row.append(by_code[BASELINE]["median_ms"] / by_code[CURRENT]["median_ms"])
         rows.append(row)
     headers = ["command"]
     for code in envs:
-        headers += [f"{code} median ms", f"{code} p90 ms"]
+        headers += [f"{code} median ms", f"{code} p90 ms", f"{code} CPU ms"]
     if BASELINE in envs:
         headers.append("baseline / current (median)")
-    print(f"# ssmserve start-up, {args.runs} runs each after {WARMUP} warm-up, wall clock")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"# ssmserve start-up, {args.runs} runs each after {WARMUP} warm-up: wall clock "
+          f"and CPU time; load average at the end {load} on {os.cpu_count()} CPUs")  # fmt: skip
     print(table(headers, rows))
-    report = {"runs": args.runs, "commands": results,
+    report = {"runs": args.runs, "commands": results, "load_average": os.getloadavg(),
               "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
