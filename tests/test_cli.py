@@ -164,9 +164,13 @@ def test_run_bad_model_dir(tmp_path: Path) -> None:
     )
 
 
-def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    assert ssmserve("model", "init-demo", tmp_path / "x", "--hidden", "0").returncode == 2
-    assert ssmserve("model").returncode == 2
+def test_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(
+        ssmserve("model", "init-demo", tmp_path / "x", "--hidden", "0"),
+        "argument --hidden: must be >= 1, got 0 (see ssmserve model init-demo --help)",
+    )
+    assert_one_line_error(ssmserve("model"), "required: ACTION (see ssmserve model --help)")
+    assert_one_line_error(ssmserve("session", "list", "--bogus"), "unrecognized arguments")
     assert not (tmp_path / "x").exists()
 
 

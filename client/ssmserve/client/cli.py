@@ -30,6 +30,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ssmserve.client import cli_parsers
 from ssmserve.client.cli_errors import describe
@@ -49,10 +50,18 @@ SERVER_MISSING = (
 log = logging.getLogger(__name__)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error told in one line like every other failure (and where
+    to read the usage); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"ssmserve: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     """The whole command line; ``plugins=False`` leaves out the commands of other
     distributions (no search of the installed packages)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ssmserve", description="Streaming inference-state server for SSM models."
     )
     cli_parsers.add_global_options(parser)
