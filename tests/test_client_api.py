@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pydoc
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -88,3 +90,32 @@ def test_a_session_is_its_id_or_its_session_info_everywhere(worker, served_model
         TypeError, match="expected a session id \\(str\\) or a SessionInfo, got int"
     ):
         client.get_session(7)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_only_a_first_connection_fails_fast(model_dirs, redis_url, tmp_path):
+    """The rule (``retry``): a client no worker ever answered says ServerUnreachable
+    within seconds; one that was answered waits for its worker to come back, as a
+    cluster's client must (a restart, a failover)."""
+    from ssmserve.client import ServerUnreachable
+    from ssmserve.client.retry import RetryPolicy
+    from tests.worker_process import WorkerProcess
+
+    worker = WorkerProcess({"demo": model_dirs["demo"]}, redis_url, tmp_path / "w").start()
+    outage_s = 2 * RetryPolicy().connect_timeout_s  # longer than a first connection waits
+    restart = threading.Timer(outage_s, worker.start)  # on the same port
+    try:
+        with Client(worker.address) as client:
+            sid = client.create_session("demo").session_id
+            worker.kill()
+            down_at = time.monotonic()
+            with Client(worker.address) as fresh, pytest.raises(ServerUnreachable):
+                fresh.list_sessions()
+            assert time.monotonic() - down_at < 10.0
+            restart.start()
+            asked_at = time.monotonic()
+            assert client.get_session(sid).step == 0  # waited for it
+            assert time.monotonic() - asked_at > outage_s
+    finally:
+        restart.join(60)
+        worker.kill()
