@@ -644,3 +644,30 @@ def test_a_session_that_comes_back_behind_its_answers_is_streamed_again_from_the
     finally:
         for w in workers:
             w.kill()
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_in_place_takes_its_sessions_back_without_waiting(
+    model_dirs, served_models, redis_url, tmp_path
+):
+    """kill -9 of the only worker, restarted at once on its address (as systemd or a
+    container runtime does): it listens where its predecessor did, on the same host, which
+    proves that one dead, so it takes the session back without watching its lease for a
+    TTL. With a 30 s lease the stream moves on long before the lease could run out."""
+    model = served_models["demo"]
+    (worker,) = start_workers(1, model_dirs, redis_url, tmp_path, 30.0, FAST_ARGS)
+    try:
+        sid = Client(worker.address).create_session("demo", snapshot_every=16).session_id
+        x = random_inputs(model, 60, seed=690)
+        with Client(worker.address, retry=RetryPolicy(**POLICY)) as client:
+            first = [o.output for o in client.stream_steps(sid, list(x[:30]), first_step=1)]
+            worker.kill()
+            worker.start()
+            restarted = time.monotonic()
+            rest = [o.output for o in client.stream_steps(sid, list(x[30:]), first_step=31)]
+            took = time.monotonic() - restarted
+        assert took < 15.0, f"{took:.1f} s: the restarted worker waited for the lease"
+        assert_bit_equal(np.stack(first + rest), reference(model, x))
+        assert "taken over from worker" in worker.log_text()
+    finally:
+        worker.kill()

@@ -820,7 +820,13 @@ def test_a_lease_that_ran_out_in_redis_is_taken_over_only_with_proof(store):
         assert (await s.get_meta("t")).token == w1.token  # nothing changed
         again = await s.acquire("t", "w1", "addr:1", LEASE_MS, expect=w1.token)
         assert again != w1.token  # the owner itself: no proof needed
-        await s.release(SessionLease("t", again, "w1"))
+        beat = (await s.redis.hget(k.meta, "beat")).decode()
+        assert (await s.lease_holder("t")).holder == "w1"  # its key is back in Redis
+        with pytest.raises(LeaseHeldError):  # held, and no proof
+            await s.acquire("t", "w3", "addr:3", LEASE_MS)
+        proven = await s.acquire("t", "w3", "addr:3", LEASE_MS, proof=beat)  # key or not
+        assert (await s.get_meta("t")).token == proven
+        await s.release(SessionLease("t", proven, "w3"))
         assert await s.acquire("t", "w2", "addr:2", LEASE_MS)  # released: no proof needed
 
     run(store, body)

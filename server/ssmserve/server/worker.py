@@ -260,7 +260,9 @@ class Worker:
             "count the store's replicas", self.store.settle_replica_confirmation
         )
         log.log(
-            logging.INFO if replication.replicas or not replication.found else logging.WARNING,
+            logging.INFO
+            if replication.replicas or not any(replication.found.values())
+            else logging.WARNING,
             "store: %s", replication.describe(),
         )  # fmt: skip
         guard = self.guard = StoreGuard(self.store, s.allow_evicting_redis)
@@ -295,6 +297,7 @@ class Worker:
             worker_id=self.worker_id,
             stats=self._stats,
         )
+        self.ownership.listening_on = self.address
         timing = s.ownership  # a dead worker's entry is gone one TTL after its last beat
         await refuse_taken_advertise(
             self.ownership, self.address, timing.worker_ttl_s + timing.period_s,

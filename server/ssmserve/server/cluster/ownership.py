@@ -105,6 +105,8 @@ class Ownership:
         self.worst_late_s = 0.0  # the latest start of a round after its due time (tests)
         # Sessions found held by others, watched until they may be taken over.
         self.takeovers = Takeovers(settings.lease_ttl_s)
+        # The address this worker's listening socket is bound to ('' until it is).
+        self.listening_on = ""
         # Read alongside each round's heartbeat (``store_guard``: the store's eviction
         # policy and identity); never raises.
         self.store_checks: Callable[[], Awaitable[None]] | None = None
@@ -116,6 +118,19 @@ class Ownership:
     @property
     def lease_ms(self) -> int:
         return self.settings.lease_ms
+
+    def knows_dead(self, worker_id: str, address: str) -> bool:
+        """Whether worker ``worker_id``, which advertised ``address``, is surely dead: it
+        ran on this host and advertised the address this worker listens on now, which it
+        could not have let go of alive (listeners here bind without SO_REUSEPORT). A
+        worker restarted in place after a crash then takes its predecessor's sessions
+        over at once, without watching their leases for a TTL (``cluster.takeover``)."""
+        return (
+            bool(worker_id)
+            and worker_id != self.worker_id
+            and address == self.address == self.listening_on
+            and worker_id.rpartition("-")[0] == self.worker_id.rpartition("-")[0]
+        )
 
     def new_lease(self, session_id: str, token: str, sent_at: float) -> SessionLease:
         """The lease a create or acquire sent at ``sent_at`` (monotonic) just gave us."""

@@ -199,26 +199,15 @@ class SessionLoader:
             raise await self.elsewhere(meta.model, f"serve session {session_id!r}")
         if meta.numerics and meta.numerics != self.ownership.numerics:
             raise await self._other_numerics(meta)
-        sent_at = time.monotonic()
-        takeovers = self.ownership.takeovers
-        try:
-            token = await self.store.acquire(
-                session_id, self.ownership.worker_id, self.ownership.address,
-                self.ownership.lease_ms, numerics=self.ownership.numerics,
-                proof=takeovers.proof(session_id),
-            )  # fmt: skip
-        except LeaseHeldError as held:
-            raise takeovers.saw(session_id, held) from None
-        takeovers.forget(session_id)
-        lease = self.ownership.new_lease(session_id, token, sent_at)
+        lease = await self._acquire(meta)
         if meta.owner and meta.owner != self.ownership.worker_id:
             # Its owner neither released it nor handed it here: it crashed or froze, and
             # this worker saw its lease unrenewed for a whole TTL (``cluster.takeover``).
             self.store.metrics.takeovers.inc()
             log.info(
                 "session %s taken over from worker %s, token %s", session_id, meta.owner,
-                token,
-                extra={"session_id": session_id, "step": meta.step, "token": token,
+                lease.token,
+                extra={"session_id": session_id, "step": meta.step, "token": lease.token,
                        "event": "taken_over", "previous_owner": meta.owner},
             )  # fmt: skip
         try:
@@ -227,6 +216,27 @@ class SessionLoader:
             with contextlib.suppress(SsmserveError):
                 await self.store.release(lease)
             raise
+
+    async def _acquire(self, meta: SessionMeta) -> SessionLease:
+        """Take the session's lease (a new token). An owner that never let it go is
+        waited out (``cluster.takeover``: its lease watched for a TTL on this worker's
+        clock), unless this worker knows it dead (it listens on that owner's address)."""
+        takeovers = self.ownership.takeovers
+        proof = takeovers.proof(meta.session_id)
+        while True:
+            sent_at = time.monotonic()
+            try:
+                token = await self.store.acquire(
+                    meta.session_id, self.ownership.worker_id, self.ownership.address,
+                    self.ownership.lease_ms, numerics=self.ownership.numerics, proof=proof,
+                )  # fmt: skip
+            except LeaseHeldError as held:
+                if proof or not self.ownership.knows_dead(meta.owner, meta.owner_addr):
+                    raise takeovers.saw(meta.session_id, held) from None
+                proof = held.beat  # its owner is dead: no watch, try again at once
+                continue
+            takeovers.forget(meta.session_id)
+            return self.ownership.new_lease(meta.session_id, token, sent_at)
 
     async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
         """A session whose history was computed with numerics this worker does not have:

@@ -327,13 +327,14 @@ return err or {'OK'}
 # KEYS: meta, lease. ARGV: worker id, worker address, lease ms, expected token ('' for
 # any), a fresh incarnation and the worker's numerics signature (both used only by
 # sessions stored before the store recorded them), a fresh nonce, and the caller's proof
-# of an unrenewed lease ('' for none: the ``beat`` it saw at least a lease TTL ago by its
-# own clock, ``cluster.takeover``).
+# that the owner no longer trusts its lease ('' for none: the ``beat`` it saw stand for a
+# lease TTL by its own clock, or the beat of an owner it knows dead; ``cluster.takeover``).
 # Free (no lease), held by this worker, or reserved for it by a hand-off: take it with a
 # new token. With an expected token, only if nobody acquired it since that token. A lease
-# that ran out in Redis while its owner never let go is taken over only with the proof:
-# Redis expires keys by its wall clock, which can jump, so its expiry alone never hands a
-# session on (the owner may still trust its lease by its own clock).
+# whose owner never let go is taken over only with the proof, whether or not its key ran
+# out in Redis: Redis expires keys by its wall clock, which can jump, so its expiry alone
+# never hands a session on (the owner may still trust its lease by its own clock), and a
+# proof holds while the key lingers (the beat did not move: nobody renewed it).
 ACQUIRE = (
     _COMMON
     + """
@@ -349,13 +350,14 @@ if ARGV[4] ~= '' then
 end
 local holder = redis.call('GET', KEYS[2])
 local beat = redis.call('HGET', KEYS[1], 'beat') or '0'
-if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] then
+local proven = ARGV[8] ~= '' and ARGV[8] == beat
+if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] and not proven then
     return {'ERR_OWNED', 'the session is held by another worker',
         redis.call('HGET', KEYS[1], 'owner_addr') or '', int(redis.call('PTTL', KEYS[2])),
         beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
 end
 local owner = redis.call('HGET', KEYS[1], 'owner') or ''
-if not holder and ARGV[4] == '' and owner ~= '' and owner ~= ARGV[1] and ARGV[8] ~= beat then
+if not holder and ARGV[4] == '' and owner ~= '' and owner ~= ARGV[1] and not proven then
     return {'ERR_OWNED', 'the lease ran out in Redis, but this worker has not yet seen it '
         .. 'unrenewed for a whole lease TTL', redis.call('HGET', KEYS[1], 'owner_addr') or '',
         0, beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
