@@ -4,8 +4,9 @@ A command that writes a file (``--output``) calls :func:`check_output` before it
 worker for anything, so a path that cannot be written costs nothing: no step applied,
 no export streamed. The file is then written atomically (a temp file beside it, renamed
 over it), so a reader sees the old content or the new. When the write still fails after
-the work was done (the disk filled, the directory vanished), :func:`save_elsewhere` puts
-the answers in the temp directory, so that no answered work is thrown away.
+the work was done (the disk filled, the directory vanished), :func:`write_or_keep` puts
+the result in the temp directory and says where, so that no answered work is thrown
+away.
 
 An existing target that is not a regular file (``/dev/null``, a FIFO) is written in
 place: renaming over it would replace the device node.

@@ -2,10 +2,9 @@
 are ``cli_parsers``'.
 
 Each command checks what it can locally (its input files, the path it writes) before it
-asks a worker for anything, so a bad path costs no work. ``session stream`` keeps every
-answer: cut part-way (a worker's error, Ctrl-C), it saves the outputs of the steps
-answered so far and says how to go on (``--first-step``: the steps already taken are
-answered from the session's record, never applied twice).
+asks a worker for anything, so a bad path costs no work. The commands that move arrays
+(``session stream``, ``forecast``, ``plot``) live in ``array_commands`` and ``plot``,
+imported only when one of them runs: the others start without numpy.
 """
 
 from __future__ import annotations
