@@ -28,8 +28,8 @@ from ssmserve.server.state.checkpoint import Checkpoint
 from tests.conftest import random_inputs
 
 REPO = Path(__file__).resolve().parent.parent
-# A server that is down must be reported within a few seconds (the client gives a first
-# connection RetryPolicy.connect_timeout_s, 2 s); before, each command retried a minute.
+# A server that is down is reported within a few seconds: the client gives a first
+# connection RetryPolicy.connect_timeout_s (2 s), not give_up_after_s (a minute).
 DOWN_REPORTED_WITHIN_S = 10.0
 
 
