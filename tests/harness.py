@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -82,12 +81,13 @@ class WorkerHarness:
         a whole TTL (its owner froze): its next load of the session may take it over
         (``cluster.takeover``). For tests whose owner cannot really freeze (it runs in
         this process) and still must be taken over."""
+        from ssmserve.server.state.lease import lease_clock
         from ssmserve.server.state.store_errors import LeaseHeldError
 
         takeovers = self.worker.ownership.takeovers
         seen = LeaseHeldError("seen", beat=beat)
         self.loop.call_soon_threadsafe(
-            lambda: takeovers.saw(session_id, seen, now=time.monotonic() - 3600)
+            lambda: takeovers.saw(session_id, seen, now=lease_clock() - 3600)
         )
 
     def with_manager(self, **changes: Any) -> ManagerSettings:

@@ -832,6 +832,31 @@ def test_a_lease_that_ran_out_in_redis_is_taken_over_only_with_proof(store):
     run(store, body)
 
 
+def test_a_beat_never_repeats(store):
+    """A proof is the beat a watcher saw. Beats are never reused: each renewal draws a new
+    one (a counter would count the same number again after Redis lost writes), and an id
+    created anew starts from a beat of its own token (a counter would start at 0 again).
+    A proof from before either is refused."""
+
+    async def body(s: Store):
+        k = s.keys("b")
+        w1 = await new(s, "b")
+        seen = [(await s.redis.hget(k.meta, "beat")).decode()]
+        for _ in range(2):
+            assert await s.renew_leases([w1], LEASE_MS) == [None]
+            seen.append((await s.redis.hget(k.meta, "beat")).decode())
+        assert len(set(seen)) == 3 and all(b.startswith(w1.token) for b in seen)
+        await s.close_session(w1)
+        c = await new(s, "b", owner="w3")  # created anew, held by a live worker
+        await s.redis.delete(k.lease)  # (its key ran out in Redis)
+        for stale in seen:
+            with pytest.raises(LeaseHeldError):
+                await s.acquire("b", "w2", "addr:2", LEASE_MS, proof=stale)
+        assert (await s.get_meta("b")).token == c.token
+
+    run(store, body)
+
+
 def test_sessions_stored_before_tokens_get_one_when_acquired(store):
     async def body(s: Store):
         k = s.keys("old")

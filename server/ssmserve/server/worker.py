@@ -297,13 +297,12 @@ class Worker:
             worker_id=self.worker_id,
             stats=self._stats,
         )
-        self.ownership.listening_on = self.address
         timing = s.ownership  # a dead worker's entry is gone one TTL after its last beat
         await refuse_taken_advertise(
             self.ownership, self.address, timing.worker_ttl_s + timing.period_s,
             timing.period_s / 8,
         )  # fmt: skip
-        self.ownership.store_checks = guard.check
+        self.ownership.store_checks = self._store_checks
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         manager.residents.resets.watch(guard)
         self.migrator = Migrator(
@@ -343,6 +342,22 @@ class Worker:
         )
         await self.readiness.start()
         return self.address
+
+    async def _store_checks(self) -> None:
+        """What each heartbeat reads about the store itself: its eviction policy and
+        identity (``StoreGuard``), and its replicas (``Store.follow_replicas``)."""
+        assert self.guard is not None and self.store is not None
+        try:
+            raised = await self.store.follow_replicas()
+        except SsmserveError as exc:
+            log.debug("could not count the store's replicas: %s", exc)
+        else:
+            if raised:
+                log.warning(
+                    "store: replicas appeared; every write now waits until %d of them hold "
+                    "it (--redis-wait-replicas auto)", raised,
+                )  # fmt: skip
+        await self.guard.check()
 
     async def _start_embedded_redis(self) -> str:
         """Lock the data directory, start the private redis-server, keep it running;

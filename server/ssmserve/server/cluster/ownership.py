@@ -29,10 +29,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ssmserve.server.cluster.takeover import Takeovers
-from ssmserve.server.errors import SsmserveError
-from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.errors import SessionMovedError, SsmserveError
+from ssmserve.server.state.lease import SessionLease, lease_clock
 from ssmserve.server.state.store import Store, WorkerRecord, WorkerStats
-from ssmserve.server.state.store_errors import LeaseExpiredError, SessionMissingError
+from ssmserve.server.state.store_errors import (
+    LeaseExpiredError,
+    SessionClosedError,
+    SessionMissingError,
+    StaleEpochError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,10 @@ class OwnershipSettings:
     @property
     def margin_s(self) -> float:
         return self.lease_ttl_s * self.lease_margin
+
+
+#: Renewal outcomes that mean the session is not this worker's any more.
+_NOT_OURS = (SessionMovedError, SessionMissingError, SessionClosedError)
 
 
 def new_worker_id() -> str:
@@ -105,8 +114,6 @@ class Ownership:
         self.worst_late_s = 0.0  # the latest start of a round after its due time (tests)
         # Sessions found held by others, watched until they may be taken over.
         self.takeovers = Takeovers(settings.lease_ttl_s)
-        # The address this worker's listening socket is bound to ('' until it is).
-        self.listening_on = ""
         # Read alongside each round's heartbeat (``store_guard``: the store's eviction
         # policy and identity); never raises.
         self.store_checks: Callable[[], Awaitable[None]] | None = None
@@ -118,19 +125,6 @@ class Ownership:
     @property
     def lease_ms(self) -> int:
         return self.settings.lease_ms
-
-    def knows_dead(self, worker_id: str, address: str) -> bool:
-        """Whether worker ``worker_id``, which advertised ``address``, is surely dead: it
-        ran on this host and advertised the address this worker listens on now, which it
-        could not have let go of alive (listeners here bind without SO_REUSEPORT). A
-        worker restarted in place after a crash then takes its predecessor's sessions
-        over at once, without watching their leases for a TTL (``cluster.takeover``)."""
-        return (
-            bool(worker_id)
-            and worker_id != self.worker_id
-            and address == self.address == self.listening_on
-            and worker_id.rpartition("-")[0] == self.worker_id.rpartition("-")[0]
-        )
 
     def new_lease(self, session_id: str, token: str, sent_at: float) -> SessionLease:
         """The lease a create or acquire sent at ``sent_at`` (monotonic) just gave us."""
@@ -177,7 +171,7 @@ class Ownership:
         held = list(self._held() if leases is None else leases)
         if not held:
             return
-        sent_at = time.monotonic()
+        sent_at = lease_clock()
         results = await self.store.renew_leases(held, self.lease_ms)
         for lease, error in zip(held, results, strict=True):
             if error is None:
@@ -186,7 +180,7 @@ class Ownership:
                 log.warning("session %s: lease ran out before its renewal", lease.session_id)
                 lease.expire()
                 self._on_expired(lease)
-            else:
+            elif isinstance(error, _NOT_OURS):
                 # A session closed while its renewal was on the way is gone as it should
                 # be; only a lease lost to another worker is worth a warning.
                 level = logging.INFO if isinstance(error, SessionMissingError) else logging.WARNING
@@ -197,6 +191,16 @@ class Ownership:
                 )  # fmt: skip
                 lease.expire()
                 self._on_lost(lease, error)
+            else:
+                # Not renewed, and nothing says the session is someone else's (an unknown
+                # outcome, a refusal such as READONLY or OOM): a renewal changes no session
+                # data, so memory stays; the lease's own clock bound runs out unextended,
+                # and the session is revalidated before its next answer.
+                log.warning(
+                    "session %s: lease renewal failed: %s", lease.session_id, error,
+                    extra={"session_id": lease.session_id, "token": lease.token,
+                           "event": "renewal_failed"},
+                )  # fmt: skip
 
     async def revalidate(
         self, leases: Sequence[SessionLease]
@@ -205,7 +209,7 @@ class Ownership:
         again, only if its token is still the session's (which proves nobody else owned
         it meanwhile). One entry per lease: the lease to use from now on (the same one,
         extended, or a new one), or the error that stands in the way."""
-        sent_at = time.monotonic()
+        sent_at = lease_clock()
         try:
             results = await self.store.renew_leases(leases, self.lease_ms)
         except SsmserveError as exc:
@@ -217,7 +221,7 @@ class Ownership:
                 out.append(lease)
             elif isinstance(error, LeaseExpiredError):
                 lease.expire()
-                again = time.monotonic()
+                again = lease_clock()
                 try:
                     token = await self.store.acquire(
                         lease.session_id, self.worker_id, self.address, self.lease_ms,
@@ -232,6 +236,37 @@ class Ownership:
                 lease.expire()
                 out.append(error)
         return out
+
+    async def reacquire(self, lease: SessionLease) -> SessionLease | SsmserveError:
+        """Acquire ``lease``'s session again as its holder (only while its token is still
+        the session's): a new token, so a write of this worker still in flight under the
+        old one is refused wherever it lands. The new lease, or what stands in the way.
+
+        A token that moved on to one this very worker made (a re-acquisition of its own
+        whose answer was lost: the session's owner is this worker's id, which no other
+        process has) is taken over after a renewal proves it."""
+        sent_at = lease_clock()
+        try:
+            token = await self.store.acquire(
+                lease.session_id, self.worker_id, self.address, self.lease_ms,
+                expect=lease.token, numerics=self.numerics,
+            )  # fmt: skip
+        except StaleEpochError as moved:
+            try:
+                meta = await self.store.get_meta(lease.session_id)
+                if meta is None or meta.owner != self.worker_id or meta.token == lease.token:
+                    return moved
+                own = self.new_lease(lease.session_id, meta.token, 0.0)
+                (renewed,) = await self.store.renew_leases([own], self.lease_ms)
+            except SsmserveError as exc:
+                return exc
+            if renewed is not None:
+                return renewed
+            own.extend(sent_at, self.settings.lease_ttl_s, self.settings.margin_s)
+            return own
+        except SsmserveError as exc:
+            return exc
+        return self.new_lease(lease.session_id, token, sent_at)
 
     async def _keep(self) -> None:
         """Heartbeat and renew on a fixed schedule (monotonic, so it does not drift)."""

@@ -7,8 +7,8 @@ stepped forward 30 s, every lease in Redis runs out at once while every owner st
 trusts its own. So Redis's expiry alone never hands a session on. A worker takes over a
 session whose owner never let it go only after it has itself seen the session's lease
 *beat* (moved by every acquisition and renewal, in Redis) stay the same for a whole TTL
-on its own monotonic clock: the owner's last renewal ran before that first sighting, so
-by then the owner has stopped trusting it, whatever Redis's clock did.
+on its own clock (``state.lease.lease_clock``): the owner's last renewal ran before that
+first sighting, so by then the owner has stopped trusting it, whatever Redis's clock did.
 
 What it costs: a takeover after a crash or a freeze waits a TTL from the first request
 that finds the session held, instead of until Redis expires the key (at most a TTL after
@@ -18,10 +18,10 @@ idle eviction, shutdown) and hand-offs (migration) name their next owner and nev
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ssmserve.server.state.lease import lease_clock
 from ssmserve.server.state.store_errors import LeaseHeldError
 
 #: Sightings kept (one per session asked for while someone else held it); the oldest go
@@ -34,7 +34,7 @@ class Sighting:
     """The beat of one session's lease as first seen, and when (monotonic)."""
 
     beat: str
-    seen_at: float
+    seen_at: float  # lease_clock()
     wait_s: float  # how long it must stay the same: the longer of both workers' TTLs
 
 
@@ -50,7 +50,7 @@ class Takeovers:
         """The beat to acquire ``session_id`` with: the one seen unchanged for a whole TTL,
         or '' when there is none yet (the store then refuses a takeover)."""
         sighting = self._sightings.get(session_id)
-        now = time.monotonic() if now is None else now
+        now = lease_clock() if now is None else now
         if sighting is None or now - sighting.seen_at < sighting.wait_s:
             return ""
         return sighting.beat
@@ -61,7 +61,7 @@ class Takeovers:
         """An acquire found ``session_id`` held (``error``, just received): remember its beat
         unless it is the one already being watched. Returns ``error`` with its retry hint
         at least as long as the watch still has to run."""
-        now = time.monotonic() if now is None else now
+        now = lease_clock() if now is None else now
         sighting = self._sightings.get(session_id)
         if sighting is None or sighting.beat != error.beat:
             wait_s = max(self.lease_ttl_s, error.owner_lease_ms / 1000)

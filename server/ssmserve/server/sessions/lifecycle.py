@@ -36,7 +36,7 @@ from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
-from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.lease import SessionLease, lease_clock, new_incarnation
 from ssmserve.server.state.store import SessionMeta, check_session_id
 from ssmserve.server.state.store_errors import SessionClosedError
 from ssmserve.server.state.store_layout import MAX_STEP
@@ -109,7 +109,7 @@ class Lifecycle:
             owner_addr=self.ownership.address, token=lease.token,
             numerics=self.ownership.numerics,
         )  # fmt: skip
-        sent_at = time.monotonic()
+        sent_at = lease_clock()
         await self.store.create_session(
             meta, self.ownership.lease_ms, record, blob, config.max_snapshots
         )

@@ -30,6 +30,7 @@ from ssmserve.server.sessions.errors import (
     HandOffError,
     ModelMismatchError,
     NumericsMismatchError,
+    ReloadingError,
     UnknownModelError,
     WorkerDrainingError,
 )
@@ -39,7 +40,7 @@ from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.state.checkpoint import InputHistory
 from ssmserve.server.state.input_log import RecentSteps
-from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.state.lease import SessionLease, lease_clock
 from ssmserve.server.state.store import SessionMeta, WorkerRecord
 from ssmserve.server.state.store_errors import (
     LeaseHeldError,
@@ -211,7 +212,12 @@ class SessionLoader:
                        "event": "taken_over", "previous_owner": meta.owner},
             )  # fmt: skip
         try:
-            return await self._restore(session_id, model, meta.model, lease)
+            # A session its owner let go (released: drained, evicted, parked) was
+            # snapshotted at its last step; one taken over, or reloaded here after a drop,
+            # may come back behind steps that were answered (SESSION_REWOUND).
+            return await self._restore(
+                session_id, model, meta.model, lease, may_be_behind=bool(meta.owner)
+            )
         except BaseException:
             with contextlib.suppress(SsmserveError):
                 await self.store.release(lease)
@@ -219,24 +225,20 @@ class SessionLoader:
 
     async def _acquire(self, meta: SessionMeta) -> SessionLease:
         """Take the session's lease (a new token). An owner that never let it go is
-        waited out (``cluster.takeover``: its lease watched for a TTL on this worker's
-        clock), unless this worker knows it dead (it listens on that owner's address)."""
+        waited out: its lease watched for a whole TTL on this worker's clock
+        (``cluster.takeover``)."""
         takeovers = self.ownership.takeovers
-        proof = takeovers.proof(meta.session_id)
-        while True:
-            sent_at = time.monotonic()
-            try:
-                token = await self.store.acquire(
-                    meta.session_id, self.ownership.worker_id, self.ownership.address,
-                    self.ownership.lease_ms, numerics=self.ownership.numerics, proof=proof,
-                )  # fmt: skip
-            except LeaseHeldError as held:
-                if proof or not self.ownership.knows_dead(meta.owner, meta.owner_addr):
-                    raise takeovers.saw(meta.session_id, held) from None
-                proof = held.beat  # its owner is dead: no watch, try again at once
-                continue
-            takeovers.forget(meta.session_id)
-            return self.ownership.new_lease(meta.session_id, token, sent_at)
+        sent_at = lease_clock()
+        try:
+            token = await self.store.acquire(
+                meta.session_id, self.ownership.worker_id, self.ownership.address,
+                self.ownership.lease_ms, numerics=self.ownership.numerics,
+                proof=takeovers.proof(meta.session_id),
+            )  # fmt: skip
+        except LeaseHeldError as held:
+            raise takeovers.saw(meta.session_id, held) from None
+        takeovers.forget(meta.session_id)
+        return self.ownership.new_lease(meta.session_id, token, sent_at)
 
     async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
         """A session whose history was computed with numerics this worker does not have:
@@ -258,7 +260,12 @@ class SessionLoader:
         )
 
     async def _restore(
-        self, session_id: str, model: MambaModel, model_name: str, lease: SessionLease
+        self,
+        session_id: str,
+        model: MambaModel,
+        model_name: str,
+        lease: SessionLease,
+        may_be_behind: bool = False,
     ) -> Session:
         """Rebuild an acquired session from its newest snapshot and its log."""
         meta = await self.meta(session_id)  # read after acquiring: the last owner is done
@@ -276,7 +283,8 @@ class SessionLoader:
             s.recent.remember_output(record.step, rebuilt.checkpoint.output)
         s.recent.remember(record.step + 1, rebuilt.inputs, rebuilt.outputs)
         s.state, s.step, s.last_snapshot_step = rebuilt.state, meta.step, record.step
-        s.restored_step = meta.step
+        if may_be_behind:
+            s.restored_step = meta.step
         self.residents.add(s, self.footprint(model, config))
         log.info(
             "session %s restored at step %d, token %s (snapshot %d + %d replayed)",
@@ -344,8 +352,17 @@ class SessionLoader:
                     )
                 except StaleEpochError:
                     pass  # the target did acquire it (only its answer was lost): moved
-                except SsmserveError as cancel_error:  # unknown: reload before answering
-                    self.residents.lost(s, lease, cancel_error)
+                except SsmserveError as cancel_error:
+                    # Whether the reservation still stands is not known (the target may
+                    # yet take it): answer nothing more from this memory; the session
+                    # reloads or is found at the target.
+                    self.residents.drop(
+                        s,
+                        ReloadingError(
+                            f"session {session_id!r}: its hand-off to {target.address} "
+                            f"could not be taken back ({cancel_error}); retry"
+                        ),
+                    )
                     raise
                 else:
                     raise HandOffError(

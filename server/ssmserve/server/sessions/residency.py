@@ -219,8 +219,17 @@ class ResidentSessions:
         """Learn what the store holds of ``s`` after a write with an unknown outcome, and
         go on from memory if memory holds it all (``settle_with``). None: ``s`` answers
         again. Otherwise the error: the store unreachable (``s`` stays, unanswered), or
-        memory cannot follow the store (``s`` left memory and reloads)."""
-        error = await self.settle_with(s)
+        memory cannot follow the store (``s`` left memory and reloads).
+
+        First ``s`` is acquired again (a new token): a write of it still in flight under
+        the old token (the one whose outcome is unknown, held in the network) is then
+        refused when it lands, instead of landing after what is read here."""
+        fenced = await self.ownership.reacquire(s.lease)
+        if isinstance(fenced, SessionLease):
+            s.lease = fenced
+            error = await self.settle_with(s)
+        else:
+            error = fenced
         if error is None:
             if s.unsettled is not None:
                 log.info(

@@ -358,7 +358,8 @@ class Session:
         # Why memory may not match the store (a write of it had an unknown outcome): set,
         # nothing is answered for it until the store says which it was (``residency``).
         self.unsettled: SsmserveError | None = None
-        # The step memory was rebuilt at from the store (a load, a takeover); -1: none.
+        # The step memory was rebuilt at from a store that may hold less than was
+        # answered (a takeover, a reload after a drop); -1: none (SESSION_REWOUND).
         self.restored_step = -1
         self.snapshots = SnapshotWriter(session_id)  # periodic snapshots, in the background
         # Committed, not yet in an answer: a tuple, replaced when it changes (most

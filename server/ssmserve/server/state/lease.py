@@ -16,9 +16,10 @@ Ownership of a session is one value, produced only by the store's ``create`` and
   certainly still runs: the start of the last call that set or extended it, plus the TTL,
   minus a margin for clock rate differences. Past it the worker may have lost the session
   without knowing (a freeze, a partition from Redis), so it stops answering for the
-  session until a renewal succeeds (``SessionManager.revalidate``). Monotonic time keeps
-  running while a process is stopped, so a worker that wakes from SIGSTOP sees its leases
-  as expired before it answers anything.
+  session until a renewal succeeds (``SessionManager.revalidate``). The clock is
+  :func:`lease_clock`, which keeps running while a process is stopped and while the
+  machine sleeps, so a worker that wakes from SIGSTOP, a VM pause or a suspend sees its
+  leases as run out before it answers anything.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+
+
+def lease_clock() -> float:
+    """Seconds by the clock every lease bound is kept on: ``CLOCK_BOOTTIME`` where the
+    system has one (Linux), which also counts time the machine spent suspended, else
+    ``time.monotonic()``. ``CLOCK_MONOTONIC`` stops during a suspend: an owner that woke
+    from one would still trust a lease another worker had long taken over."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
 
 
 def new_incarnation() -> str:
@@ -43,7 +55,7 @@ class SessionLease:
     session_id: str
     token: str  # "<incarnation>.<epoch>[.<nonce>]"
     holder: str  # worker id
-    valid_until: float = field(default=0.0)  # time.monotonic() bound; 0: not valid
+    valid_until: float = field(default=0.0)  # a lease_clock() bound; 0: not valid
 
     @property
     def epoch(self) -> int:
@@ -51,7 +63,7 @@ class SessionLease:
         return token_epoch(self.token)
 
     def valid(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) < self.valid_until
+        return (lease_clock() if now is None else now) < self.valid_until
 
     def extend(self, sent_at: float, ttl_s: float, margin_s: float) -> None:
         """A call that set or extended the lease was sent at ``sent_at`` and succeeded.
@@ -66,7 +78,7 @@ class SessionLease:
         self.valid_until = 0.0
 
     def __repr__(self) -> str:
-        left = self.valid_until - time.monotonic()
+        left = self.valid_until - lease_clock()
         return f"SessionLease({self.session_id!r}, token={self.token}, valid {left:+.2f} s)"
 
 

@@ -344,11 +344,13 @@ class ReplicaConfirmation:
             bare = ", ".join(name for name, n in sorted(self.found.items()) if not n)
             return (
                 f"writes wait for no replica: {bare} ha(s) none{seen}, and a write there "
-                f"could never be confirmed; a failover can lose acknowledged steps"
+                f"could never be confirmed; a failover can lose acknowledged steps until "
+                f"every one has a replica (counted again with each heartbeat)"
             )
         return (
             "Redis has no replicas: a write counts once the server has it (a crash of the "
-            "server loses what its appendfsync policy had not yet written to disk)"
+            "server loses what its appendfsync policy had not yet written to disk); "
+            "replicas that connect later are counted with each heartbeat"
         )
 
 
@@ -581,6 +583,22 @@ class Store:
             return counts
 
         return await self._call("replica_counts", read)
+
+    async def follow_replicas(self) -> int | None:
+        """With ``wait_replicas`` auto: count the replicas again and, if every server that
+        holds sessions now has more than writes wait for, wait for that many from now on.
+        Never fewer: a replica that is down must not quietly lower what an acknowledged
+        step survives (writes then wait, and fail, until it is back). Returns the new
+        count when it rose, else None. A worker that started while a replica was away
+        (restarting, or not yet rejoined after a failover) so gets its guarantee back."""
+        if self.settings.wait_replicas is not None:
+            return None
+        counts = await self.replica_counts()
+        wanted = min(counts.values()) if counts else 0
+        if wanted <= self.wait_replicas:
+            return None
+        self.wait_replicas = self.batches.wait_replicas = wanted
+        return wanted
 
     async def settle_replica_confirmation(self) -> ReplicaConfirmation:
         """Decide, before the first write, how many replicas confirm each write: the
@@ -861,9 +879,10 @@ class Store:
 
         if isinstance(self.redis, RedisCluster):  # one script per session: one slot each
             calls = []
+            nonce = new_nonce()
             for lease in leases:
                 k = self.keys(lease.session_id)
-                calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms]))
+                calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms, nonce]))
             replies = await self._scripts("renew_leases", self._renew, calls)
             return [self._outcome(r) for r in replies]
         # One server: RENEW_MANY. Per session: holder, token.
@@ -872,7 +891,7 @@ class Store:
             k = self.keys(lease.session_id)
             per_session.append(((k.meta, k.lease), (lease.holder, lease.token)))
         return await self._many(
-            "renew_leases", self._renew_many, [lease_ms], per_session, "renewal"
+            "renew_leases", self._renew_many, [lease_ms, new_nonce()], per_session, "renewal"
         )
 
     async def release(self, lease: SessionLease) -> None:
@@ -894,7 +913,7 @@ class Store:
     ) -> None:
         """Take back a reservation the target never used; raises StaleEpochError if it did."""
         k = self.keys(lease.session_id)
-        args = [lease.holder, lease.token, address, lease_ms, target_id]
+        args = [lease.holder, lease.token, address, lease_ms, target_id, new_nonce()]
         reply = await self._script("cancel_handoff", self._cancel_handoff, [k.meta, k.lease], args)
         self._fenced(reply)
 

@@ -194,12 +194,25 @@ def demoted(error: BaseException) -> StoreOutcomeUnknownError:
     )
 
 
+#: Error replies with which Redis refuses a write it will not run now: too few replicas
+#: (``min-replicas-to-write``), a replica cut off from its master, a dataset loading, a
+#: script running past its limit, a failed background save (``stop-writes-on-bgsave-error``).
+_REFUSALS = ("NOREPLICAS", "MASTERDOWN", "LOADING", "BUSY", "MISCONF")
+
+
 def unknown_outcome_of(error: BaseException) -> StoreOutcomeUnknownError | None:
-    """The unknown outcome an error reply stands for (OOM, READONLY), or None."""
+    """The unknown outcome an error reply stands for (OOM, READONLY, the refusals above),
+    or None. Refused writes did not run; they still count as unknown, which is what a
+    session's memory is safe under (a refused script may have been one of a batch)."""
     if is_out_of_memory(error):
         return out_of_memory(error)
     if is_demoted(error):
         return demoted(error)
+    if isinstance(error, redis_errors.ResponseError) and str(error).startswith(_REFUSALS):
+        return StoreOutcomeUnknownError(
+            f"the session store (Redis) refused a write ({str(error)[:200]}); the session "
+            f"is reloaded once Redis takes writes again"
+        )
     return None
 
 

@@ -14,8 +14,9 @@ tag, so all keys of one session sit in one slot and one script may touch them to
     P:{sid}:meta                 HASH   model, fingerprint, numerics, step, log_start,
                                         config, times, incarnation, epoch, token,
                                         owner (worker id), owner_addr, lease_ms (the
-                                        owner's lease TTL), beat (moves with every
-                                        acquisition and renewal)
+                                        owner's lease TTL), beat (new with every
+                                        acquisition and renewal: the token, then
+                                        '<token>/<nonce>')
     P:{sid}:lease                STRING the owning worker's id, or 'handoff:<id>' (PX ttl)
     P:{sid}:log                  HASH   step -> raw input bytes (float32 or int64, LE)
     P:{sid}:snaps                ZSET   snapshot id, scored by its step
@@ -48,9 +49,11 @@ which makes a new token).
 **Takeover.** A lease key expires by Redis's wall clock, which can step; the owner trusts
 its lease by its own monotonic clock. So a lease that ran out while its owner never let
 go (a crash, a freeze, a clock step) is taken over only by a worker that proves it saw
-the lease unrenewed for a whole TTL on its own clock: every acquisition and renewal moves
-``meta.beat``, and ``ACQUIRE`` wants the beat the caller saw that long ago
-(``cluster.takeover``).
+the lease unrenewed for a whole TTL on its own clock: every acquisition and renewal sets
+``meta.beat`` to a value never used before (the token, then the token and a nonce), and
+``ACQUIRE`` wants the beat the caller saw that long ago (``cluster.takeover``). A counter
+would not do: Redis can lose writes and count the same number again, and an id created
+anew starts over.
 
 **Numbers.** Lua numbers are doubles and ``tostring`` prints 1e14 as ``1e+14``; every
 number a script writes or uses in a key name goes through ``int()`` (``%d``, exact up to
@@ -316,7 +319,7 @@ for i = 1, pieces do
     end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 11))
-redis.call('HSET', KEYS[1], 'lease_ms', ARGV[2], 'beat', '0')
+redis.call('HSET', KEYS[1], 'lease_ms', ARGV[2], 'beat', ARGV[3])
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local err = commit(KEYS[1], KEYS[3], KEYS[4], KEYS[5], new, {}, ARGV[4], tonumber(ARGV[5]),
     '', ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10]))
@@ -349,15 +352,20 @@ if ARGV[4] ~= '' then
     if err then return err end
 end
 local holder = redis.call('GET', KEYS[2])
-local beat = redis.call('HGET', KEYS[1], 'beat') or '0'
-local proven = ARGV[8] ~= '' and ARGV[8] == beat
+local beat = redis.call('HGET', KEYS[1], 'beat') or ''
+local current = redis.call('HGET', KEYS[1], 'token') or ''
+-- A beat is bound to the token it was set under (``beat_of``). One that is not (a session
+-- last acquired by a worker that kept no beat) proves nothing, and such a session falls
+-- back to Redis's expiry of its lease key.
+local bound = current ~= '' and string.sub(beat, 1, #current) == current
+local proven = bound and ARGV[8] ~= '' and ARGV[8] == beat
 if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] and not proven then
     return {'ERR_OWNED', 'the session is held by another worker',
         redis.call('HGET', KEYS[1], 'owner_addr') or '', int(redis.call('PTTL', KEYS[2])),
         beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
 end
 local owner = redis.call('HGET', KEYS[1], 'owner') or ''
-if not holder and ARGV[4] == '' and owner ~= '' and owner ~= ARGV[1] and not proven then
+if not holder and ARGV[4] == '' and owner ~= '' and owner ~= ARGV[1] and bound and not proven then
     return {'ERR_OWNED', 'the lease ran out in Redis, but this worker has not yet seen it '
         .. 'unrenewed for a whole lease TTL', redis.call('HGET', KEYS[1], 'owner_addr') or '',
         0, beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
@@ -373,8 +381,7 @@ end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 local token = incarnation .. '.' .. int(epoch) .. '.' .. ARGV[7]
 redis.call('HSET', KEYS[1], 'token', token, 'owner', ARGV[1], 'owner_addr', ARGV[2],
-    'lease_ms', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'beat', 1)
+    'lease_ms', ARGV[3], 'beat', token)
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 return {'OK', token}
 """
@@ -383,13 +390,13 @@ return {'OK', token}
 # Extends the caller's own live lease; never re-creates one that ran out (ERR_EXPIRED:
 # the caller must acquire again, which gives it a new token).
 _RENEW = """
-local function renew(meta, lease, holder, token, ms)
+local function renew(meta, lease, holder, token, ms, nonce)
     local err = fence(meta, token)
     if err then return err end
     local current = redis.call('GET', lease)
     if current == holder then
         redis.call('PEXPIRE', lease, ms)
-        redis.call('HINCRBY', meta, 'beat', 1)
+        redis.call('HSET', meta, 'beat', token .. '/' .. nonce)
         return {'OK'}
     end
     if not current then
@@ -398,7 +405,7 @@ local function renew(meta, lease, holder, token, ms)
     if string.sub(current, 1, 8) == 'handoff:' then
         -- Being handed to another worker by this one: leave the reservation alone. The
         -- owner goes on trusting its lease, so the beat moves as for a renewal.
-        redis.call('HINCRBY', meta, 'beat', 1)
+        redis.call('HSET', meta, 'beat', token .. '/' .. nonce)
         return {'HANDOFF'}
     end
     return {'ERR_STALE', 'the lease is held by ' .. current,
@@ -406,27 +413,29 @@ local function renew(meta, lease, holder, token, ms)
 end
 """
 
-# KEYS: meta, lease. ARGV: worker id, token, lease ms.
+# KEYS: meta, lease. ARGV: worker id, token, lease ms, a fresh nonce (the new beat's).
 RENEW = (
     _COMMON
     + _RENEW
     + """
-return renew(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
+return renew(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 """
 )
 
 # The renewals of many sessions of one worker in one call: on one Redis server only (as
 # LOG_APPEND_MANY, and for the same reason: redis-py's Python per pipelined command cost
 # more than the renewal; a worker renews every session it holds every period). KEYS: meta
-# and lease of each session. ARGV: lease ms, then per session: worker id, token. Returns
-# one reply per session, as RENEW's.
+# and lease of each session. ARGV: lease ms, a fresh nonce (one per call: each session's
+# beat is its own token and it), then per session: worker id, token. Returns one reply
+# per session, as RENEW's.
 RENEW_MANY = (
     _COMMON
     + _RENEW
     + """
 local replies = {}
 for s = 1, #KEYS / 2 do
-    replies[s] = renew(KEYS[2 * s - 1], KEYS[2 * s], ARGV[2 * s], ARGV[2 * s + 1], ARGV[1])
+    replies[s] = renew(KEYS[2 * s - 1], KEYS[2 * s], ARGV[2 * s + 1], ARGV[2 * s + 2], ARGV[1],
+        ARGV[2])
 end
 return replies
 """
@@ -459,8 +468,9 @@ return {'OK'}
 """
 )
 
-# KEYS: meta, lease. ARGV: worker id, token, worker address, lease ms, target id.
-# The target did not take the session: the owner keeps it (same token).
+# KEYS: meta, lease. ARGV: worker id, token, worker address, lease ms, target id, a fresh
+# nonce (the new beat's). The target did not take the session: the owner keeps it (same
+# token).
 CANCEL_HANDOFF = (
     _COMMON
     + """
@@ -471,8 +481,8 @@ if holder and holder ~= 'handoff:' .. ARGV[5] and holder ~= ARGV[1] then
     return {'ERR_STALE', 'the session is held by ' .. holder, ''}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'beat', 1)
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'owner_addr', ARGV[3], 'beat',
+    ARGV[2] .. '/' .. ARGV[6])
 return {'OK'}
 """
 )
