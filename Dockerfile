@@ -1,9 +1,23 @@
 # ssmserve worker image: the server (and the client, for the CLI) on Debian's redis-server.
 #
 #   docker build -t ssmserve .
-#   docker run -p 50051:50051 -v ssmserve-data:/data ssmserve              # demo model
-#   docker run -p 50051:50051 -v /models:/models:ro ssmserve \
-#       ssmserve-server --model mamba=/models/mamba --redis-url redis://redis:6379/0
+#
+# The demo model, served without tokens (the default command): publish it on this
+# machine's loopback only, so nothing beyond it reaches an unauthenticated worker:
+#
+#   docker run -p 127.0.0.1:50051:50051 -v ssmserve-data:/data ssmserve
+#
+# Your models: a worker that listens beyond loopback refuses to start without a token file
+# (or --insecure). Make one on the host (`ssmserve auth token --tenant T --role client
+# --file tokens.toml`: hashes only, mode 600) that the image's user can read
+# (`sudo chown 10001 tokens.toml`), and mount it with the models:
+#
+#   docker run -p 50051:50051 -v /models:/models:ro -v /etc/ssmserve:/secrets:ro \
+#       -v ssmserve-data:/data ssmserve \
+#       ssmserve-server --model mamba=/models/mamba --auth-tokens /secrets/tokens.toml
+#
+# (tests/test_deploy.py checks that these commands parse, start past the exposure check
+# and publish an unauthenticated worker on loopback only.)
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
@@ -37,15 +51,18 @@ ENV SSMSERVE_LISTEN=0.0.0.0:50051 SSMSERVE_DATA_DIR=/data SSMSERVE_METRICS_LISTE
 VOLUME ["/data"]
 EXPOSE 50051 9400
 # SERVING while the worker takes work and its Redis answers (NOT_SERVING while it drains,
-# and while the embedded Redis is being restarted after it died). (A plaintext probe:
-# with --tls-cert, point your orchestrator's gRPC probe at the TLS port instead, or
-# override this check.)
+# and while the embedded Redis is being restarted after it died). The health service
+# needs no token, so the probe works with --auth-tokens too; it asks SSMSERVE_LISTEN's
+# port (with --listen elsewhere, override it). (A plaintext probe: with --tls-cert, point
+# your orchestrator's gRPC probe at the TLS port instead, or override this check.)
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import grpc, sys; \
 from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
 c = grpc.insecure_channel('127.0.0.1:50051'); \
 s = g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=2).status; \
 sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)"
 ENTRYPOINT ["/usr/bin/tini", "--"]
-# The demo image serves without tokens (--insecure: a warning is logged); for anything
-# real, mount a token file and run with --auth-tokens (see SECURITY in the README).
+# The default command serves the demo model without tokens (--insecure: a warning is
+# logged; inside the container it listens on every interface, so publish it on loopback
+# only, as above). For anything real, give a command with --auth-tokens (above; and
+# SECURITY.md).
 CMD ["ssmserve-server", "--demo", "--insecure"]

@@ -5,6 +5,9 @@ container: docker and a cluster are not on the test machine."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -190,3 +193,166 @@ def test_compose_runs_two_draining_workers_and_the_demo() -> None:
     assert command[:3] == ["python", "-m", "ssmserve.client.demo"]
     assert command[command.index("--server") + 1] == "worker-a:50051,worker-b:50051"
     assert shlex.join(command)  # plain strings all
+
+
+def test_compose_says_which_redis_fsyncs_every_write() -> None:
+    """The shared store fsyncs every write; the comment over it names the embedded
+    Redis's own policy, which is not that one."""
+    from ssmserve.server.embedded_redis import EmbeddedRedisSettings
+
+    text = (DEPLOY / "compose.yaml").read_text()
+    command = documents(DEPLOY / "compose.yaml")[0]["services"]["redis"]["command"]
+    policy = command[command.index("--appendfsync") + 1]
+    assert policy == "always"
+    comment = " ".join(
+        line.strip().lstrip("#").strip()
+        for line in text[: text.index('    command: ["redis-server"')].splitlines()[-8:]
+        if line.strip().startswith("#")
+    )
+    assert comment.startswith(f"appendfsync {policy}:")
+    embedded = re.search(r"embedded Redis[^.]*?appendfsync (\w+)", comment)
+    assert embedded is not None, comment
+    assert embedded.group(1) == EmbeddedRedisSettings(data_dir=Path("x")).appendfsync
+
+
+# ------------------------------------------------------------------------------ Docker
+
+DOCKERFILE = DEPLOY.parent / "Dockerfile"
+#: docker run's options that take a value (the others are flags such as --rm or -d).
+DOCKER_RUN_VALUED = {"-p", "--publish", "-v", "--volume", "-e", "--env", "--env-file",
+                     "--name", "-u", "--user", "--network", "--mount", "-w", "--workdir",
+                     "--entrypoint"}  # fmt: skip
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, its arguments), continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        pending += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            word, _, rest = pending.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+            pending = ""
+    return out
+
+
+def instruction(name: str) -> str:
+    (args,) = [a for word, a in dockerfile_instructions() if word == name]
+    return args
+
+
+def image_env() -> dict[str, str]:
+    env = {}
+    for word, args in dockerfile_instructions():
+        if word == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(args))
+    return env
+
+
+def documented_docker_runs() -> list[tuple[str, list[str]]]:
+    """Every `docker run` command in the Dockerfile's comments and in the docs' shell
+    blocks: (where, argv)."""
+    sources = []
+    lines = [ln.removeprefix("#").strip() for ln in DOCKERFILE.read_text().splitlines()]
+    sources.append(("Dockerfile", lines))
+    for path in [DEPLOY.parent / "README.md", *sorted((DEPLOY.parent / "docs").glob("*.md"))]:
+        blocks = re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", path.read_text(), re.S)
+        sources.append((path.name, [ln.strip() for b in blocks for ln in b.splitlines()]))
+    runs = []
+    for where, text_lines in sources:
+        joined = "\n".join(text_lines).replace("\\\n", " ")
+        for line in joined.splitlines():
+            line = line.removeprefix("$ ").strip()
+            if line.startswith("docker run "):
+                runs.append((where, shlex.split(line, comments=True)))
+    return runs
+
+
+def docker_run_parts(argv: list[str]) -> tuple[list[str], list[str], str, list[str]]:
+    """(published ports, volumes, image, command) of a `docker run` argv."""
+    assert argv[:2] == ["docker", "run"]
+    publish: list[str] = []
+    volumes: list[str] = []
+    i = 2
+    while argv[i].startswith("-"):
+        option, eq, value = argv[i].partition("=")
+        if option in DOCKER_RUN_VALUED:
+            if not eq:
+                i += 1
+                value = argv[i]
+            if option in ("-p", "--publish"):
+                publish.append(value)
+            if option in ("-v", "--volume"):
+                volumes.append(value)
+        i += 1
+    return publish, volumes, argv[i], argv[i + 1 :]
+
+
+def image_worker_settings(command: list[str], monkeypatch, tmp_path: Path):
+    """What ``ssmserve-server`` makes of ``command`` under the image's environment (its
+    data dir moved to tmp_path: --demo writes the demo model there)."""
+    for key in [k for k in os.environ if k.startswith("SSMSERVE_")]:
+        monkeypatch.delenv(key)
+    for key, value in image_env().items():
+        if key.startswith("SSMSERVE_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SSMSERVE_DATA_DIR", str(tmp_path / "data"))
+    assert command[0] == "ssmserve-server"
+    return server_main.settings_from_args(server_main.build_parser().parse_args(command[1:]))
+
+
+def test_the_image_command_and_its_health_check_agree(monkeypatch, tmp_path) -> None:
+    from ssmserve.server.api.auth import OPEN_PREFIXES
+    from ssmserve.server.worker import check_exposure
+
+    assert json.loads(instruction("ENTRYPOINT")) == ["/usr/bin/tini", "--"]
+    command = json.loads(instruction("CMD"))
+    settings = image_worker_settings(command, monkeypatch, tmp_path)
+    check_exposure(settings)  # it starts: --insecure, on every interface of the container
+    assert settings.insecure and settings.listen == "0.0.0.0:50051"
+    port = settings.listen.rsplit(":", 1)[1]
+    exposed = instruction("EXPOSE").split()
+    assert port in exposed and settings.metrics_listen.rsplit(":", 1)[1] in exposed
+    probe = instruction("HEALTHCHECK")
+    assert f"grpc.insecure_channel('127.0.0.1:{port}')" in probe
+    # readiness (""): NOT_SERVING while draining or while Redis does not answer
+    assert "HealthCheckRequest()" in probe and "HealthCheckResponse.SERVING" in probe
+    assert "/grpc.health.v1.Health/" in OPEN_PREFIXES  # the probe needs no token
+
+
+def test_documented_docker_runs_start_and_publish_no_open_worker(monkeypatch, tmp_path) -> None:
+    """Each documented `docker run` starts (the worker's exposure check passes), and one
+    without tokens publishes on the host's loopback only; files it names are mounted."""
+    from ssmserve.server.worker import check_exposure
+
+    runs = documented_docker_runs()
+    assert any(where == "Dockerfile" for where, _ in runs)
+    default = json.loads(instruction("CMD"))
+    for where, argv in runs:
+        publish, volumes, image, command = docker_run_parts(argv)
+        assert image == "ssmserve", (where, argv)
+        settings = image_worker_settings(command or default, monkeypatch, tmp_path)
+        check_exposure(settings)
+        mounted = [Path(v.split(":")[1]) for v in volumes]
+        named = [d for _, d in settings.models if not str(d).startswith(str(tmp_path))]
+        if settings.auth_tokens is not None:
+            named.append(settings.auth_tokens)
+        for path in named:
+            assert any(path.is_relative_to(m) for m in mounted), (where, path, volumes)
+        if settings.auth_tokens is None:
+            assert publish and all(p.startswith("127.0.0.1:") for p in publish), (where, argv)
+
+
+def test_a_public_worker_without_tokens_is_refused_in_the_image(monkeypatch, tmp_path) -> None:
+    """What the check above relies on: the image's worker refuses 0.0.0.0 unauthenticated."""
+    from ssmserve.server.worker import ExposedWithoutAuthError, check_exposure
+
+    models = tmp_path / "models"
+    settings = image_worker_settings(
+        ["ssmserve-server", "--model", f"mamba={models}"], monkeypatch, tmp_path
+    )
+    with pytest.raises(ExposedWithoutAuthError, match="--auth-tokens"):
+        check_exposure(settings)
