@@ -31,7 +31,7 @@ from ssmserve.client.errors import (
     server_unreachable,
 )
 from ssmserve.client.retry import Backoff, RetryPolicy
-from ssmserve.client.stall_bound import replies_within
+from ssmserve.client.stall_bound import NO_REPLY, replies_within
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -271,8 +271,14 @@ class WorkerRouter:
 
     def connection_failed(self, address: str, error: SsmserveClientError) -> SsmserveClientError:
         """``error`` of a call to ``address`` that is not retried: ServerUnreachable when
-        it is a failed connection and no worker has answered this client yet."""
-        if self.reached or error.reason or error.code not in TRANSIENT:
+        it is a failed connection and no worker has answered this client yet (a call a
+        worker took and then sent nothing for too long is a stall, not that)."""
+        if (
+            self.reached
+            or error.reason
+            or error.code not in TRANSIENT
+            or error.message.startswith(NO_REPLY)
+        ):
             return error
         return server_unreachable([address], error)
 

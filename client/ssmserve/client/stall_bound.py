@@ -9,6 +9,9 @@ from typing import Any
 
 import grpc
 
+#: How a stall's error begins: the call was made (a worker took it) and then sent nothing.
+NO_REPLY = "no reply for"
+
 
 async def replies_within(
     call: Any, stall_s: float, setting: str = "RetryPolicy.stall_timeout_s"
@@ -31,7 +34,7 @@ async def replies_within(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.aio.Metadata(),
                 grpc.aio.Metadata(),
-                f"no reply for {stall_s:g} s ({setting})",
+                f"{NO_REPLY} {stall_s:g} s ({setting})",
             ) from None
         if reply is grpc.aio.EOF:
             return

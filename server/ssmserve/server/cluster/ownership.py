@@ -36,6 +36,7 @@ from ssmserve.server.state.store_errors import (
     LeaseExpiredError,
     SessionClosedError,
     SessionMissingError,
+    SessionVanishedError,
     StaleEpochError,
 )
 
@@ -251,6 +252,11 @@ class Ownership:
                 lease.session_id, self.worker_id, self.address, self.lease_ms,
                 expect=lease.token, numerics=self.numerics,
             )  # fmt: skip
+        except SessionMissingError as gone:  # while held: a later owner closed it, or a wipe
+            return SessionVanishedError(
+                f"{gone} while this worker held it (closed by a later owner, or the store "
+                f"was wiped: the worker checks which); retry"
+            )
         except StaleEpochError as moved:
             try:
                 meta = await self.store.get_meta(lease.session_id)
