@@ -270,6 +270,24 @@ def _cli_start(d: dict[str, Any]) -> Cells:
     return joined(ms), "goal <= 400", joined([v / 400 for v in ms])
 
 
+def _path(trace: str, goals: tuple[int, ...]) -> Callable[[dict[str, Any]], Cells]:
+    """bench/trace_path.py's server side of one trace: crossings / modules, against the
+    goals for the crossings (and the modules, when there are two), and the baseline
+    checkout's figures when it ran beside one."""
+
+    def cells(d: dict[str, Any]) -> Cells:
+        measured = [d[trace]["crossings"], d[trace]["modules"]]
+        limit = "goal " + " / ".join(f"<= {g}" for g in goals)
+        limit += " crossings" if len(goals) == 1 else ""
+        if "baseline" in d:
+            base = d["baseline"]
+            limit += f" ({base['commit']}: {base[trace]['crossings']} / {base[trace]['modules']})"
+        ratios = [m / g for m, g in zip(measured, goals, strict=False)]
+        return " / ".join(str(m) for m in measured), limit, joined(ratios)
+
+    return cells
+
+
 FIGURES = [
     Figure("mamba-130m-shaped decode, batch 1, ms per token (p50)", "hf_peer",
            "`bench/bench_hf_peer.py`", _hf_peer),
@@ -324,6 +342,10 @@ FIGURES = [
            "`bench/bench_scale.py`", _group_commit),
     Figure("`ssmserve --help` / `ssmserve session list` start-up, median ms", "cli_start",
            "`bench/bench_cli_start.py`", _cli_start),
+    Figure("one Stream step, server side: ssmserve module crossings / modules", "trace_path",
+           "`bench/trace_path.py`", _path("stream_step", (35, 12))),
+    Figure("one Migrate, server side: ssmserve module crossings / modules", "trace_path",
+           "`bench/trace_path.py`", _path("migrate", (45,))),
 ]  # fmt: skip
 
 
