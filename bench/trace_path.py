@@ -44,6 +44,9 @@ answer, so server work that follows the answer (settling, bookkeeping) is counte
 * *Server side*: every thread other than the main thread (the two workers' loop threads
   and any thread they started); *client side*: the main thread. A side's crossings are
   the sum over its threads; its *modules* are the distinct modules of its kept events.
+  With the demo model the server's events are all on the two loop threads (its engine
+  steps are below the lane's offload threshold and run inline); ``crossings_per_thread``
+  says where they were.
 
 The headline (``crossings``, ``modules`` of each trace) is the server side: the client
 side is given beside it (``client``). Each trace is taken ``--repeats`` times (default 5;
@@ -56,7 +59,10 @@ and then and only ever adds; every run's count is kept (``runs``).
 it to OUT. ``--baseline-tree PATH`` runs the same trace against another checkout (its
 server and client code, ``PYTHONPATH=PATH/server:PATH/client``, in a subprocess) and
 shows the two side by side (``baseline`` in the JSON). ``--show-path`` prints each
-server thread's sequence of modules, collapsed to one line per stay.
+server thread's sequence of modules, each stay in a module once. Besides the headline,
+each side has ``module_list``, ``events`` and ``events_per_module``, and
+``entries_per_module`` (the crossings into each module); each trace has ``path`` (per
+server thread, the stays as [module, events]).
 """
 
 from __future__ import annotations
