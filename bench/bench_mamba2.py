@@ -187,7 +187,9 @@ async def snapshot_figures(
     from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
     from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
     from ssmserve.server.state.lease import SessionLease, new_incarnation
-    from ssmserve.server.state.store import SessionMeta, SnapshotRecord, Store, StoreSettings
+    from ssmserve.server.state.store import Store
+    from ssmserve.server.state.store_calls import StoreSettings
+    from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord
 
     step = len(ids)
     ckpt = Checkpoint(

@@ -48,7 +48,9 @@ from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease, new_incarnation
-from ssmserve.server.state.store import SessionMeta, SnapshotRecord, Store, StoreSettings
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
+from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.redis_topologies import RedisClusterHarness, SentinelHarness
 from tests.worker_process import WorkerProcess

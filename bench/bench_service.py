@@ -49,7 +49,9 @@ from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.server.state.input_log import InputBlock
-from ssmserve.server.state.store import SnapshotRecord, Store, StoreSettings
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
+from ssmserve.server.state.store_records import SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
@@ -231,7 +233,7 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     blob = ckpt.encode()
     out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
     from ssmserve.server.state.lease import SessionLease, new_incarnation
-    from ssmserve.server.state.store import SessionMeta
+    from ssmserve.server.state.store_records import SessionMeta
 
     lease = SessionLease("big", f"{new_incarnation()}.1", "bench")
     meta = SessionMeta(

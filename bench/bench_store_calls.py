@@ -29,7 +29,9 @@ from common import table
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.state.lease import SessionLease, new_incarnation
-from ssmserve.server.state.store import SessionMeta, SnapshotRecord, Store, StoreSettings
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
+from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord
 
 BASE = b"base"
 APPENDS = 200  # one session's appends per timed round, one call each

@@ -11,8 +11,10 @@ import pytest
 from ssmserve.server.embedded_redis import EmbeddedRedis
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.state.lease import SessionLease, new_incarnation
-from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store, StoreSettings
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import StaleEpochError
+from ssmserve.server.state.store_records import SnapshotCommit, SnapshotRecord
 from tests.test_store import meta, record
 
 

@@ -16,18 +16,12 @@ from redis.asyncio.cluster import RedisCluster
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.errors import SessionMovedError
-from ssmserve.server.state import store as store_module
+from ssmserve.server.state import store_calls as store_module
 from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease, new_incarnation
-from ssmserve.server.state.store import (
-    BadSessionIdError,
-    SessionMeta,
-    SnapshotCommit,
-    SnapshotRecord,
-    Store,
-    StoreSettings,
-    WorkerRecord,
-)
+from ssmserve.server.state.session_ids import BadSessionIdError
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import (
     LabelTakenError,
     LeaseExpiredError,
@@ -43,6 +37,12 @@ from ssmserve.server.state.store_errors import (
     StoreUnavailableError,
 )
 from ssmserve.server.state.store_layout import MAX_STEP
+from ssmserve.server.state.store_records import (
+    SessionMeta,
+    SnapshotCommit,
+    SnapshotRecord,
+    WorkerRecord,
+)
 from tests.tcp_proxy import TcpProxy
 
 

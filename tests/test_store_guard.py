@@ -32,7 +32,8 @@ from ssmserve.server.cluster.store_guard import EvictingRedisError, StoreGuard
 from ssmserve.server.embedded_redis import find_redis_server, free_port
 from ssmserve.server.main import build_parser, settings_from_args
 from ssmserve.server.state.input_log import InputBlock
-from ssmserve.server.state.store import Store, StoreSettings
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import (
     StoreOutcomeUnknownError,
     check_reply,

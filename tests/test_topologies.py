@@ -13,7 +13,8 @@ import pytest
 from ssmserve.client.sync import Client
 from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl
-from ssmserve.server.state.store import Store, StoreSettings
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import StoreError
 from tests.cluster_helpers import check_exact, moving_on, stream_in_background, wait_for
 from tests.conftest import random_inputs
@@ -437,7 +438,8 @@ def test_the_held_connection_follows_the_master_sentinel_names(redis_sentinel: S
     pool does not close it when it learns that the master moved. It follows on its own:
     once the pool knows another master, the next append reconnects through Sentinel."""
     from ssmserve.server.state.input_log import InputBlock
-    from ssmserve.server.state.store import Store, StoreSettings
+    from ssmserve.server.state.store import Store
+    from ssmserve.server.state.store_calls import StoreSettings
     from tests.test_store import new
 
     redis_sentinel.flushall()

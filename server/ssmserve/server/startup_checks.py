@@ -30,7 +30,7 @@ import grpc
 
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.errors import ErrorKind, SsmserveError
-from ssmserve.server.state.store import WorkerRecord
+from ssmserve.server.state.store_records import WorkerRecord
 
 log = logging.getLogger(__name__)
 

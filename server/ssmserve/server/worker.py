@@ -67,8 +67,10 @@ from ssmserve.server.startup_checks import (
     refuse_later_twin,
     refuse_taken_advertise,
 )
-from ssmserve.server.state.store import Store, StoreSettings, WorkerStats
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import StoreUnavailableError
+from ssmserve.server.state.store_records import WorkerStats
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 

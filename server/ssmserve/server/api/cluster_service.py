@@ -17,7 +17,7 @@ from ssmserve.server.cluster.migration import Migrator, UnknownWorkerError
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.errors import clip
 from ssmserve.server.sessions.manager import SessionManager
-from ssmserve.server.state.store import WorkerRecord
+from ssmserve.server.state.store_records import WorkerRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 

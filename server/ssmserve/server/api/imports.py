@@ -22,7 +22,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 
 from ssmserve.server.errors import ErrorKind, SsmserveError
-from ssmserve.server.state.store import Store
+from ssmserve.server.state.import_staging import ImportStaging
 from ssmserve.server.state.store_errors import StagedPiecesMissingError
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -41,7 +41,9 @@ class ImportTooLargeError(SsmserveError):
 class CheckpointUpload:
     """One import's chunks, staged in Redis as they arrive."""
 
-    def __init__(self, store: Store, max_bytes: int, reserve: Callable[[int], None]) -> None:
+    def __init__(
+        self, store: ImportStaging, max_bytes: int, reserve: Callable[[int], None]
+    ) -> None:
         self.store = store
         self.max_bytes = max_bytes
         self.reserve = reserve  # told the declared size before anything is staged

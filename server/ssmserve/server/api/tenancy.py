@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 
 from ssmserve.server.api.auth import Principal
-from ssmserve.server.state.store import check_session_id
+from ssmserve.server.state.session_ids import check_session_id
 
 SEPARATOR = "~"
 

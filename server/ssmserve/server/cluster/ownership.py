@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ssmserve.server.cluster.takeover import Takeovers
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.state.lease import SessionLease, lease_clock
-from ssmserve.server.state.store import Store, WorkerRecord, WorkerStats
+from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_errors import (
     LeaseExpiredError,
     SessionClosedError,
@@ -39,6 +39,7 @@ from ssmserve.server.state.store_errors import (
     SessionVanishedError,
     StaleEpochError,
 )
+from ssmserve.server.state.store_records import WorkerRecord, WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,12 @@ import logging
 from collections.abc import Callable
 
 from ssmserve.server.errors import ErrorKind, SsmserveError
-from ssmserve.server.state.store import Store
-from ssmserve.server.state.store_facts import NO_EVICTION, EvictionPolicies, StoreIdentity
+from ssmserve.server.state.store_facts import (
+    NO_EVICTION,
+    EvictionPolicies,
+    StoreFactReads,
+    StoreIdentity,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ class StoreGuard:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreFactReads,
         allow_evicting: bool = False,
     ) -> None:
         self.store = store

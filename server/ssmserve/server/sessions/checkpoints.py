@@ -26,7 +26,7 @@ from ssmserve.server.sessions.session import Session, SnapshotEvent
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
-from ssmserve.server.state.store import SnapshotCommit, SnapshotRecord, Store
+from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_errors import (
     LogDivergedError,
     SessionMissingError,
@@ -34,6 +34,7 @@ from ssmserve.server.state.store_errors import (
     StaleEpochError,
     StoreUnavailableError,
 )
+from ssmserve.server.state.store_records import SnapshotCommit, SnapshotRecord
 
 # Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
 # keeps the event loop answering meanwhile; smaller ones cost less than the hop.

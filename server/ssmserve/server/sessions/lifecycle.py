@@ -37,9 +37,10 @@ from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
 from ssmserve.server.state.lease import SessionLease, lease_clock, new_incarnation
-from ssmserve.server.state.store import SessionMeta, check_session_id
+from ssmserve.server.state.session_ids import check_session_id
 from ssmserve.server.state.store_errors import SessionClosedError
 from ssmserve.server.state.store_layout import MAX_STEP
+from ssmserve.server.state.store_records import SessionMeta
 
 log = logging.getLogger(__name__)
 

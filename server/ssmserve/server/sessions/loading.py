@@ -41,7 +41,6 @@ from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.state.checkpoint import InputHistory
 from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease, lease_clock
-from ssmserve.server.state.store import SessionMeta, WorkerRecord
 from ssmserve.server.state.store_errors import (
     LeaseHeldError,
     SessionClosedError,
@@ -49,6 +48,7 @@ from ssmserve.server.state.store_errors import (
     StoreDataError,
     StoreOutcomeUnknownError,
 )
+from ssmserve.server.state.store_records import SessionMeta, WorkerRecord
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.sessions.config import SessionConfig
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.state.checkpoint import InputHistory
-from ssmserve.server.state.store import SnapshotRecord
+from ssmserve.server.state.store_records import SnapshotRecord
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from ssmserve.server.sessions.records import RollbackTarget, StatePoint
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
-from ssmserve.server.state.store import SnapshotRecord, Store
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_records import SnapshotRecord
 
 
 @dataclass(frozen=True)

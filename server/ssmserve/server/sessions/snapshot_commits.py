@@ -26,7 +26,8 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 
-from ssmserve.server.state.store import SnapshotCommit, Store
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_records import SnapshotCommit
 
 #: Commits per batch: bounds one pipeline's size and the Lua work of one round.
 MAX_BATCH = 64

@@ -6,8 +6,15 @@
 ``lease``         the fencing token every store write carries (``SessionLease``)
 ``store_layout``  every Redis key and Lua script, in one place
 ``store_errors``  the typed error replies of those scripts, and the exceptions they map to
-``store``         the Redis I/O itself (``Store``), one method per script
+``session_ids``   what a session id may be, as a client gives it and as stored
+``store_records`` the records in Redis hashes (session metadata, workers, snapshots)
+``store``         ``Store``: sessions, leases, the worker registry, input logs, events
+``snapshot_store``  snapshot commit (two phases), reads, retention (``Store`` has them)
+``import_staging``  ImportCheckpoint's chunks staged in Redis (``Store`` has them)
+``store_facts``   the store's identity, eviction policy and replicas, and their reads
+``store_calls``   the rules every store call follows: deadline, unknown outcomes, fencing
 ``script_batches``  one script for many sessions in one round trip (per node on a cluster)
+``held_connection``  one connection held for a lone session's appends
 ``redis_topology``  redis://, redis+cluster:// and redis+sentinel:// URLs and their clients
 
 Imports: ``engine`` only (never gRPC, never the session manager).

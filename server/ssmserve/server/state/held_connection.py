@@ -13,7 +13,7 @@ pool's address, credentials, TLS and, behind Sentinel, its master lookup) and se
 it directly. It serves one command at a time: a caller that finds it busy uses the pool
 (``busy``), so concurrent callers never queue behind it.
 
-Same failure rules as redis-py's own path (and ``Store._call`` above both): the command
+Same failure rules as redis-py's own path (and ``StoreCalls._call`` above both): the command
 is sent once, never retried; any error but an error reply, a cancellation included,
 closes the connection (a reply may still be on its way), and the next call connects
 again. Before each send, a connection with unread data or a closed socket is closed and

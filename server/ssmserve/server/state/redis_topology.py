@@ -15,10 +15,10 @@ master watched by Sentinel.
 Every client made here never retries a command after a connection error (``retry``
 off): a write whose answer was lost has an unknown outcome, which the store reports rather
 than guesses. Redirections that say a command was *not* run (MOVED, ASK, TRYAGAIN) are
-followed by redis-py's cluster client and, past its own attempts, by ``Store._call``.
+followed by redis-py's cluster client and, past its own attempts, by ``StoreCalls._call``.
 
 Deadlines (:func:`keeps_socket_timeout`). On one server and behind Sentinel,
-``Store._call`` bounds every operation with its own ``asyncio.timeout`` (the whole
+``StoreCalls._call`` bounds every operation with its own ``asyncio.timeout`` (the whole
 operation: pool, connect, send, answer), and that is the only bound on sending and
 reading: redis-py's ``socket_timeout`` wraps every write in ``asyncio.wait_for``, a task
 and an event-loop turn per command (without it a lone session's step costs ~10-16% less
@@ -125,7 +125,7 @@ def topology_of(url: str) -> Kind:
 def keeps_socket_timeout(kind: Kind) -> bool:
     """Whether the client for ``kind`` bounds its own reads and writes (a cluster: its
     recovery from a dead node starts from its timeout error); the others' commands must run
-    under a deadline of the caller's (``Store._until_run``)."""
+    under a deadline of the caller's (``StoreCalls._until_run``)."""
     return kind == "cluster"
 
 

@@ -13,7 +13,7 @@ EVALSHAs at once. How depends on where the keys live:
 
 A reply that says a call did not run (MOVED, ASK, TRYAGAIN, CLUSTERDOWN while slots move;
 NOSCRIPT) is safe to send again, writes included: :func:`until_run` does, within the
-command deadline. Which outcome a lost answer has is the caller's (``Store._call``).
+command deadline. Which outcome a lost answer has is the caller's (``StoreCalls._call``).
 """
 
 from __future__ import annotations

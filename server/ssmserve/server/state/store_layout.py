@@ -137,7 +137,7 @@ def store_identity_key(prefix: str) -> str:
 # that keys a script builds itself are served). Snapshot pieces have names that depend
 # on the snapshot, so the caller reads them first and declares them; a script that finds
 # the snapshots changed since (another write of the same owner came between) answers
-# ERR_RACE and the caller reads again (``Store._with_drops``).
+# ERR_RACE and the caller reads again (``SnapshotStore._with_drops``).
 
 # Helpers every script may use.
 _COMMON = """
