@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_seconds, table
 
 from ssmserve.client.step_values import StepOutput
-from ssmserve.server.api.service import result_to_pb
+from ssmserve.server.api.conversions import result_to_pb
 from ssmserve.server.sessions.stepper import StepOutcome
 from ssmserve.v1 import ssmserve_pb2 as pb
 

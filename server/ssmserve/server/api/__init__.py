@@ -1,7 +1,9 @@
 """The gRPC edge: servicers, request validation, and typed errors -> status codes.
 
 ``status``           the one place where ``SsmserveError`` kinds become gRPC codes and details
-``service``          ``SessionService``
+``service``          ``SessionService``: the handlers of the session RPCs
+``stream_pipeline``  Stream: requests read ahead, steps queued as runs, answers in order
+``conversions``      protobuf messages <-> the server's types (configs, infos, results)
 ``cluster_service``  ``ClusterService`` (workers, migrate, drain, undrain, adopt)
 ``auth``             bearer tokens, roles, the authorization interceptor, the cluster secret
 ``tenancy``          session ids per tenant (``tenant~id`` in the store)

@@ -11,8 +11,9 @@ from typing import Protocol
 import grpc
 
 from ssmserve.server.api import status
+from ssmserve.server.api.conversions import model_to_pb
 from ssmserve.server.api.heartbeats import with_heartbeats
-from ssmserve.server.api.service import RequestError, model_to_pb
+from ssmserve.server.api.imports import RequestError
 from ssmserve.server.cluster.migration import Migrator, UnknownWorkerError
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.errors import clip

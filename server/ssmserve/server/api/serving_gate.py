@@ -2,10 +2,10 @@
 SessionService call is answered UNAVAILABLE with the reason, before its handler runs.
 
 ``refusal()`` says why not (None: serve). Stream is let through: its steps are answered
-one by one with the refusal (``service._StreamReader``), since ending a bidi call while
-the client still writes can reach the client as INTERNAL with the status lost. Health
-checks, reflection and ClusterService (workers listing, drains, migrations) are not
-touched.
+one by one with the refusal (``stream_pipeline.StreamReader``), since ending a bidi call
+while the client still writes can reach the client as INTERNAL with the status lost.
+Health checks, reflection and ClusterService (workers listing, drains, migrations) are
+not touched.
 """
 
 from __future__ import annotations
