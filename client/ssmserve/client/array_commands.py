@@ -1,6 +1,6 @@
 """The CLI's commands that move arrays through .npy files: ``session stream`` and
-``forecast`` (``session_commands`` imports this module, and numpy with it, only for
-them).
+``forecast`` (this module, and numpy with it, is imported only when one of them runs:
+``cli_parsers._on_worker``).
 
 ``session stream`` keeps every answer: the output path is checked before anything is
 sent, and a stream cut part-way (a worker's error, Ctrl-C) saves the outputs of the

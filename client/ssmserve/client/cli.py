@@ -1,12 +1,13 @@
 """``ssmserve``: the user and operator command line.
 
-The service commands (``--server HOST[:PORT]`` goes before the command, or
-``SSMSERVE_SERVER`` in the environment) are parsed by ``cli_parsers`` and run by
-``session_commands``. Other installed distributions add commands through the
-``ssmserve.cli`` entry-point group: each entry is a callable that gets the CLI's
-subparsers and adds its commands there, each with a ``handler(args)`` default. The
-server adds ``ssmserve model ...`` and ``ssmserve auth ...`` that way, so a client-only
-install never imports it.
+Every command's parser names what runs it: a ``handler(args)`` default
+(``set_defaults(handler=...)``), which :func:`main` calls. The service commands
+(``--server HOST[:PORT]`` goes before the command, or ``SSMSERVE_SERVER`` in the
+environment) are parsed by ``cli_parsers`` and run by ``session_commands``. Other
+installed distributions add commands through the ``ssmserve.cli`` entry-point group:
+each entry is a callable that gets the CLI's subparsers and adds its commands there, each
+with its handler. The server adds ``ssmserve model ...`` and ``ssmserve auth ...`` that
+way, so a client-only install never imports it.
 
 Starting fast: parsing imports argparse alone, and a command's code (gRPC, numpy; the
 engine for a server command) is imported only when it runs. The installed
@@ -61,21 +62,25 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     """The whole command line; ``plugins=False`` leaves out the commands of other
     distributions (no search of the installed packages)."""
+    parser, commands = _service_parser()
+    if plugins:
+        _add_plugin_commands(parser, commands)
+    return parser
+
+
+def _service_parser() -> tuple[argparse.ArgumentParser, cli_parsers.Subparsers]:
+    """The command line with this distribution's commands, and its subparsers."""
     parser = OneLineParser(
         prog="ssmserve", description="Streaming inference-state server for SSM models."
     )
     cli_parsers.add_global_options(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cli_parsers.add_service_commands(commands)
-    if plugins:
-        _add_plugin_commands(commands)
-        missing = [c for c in SERVER_COMMANDS if c not in commands.choices]
-        if missing:
-            parser.epilog = f"{' and '.join(missing)} are commands of {SERVER_MISSING}"
-    return parser
+    return parser, commands
 
 
-def _add_plugin_commands(commands: cli_parsers.Subparsers) -> None:
+def _add_plugin_commands(parser: argparse.ArgumentParser, commands: cli_parsers.Subparsers) -> None:
+    """The commands of the other installed distributions (a search of their metadata)."""
     from importlib.metadata import entry_points
 
     for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
@@ -85,6 +90,9 @@ def _add_plugin_commands(commands: cli_parsers.Subparsers) -> None:
             log.warning("ssmserve: commands %r unavailable: %s", entry.name, exc)
             continue
         add_commands(commands)
+    missing = [c for c in SERVER_COMMANDS if c not in commands.choices]
+    if missing:
+        parser.epilog = f"{' and '.join(missing)} are commands of {SERVER_MISSING}"
 
 
 def command_word(argv: Sequence[str]) -> str | None:
@@ -106,19 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_word(argv)
-    parser = build_parser(plugins=command not in cli_parsers.SERVICE_COMMANDS)
-    if command in SERVER_COMMANDS and command not in _command_names(parser):
+    parser, commands = _service_parser()
+    if command not in commands.choices:  # --help, a plugin's command, a typo
+        _add_plugin_commands(parser, commands)
+    if command in SERVER_COMMANDS and command not in commands.choices:
         print(f"ssmserve: error: '{command}' is a command of {SERVER_MISSING}", file=sys.stderr)
         return EXIT_USAGE
     args = parser.parse_args(argv)
     try:
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            handler(args)
-        else:
-            from ssmserve.client import session_commands
-
-            session_commands.run(args)
+        args.handler(args)
         return 0
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -130,13 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"ssmserve: error: {describe(exc)}", file=sys.stderr)
         return EXIT_USAGE
-
-
-def _command_names(parser: argparse.ArgumentParser) -> set[str]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return set(action.choices)
-    return set()
 
 
 if __name__ == "__main__":

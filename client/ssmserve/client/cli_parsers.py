@@ -1,8 +1,9 @@
 """The ``ssmserve`` command line: its global options and every service command's flags.
 
 Only argparse here: ``ssmserve --help`` (and any command's ``--help``) is answered from
-this module alone, and a command's code (``session_commands``, with gRPC and numpy) is
-imported only once the command line is parsed. The forms:
+this module alone. Each command's parser names what runs it (``set_defaults(handler=...)``,
+:func:`_on_worker`); that code (``session_commands``, with gRPC; ``array_commands`` and
+``plot``, with numpy) is imported only once the command line is parsed. The forms:
 
     session create --model NAME [--session-id SID] [--snapshot-every K] [--snapshot-phase P]
                    [--max-snapshots N] [--history-window N] [--durability log|snapshot|none]
@@ -29,21 +30,28 @@ and ``name``. Example: ``check=range,min=-3,max=3,action=rollback``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 Subparsers = argparse._SubParsersAction  # the type of add_subparsers()' result
 
 DURABILITIES = ("log", "none", "snapshot")
-#: The commands of this distribution; any other command word comes from a plugin.
-SERVICE_COMMANDS = frozenset({
-    "session", "snapshot", "snapshots", "rollback", "export", "import", "forecast", "fork",
-    "workers", "migrate", "drain", "undrain", "top", "plot", "models", "load-model",
-    "unload-model", "upgrade",
-})  # fmt: skip
+
+
+def _on_worker(name: str, module: str = "session_commands") -> Callable[[argparse.Namespace], None]:
+    """The handler of a service command: ``ssmserve.client.<module>.<name>(client, args)``
+    with a client of ``--server`` (``session_commands.run``), its modules imported then."""
+
+    def handler(args: argparse.Namespace) -> None:
+        commands = importlib.import_module("ssmserve.client.session_commands")
+        command = getattr(importlib.import_module(f"ssmserve.client.{module}"), name)
+        commands.run(args, command)
+
+    return handler
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -188,6 +196,7 @@ def _add_session_commands(commands: Subparsers) -> None:
         "--guard", action="append", default=[], metavar="SPEC",
         help="an output guard, e.g. check=range,min=-3,max=3,action=rollback (repeatable)",
     )  # fmt: skip
+    create.set_defaults(handler=_on_worker("create"))
 
     stream = sc.add_parser(
         "stream",
@@ -209,28 +218,34 @@ def _add_session_commands(commands: Subparsers) -> None:
     stream.add_argument(
         "--steps-per-message", type=count, default=64, help="steps sent per message (64)"
     )
+    stream.set_defaults(handler=_on_worker("stream", "array_commands"))
 
     inspect = sc.add_parser("inspect", help="show a session")
     inspect.add_argument("session_id", help="the session to show")
     inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.set_defaults(handler=_on_worker("inspect"))
 
     listing = sc.add_parser("list", help="list sessions")
     listing.add_argument("--model", default="", help="only sessions of this model")
     listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(handler=_on_worker("list_sessions"))
 
     close = sc.add_parser("close", help="close a session")
     close.add_argument("session_id", help="the session to close")
     close.add_argument("--final-snapshot", action="store_true", help="keep it exportable")
+    close.set_defaults(handler=_on_worker("close"))
 
 
 def _add_state_commands(commands: Subparsers) -> None:
     snap = commands.add_parser("snapshot", help="take a snapshot now")
     snap.add_argument("session_id", help="the session to snapshot")
     snap.add_argument("--label", default="", help="a name to roll back to later")
+    snap.set_defaults(handler=_on_worker("snapshot"))
 
     snaps = commands.add_parser("snapshots", help="list a session's snapshots")
     snaps.add_argument("session_id", help="the session")
     snaps.add_argument("--json", action="store_true", help="print JSON")
+    snaps.set_defaults(handler=_on_worker("snapshots"))
 
     rollback = commands.add_parser("rollback", help="return a session exactly to an earlier step")
     rollback.add_argument("session_id", help="the session to roll back")
@@ -239,12 +254,14 @@ def _add_state_commands(commands: Subparsers) -> None:
     target.add_argument("--to-snapshot", metavar="ID", help="back to a snapshot")
     target.add_argument("--to-label", metavar="L", help="back to a labelled snapshot")
     target.add_argument("--back", type=count, metavar="N", help="N steps back")
+    rollback.set_defaults(handler=_on_worker("rollback"))
 
     export = commands.add_parser("export", help="write a session's checkpoint to a file")
     export.add_argument("session_id", help="the session to export")
     file_flag(export, "--output", "the checkpoint file to write", old="--out")
     export.add_argument("--snapshot", default="", help="a snapshot id (default: current state)")
     export.add_argument("--json", action="store_true", help="print the result as JSON")
+    export.set_defaults(handler=_on_worker("export"))
 
     imp = commands.add_parser("import", help="bring a checkpoint file back as a session")
     file_flag(imp, "--input", "a checkpoint file (ssmserve export)", old="--in")
@@ -252,6 +269,7 @@ def _add_state_commands(commands: Subparsers) -> None:
     imp.add_argument("--model", default="", help="model name (default: by fingerprint)")
     imp.add_argument("--replace", action="store_true", help="overwrite an existing session")
     imp.add_argument("--json", action="store_true", help="print the new session as JSON")
+    imp.set_defaults(handler=_on_worker("import_checkpoint"))
 
     forecast = commands.add_parser(
         "forecast", help="run a session's model ahead on its own outputs (session unchanged)"
@@ -263,6 +281,7 @@ def _add_state_commands(commands: Subparsers) -> None:
     forecast.add_argument("--at-step", type=count, metavar="T", help="default: current step")
     file_flag(forecast, "--output", "write the (H, output_dim) outputs here", required=False,
               metavar="OUT.npy")  # fmt: skip
+    forecast.set_defaults(handler=_on_worker("forecast", "array_commands"))
 
     fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")
     fork.add_argument("session_id", help="the session to branch")
@@ -272,6 +291,7 @@ def _add_state_commands(commands: Subparsers) -> None:
     point.add_argument("--at-label", metavar="L", help="branch at a labelled snapshot")
     fork.add_argument("--new-id", default="", help="the fork's session id (default: generated)")
     fork.add_argument("--target", default="", metavar="HOST:PORT", help="the worker to serve it")
+    fork.set_defaults(handler=_on_worker("fork"))
 
 
 def _add_model_commands(commands: Subparsers) -> None:
@@ -279,6 +299,7 @@ def _add_model_commands(commands: Subparsers) -> None:
         "models", help="the models each live worker serves: versions and their sessions"
     )
     models.add_argument("--json", action="store_true", help="print JSON")
+    models.set_defaults(handler=_on_worker("models"))
     upgrade = commands.add_parser(
         "upgrade", help="move a session to another version of its model (a replay of its inputs)"
     )
@@ -287,6 +308,7 @@ def _add_model_commands(commands: Subparsers) -> None:
         "--model", default="", metavar="NAME@VERSION", help="default: the newest version"
     )
     upgrade.add_argument("--json", action="store_true", help="print the result as JSON")
+    upgrade.set_defaults(handler=_on_worker("upgrade"))
     load = commands.add_parser(
         "load-model", help="admin: a worker serves another model (version), no restart"
     )
@@ -294,22 +316,26 @@ def _add_model_commands(commands: Subparsers) -> None:
     load.add_argument("directory", help="its directory on the worker's host")
     load.add_argument("--worker", default="", metavar="HOST:PORT", help="default: --server")
     load.add_argument("--json", action="store_true", help="print the worker's models as JSON")
+    load.set_defaults(handler=_on_worker("load_model"))
     unload = commands.add_parser(
         "unload-model", help="admin: a worker stops serving a model (no session may run it)"
     )
     unload.add_argument("key", metavar="NAME[@VERSION]", help="the model to stop serving")
     unload.add_argument("--worker", default="", metavar="HOST:PORT", help="default: --server")
     unload.add_argument("--json", action="store_true", help="print the worker's models as JSON")
+    unload.set_defaults(handler=_on_worker("unload_model"))
 
 
 def _add_cluster_commands(commands: Subparsers) -> None:
     workers = commands.add_parser("workers", help="list the live workers of the cluster")
     workers.add_argument("--json", action="store_true", help="print JSON")
+    workers.set_defaults(handler=_on_worker("workers"))
 
     migrate = commands.add_parser("migrate", help="move a session to another worker")
     migrate.add_argument("session_id", help="the session to move")
     migrate.add_argument("--to", required=True, metavar="HOST:PORT", help="the target worker")
     migrate.add_argument("--json", action="store_true", help="print the result as JSON")
+    migrate.set_defaults(handler=_on_worker("migrate"))
 
     drain = commands.add_parser(
         "drain", help="move every session off a worker (it then refuses new ones)"
@@ -320,10 +346,12 @@ def _add_cluster_commands(commands: Subparsers) -> None:
     drain.add_argument(
         "--json", action="store_true", help="print each session's progress as a JSON line"
     )
+    drain.set_defaults(handler=_on_worker("drain"))
     undrain = commands.add_parser("undrain", help="undo a drain: the worker serves again")
     undrain.add_argument(
         "worker", nargs="?", default="", metavar="HOST:PORT", help="default: --server"
     )
+    undrain.set_defaults(handler=_on_worker("undrain"))
 
 
 def _add_top(commands: Subparsers) -> None:
@@ -338,6 +366,7 @@ def _add_top(commands: Subparsers) -> None:
     )
     top.add_argument("--once", action="store_true", help="print one table and exit")
     top.add_argument("--json", action="store_true", help="print one look as JSON and exit")
+    top.set_defaults(handler=_on_worker("run", "top"))
 
 
 def _add_plot(commands: Subparsers) -> None:
@@ -352,3 +381,4 @@ def _add_plot(commands: Subparsers) -> None:
                       help="last step (default: its current step)")  # fmt: skip
     plot.add_argument("--dims", type=int, default=8, metavar="N",
                       help="draw at most N input and output dimensions (default 8)")  # fmt: skip
+    plot.set_defaults(handler=_on_worker("run", "plot"))

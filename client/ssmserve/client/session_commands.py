@@ -1,5 +1,6 @@
 """What the CLI's service commands do (``ssmserve --server HOST[:PORT] ...``); their flags
-are ``cli_parsers``'.
+are ``cli_parsers``', where each command's parser names its function here as its handler.
+:func:`run` gives a command a client of ``--server``.
 
 Each command checks what it can locally (its input files, the path it writes) before it
 asks a worker for anything, so a bad path costs no work. The commands that move arrays
@@ -10,7 +11,6 @@ imported only when one of them runs: the others start without numpy.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -19,7 +19,6 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from ssmserve.client import top
 from ssmserve.client.addresses import worker_address
 from ssmserve.client.cli_errors import CliError
 from ssmserve.client.output_files import check_output, write_or_keep
@@ -27,6 +26,9 @@ from ssmserve.client.progress import ProgressBar
 from ssmserve.client.sync import Client
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
+
+#: What a service command is: it gets a client of ``--server`` and the parsed flags.
+Command = Callable[[Client, argparse.Namespace], None]
 
 _CHECKS = {"finite": pb.GuardRule.CHECK_FINITE, "range": pb.GuardRule.CHECK_RANGE}
 _ACTIONS = {
@@ -75,35 +77,16 @@ def parse_guard(spec: str, index: int = 0) -> pb.GuardRule:
     return rule
 
 
-def run(args: argparse.Namespace) -> None:
-    """Run the service command ``args`` names against ``--server``."""
+def run(args: argparse.Namespace, command: Command) -> None:
+    """Run ``command``, a service command, against ``--server``."""
     if not args.server:
         raise CliError(
             f"'{args.command}' talks to a worker: give --server HOST[:PORT] before the "
             "command, or set SSMSERVE_SERVER"
         )
     args.server = worker_address(args.server)
-    name = args.session_command if args.command == "session" else args.command
-    handler = _HANDLERS.get(name) or _array_command(name)
     with Client(args.server, tls=tls_config(args), token=args.token) as client:
-        handler(client, args)
-
-
-#: The commands that move arrays (numpy; matplotlib for plot): their modules are
-#: imported when one of them runs, so the other commands start without numpy.
-_ARRAY_COMMANDS = {
-    "stream": ("ssmserve.client.array_commands", "stream"),
-    "forecast": ("ssmserve.client.array_commands", "forecast"),
-    "plot": ("ssmserve.client.plot", "run"),
-}
-
-
-def _array_command(name: str) -> Callable[[Client, argparse.Namespace], None]:
-    module, function = _ARRAY_COMMANDS[name]
-    handler: Callable[[Client, argparse.Namespace], None] = getattr(
-        importlib.import_module(module), function
-    )
-    return handler
+        command(client, args)
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig | None:
@@ -118,7 +101,7 @@ def _print_json(message: Any) -> None:
     print(json.dumps(json_format.MessageToDict(message), indent=2, sort_keys=True))
 
 
-def _create(client: Client, args: argparse.Namespace) -> None:
+def create(client: Client, args: argparse.Namespace) -> None:
     guards = [parse_guard(spec, i) for i, spec in enumerate(args.guard)]
     info = client.create_session(
         args.model,
@@ -136,7 +119,7 @@ def _create(client: Client, args: argparse.Namespace) -> None:
     print(info.session_id)
 
 
-def _inspect(client: Client, args: argparse.Namespace) -> None:
+def inspect(client: Client, args: argparse.Namespace) -> None:
     info = client.get_session(args.session_id)
     if args.json:
         _print_json(info)
@@ -165,7 +148,7 @@ def _inspect(client: Client, args: argparse.Namespace) -> None:
         )
 
 
-def _list(client: Client, args: argparse.Namespace) -> None:
+def list_sessions(client: Client, args: argparse.Namespace) -> None:
     sessions = client.list_sessions(model=args.model)
     if args.json:
         print(json.dumps([json_format.MessageToDict(s) for s in sessions], indent=2))
@@ -175,19 +158,19 @@ def _list(client: Client, args: argparse.Namespace) -> None:
         print(f"{s.session_id}\t{s.model}\tstep {s.step}\t{where}")
 
 
-def _close(client: Client, args: argparse.Namespace) -> None:
+def close(client: Client, args: argparse.Namespace) -> None:
     reply = client.close_session(args.session_id, final_snapshot=args.final_snapshot)
     extra = f", final snapshot {reply.snapshot_id}" if reply.snapshot_id else ""
     print(f"closed {args.session_id} at step {reply.step}{extra}")
 
 
-def _snapshot(client: Client, args: argparse.Namespace) -> None:
+def snapshot(client: Client, args: argparse.Namespace) -> None:
     info = client.snapshot(args.session_id, args.label)
     print(f"snapshot at step {info.step} ({info.size_bytes} bytes)")
     print(info.snapshot_id)
 
 
-def _snapshots(client: Client, args: argparse.Namespace) -> None:
+def snapshots(client: Client, args: argparse.Namespace) -> None:
     snaps = client.list_snapshots(args.session_id)
     if args.json:
         print(json.dumps([json_format.MessageToDict(s) for s in snaps], indent=2))
@@ -196,7 +179,7 @@ def _snapshots(client: Client, args: argparse.Namespace) -> None:
         print(f"{s.snapshot_id}\tstep {s.step}\t{s.reason}\t{s.label}\t{s.size_bytes} bytes")
 
 
-def _rollback(client: Client, args: argparse.Namespace) -> None:
+def rollback(client: Client, args: argparse.Namespace) -> None:
     reply = client.rollback(
         args.session_id,
         to_step=args.to_step,
@@ -210,7 +193,7 @@ def _rollback(client: Client, args: argparse.Namespace) -> None:
     )
 
 
-def _export(client: Client, args: argparse.Namespace) -> None:
+def export(client: Client, args: argparse.Namespace) -> None:
     check_output(args.output)
     bar = ProgressBar("export", "bytes")
     try:
@@ -227,7 +210,7 @@ def _export(client: Client, args: argparse.Namespace) -> None:
     print(f"wrote {len(blob)} bytes to {where}")
 
 
-def _import(client: Client, args: argparse.Namespace) -> None:
+def import_checkpoint(client: Client, args: argparse.Namespace) -> None:
     try:
         blob = args.input.read_bytes()
     except OSError as exc:
@@ -246,7 +229,7 @@ def _import(client: Client, args: argparse.Namespace) -> None:
     print(info.session_id)
 
 
-def _fork(client: Client, args: argparse.Namespace) -> None:
+def fork(client: Client, args: argparse.Namespace) -> None:
     reply = client.fork(
         args.session_id,
         at_step=args.at_step,
@@ -264,7 +247,7 @@ def _fork(client: Client, args: argparse.Namespace) -> None:
     print(reply.session.session_id)
 
 
-def _workers(client: Client, args: argparse.Namespace) -> None:
+def workers(client: Client, args: argparse.Namespace) -> None:
     workers = client.list_workers()
     if args.json:
         print(json.dumps([json_format.MessageToDict(w) for w in workers], indent=2))
@@ -277,7 +260,7 @@ def _workers(client: Client, args: argparse.Namespace) -> None:
         )
 
 
-def _models(client: Client, args: argparse.Namespace) -> None:
+def models(client: Client, args: argparse.Namespace) -> None:
     replies = [client.list_models(w.address) for w in client.list_workers() if not w.draining]
     if args.json:
         print(json.dumps([json_format.MessageToDict(r) for r in replies], indent=2))
@@ -286,7 +269,7 @@ def _models(client: Client, args: argparse.Namespace) -> None:
         _print_models(reply, as_json=False)
 
 
-def _upgrade(client: Client, args: argparse.Namespace) -> None:
+def upgrade(client: Client, args: argparse.Namespace) -> None:
     reply = client.upgrade(args.session_id, args.model)
     if args.json:
         _print_json(reply)
@@ -300,12 +283,12 @@ def _upgrade(client: Client, args: argparse.Namespace) -> None:
         )
 
 
-def _load_model(client: Client, args: argparse.Namespace) -> None:
+def load_model(client: Client, args: argparse.Namespace) -> None:
     worker = worker_address(args.worker)
     _print_models(client.load_model(args.key, args.directory, worker), args.json)
 
 
-def _unload_model(client: Client, args: argparse.Namespace) -> None:
+def unload_model(client: Client, args: argparse.Namespace) -> None:
     _print_models(client.unload_model(args.key, worker_address(args.worker)), args.json)
 
 
@@ -321,7 +304,7 @@ def _print_models(reply: pb.ListModelsResponse, as_json: bool) -> None:
         )
 
 
-def _migrate(client: Client, args: argparse.Namespace) -> None:
+def migrate(client: Client, args: argparse.Namespace) -> None:
     reply = client.migrate(args.session_id, worker_address(args.to))
     if args.json:
         _print_json(reply)
@@ -336,7 +319,7 @@ def _migrate(client: Client, args: argparse.Namespace) -> None:
     )
 
 
-def _drain(client: Client, args: argparse.Namespace) -> None:
+def drain(client: Client, args: argparse.Namespace) -> None:
     worker = worker_address(args.worker or args.server)
     done = 0
     bar = ProgressBar("drain", "sessions")
@@ -360,29 +343,6 @@ def _drain(client: Client, args: argparse.Namespace) -> None:
         print(f"drained {worker}: {done} sessions")
 
 
-def _undrain(client: Client, args: argparse.Namespace) -> None:
+def undrain(client: Client, args: argparse.Namespace) -> None:
     info = client.undrain(worker_address(args.worker or args.server))
     print(f"{info.address} serves again (draining: {str(info.draining).lower()})")
-
-
-_HANDLERS: dict[str, Callable[[Client, argparse.Namespace], None]] = {
-    "create": _create,
-    "inspect": _inspect,
-    "list": _list,
-    "close": _close,
-    "snapshot": _snapshot,
-    "snapshots": _snapshots,
-    "rollback": _rollback,
-    "export": _export,
-    "import": _import,
-    "fork": _fork,
-    "workers": _workers,
-    "migrate": _migrate,
-    "drain": _drain,
-    "undrain": _undrain,
-    "top": top.run,
-    "models": _models,
-    "load-model": _load_model,
-    "upgrade": _upgrade,
-    "unload-model": _unload_model,
-}
