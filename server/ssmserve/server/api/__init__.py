@@ -11,6 +11,8 @@
 ``tls``              TLS / mTLS on the listener, certificates reloaded when they change
 ``imports``          ImportCheckpoint streams staged in Redis as they arrive
 ``rpc_metrics``      the interceptor that times every RPC by method and status code
+``heartbeats``       proof of life in slow server-streaming replies
+``serving_gate``     every SessionService call refused while the worker must not serve
 
 Imports: everything below it (``sessions``, ``cluster``, ``state``, ``engine``).
 """

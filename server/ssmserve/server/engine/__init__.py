@@ -11,9 +11,13 @@
 ``kernels``   the fused numba loops between a step's products
 ``recurrent_state``  per-layer state arrays of one session, and of a batch
 ``lane``      one engine thread per model, shared by steps, forecasts and replays
+``products``  the batch-invariant matrix product micro-kernel (LLVM IR)
+``bench``     ``ssmserve model bench``: batched engine steps timed on this machine
 
 ``compile_cache``  numba's on-disk cache, keyed by the engine's source
 ``threads``   the engine's helper threads: row ranges and column ranges of a step
+``allocator``  freed heap pages kept for the next step, given back when idle
+``environment``  the engine's knobs read from the environment, each checked
 
 Imports: nothing else of the server (numpy, numba, safetensors only).
 """

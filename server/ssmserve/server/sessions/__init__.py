@@ -1,12 +1,29 @@
 """Hot sessions of one worker: residency, snapshots, rollback and replay, guards, batching.
 
-``session``          one resident session (state, step, history, lease) and its lock
-``config``           per-session settings (durability, snapshot period, guards, idle TTL)
-``guards``           rules on every output (FINITE, RANGE) and their actions
-``stepper``          gathers queued steps of many sessions into one engine call per tick
-``snapshot_writer``  periodic checkpoints encoded and written off the hot path
-``forecaster``       forecasts of many sessions batched per engine call
 ``manager``          ``SessionManager``: the session operations the API calls
+``session``          one resident session (state, step, history, lease) and its queue
+``residency``        the resident sessions, and whether each is still ours (fenced writes)
+``loading``          sessions into memory and out: load, unload, hand-off, idle eviction
+``replay``           the one rebuild: the newest snapshot at or before a step, plus replay
+``lifecycle``        sessions born and ended: create, fork, import, close, export
+``intake``           a stream's steps checked and queued, one by one or as runs
+``stepper``          queued steps of many sessions run as one engine call per batch
+``log_ahead``        a batch's log appends sent before its engine calls
+``checkpoints``      snapshots of resident sessions, encoded and committed
+``snapshot_writer``  periodic checkpoints encoded and written off the hot path
+``snapshot_commits``  snapshot commits that come due together sent to Redis together
+``forecaster``       forecasts of many sessions batched per engine call
+``history``          ``HistoryReader``: what a session did over a range of steps
+``guards``           rules on every output (FINITE, RANGE) and their actions
+``events``           ``SessionEvent``: rollbacks and guard events kept in the store
+``config``           per-session settings (durability, snapshot period, guards, idle TTL)
+``records``          what session operations take and give back (values only)
+``models``           ``ServedModels``: the served models by name and version
+``model_lanes``      each served model's engine lane, stepper and forecaster
+``memory``           ``WorkerMemory``: one memory budget for everything large
+``store_resets``     the sessions a wiped or replaced store took with it
+``locks_while_used``  a lock per key that exists only while in use
+``errors``           typed errors of session operations
 
 Imports: ``cluster``, ``state`` and ``engine``; never gRPC.
 """
