@@ -5,7 +5,7 @@ checkout beside another build of the server, interleaved in one run.
 [--block 250] [--durability log,none]``
 
 Why interleaved: on this shared host a lone step's figures drift by 20-30% between runs
-minutes apart (BENCHMARKS.md, issue 19 stop 38), more than most changes to that path.
+minutes apart, more than most changes to that path.
 Each server gets its own Redis; the client steps one server for ``--block`` steps, then
 the other, and so on, so both see the same drift. ``OTHER-PYTHON`` is a Python that
 imports the other build (e.g. a script running ``.venv-bench/bin/python`` with

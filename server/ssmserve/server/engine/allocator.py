@@ -5,8 +5,8 @@ Why this module exists. States are values: every step allocates new state arrays
 the previous ones (numpy takes them from the C heap). glibc's defaults return freed memory
 to the system as soon as the free space at the top of the heap passes a trim threshold that
 follows the largest recent mmap (~2x one array), so the next step touches fresh pages
-again: a step of signal 256x4 at batch 64 (8 MiB of state) took 1,264 page faults and 2 ms
-of system time, ~30% of the step (``bench/bench_engine.py``; BENCHMARKS.md, "Issue 19").
+again: a step of signal 256x4 at batch 64 (8 MiB of state) takes 1,264 page faults and 2 ms
+of system time that way, ~30% of the step (``bench/bench_engine.py``).
 
 So the engine fixes both thresholds when it loads a model (:func:`keep_freed_pages`): arrays
 up to 32 MiB (glibc's largest mmap threshold on 64-bit) come from the heap, and up to
@@ -21,14 +21,14 @@ that thread's glibc arena, and of such an arena ``malloc_trim`` returns the free
 between live blocks but not its *top* (the free end of its newest heap): glibc shrinks that
 only inside ``free``, when a block of at least 64 KiB is freed while the top exceeds
 ``M_TRIM_THRESHOLD``, which is exactly what ``keep_freed_pages`` prevents. A worker whose
-last batches ended high in the engine thread's arena kept ~12 MB of freed state resident
-(4 KiB per demo session at 3,000 sessions, in about half the runs; BENCHMARKS.md, "Issue 19, stop
-35"). So threads that make engine arrays register (:func:`allocates_engine_arrays`), and
-:func:`return_freed_memory` has each of them free one large block with the threshold
-lowered for that moment (a large free on any other thread in that moment trims its arena
-too: glibc's default behaviour, harmless). Threads that are not registered keep their
-arena's top: asyncio's default executor, which encodes checkpoints of 1 MiB or more, holds
-at most a few such buffers' worth.
+last batches end high in the engine thread's arena keeps ~12 MB of freed state resident
+that way (4 KiB per demo session at 3,000 sessions, in about half the runs of
+``bench/bench_served_memory.py``). So threads that make engine arrays register
+(:func:`allocates_engine_arrays`), and :func:`return_freed_memory` has each of them free
+one large block with the threshold lowered for that moment (a large free on any other
+thread in that moment trims its arena too: glibc's default behaviour, harmless). Threads
+that are not registered keep their arena's top: asyncio's default executor, which encodes
+checkpoints of 1 MiB or more, holds at most a few such buffers' worth.
 """
 
 from __future__ import annotations

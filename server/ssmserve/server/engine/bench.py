@@ -4,7 +4,8 @@ Users ask "how fast is my model on my hardware" before they size a deployment. T
 times the engine alone (no gRPC, no Redis): ``batch`` fresh sessions, a few warm-up steps
 (numba compiles its kernels on first use and the state leaves all-zeros), then ``steps``
 timed steps, each on new deterministic random inputs. The served step adds the network,
-the input log append and state bookkeeping on top (``BENCHMARKS.md``).
+the input log append and state bookkeeping on top (``bench/bench_service.py`` measures
+it beside its parts).
 """
 
 from __future__ import annotations

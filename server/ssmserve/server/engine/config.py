@@ -55,7 +55,7 @@ class Architecture(enum.StrEnum):
 
 
 #: Fields only Mamba-2 has (left out of a Mamba-1 model's canonical form, so its
-#: fingerprint is what it was before Mamba-2 existed).
+#: fingerprint does not depend on them and stays the one its stored sessions carry).
 _MAMBA2_FIELDS = ("num_heads", "head_dim", "n_groups", "time_step_limit")
 
 

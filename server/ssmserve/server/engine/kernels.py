@@ -4,7 +4,8 @@ Why this module exists. Between its four products a Mamba layer does ~25 small n
 operations; at batch 1 each costs a few microseconds of call overhead, and at batch 64
 the (b, e, n) scan makes five passes over memory (multiply, exp, multiply, add, matmul).
 Here each stretch between two products is one compiled loop over rows: the scan reads
-and writes the state once. See ``BENCHMARKS.md`` for the before and after.
+and writes the state once. ``bench/bench_engine.py`` times the step against its floor
+(the products alone).
 
 Exactness. Every kernel handles each row (session) with the same instructions in the same
 order, whatever the other rows are, so batch invariance (``numerics.py``) still holds;

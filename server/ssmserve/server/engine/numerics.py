@@ -7,12 +7,12 @@ through :class:`RowStableLinear`, whose micro-kernel (``products.py``) sums each
 element in one fixed order with one fused multiply-add per term: a row's bits cannot
 depend on the batch's size or the row's position, by construction.
 
-BLAS is no longer on the step's path. It was, through 16-row tiles: on this machine
-(AMD EPYC, OpenBLAS 0.3.31, Haswell kernels) ``x @ w`` for one row differs from the same
-row in a matrix product, rows of one product can differ by position from 16 rows up, and
-only ``w (o, i) @ x_tile.T (i, 16)`` on exactly 16 rows was stable, at 16x the work of a
-matrix-vector product for a lone session. :func:`pin_blas_threads` still fixes the BLAS
-thread count (1 and 2 threads give different bits), for the numpy code around the engine.
+BLAS is not on the step's path, because it is not batch-invariant: on this machine (AMD
+EPYC, OpenBLAS 0.3.31, Haswell kernels) ``x @ w`` for one row differs from the same row in
+a matrix product, rows of one product can differ by position from 16 rows up, and only
+``w (o, i) @ x_tile.T (i, 16)`` on exactly 16 rows is stable, at 16x the work of a
+matrix-vector product for a lone session. :func:`pin_blas_threads` fixes the BLAS thread
+count (1 and 2 threads give different bits) for the numpy code around the engine.
 
 ``tests/test_batch_invariance.py`` guards all of it.
 """

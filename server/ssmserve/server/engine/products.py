@@ -2,10 +2,10 @@
 
 Why this module exists. A session's outputs must have the same bits alone or inside any
 batch (``numerics.py``). BLAS does not promise that: the order in which it sums a row's
-products depends on the batch's shape. ssmserve used to force one shape (a 16-row tile per
-BLAS call), which cost 16x the work of a matrix-vector product for a lone session. Here the
-order is fixed by construction, and the kernel runs at matrix-vector speed at batch 1 and
-near sgemm speed from a few rows up (``bench/bench_engine.py``, ``BENCHMARKS.md``).
+products depends on the batch's shape. Forcing one shape on BLAS (a 16-row tile per call)
+costs 16x the work of a matrix-vector product for a lone session. Here the order is fixed
+by construction, and the kernel runs at matrix-vector speed at batch 1 and near sgemm
+speed from a few rows up (``bench/bench_engine.py`` measures both).
 
 The exact arithmetic. For ``out = x @ w.T + bias`` with ``x`` (b, i) and ``w`` (o, i)::
 
@@ -53,9 +53,9 @@ from numba.extending import intrinsic
 def _vector_lanes() -> int:
     """Floats per vector of the micro-kernel: 16 when the CPU numba compiles for has
     AVX-512 (its fma units take 512-bit operands: 1.3-1.6x the GFLOP/s of 8 lanes on an
-    Emerald Rapids core, BENCHMARKS.md), else 8 (on AVX2, 16 lanes would need 24 of its 16
-    registers). The CPU numba targets is part of its cache key, so a cached kernel always
-    matches the panels this choice packs."""
+    Emerald Rapids core, ``bench/bench_engine.py``), else 8 (on AVX2, 16 lanes would need
+    24 of its 16 registers). The CPU numba targets is part of its cache key, so a cached
+    kernel always matches the panels this choice packs."""
     features = numba_config.CPU_FEATURES  # as numba's codegen picks them: set, else the host's
     if features is None:
         features = llvm.get_host_cpu_features().flatten()

@@ -219,8 +219,9 @@ class DueSnapshot:
     """A periodic snapshot waiting for its write (a ``SnapshotJob``): the session's state
     at ``step`` packed into one buffer, its history window and output, copied when it came
     due. Lockstep sessions come due together, so thousands of these wait at once: each is a
-    few objects, not a ``Checkpoint`` with per-layer arrays (BENCHMARKS.md, "Issue 19, stop
-    35"); the checkpoint is made when the write starts."""
+    few objects, not a ``Checkpoint`` with per-layer arrays (a session's memory in the
+    served process: ``bench/bench_served_memory.py``); the checkpoint is made when the
+    write starts."""
 
     __slots__ = ("checkpoints", "created_at", "history", "output", "session", "state", "step")
 

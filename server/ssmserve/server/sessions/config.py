@@ -135,7 +135,7 @@ class SessionConfig:
             durability=Durability(d["durability"]),
             idle_ttl_s=float(d["idle_ttl_s"]),
             labels=_own_labels(d["labels"]),
-            # Configs stored before snapshot phases had them at multiples.
+            # A config stored without a phase snapshots at multiples of snapshot_every.
             snapshot_phase=int(d.get("snapshot_phase") or 0),
         )
 

@@ -414,7 +414,8 @@ class SessionLoader:
                 # pieces: ~2x its state each, thousands at once when lockstep sessions
                 # come due); glibc keeps freed heap for itself unless asked, so a
                 # worker's RSS would stay at its peak (+19 KiB per demo session after
-                # one snapshot each, BENCHMARKS.md). Not while sessions step: the next
+                # one snapshot each: bench/bench_served_memory.py). Not while sessions
+                # step: the next
                 # steps' arrays reuse that heap (``allocator``).
                 return_freed_memory()
                 owed = writing

@@ -20,10 +20,11 @@ Rules:
 * a failed write is logged and dropped: the log still holds every input, only restore
   speed is lost.
 
-A write is a task only while it is in flight. Lockstep sessions come due together: 3,000
-of them once held 3,000 tasks with their coroutines, futures and contexts (~2 KiB of small
-objects each) waiting for a slot, and the allocator's pools those left behind stayed in the
-process after the burst (BENCHMARKS.md, "Issue 19, stop 35"). A waiting write is one entry
+A write is a task only while it is in flight. Lockstep sessions come due together: as
+tasks, 3,000 of them would hold 3,000 coroutines, futures and contexts (~2 KiB of small
+objects each) waiting for a slot, and the allocator's pools those leave behind stay in the
+process after the burst (``bench/bench_served_memory.py`` measures a session's memory in
+the served process). A waiting write is one entry
 in its session's list, and a session with writes waiting one entry in the worker's queue.
 In-flight writes wait only for Redis (each store call has a deadline) and, briefly, for a
 log flush under way, never for a stepper batch: a batch that waits for a session's writes

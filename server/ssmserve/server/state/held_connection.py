@@ -4,9 +4,9 @@ A lone session's step makes one EVALSHA per step (its log append), and that roun
 is the served step's longest wait. Through ``Redis.evalsha`` each call also takes a
 connection from the pool and gives it back (an ``asyncio.Lock`` each way, a health check,
 redis-py's event dispatch and operation metrics, its retry wrapper): ~35-40 us of the
-worker's CPU per call on top of the ~55 us the send and the reply cost themselves,
-measured on this project's host (BENCHMARKS.md, issue 19 stop 38). The served process is
-CPU-bound on that path, so the saving comes off every lone step.
+worker's CPU per call on top of the ~55 us the send and the reply cost themselves. The
+served process is CPU-bound on that path, so the saving comes off every lone step
+(``bench/bench_lone_step.py`` measures a lone step's server CPU beside another build's).
 
 ``HeldConnection`` keeps one connection out of the pool (made by the pool, so it has the
 pool's address, credentials, TLS and, behind Sentinel, its master lookup) and sends on

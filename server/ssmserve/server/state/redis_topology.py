@@ -22,7 +22,7 @@ Deadlines (:func:`keeps_socket_timeout`). On one server and behind Sentinel,
 operation: pool, connect, send, answer), and that is the only bound on sending and
 reading: redis-py's ``socket_timeout`` wraps every write in ``asyncio.wait_for``, a task
 and an event-loop turn per command (without it a lone session's step costs ~10-16% less
-server CPU: BENCHMARKS.md, "Issue 19, stop 32"). Cancelling a command mid-way is safe
+server CPU: ``bench/bench_service.py``). Cancelling a command mid-way is safe
 there: redis-py drops the connection when a send or a read is interrupted by any exception
 (since its fix of CVE-2023-28858, long before the 5.0 we require), so a late answer is
 never read as the next command's

@@ -9,7 +9,7 @@ EVALSHAs at once. How depends on where the keys live:
   grouped by the node that serves their slot and each group goes as one pipeline on that
   node's own connection, all nodes at once, each ending in ``WAIT`` when replicas must
   confirm (``bench/bench_scale.py`` measures this against one concurrent call per
-  script: BENCHMARKS.md).
+  script).
 
 A reply that says a call did not run (MOVED, ASK, TRYAGAIN, CLUSTERDOWN while slots move;
 NOSCRIPT) is safe to send again, writes included: :func:`until_run` does, within the
@@ -131,9 +131,9 @@ class ScriptBatches:
         step): the reply, or the error reply as an exception, as in a pipeline's list.
 
         Why: a redis-py pipeline costs a task and three more event-loop turns on its way
-        out (``Pipeline.reset`` shields a coroutine); measured: ~35 us less client CPU per
-        call (BENCHMARKS.md, issue 19 stop 31). It goes on the held connection when that is
-        free (``held_connection``: ~35 us less again, stop 38)."""
+        out (``Pipeline.reset`` shields a coroutine): ~35 us of client CPU per call
+        (``bench/bench_store_calls.py``). It goes on the held connection when that is free
+        (``held_connection``: ~35 us less again)."""
         keys, args = call
         for attempt in range(2):
             try:
