@@ -112,7 +112,6 @@ class Ownership:
         self.draining = False
         self.started_at = time.time()
         self.renewals = 0  # rounds that reached Redis (tests, operators)
-        self.late_rounds = 0  # rounds that started over a period late (a blocked loop)
         self.worst_late_s = 0.0  # the latest start of a round after its due time (tests)
         # Sessions found held by others, watched until they may be taken over.
         self.takeovers = Takeovers(settings.lease_ttl_s)
@@ -284,7 +283,6 @@ class Ownership:
             now = time.monotonic()
             self.worst_late_s = max(self.worst_late_s, now - due)
             if now - due > period:
-                self.late_rounds += 1
                 log.warning("lease renewal ran %.2f s late (the event loop was blocked)", now - due)
             due = max(due + period, now)
             checks = self.store_checks() if self.store_checks else asyncio.sleep(0)

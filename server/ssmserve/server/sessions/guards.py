@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -127,13 +127,6 @@ class GuardVerdict:
     @property
     def applies_step(self) -> bool:
         return self.action is None or self.action <= GuardAction.CLAMP
-
-
-@dataclass
-class _Clamp:
-    lo: np.ndarray
-    hi: np.ndarray
-    touched: list[int] = field(default_factory=list)
 
 
 def check_output(rules: Sequence[GuardRule], step: int, output: np.ndarray) -> GuardVerdict:

@@ -250,7 +250,7 @@ class Lifecycle:
         old_key = s.model_name
         key, model = self._model(requested or split_key(old_key)[0])
         if key == old_key:
-            return UpgradeResult(old_key, key, s.step, 0)
+            return UpgradeResult(old_key, s.step, 0)
         c, old = model.config, s.model.config
         if (c.is_token_model, c.input_dim, c.output_dim) != (
             old.is_token_model,
@@ -288,7 +288,7 @@ class Lifecycle:
             session_id, old_key, key, step, len(inputs), first,
             extra={"session_id": session_id, "step": step, "event": "upgraded", "model": key},
         )  # fmt: skip
-        return UpgradeResult(old_key, key, first if len(inputs) else step + 1, len(inputs))
+        return UpgradeResult(old_key, first if len(inputs) else step + 1, len(inputs))
 
     async def _drop_for_replace(self, session_id: str) -> None:
         meta = await self.store.get_meta(session_id)

@@ -88,6 +88,5 @@ class UpgradeResult:
     """A session moved to another version of its model (``Lifecycle.upgrade``)."""
 
     from_model: str
-    to_model: str
     replayed_from_step: int  # the first kept input the new version was run on
     replayed_steps: int  # 0: it ran that version already, nothing changed
