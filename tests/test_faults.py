@@ -258,7 +258,7 @@ def _answer_decisions(worker, session_id: str) -> list[float]:
 
     async def recorded(work) -> None:
         await check(work)
-        if any(w.session.id == session_id and w.done and not w.fenced for w in work):
+        if any(w.session.id == session_id and w.took and w.fenced is None for w in work):
             decided.append(time.monotonic())
 
     stepper._check_leases = recorded

@@ -7,7 +7,9 @@
 ``replay``           the one rebuild: the newest snapshot at or before a step, plus replay
 ``lifecycle``        sessions born and ended: create, fork, import, close, export
 ``intake``           a stream's steps checked and queued, one by one or as runs
-``stepper``          queued steps of many sessions run as one engine call per batch
+``stepper``          queued steps of many sessions run as batches: plan, log, execute, settle
+``batch_plan``       what a batch does with each queued step, decided before it runs
+``batch_work``       what a batch did to one session, and its answers
 ``log_ahead``        a batch's log appends sent before its engine calls
 ``checkpoints``      snapshots of resident sessions, encoded and committed
 ``snapshot_writer``  periodic checkpoints encoded and written off the hot path

@@ -1,0 +1,200 @@
+"""What one stepper batch did to one session (:class:`SessionWork`), and its answers.
+
+The batch's plan (``batch_plan``) says which queued steps it takes and what each is;
+this record keeps what happened to them while the batch runs: the outputs of the
+steps applied, the guards' verdicts, the snapshots that fell due, the state to go back
+to, and whether the session is still surely this worker's. At the end of the batch
+:meth:`SessionWork.answer` answers every step taken, exactly once, from it; a step a
+guard kept from running, and those queued behind it, go back to the queue
+(:meth:`SessionWork.give_back`) for the next batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ssmserve.server.engine.recurrent_state import SessionState
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.batch_plan import APPLY, GAP, RESEND, Piece, SessionPlan
+from ssmserve.server.sessions.events import SessionEvent
+from ssmserve.server.sessions.guards import GuardEvent
+from ssmserve.server.sessions.session import (
+    Session,
+    SessionRewoundError,
+    StepGapError,
+    StepJob,
+    StepOutcome,
+    StepRun,
+)
+
+
+@dataclass(slots=True)
+class GuardedStep:
+    """A guarded step's verdict: what to answer for it."""
+
+    output: np.ndarray
+    events: tuple[GuardEvent, ...]
+    error: SsmserveError | None = None
+
+
+@dataclass(eq=False)
+class SessionWork:
+    """One session in one batch (see the module's docstring)."""
+
+    plan: SessionPlan
+    start_state: SessionState
+    # The inputs of the advance: values (advance, ...) and their log bytes, back to back.
+    values: np.ndarray | None = None
+    raw: bytes = b""
+    outputs: np.ndarray | None = None  # (advance, o): row k is step start + 1 + k
+    applied: int = 0  # steps of the advance applied so far
+    stopped: bool = False  # a guard stopped the advance
+    guarded: dict[int, GuardedStep] = field(default_factory=dict)  # by step
+    # Resends of steps before the batch: step -> the recorded output (None: not in
+    # memory, recomputed by replay after the engine calls, or its error there).
+    resent: dict[int, np.ndarray | None] = field(default_factory=dict)
+    resend_errors: dict[int, SsmserveError] = field(default_factory=dict)
+    snapshots_due: list[tuple[int, SessionState]] = field(default_factory=list)
+    guard_rollback: int = 0  # the step whose output a ROLLBACK guard refused (0: none)
+    appended: bool = False  # steps of this batch are (or may be) in the log
+    failed: SsmserveError | None = None  # the batch's steps of it were taken back
+    fenced: SsmserveError | None = None  # not surely ours: nothing of it is answered
+    rollbacks: list[SessionEvent] = field(default_factory=list)  # by guards, this batch
+    given_back: int = 0  # pieces (from the end) a guard sent back to the queue
+
+    @property
+    def session(self) -> Session:
+        return self.plan.session
+
+    @property
+    def start(self) -> int:
+        return self.plan.start
+
+    @property
+    def took(self) -> bool:
+        """Whether the batch took any step of the session."""
+        return len(self.plan.pieces) > self.given_back
+
+    def raw_at(self, k: int, n: int = 1) -> bytes:
+        """The log bytes of the advance's steps ``k .. k + n - 1`` (indices)."""
+        width = len(self.raw) // self.plan.advance
+        return self.raw[k * width : (k + n) * width]
+
+    def segment(self, r: int) -> int:
+        """The length of the session's ``r``-th engine call (0: none this round)."""
+        if self.stopped or r >= len(self.plan.segments):
+            return 0
+        return self.plan.segments[r]
+
+    def take_back(self, error: SsmserveError) -> None:
+        """Undo every step this batch applied to the session; they are answered with
+        ``error`` (and so is every step it took but resends of older steps)."""
+        s = self.session
+        if s.step != self.start:
+            s.state, s.step = self.start_state, self.start
+            s.recent.cut_after(self.start)
+        self.snapshots_due.clear()
+        self.guard_rollback = 0
+        self.failed = error
+
+    def give_back(self, after_step: int) -> None:
+        """A guard stopped the session at ``after_step``: the steps taken after it go back
+        to the head of its queue, in order, answered by a later batch (a guarded session's
+        pieces are single steps: ``Stepper._split_guarded_runs``)."""
+        pieces = self.plan.pieces
+        keep = len(pieces)
+        while keep and not (
+            pieces[keep - 1].kind == APPLY and pieces[keep - 1].first == after_step
+        ):
+            keep -= 1
+        back = [p.entry for p in pieces[keep:] if isinstance(p.entry, StepJob)]
+        self.given_back = len(pieces) - keep
+        if back:
+            s = self.session
+            s.queue.push_front(back)
+            s.queued_steps += len(back)
+
+    # ------------------------------------------------------------------ answers
+
+    def answer(self) -> None:
+        """Answer every step taken (and not given back), once; snapshots committed since
+        the session's last answer go with the last one."""
+        s = self.session
+        pieces = self.plan.pieces[: len(self.plan.pieces) - self.given_back]
+        events: tuple = ()
+        if pieces and s.snapshot_events:
+            events, s.snapshot_events = s.snapshot_events, ()
+        for i, piece in enumerate(pieces):
+            last = events if i == len(pieces) - 1 else ()
+            entry = piece.entry
+            if isinstance(entry, StepJob):
+                outcome = self._outcome(piece, piece.first)
+                outcome.snapshot_events += last
+                if not entry.future.done():
+                    entry.future.set_result(outcome)
+            else:
+                self._answer_run(entry, piece, last)
+
+    def _answer_run(self, run: StepRun, piece: Piece, events: tuple) -> None:
+        lo, hi = piece.lo, piece.lo + piece.count
+        if piece.kind == APPLY and self.failed is None and self.fenced is None:
+            row = piece.first - self.start - 1  # applied whole: answered by its outputs
+            run.outputs[lo:hi] = self.outputs[row : row + piece.count]  # type: ignore[index]
+            if events:
+                run.outcomes[hi - 1] = StepOutcome(
+                    run.session_id, run.first + hi - 1, output=run.outputs[hi - 1],
+                    snapshot_events=events,
+                )  # fmt: skip
+        else:
+            for t in range(lo, hi):
+                run.outcomes[t] = self._outcome(piece, run.first + t)
+            if events:
+                run.outcomes[hi - 1].snapshot_events += events  # type: ignore[union-attr]
+        run.answer(lo, hi)
+
+    def _outcome(self, piece: Piece, step: int) -> StepOutcome:
+        outcome = StepOutcome(self.session.id, step)
+        if self.fenced is not None:  # resends too: a new owner may have rolled back
+            outcome.error = self.fenced
+        elif piece.kind == RESEND:
+            output = self.resent.get(step)
+            if output is None and step > self.start and self.failed is None:
+                output = self._output_of(step)  # applied earlier in this batch
+            if output is not None:
+                outcome.output, outcome.replayed = output, True
+            else:
+                outcome.error = self.resend_errors.get(step) or self.failed
+        elif piece.kind == GAP:
+            outcome.error = self._gap(step, piece.at)
+        elif self.failed is not None:
+            outcome.error = self.failed
+        elif step in self.guarded:
+            verdict = self.guarded[step]
+            outcome.output, outcome.guard_events = verdict.output, verdict.events
+            outcome.error = verdict.error
+        else:
+            outcome.output = self._output_of(step)
+        return outcome
+
+    def _output_of(self, step: int) -> np.ndarray | None:
+        k = step - self.start - 1
+        if self.outputs is None or not 0 <= k < self.applied:
+            return None
+        return self.outputs[k]
+
+    def _gap(self, step: int, at: int) -> StepGapError:
+        s = self.session
+        if at == s.restored_step:
+            return SessionRewoundError(
+                f"session {s.id!r} came back from the store at step {at}, behind step "
+                f"{step - 1} (its durability keeps steps in memory between flushes, or the "
+                f"store lost writes): resend from step {at + 1}",
+                session_step=at,
+            )
+        return StepGapError(
+            f"step {step} of session {s.id!r} skips ahead: the session is at step {at}, so "
+            f"the next input is step {at + 1}",
+            session_step=at,
+        )

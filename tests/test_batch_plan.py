@@ -1,0 +1,142 @@
+"""The batch plan on its own (``sessions/batch_plan.py``), as vLLM tests its scheduler:
+sessions in given states with given queues, and what the plan says a batch does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.sessions.batch_plan import APPLY, GAP, RESEND, plan, plan_session
+from ssmserve.server.sessions.config import Durability, SessionConfig, SessionDefaults
+from ssmserve.server.sessions.guards import GuardAction, GuardCheck, GuardRule
+from ssmserve.server.sessions.session import Session, StepJob, StepRun, _Gate
+from ssmserve.server.state.input_log import RecentSteps
+from ssmserve.server.state.lease import SessionLease
+
+MAX_TICKS = 16
+
+
+class _Answer:
+    """Where a step's answer would go (the plan never answers)."""
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, result: object) -> None:
+        raise AssertionError("a plan answers nothing")
+
+
+def session(model: MambaModel, step: int, **config: object) -> Session:
+    c = replace(SessionConfig(snapshot_every=8, snapshot_phase=0), **config)  # type: ignore[arg-type]
+    resolved = c.resolve(SessionDefaults(), model.config.output_dim)
+    return Session(
+        "s", model, "demo", resolved, model.new_state(), step, 0.0, RecentSteps(4, 4),
+        SessionLease("s", "t.1", "w"), lambda s: None,
+    )  # fmt: skip
+
+
+def job(model: MambaModel, step: int) -> StepJob:
+    value = np.zeros(model.config.input_dim, np.float32)
+    return StepJob(step, value, value.tobytes(), _Answer())
+
+
+def run(model: MambaModel, first: int, count: int) -> StepRun:
+    values = np.zeros((count, model.config.input_dim), np.float32)
+    return StepRun("s", first, values, values.tobytes(), model.config.output_dim, None)  # type: ignore[arg-type]
+
+
+def kinds(p) -> list[tuple[str, int, int]]:
+    return [(piece.kind, piece.first, piece.count) for piece in p.pieces]
+
+
+def test_a_lone_next_step_is_applied_in_one_engine_call_and_logged_ahead(demo_model):
+    s = session(demo_model, 3)
+    s.queue.append(job(demo_model, 4))
+    p = plan_session(s, MAX_TICKS)
+    assert kinds(p) == [(APPLY, 4, 1)]
+    assert (p.advance, p.segments, p.log_ahead, p.guarded) == (1, [1], True, False)
+
+
+def test_resends_gaps_and_applies_in_queue_order(demo_model):
+    """At step 5: a resend of 5, step 6, a gap (8: the session will be at 6), then 7,
+    and 8 again, now the next step. Each is classified at its place in the queue."""
+    s = session(demo_model, 5)
+    for step in (5, 6, 8, 7, 8):
+        s.queue.append(job(demo_model, step))
+    p = plan_session(s, MAX_TICKS)
+    assert kinds(p) == [(RESEND, 5, 1), (APPLY, 6, 1), (GAP, 8, 1), (APPLY, 7, 1), (APPLY, 8, 1)]
+    assert [piece.at for piece in p.pieces] == [5, 5, 6, 6, 7]
+    assert p.advance == 3 and p.segments == [3]
+
+
+def test_a_run_is_cut_where_snapshots_fall_due_and_capped_at_max_ticks(demo_model):
+    """Snapshots every 8 steps (phase 0): a run of 40 from step 11 takes 16 steps
+    (11..26), in engine calls ending at 16 and 24, and leaves the rest queued."""
+    s = session(demo_model, 10)
+    r = run(demo_model, 11, 40)
+    s.queue.append(r)
+    p = plan_session(s, MAX_TICKS)
+    assert kinds(p) == [(APPLY, 11, 16)]
+    assert p.segments == [6, 8, 2] and p.due == [16, 24]
+    assert r.taken == 0 and len(s.queue) == 1  # the plan takes nothing itself
+
+
+def test_a_run_partly_resent_then_applied(demo_model):
+    """A run from step 3 when the session is at 6: 3..6 are resends, 7.. applied."""
+    s = session(demo_model, 6)
+    s.queue.append(run(demo_model, 3, 8))
+    p = plan_session(s, MAX_TICKS)
+    assert kinds(p) == [(RESEND, 3, 4), (APPLY, 7, 4)]
+    assert p.pieces[1].lo == 4 and p.advance == 4
+
+
+def test_a_guarded_session_advances_one_step_per_engine_call_and_logs_after(demo_model):
+    rule = GuardRule(name="g", check=GuardCheck.FINITE, action=GuardAction.REJECT)
+    s = session(demo_model, 0, guards=(rule,))
+    for step in (1, 2, 3):
+        s.queue.append(job(demo_model, step))
+    p = plan_session(s, MAX_TICKS)
+    assert p.guarded and p.segments == [1, 1, 1] and not p.log_ahead
+
+
+def test_a_control_operation_ends_what_the_batch_takes(demo_model):
+    s = session(demo_model, 0)
+    s.queue.append(job(demo_model, 1))
+    s.queue.append(_Gate(None))  # type: ignore[arg-type]
+    s.queue.append(job(demo_model, 2))
+    assert kinds(plan_session(s, MAX_TICKS)) == [(APPLY, 1, 1)]
+
+
+@pytest.mark.parametrize(
+    ("durability", "segments", "ahead"),
+    [
+        (Durability.LOG, [8, 4], True),
+        (Durability.SNAPSHOT, [8, 4], False),  # snapshots still cut the engine calls
+        (Durability.NONE, [12], False),  # no periodic snapshots at all
+    ],
+)
+def test_durability_decides_the_log_ahead_and_the_snapshot_cuts(
+    demo_model, durability, segments, ahead
+):
+    s = session(demo_model, 0, durability=durability)
+    s.queue.append(run(demo_model, 1, 12))
+    p = plan_session(s, MAX_TICKS)
+    assert (p.segments, p.log_ahead) == (segments, ahead)
+
+
+def test_nothing_goes_ahead_while_older_inputs_wait_to_be_logged(demo_model):
+    s = session(demo_model, 2)
+    s.recent.record(2, b"\0" * 16, np.zeros(demo_model.config.output_dim, np.float32))
+    s.queue.append(job(demo_model, 3))
+    assert not plan_session(s, MAX_TICKS).log_ahead
+
+
+def test_a_batch_plan_has_as_many_rounds_as_its_longest_session(demo_model):
+    a, b = session(demo_model, 0), session(demo_model, 0)
+    a.queue.append(job(demo_model, 1))
+    b.queue.append(run(demo_model, 1, 12))
+    p = plan([a, b], MAX_TICKS)
+    assert [sp.segments for sp in p.sessions] == [[1], [8, 4]] and p.rounds == 2
