@@ -26,11 +26,11 @@ from ssmserve.client.errors import (
 )
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.sync import Client
-from ssmserve.server.cluster.migration import MigrationSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.cluster.peers import PeerSettings
-from ssmserve.server.cluster.rebalance import RebalanceSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config
+from ssmserve.server.sessions.migration import MigrationSettings
+from ssmserve.server.sessions.rebalance import RebalanceSettings
 from ssmserve.server.worker import LIVENESS_SERVICE
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc

@@ -51,7 +51,6 @@ from ssmserve.server.api.budgets import BudgetSettings
 from ssmserve.server.api.service import ServiceSettings
 from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
-from ssmserve.server.cluster.rebalance import RebalanceSettings
 from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
@@ -65,6 +64,7 @@ from ssmserve.server.observability.logs import configure as configure_logging
 from ssmserve.server.sessions.config import SessionDefaults
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.sessions.models import KEY_PATTERN
+from ssmserve.server.sessions.rebalance import RebalanceSettings
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl, topology_of
 from ssmserve.server.supervisor import MAX_WORKERS, SupervisorSettings, supervise
 from ssmserve.server.worker import Worker, WorkerSettings

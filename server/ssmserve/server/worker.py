@@ -40,10 +40,8 @@ from ssmserve.server.api.service import ServiceSettings, SessionService
 from ssmserve.server.api.serving_gate import ServingGate
 from ssmserve.server.api.status import UndecodableRequests
 from ssmserve.server.api.tls import ReloadingCertificates, TlsSettings
-from ssmserve.server.cluster.migration import DrainProgress, MigrationSettings, Migrator
 from ssmserve.server.cluster.ownership import Ownership, OwnershipSettings, new_worker_id
 from ssmserve.server.cluster.peers import Peers, PeerSettings
-from ssmserve.server.cluster.rebalance import Rebalancer, RebalanceSettings
 from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.data_dir_lock import DataDirLock, DataDirLockSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -61,7 +59,9 @@ from ssmserve.server.observability.metrics import Metrics, ResidentCounts, Worke
 from ssmserve.server.observability.tracing import Tracing
 from ssmserve.server.readiness import Readiness, ReadinessSettings
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
+from ssmserve.server.sessions.migration import DrainProgress, MigrationSettings, Migrator
 from ssmserve.server.sessions.models import KEY_PATTERN
+from ssmserve.server.sessions.rebalance import Rebalancer, RebalanceSettings
 from ssmserve.server.startup_checks import (
     bind_listener,
     refuse_later_twin,
@@ -308,8 +308,9 @@ class Worker:
         manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
         manager.residents.resets.watch(guard)
         self.migrator = Migrator(
-            manager, self.ownership, self.peers, s.migration,
-            on_drain=self._not_serving, on_undrain=self._serving_again,
+            self.store, self.ownership, self.peers,
+            manager.residents, manager.loader, manager.checkpoints, manager.lifecycle,
+            s.migration, on_drain=self._not_serving, on_undrain=self._serving_again,
         )  # fmt: skip
         await manager.warm_up()  # ready means warm: no request compiles a kernel
         manager.start()
@@ -334,7 +335,9 @@ class Worker:
         await self.server.start()
         await self._patiently("register in Redis", self.ownership.start)
         await refuse_later_twin(self.ownership, self.address)
-        self.rebalancer = Rebalancer(self.migrator, s.rebalance)
+        self.rebalancer = Rebalancer(
+            self.migrator, manager.residents, manager.loader, self.ownership, s.rebalance
+        )
         self.rebalancer.start()
         if s.metrics_listen:
             self._start_metrics(s.metrics_listen)

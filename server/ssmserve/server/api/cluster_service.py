@@ -14,10 +14,10 @@ from ssmserve.server.api import status
 from ssmserve.server.api.conversions import model_to_pb
 from ssmserve.server.api.heartbeats import with_heartbeats
 from ssmserve.server.api.imports import RequestError
-from ssmserve.server.cluster.migration import Migrator, UnknownWorkerError
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.errors import clip
 from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.migration import Migrator, UnknownWorkerError
 from ssmserve.server.state.store_records import WorkerRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc

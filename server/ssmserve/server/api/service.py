@@ -32,10 +32,10 @@ from ssmserve.server.api.conversions import (
 from ssmserve.server.api.imports import CHUNK_BYTES, CheckpointUpload, RequestError
 from ssmserve.server.api.stream_pipeline import StreamReader, answer_responses
 from ssmserve.server.api.tenancy import TenantScope
-from ssmserve.server.cluster.migration import Migrator
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.observability.recent_latency import RecentLatency
 from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.migration import Migrator
 from ssmserve.server.sessions.models import split_key, version_order
 from ssmserve.server.sessions.records import RollbackTarget
 from ssmserve.server.state import checkpoint_signing
@@ -319,8 +319,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 scope.stored(request.session_id), at, scope.new_id(request.new_session_id)
             )
             view = result.view
-            if request.target or self.manager.ownership.draining:
-                await self.migrator.place(view.session_id, request.target)
+            if await self.migrator.place(view.session_id, request.target):
                 view = await self.manager.view(view.session_id)
             return pb.ForkResponse(
                 session=info_to_pb(view, scope),

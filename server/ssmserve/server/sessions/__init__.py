@@ -1,9 +1,12 @@
-"""Hot sessions of one worker: residency, snapshots, rollback and replay, guards, batching.
+"""Hot sessions of one worker: residency, snapshots, rollback and replay, guards, batching,
+and moving them to other workers.
 
 ``manager``          ``SessionManager``: the session operations the API calls
 ``session``          one resident session (state, step, history, lease) and its queue
 ``residency``        the resident sessions, and whether each is still ours (fenced writes)
-``loading``          sessions into memory and out: load, unload, hand-off, idle eviction
+``loading``          sessions into memory and out: load, unload, park, idle eviction
+``migration``        ``Migrator``: hand-offs to other workers, Migrate, Drain, placed forks
+``rebalance``        sessions spread over the workers as they join (hand-offs)
 ``replay``           the one rebuild: the newest snapshot at or before a step, plus replay
 ``lifecycle``        sessions born and ended: create, fork, import, close, export
 ``intake``           a stream's steps checked and queued, one by one or as runs
@@ -27,5 +30,6 @@
 ``locks_while_used``  a lock per key that exists only while in use
 ``errors``           typed errors of session operations
 
-Imports: ``cluster``, ``state`` and ``engine``; never gRPC.
+Imports: ``cluster`` (ownership, and ``peers`` for the hand-off's call to its target),
+``state`` and ``engine``; never gRPC itself.
 """

@@ -1,12 +1,12 @@
-"""Sessions coming into memory and leaving it: load, unload, hand-off, idle eviction.
+"""Sessions coming into memory and leaving it: load, unload, park, idle eviction.
 
 A session that is not resident (evicted, parked by a drain, or its worker died and the
 lease ran out) is loaded by the worker that receives a request for it: acquire its
 lease (a new fencing token), then rebuild it up to its durable step (``replay``). A
 session another live worker holds is redirected there; one computed with other numerics
 is sent to a worker that has them, or refused. Unloading snapshots what moved since the
-last snapshot and releases the lease, so any worker can load it again. A hand-off
-(migration) snapshots, reserves the lease for the target and lets it load the session.
+last snapshot and releases the lease, so any worker can load it again (a hand-off to
+another worker, which also leaves memory that way, is ``migration``'s).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from ssmserve.server.engine.allocator import return_freed_memory
 from ssmserve.server.engine.mamba import MambaModel
@@ -27,10 +27,8 @@ from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability, SessionConfig
 from ssmserve.server.sessions.errors import (
     CapacityError,
-    HandOffError,
     ModelMismatchError,
     NumericsMismatchError,
-    ReloadingError,
     UnknownModelError,
     WorkerDrainingError,
 )
@@ -44,11 +42,9 @@ from ssmserve.server.state.lease import SessionLease, lease_clock
 from ssmserve.server.state.store_errors import (
     LeaseHeldError,
     SessionClosedError,
-    StaleEpochError,
     StoreDataError,
-    StoreOutcomeUnknownError,
 )
-from ssmserve.server.state.store_records import SessionMeta, WorkerRecord
+from ssmserve.server.state.store_records import SessionMeta
 
 log = logging.getLogger(__name__)
 
@@ -309,74 +305,6 @@ class SessionLoader:
         s = self.residents.by_id.get(session_id)
         if s is not None:
             await self.unload(s, reason)
-
-    async def hand_off(
-        self,
-        session_id: str,
-        target: WorkerRecord,
-        adopt: Callable[[str], Awaitable[object]],
-    ) -> tuple[int, str]:
-        """Move a resident session to ``target``; returns (step, snapshot id it moved at).
-
-        Between two steps: snapshot (which flushes the log), reserve the lease for the
-        target, and let it acquire and load the session (``adopt``). If the target fails,
-        the reservation is taken back and the session goes on here as if nothing happened.
-        """
-        s = self.residents.by_id.get(session_id)
-        if s is None or s.gone is not None:
-            raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
-        async with self.residents.hold(s):
-            if s.step != s.last_snapshot_step or s.recent.unflushed:
-                record = await self.checkpoints.write(s, s.step, s.state, "migrate")
-            else:
-                record = await self.store.snapshot_at_or_before(s.id, s.step)
-            snapshot_id = record.snapshot_id if record else ""
-            lease = s.lease
-            await self.residents.write(
-                s, lambda lease: self.store.handoff(lease, target, self.ownership.lease_ms)
-            )
-            try:
-                await adopt(session_id)
-            except asyncio.CancelledError:
-                # Given up under way (a Migrate whose client went away, a rebalance round
-                # stopped): whether the target took the session is unknown, so it is not
-                # kept here.
-                self.residents.lost(
-                    s, lease, StoreOutcomeUnknownError("a hand-off was cancelled under way")
-                )
-                raise
-            except Exception as exc:
-                try:
-                    await self.store.cancel_handoff(
-                        lease, self.ownership.address, target.worker_id, self.ownership.lease_ms
-                    )
-                except StaleEpochError:
-                    pass  # the target did acquire it (only its answer was lost): moved
-                except SsmserveError as cancel_error:
-                    # Whether the reservation still stands is not known (the target may
-                    # yet take it): answer nothing more from this memory; the session
-                    # reloads or is found at the target.
-                    self.residents.drop(
-                        s,
-                        ReloadingError(
-                            f"session {session_id!r}: its hand-off to {target.address} "
-                            f"could not be taken back ({cancel_error}); retry"
-                        ),
-                    )
-                    raise
-                else:
-                    raise HandOffError(
-                        f"worker {target.address} did not take session {session_id!r} ({exc}); "
-                        f"it stays on {self.ownership.address}"
-                    ) from None
-            self.residents.drop(
-                s,
-                SessionMovedError(
-                    f"session {session_id!r} moved to worker {target.address}",
-                    owner=target.address,
-                ),
-            )
-            return s.step, snapshot_id
 
     async def evict_idle(self, check_every_s: float) -> None:
         """Forever: unload sessions idle past their ``idle_ttl_s``; give idle sessions

@@ -16,10 +16,8 @@ pieces, one module each:
 What it adds: **create / import / fork** write the session's metadata, lease and first
 snapshot (step 0, or the imported or forked step) in one script, so every step from
 there on can be rebuilt and a session never exists without its base. **Rollback to t**
-restores the state at t (``replay``), then cuts history after t in Redis. **Hand-off**
-(migration): between two steps, snapshot, reserve the session for the target, let the
-target acquire and load it, then drop it here; the steps queued meanwhile are answered
-with a redirect to the target.
+restores the state at t (``replay``), then cuts history after t in Redis. Moving a
+session to another worker is ``migration``'s, beside this.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,12 +72,7 @@ from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
 from ssmserve.server.sessions.stepper import StepperSettings
 from ssmserve.server.state.lease import SessionLease
-from ssmserve.server.state.store import (
-    BadSessionIdError,
-    SnapshotRecord,
-    Store,
-    WorkerRecord,
-)
+from ssmserve.server.state.store import BadSessionIdError, SnapshotRecord, Store
 from ssmserve.server.state.store_errors import (
     LabelTakenError,
     SessionMissingError,
@@ -266,10 +259,6 @@ class SessionManager:
 
     def expired_lease(self, lease: SessionLease) -> None:
         self.residents.expired_lease(lease)
-
-    async def session(self, session_id: str) -> Session:
-        """The resident session, loading it from the store if it is not in memory."""
-        return await self.loader.session(session_id)
 
     # ------------------------------------------------------------------ create / get / list
 
@@ -486,15 +475,3 @@ class SessionManager:
                 blob, session_id, model_name, config, replace, adopt_id
             )
         )
-
-    # ------------------------------------------------------------------ hand-off
-
-    async def park(self, session_id: str, reason: str) -> None:
-        """Snapshot and release a resident session (a drain with nowhere to send it)."""
-        await self.loader.park(session_id, reason)
-
-    async def hand_off(
-        self, session_id: str, target: WorkerRecord, adopt: Callable[[str], Awaitable[object]]
-    ) -> tuple[int, str]:
-        """Move a resident session to ``target`` (``SessionLoader.hand_off``)."""
-        return await self.loader.hand_off(session_id, target, adopt)

@@ -23,9 +23,11 @@ import math
 import random
 from dataclasses import dataclass
 
-from ssmserve.server.cluster.migration import Migrator
-from ssmserve.server.cluster.ownership import least_loaded
+from ssmserve.server.cluster.ownership import Ownership, least_loaded
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.migration import Migrator
+from ssmserve.server.sessions.residency import ResidentSessions
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +40,21 @@ class RebalanceSettings:
 
 
 class Rebalancer:
-    """Runs :meth:`round` every ``settings.every_s`` until stopped."""
+    """Runs :meth:`round` every ``settings.every_s`` until stopped: looks at ``residents``
+    and the registry (``ownership``), and moves sessions with ``migrator``."""
 
-    def __init__(self, migrator: Migrator, settings: RebalanceSettings) -> None:
+    def __init__(
+        self,
+        migrator: Migrator,
+        residents: ResidentSessions,
+        loader: SessionLoader,
+        ownership: Ownership,
+        settings: RebalanceSettings,
+    ) -> None:
         self.migrator = migrator
+        self.residents = residents
+        self.loader = loader
+        self.ownership = ownership
         self.settings = settings
         self.moved = 0  # sessions handed off by rebalancing since start
         self._task: asyncio.Task[None] | None = None
@@ -81,10 +94,10 @@ class Rebalancer:
     async def round(self) -> int:
         """Hand off sessions to less loaded workers, as the registry shows them now;
         returns how many moved."""
-        migrator, ownership = self.migrator, self.migrator.ownership
+        ownership = self.ownership
         if ownership.draining:
             return 0
-        resident = migrator.manager.resident_ids()
+        resident = list(self.residents.by_id)
         workers = [w for w in await ownership.live_workers() if not w.draining]
         others = [w for w in workers if w.worker_id != ownership.worker_id]
         if not others:
@@ -99,7 +112,7 @@ class Rebalancer:
             if moved >= self.settings.max_moves or mine - moved <= math.ceil(mean):
                 break
             try:
-                s = await migrator.manager.session(session_id)
+                s = await self.loader.session(session_id)
                 targets = ownership.targets_among(workers, s.model_name, ownership.numerics)
                 if not targets:
                     continue
@@ -107,7 +120,7 @@ class Rebalancer:
                 theirs = target.load + planned.get(target.address, 0)
                 if mine - moved - theirs < self.settings.min_excess:
                     continue
-                await migrator.hand_off(session_id, target)
+                await self.migrator.hand_off(session_id, target)
             except SsmserveError as exc:  # closed, moved or refused meanwhile: the next one
                 log.info("rebalance: session %s stays: %s", session_id, exc)
                 continue

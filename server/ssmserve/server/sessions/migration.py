@@ -1,11 +1,14 @@
 """Moving sessions between workers: Migrate one, or Drain a whole worker.
 
-A migration is a hand-off (``HandOffs.hand_off``, which the session manager implements):
-the owner stops the session between two steps, snapshots it, reserves its lease for the
-target, and the target acquires it (a new fencing token) and loads it from that snapshot.
-Streams that were talking to the source get a redirect and resume on the target; nothing
-is lost or applied twice, because every step carries its number and a resend of an
-applied step is answered, not re-run.
+A migration is a hand-off (:meth:`Migrator.hand_off`): the owner stops the session
+between two steps, snapshots it, reserves its lease for the target, and asks the target
+(``Peers.adopt``) to acquire it (a new fencing token) and load it from that snapshot
+(:meth:`Migrator.adopt`, there: ``SessionLoader.session``). If the target fails, the
+reservation is taken back and the session goes on here as if nothing happened; if it
+took the session, the session leaves memory here and the steps queued meanwhile are
+answered with a redirect to the target. Streams that were talking to the source resume
+on the target; nothing is lost or applied twice, because every step carries its number
+and a resend of an applied step is answered, not re-run.
 
 A drain marks the worker as draining (no new sessions, no loads; the registry shows it),
 then hands every resident session to the least loaded other live worker that serves its
@@ -19,14 +22,22 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from ssmserve.server.cluster.ownership import Ownership, least_loaded
 from ssmserve.server.cluster.peers import Peers
-from ssmserve.server.errors import ErrorKind, SsmserveError, clip
-from ssmserve.server.state.lease import SessionLease
+from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
+from ssmserve.server.sessions.checkpoints import Checkpoints
+from ssmserve.server.sessions.errors import HandOffError, ReloadingError
+from ssmserve.server.sessions.lifecycle import Lifecycle
+from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.session import SessionGoneError
 from ssmserve.server.state.store import Store, WorkerRecord
-from ssmserve.server.state.store_errors import SessionMissingError
+from ssmserve.server.state.store_errors import (
+    SessionMissingError,
+    StaleEpochError,
+    StoreOutcomeUnknownError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +48,6 @@ class UnknownWorkerError(SsmserveError):
 
 class BadTargetError(SsmserveError):
     kind = ErrorKind.FAILED_PRECONDITION
-
-
-class Resident(Protocol):
-    """A session resident on this worker, as migration sees it."""
-
-    step: int
-    model_name: str
-    lease: SessionLease
-
-
-class HandOffs(Protocol):
-    """What migration asks of the session manager (``sessions.manager.SessionManager``
-    implements it), so this package never imports ``sessions``."""
-
-    store: Store
-
-    def resident_ids(self) -> list[str]: ...
-
-    async def session(self, session_id: str) -> Resident: ...
-
-    async def hand_off(
-        self, session_id: str, target: WorkerRecord, adopt: Callable[[str], Awaitable[object]]
-    ) -> tuple[int, str]: ...
-
-    async def park(self, session_id: str, reason: str) -> None: ...
-
-    async def close(self, session_id: str, final_snapshot: bool) -> tuple[int, str]: ...
 
 
 @dataclass(frozen=True)
@@ -95,18 +79,30 @@ class DrainProgress:
 
 
 class Migrator:
+    """Hand-offs of this worker's sessions (source side), their adoption (target side),
+    Migrate, Drain and the placing of forks. ``on_drain`` and ``on_undrain`` are the
+    worker's own word (its readiness) before a drain and an undrain."""
+
     def __init__(
         self,
-        manager: HandOffs,
+        store: Store,
         ownership: Ownership,
         peers: Peers,
+        residents: ResidentSessions,
+        loader: SessionLoader,
+        checkpoints: Checkpoints,
+        lifecycle: Lifecycle,
         settings: MigrationSettings,
         on_drain: Callable[[], Awaitable[None]],
         on_undrain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self.manager = manager
+        self.store = store
         self.ownership = ownership
         self.peers = peers
+        self.residents = residents
+        self.loader = loader
+        self.checkpoints = checkpoints
+        self.lifecycle = lifecycle
         self.settings = settings
         self._on_drain = on_drain
         self._on_undrain = on_undrain
@@ -117,22 +113,22 @@ class Migrator:
 
     async def adopt(self, session_id: str) -> tuple[int, int]:
         """Target side of a hand-off: acquire the reserved session and load it."""
-        s = await self.manager.session(session_id)
+        s = await self.loader.session(session_id)
         return s.step, s.lease.epoch
 
     async def migrate(self, session_id: str, target_address: str) -> MigrationResult:
         started = time.perf_counter()
-        if session_id in self.manager.resident_ids():
+        if session_id in self.residents.by_id:
             if target_address == self.address:
-                s = await self.manager.session(session_id)
+                s = await self.loader.session(session_id)
                 return MigrationResult(session_id, self.address, self.address, s.step, "", 0.0)
-            s = await self.manager.session(session_id)
+            s = await self.loader.session(session_id)
             target = await self._target(target_address, s.model_name, self.ownership.numerics)
             return await self.hand_off(session_id, target, started)
-        meta = await self.manager.store.get_meta(session_id)
+        meta = await self.store.get_meta(session_id)
         if meta is None:
             raise SessionMissingError(f"session {session_id!r} does not exist")
-        lease = await self.manager.store.lease_holder(session_id)
+        lease = await self.store.lease_holder(session_id)
         if lease is not None and lease.owner_addr and lease.owner_addr != self.address:
             raise lease.redirect(session_id)
         # Nobody holds it (evicted, parked, or its worker died): the target just loads it.
@@ -151,11 +147,9 @@ class Migrator:
         model, same numerics), counted and logged as a migration."""
         started = time.perf_counter() if started is None else started
         held = time.perf_counter()
-        metrics = self.manager.store.metrics
+        metrics = self.store.metrics
         try:
-            step, snapshot_id = await self.manager.hand_off(
-                session_id, target, lambda sid: self.peers.adopt(target.address, sid)
-            )
+            step, snapshot_id = await self._hand_off(session_id, target)
         except BaseException:
             metrics.migrations.labels("failed").inc()
             raise
@@ -170,27 +164,97 @@ class Migrator:
         )  # fmt: skip
         return MigrationResult(session_id, self.address, target.address, step, snapshot_id, elapsed)
 
-    async def place(self, session_id: str, target_address: str) -> None:
-        """Move a session just made here (a fork) to ``target_address``.
+    async def _hand_off(self, session_id: str, target: WorkerRecord) -> tuple[int, str]:
+        """Move a resident session to ``target``; returns (step, snapshot id it moved at).
+
+        Between two steps: snapshot (which flushes the log), reserve the lease for the
+        target, and let it acquire and load the session (``Peers.adopt``). If the target
+        fails, the reservation is taken back and the session goes on here as if nothing
+        happened.
+        """
+        s = self.residents.by_id.get(session_id)
+        if s is None or s.gone is not None:
+            raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
+        async with self.residents.hold(s):
+            if s.step != s.last_snapshot_step or s.recent.unflushed:
+                record = await self.checkpoints.write(s, s.step, s.state, "migrate")
+            else:
+                record = await self.store.snapshot_at_or_before(s.id, s.step)
+            snapshot_id = record.snapshot_id if record else ""
+            lease = s.lease
+            await self.residents.write(
+                s, lambda lease: self.store.handoff(lease, target, self.ownership.lease_ms)
+            )
+            try:
+                await self.peers.adopt(target.address, session_id)
+            except asyncio.CancelledError:
+                # Given up under way (a Migrate whose client went away, a rebalance round
+                # stopped): whether the target took the session is unknown, so it is not
+                # kept here.
+                self.residents.lost(
+                    s, lease, StoreOutcomeUnknownError("a hand-off was cancelled under way")
+                )
+                raise
+            except Exception as exc:
+                try:
+                    await self.store.cancel_handoff(
+                        lease, self.ownership.address, target.worker_id, self.ownership.lease_ms
+                    )
+                except StaleEpochError:
+                    pass  # the target did acquire it (only its answer was lost): moved
+                except SsmserveError as cancel_error:
+                    # Whether the reservation still stands is not known (the target may
+                    # yet take it): answer nothing more from this memory; the session
+                    # reloads or is found at the target.
+                    self.residents.drop(
+                        s,
+                        ReloadingError(
+                            f"session {session_id!r}: its hand-off to {target.address} "
+                            f"could not be taken back ({cancel_error}); retry"
+                        ),
+                    )
+                    raise
+                else:
+                    raise HandOffError(
+                        f"worker {target.address} did not take session {session_id!r} ({exc}); "
+                        f"it stays on {self.ownership.address}"
+                    ) from None
+            self.residents.drop(
+                s,
+                SessionMovedError(
+                    f"session {session_id!r} moved to worker {target.address}",
+                    owner=target.address,
+                ),
+            )
+            return s.step, snapshot_id
+
+    async def place(self, session_id: str, target_address: str) -> bool:
+        """Move a session just made here (a fork) to ``target_address``; returns whether it
+        tried (a target was named, or this worker drains): then the session may be
+        elsewhere now.
 
         An empty target means any other live worker, for a draining worker (with none
-        left, the session stays and is parked with the others). If the session cannot
-        move it is deleted again, so the request that made it fails as a whole.
+        left, the session stays and is parked with the others); a worker that does not
+        drain keeps it. If the session cannot move it is deleted again, so the request
+        that made it fails as a whole.
         """
+        if not target_address and not self.ownership.draining:
+            return False
         try:
             if not target_address:
-                s = await self.manager.session(session_id)
+                s = await self.loader.session(session_id)
                 targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
                 if not targets:
-                    return
+                    return True
                 target_address = targets[0].address
             await self.migrate(session_id, target_address)
         except BaseException:
             try:
-                await self.manager.close(session_id, final_snapshot=False)
+                await self.lifecycle.close(session_id, final_snapshot=False)
             except SsmserveError as exc:
                 log.warning("session %s could not be placed nor deleted: %s", session_id, exc)
             raise
+        return True
 
     async def _target(self, address: str, model: str, numerics: str) -> WorkerRecord:
         target = await self.ownership.worker_at(address)
@@ -224,7 +288,7 @@ class Migrator:
         await self.ownership.set_draining()
         done = 0
         for _round in range(self.settings.drain_rounds):
-            ids = self.manager.resident_ids()
+            ids = list(self.residents.by_id)
             if not ids:
                 break
             planned: dict[str, int] = {}  # target address -> sessions sent there by us
@@ -273,7 +337,7 @@ class Migrator:
     async def _move_or_park(self, session_id: str, planned: dict[str, int]) -> tuple[str, str, str]:
         error = ""
         try:
-            s = await self.manager.session(session_id)
+            s = await self.loader.session(session_id)
             targets = await self.ownership.targets(s.model_name, self.ownership.numerics)
             if targets:
                 target = least_loaded(targets, planned)
@@ -284,7 +348,7 @@ class Migrator:
             error = str(exc)
             log.warning("drain: session %s not moved: %s", session_id, exc)
         try:
-            await self.manager.park(session_id, "drain")
+            await self.loader.park(session_id, "drain")
         except SsmserveError as exc:
             error = f"{error}; parking failed too: {exc}" if error else str(exc)
         return session_id, "", error
