@@ -305,8 +305,9 @@ class Worker:
             timing.period_s / 8,
         )  # fmt: skip
         self.ownership.store_checks = self._store_checks
-        manager = self.manager = SessionManager(models, self.store, self.ownership, s.manager)
-        manager.residents.resets.watch(guard)
+        manager = self.manager = SessionManager(
+            models, self.store, self.ownership, s.manager, guard
+        )
         self.migrator = Migrator(
             self.store, self.ownership, self.peers,
             manager.residents, manager.loader, manager.checkpoints, manager.lifecycle,

@@ -3,7 +3,8 @@ and moving them to other workers.
 
 ``manager``          ``SessionManager``: the session operations the API calls
 ``session``          one resident session (state, step, history, lease) and its queue
-``residency``        the resident sessions, and whether each is still ours (fenced writes)
+``residency``        the resident sessions, whether each is still ours (fenced writes), and
+                     their unlogged inputs flushed
 ``loading``          sessions into memory and out: load, unload, park, idle eviction
 ``migration``        ``Migrator``: hand-offs to other workers, Migrate, Drain, placed forks
 ``rebalance``        sessions spread over the workers as they join (hand-offs)

@@ -20,20 +20,12 @@ import numpy as np
 
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
-from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
-from ssmserve.server.sessions.residency import ResidentSessions, write_outcome
+from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SnapshotEvent
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
 from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
 from ssmserve.server.state.store import Store
-from ssmserve.server.state.store_errors import (
-    LogDivergedError,
-    SessionMissingError,
-    SessionVanishedError,
-    StaleEpochError,
-    StoreUnavailableError,
-)
 from ssmserve.server.state.store_records import SnapshotCommit, SnapshotRecord
 
 # Checkpoints of at least this many state bytes are encoded (sha256) on a thread, which
@@ -50,7 +42,6 @@ class Checkpoints:
         self.writes = SnapshotWrites(writes_in_flight)  # background writes in flight
         self.commits = SnapshotCommits(store)  # commits due together, written together
         self.committed = 0  # snapshots committed by this worker
-        self._flushes = LocksWhileUsed()  # one log flush of a session at a time
 
     def close(self) -> None:
         """The worker stops: writes and commits not yet started are not started."""
@@ -96,7 +87,7 @@ class Checkpoints:
         """Flush the inputs up to ``ckpt.step``, encode ``ckpt`` and commit it."""
         step = ckpt.step
         started = time.perf_counter()
-        await self.flush_unflushed(s, step)
+        await self.residents.flush_unflushed(s, step)
         blob, record = await self.encode(ckpt)
         await self.residents.write(
             s,
@@ -105,7 +96,7 @@ class Checkpoints:
             ),
             settle=True,
         )
-        s.last_snapshot_step = max(s.last_snapshot_step, step)
+        s.snapshotted(step)
         self.committed += 1
         m = self.store.metrics
         m.snapshots.labels(record.reason).inc()
@@ -142,77 +133,6 @@ class Checkpoints:
         come from what the session holds in memory."""
         history, output = recent_history(s, step), s.recent.output_at(step)
         return checkpoint_of(s, step, state, history, output, reason, label)
-
-    async def flush_unflushed(self, s: Session, upto: int) -> None:
-        """Write the session's unflushed inputs with step <= ``upto`` to the log."""
-        async with self._flushes.hold(s):  # the stepper and a background snapshot may both flush
-            block = s.recent.unflushed.block(upto)
-            if block is None:
-                return
-            lease = s.lease
-            task = asyncio.ensure_future(self.store.append_logs([(lease, block)], time.time()))
-            try:
-                (error,) = await asyncio.shield(task)
-            except SsmserveError as exc:
-                error = exc
-            except asyncio.CancelledError:
-                # The request went away (a Snapshot, Close or Migrate): the append runs to
-                # its end, and memory follows how it ended, so no input is sent twice or
-                # lost (for snapshot and none durability memory holds the only copy).
-                ended = await write_outcome(task)
-                if ended is None:
-                    (ended,) = task.result()
-                if ended is None:
-                    s.recent.unflushed.drop(block.count)
-                else:
-                    self.residents.lost(s, lease, ended, settle=True)
-                raise
-            if error is not None:
-                self.residents.lost(s, lease, error, settle=True)
-                raise error
-            # Steps recorded meanwhile were appended behind these: drop just the written.
-            s.recent.unflushed.drop(block.count)
-
-    async def settle(self, s: Session) -> SsmserveError | None:
-        """After a write of ``s`` whose outcome is unknown: read what the store holds and
-        make memory's bookkeeping match it, if memory holds everything the store lacks.
-
-        The store's durable step ``D`` must be where memory's log stands: the step before
-        its oldest unflushed input (those up to ``D`` landed: they are flushed now), or,
-        with nothing unflushed, memory's own step. The newest snapshot at or before
-        memory's step is the one memory knows of (a commit that landed unanswered counts).
-        Returns None when settled; a StoreUnavailableError when the store did not answer
-        (ask again later); the reason memory cannot go on otherwise (the session is not
-        ours, or the store holds steps memory gave back: it reloads)."""
-        async with self._flushes.hold(s):  # no flush of it runs meanwhile
-            try:
-                meta = await self.store.get_meta(s.id)
-                newest = await self.store.snapshot_at_or_before(s.id, s.step)
-            except StoreUnavailableError as exc:
-                return exc
-            if meta is None:  # a later owner closed it, or the store was wiped: checked
-                return SessionVanishedError(
-                    f"session {s.id!r} is gone from the store while this worker held it; retry"
-                )
-            if meta.closed:
-                return SessionMissingError(f"session {s.id!r} is gone from the store")
-            if meta.token != s.lease.token:
-                return StaleEpochError(
-                    f"session {s.id!r} was taken over (its token is now {meta.token})",
-                    owner=meta.owner_addr,
-                )
-            unflushed = s.recent.unflushed
-            if unflushed and unflushed.first <= meta.step:
-                unflushed.drop(min(len(unflushed), meta.step - unflushed.first + 1))
-            logged = unflushed.first - 1 if unflushed else s.step
-            if meta.step != logged:
-                return LogDivergedError(
-                    f"the store's log of session {s.id!r} ends at step {meta.step}, memory's "
-                    f"at step {logged}"
-                )
-            if newest is not None:
-                s.last_snapshot_step = newest.step
-        return None
 
 
 class DueSnapshot:
@@ -254,7 +174,7 @@ class DueSnapshot:
         except SsmserveError as exc:  # the log still holds every input: only speed is lost
             log.warning("session %s: periodic snapshot at %d failed: %s", s.id, self.step, exc)
             return
-        s.snapshot_events += (SnapshotEvent(record.snapshot_id, record.step, "periodic"),)
+        s.announce(SnapshotEvent(record.snapshot_id, record.step, "periodic"))
 
 
 def checkpoint_of(

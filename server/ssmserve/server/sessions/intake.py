@@ -30,7 +30,11 @@ class StepIntake:
         self.loader = loader
         self.steppers = steppers  # by model key (``ModelLanes.steppers``, shared)
         self.max_queued_steps = max_queued_steps  # per session, waiting for the stepper
-        self.loop: asyncio.AbstractEventLoop | None = None  # set by the manager's start()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the worker's, from start()
+
+    def start(self) -> None:
+        """Remember the running loop: asking for it costs a getpid() per step on 3.11."""
+        self.loop = asyncio.get_running_loop()
 
     async def submit(
         self, session_id: str, step: int, value: object, finite: bool = False

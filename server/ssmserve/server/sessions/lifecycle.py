@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import clip
@@ -53,6 +54,7 @@ class Lifecycle:
         checkpoints: Checkpoints,
         replay: Replay,
         loader: SessionLoader,
+        engines: Mapping[str, EngineLane],
         defaults: SessionDefaults,
     ) -> None:
         self.models = models
@@ -62,6 +64,7 @@ class Lifecycle:
         self.checkpoints = checkpoints
         self.replay = replay
         self.loader = loader
+        self.engines = engines  # by model key (``ModelLanes``): an upgrade replays on one
         self.defaults = defaults
 
     async def create(self, model_name: str, session_id: str, config: SessionConfig) -> str:
@@ -114,9 +117,12 @@ class Lifecycle:
         await self.store.create_session(
             meta, self.ownership.lease_ms, record, blob, config.max_snapshots
         )
-        s.lease = self.ownership.new_lease(session_id, lease.token, sent_at)
-        s.last_snapshot_step = step
-        self.residents.add(s, self.loader.footprint(model, config))
+        s.snapshotted(step)
+        self.residents.add(
+            s,
+            self.loader.footprint(model, config),
+            self.ownership.new_lease(session_id, lease.token, sent_at),
+        )
         log.info(
             "session %s created by %s at step %d", session_id, reason, step,
             extra={"session_id": session_id, "step": step, "token": s.lease.token,
@@ -268,7 +274,7 @@ class Lifecycle:
             first, step = (oldest or 0) + 1, s.step
             raw = await self.replay.inputs(s, first, step)
             inputs = s.codec.decode_many(raw) if raw else s.codec.empty()
-            outputs, state = await self.replay.engines[key].run(inputs, model.new_state())
+            outputs, state = await self.engines[key].run(inputs, model.new_state())
             output = None
             if len(outputs):
                 output = check_output(config.guards, step, outputs[-1].copy()).output

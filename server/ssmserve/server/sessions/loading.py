@@ -278,9 +278,7 @@ class SessionLoader:
         if rebuilt.checkpoint.output is not None:
             s.recent.remember_output(record.step, rebuilt.checkpoint.output)
         s.recent.remember(record.step + 1, rebuilt.inputs, rebuilt.outputs)
-        s.state, s.step, s.last_snapshot_step = rebuilt.state, meta.step, record.step
-        if may_be_behind:
-            s.restored_step = meta.step
+        s.rebuilt_at(rebuilt.state, meta.step, record.step, may_be_behind)
         self.residents.add(s, self.footprint(model, config))
         log.info(
             "session %s restored at step %d, token %s (snapshot %d + %d replayed)",
@@ -320,9 +318,7 @@ class SessionLoader:
                 writing = writing or s.snapshots.busy
                 stepping = stepping or s.busy or now - s.last_active <= check_every_s
                 if not s.busy and s.state.is_view and now - s.last_active > 1.0:
-                    # A batch row keeps its whole batch array alive: a session that stopped
-                    # stepping gets arrays of its own, so its memory is its state's size.
-                    s.state = s.state.copy()
+                    s.own_state()
                     copied += 1
                 ttl = s.config.idle_ttl_s
                 if ttl and not s.queue and not s.busy and now - s.last_active > ttl:

@@ -11,7 +11,9 @@ pieces, one module each:
 - ``replay``: the one primitive that rebuilds a session's state at a step (newest
   snapshot at or before it, plus replay), behind load, rollback, fork and forecast;
 - ``intake``: steps checked and queued on their sessions (``manager.intake``);
-- ``stepper`` and ``forecaster``: batched engine calls per model.
+- ``model_lanes``: per model, its engine lane, ``stepper`` and ``forecaster``.
+
+Each component is given what it works with when it is made.
 
 What it adds: **create / import / fork** write the session's metadata, lease and first
 snapshot (step 0, or the imported or forked step) in one script, so every step from
@@ -28,11 +30,10 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.cluster.store_guard import StoreGuard
+from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
-from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
@@ -108,67 +109,33 @@ class ManagerSettings:
     max_history_output_bytes: int = 64 << 20  # and their outputs' bytes
 
 
-class StepperHooks:
-    """What a stepper asks while it holds a batch (``stepper.BatchHooks``), answered by
-    the session components."""
-
-    def __init__(
-        self, residents: ResidentSessions, checkpoints: Checkpoints, replay: Replay
-    ) -> None:
-        self.residents, self.checkpoints, self.replay = residents, checkpoints, replay
-
-    def schedule_snapshot(self, s: Session, step: int, state: SessionState) -> None:
-        self.checkpoints.schedule(s, step, state)
-
-    async def restore_to(
-        self, s: Session, target: int, record: SnapshotRecord | None = None
-    ) -> tuple[int, str, int]:
-        return await self.replay.restore_to(s, target, record)
-
-    async def newest_snapshot(self, s: Session, at_most: int) -> SnapshotRecord | None:
-        return await self.checkpoints.newest(s, at_most)
-
-    async def output_at(self, s: Session, step: int) -> np.ndarray:
-        return await self.replay.output_at(s, step)
-
-    async def flush_unflushed(self, s: Session, upto: int) -> None:
-        await self.checkpoints.flush_unflushed(s, upto)
-
-    def lost(
-        self, s: Session, lease: SessionLease, error: SsmserveError, settle: bool = False
-    ) -> None:
-        self.residents.lost(s, lease, error, settle)
-
-    async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]:
-        return await self.residents.revalidate(sessions)
-
-    def drop(self, s: Session, error: SsmserveError) -> None:
-        self.residents.drop(s, error)
-
-    async def record_events(self, s: Session, events: list[SessionEvent]) -> None:
-        await record_events(self.residents.store, s.lease, events)
-
-
 class SessionManager:
+    """The session operations of one worker (``guard``: the store's identity checks,
+    whose resets drop the sessions the store lost)."""
+
     def __init__(
         self,
         models: Mapping[str, MambaModel],
         store: Store,
         ownership: Ownership,
         settings: ManagerSettings,
+        guard: StoreGuard | None = None,
     ) -> None:
         self.models = ServedModels(models)
         self.store = store
         self.ownership = ownership
         self.settings = settings
         self.metrics = store.metrics  # the worker's, handed to its store
-        self.residents = ResidentSessions(store, ownership)
+        self.residents = ResidentSessions(store, ownership, guard)
         self.checkpoints = Checkpoints(store, self.residents, settings.snapshot_writes_in_flight)
-        self.residents.settle_with = self.checkpoints.settle
-        self.replay = Replay(store, self.residents, self.checkpoints, engines={})
-        hooks = StepperHooks(self.residents, self.checkpoints, self.replay)
-        self.lanes = ModelLanes(self.models, store, hooks, settings.stepper, settings.forecast)
-        self.replay.engines = self.lanes.engines  # the same dict: later models too
+        # One engine lane per served model: ``ModelLanes`` fills it (later models too),
+        # replays and upgrades run on it.
+        engines: dict[str, EngineLane] = {}
+        self.replay = Replay(store, self.residents, self.checkpoints, engines)
+        self.lanes = ModelLanes(
+            self.models, engines, store, self.residents, self.checkpoints, self.replay,
+            settings.stepper, settings.forecast,
+        )  # fmt: skip
         self.steppers, self.forecasters = self.lanes.steppers, self.lanes.forecasters
         self.memory = WorkerMemory(
             settings.memory_budget_bytes or default_memory_budget(),
@@ -186,7 +153,7 @@ class SessionManager:
         )  # fmt: skip
         self.lifecycle = Lifecycle(
             self.models, self.residents, self.checkpoints, self.replay, self.loader,
-            settings.defaults,
+            engines, settings.defaults,
         )  # fmt: skip
         self.intake = StepIntake(self.loader, self.steppers, settings.max_queued_steps)
         self._reaper: asyncio.Task[None] | None = None
@@ -207,7 +174,7 @@ class SessionManager:
         await self.lanes.remove(key, resident)
 
     def start(self) -> None:
-        self.intake.loop = asyncio.get_running_loop()
+        self.intake.start()
         self.lanes.start()
         self._reaper = asyncio.create_task(
             self.loader.evict_idle(self.settings.idle_check_s), name="idle-eviction"

@@ -2,9 +2,11 @@
 
 Per served model key (``models``): its :class:`EngineLane` (the engine thread, shared by
 steps, forecasts and replays), its :class:`Stepper` and its :class:`Forecaster`. The
-dictionaries are shared with the components that look a model up (``Replay`` takes the
-engines, ``SessionLoader`` the steppers' notifiers), so adding or removing a key here is
-seen by all of them at once.
+dictionaries are shared with the components that look a model up (``Replay`` and
+``Lifecycle`` take ``engines``, which the session manager makes and this fills;
+``SessionLoader`` takes the steppers' notifiers, ``StepIntake`` the steppers), so adding
+or removing a key here is seen by all of them at once. Each stepper gets the session
+components it works with (``residents``, ``checkpoints``, ``replay``) from here.
 
 Adding compiles the model's kernels off the event loop before it is served (ready means
 warm, as at start). Removing is refused while a resident session runs the model; a
@@ -20,10 +22,13 @@ from ssmserve.server.engine.allocator import return_freed_memory
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.errors import UnknownModelError
 from ssmserve.server.sessions.forecaster import Forecaster, ForecastSettings
 from ssmserve.server.sessions.models import ServedModels
-from ssmserve.server.sessions.stepper import BatchHooks, Stepper, StepperSettings
+from ssmserve.server.sessions.replay import Replay
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.stepper import Stepper, StepperSettings
 from ssmserve.server.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -41,15 +46,19 @@ class ModelLanes:
     def __init__(
         self,
         models: ServedModels,
+        engines: dict[str, EngineLane],
         store: Store,
-        hooks: BatchHooks,
+        residents: ResidentSessions,
+        checkpoints: Checkpoints,
+        replay: Replay,
         stepper_settings: StepperSettings,
         forecast_settings: ForecastSettings,
     ) -> None:
         self.models = models
-        self.store, self.hooks = store, hooks
+        self.store = store
+        self.residents, self.checkpoints, self.replay = residents, checkpoints, replay
         self.stepper_settings, self.forecast_settings = stepper_settings, forecast_settings
-        self.engines: dict[str, EngineLane] = {}
+        self.engines = engines  # filled here, one per served model
         self.steppers: dict[str, Stepper] = {}
         self.forecasters: dict[str, Forecaster] = {}
         self.notifiers: dict[str, Callable[[], None]] = {}  # wakes a model's stepper
@@ -59,7 +68,10 @@ class ModelLanes:
 
     def _build(self, key: str, model: MambaModel, engine: EngineLane | None = None) -> None:
         engine = engine or EngineLane(model, self.stepper_settings.offload_min_flop)
-        stepper = Stepper(model, self.store, self.hooks, self.stepper_settings, engine)
+        stepper = Stepper(
+            model, self.store, self.residents, self.checkpoints, self.replay,
+            self.stepper_settings, engine,
+        )  # fmt: skip
         self.engines[key], self.steppers[key] = engine, stepper
         self.forecasters[key] = Forecaster(model, engine, self.forecast_settings)
         self.notifiers[key] = stepper.notify

@@ -101,11 +101,10 @@ class Replay:
         await self.residents.write(
             s, lambda lease: self.store.cut_history(lease, target, s.step, time.time())
         )
-        s.state, s.step = rebuilt.state, target
+        s.rebuilt_at(rebuilt.state, target, rebuilt.record.step)
         s.recent.cut_after(target)
         if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
             s.recent.remember(rebuilt.record.step + 1, rebuilt.inputs, rebuilt.outputs)
-        s.last_snapshot_step = rebuilt.record.step
         return target, rebuilt.record.snapshot_id, rebuilt.replayed
 
     async def resolve(

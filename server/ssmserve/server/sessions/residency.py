@@ -10,11 +10,15 @@ have run out (:meth:`ResidentSessions.hold` revalidates first).
 A write whose outcome is unknown, or a log that does not continue what Redis holds:
 - if the write only adds to what Redis holds (a log append or flush, a snapshot commit),
   memory is kept, *unsettled*: nothing is answered for the session until its lease is
-  proven again and the store says what it holds (``Checkpoints.settle``); memory then
-  goes on if it holds everything the store lacks, else it is dropped;
+  proven again and the store says what it holds (:meth:`ResidentSessions.settle`);
+  memory then goes on if it holds everything the store lacks, else it is dropped;
 - any other write drops the session: the next request reloads it from Redis.
 Only a session taken over by another worker, or a store that holds more than memory,
 lets a session's memory go; a stalled Redis costs answers, never answered steps.
+
+The inputs a session holds unlogged (``snapshot`` and ``none`` durability) are written
+here too (:meth:`ResidentSessions.flush_unflushed`): a flush is such an adding write, and
+settling reads where the store's log ends, so the two take turns per session.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.sessions.errors import ReloadingError
 from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
@@ -38,6 +44,7 @@ from ssmserve.server.state.store_errors import (
     LogDivergedError,
     SessionClosedError,
     SessionMissingError,
+    SessionVanishedError,
     StaleEpochError,
     StoreOutcomeUnknownError,
     StoreUnavailableError,
@@ -52,9 +59,12 @@ _NOT_OURS = (SessionMovedError, SessionMissingError, SessionClosedError)
 
 
 class ResidentSessions:
-    """The table of resident sessions (``by_id``) and the fencing of their writes."""
+    """The table of resident sessions (``by_id``) and the fencing of their writes.
 
-    def __init__(self, store: Store, ownership: Ownership) -> None:
+    ``guard``: the store's identity checks, followed by ``resets`` (None: nothing is
+    checked)."""
+
+    def __init__(self, store: Store, ownership: Ownership, guard: StoreGuard | None = None) -> None:
         self.store = store
         self.ownership = ownership
         self.by_id: dict[str, Session] = {}
@@ -65,19 +75,19 @@ class ResidentSessions:
         self._footprint_by_group: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()  # re-acquisitions under way
         self._lease_checks = LocksWhileUsed()
-        # How a session whose write had an unknown outcome learns what the store holds
-        # (``Checkpoints.settle``, which owns the log flushes); None: it has nothing to
-        # settle (a store with no checkpoints, in tests).
-        self.settle_with: Callable[[Session], Awaitable[SsmserveError | None]] = _nothing
-        self.resets = StoreResets(self)  # what a wiped store took (``store_resets``)
+        self._flushes = LocksWhileUsed()  # one log flush or settling of a session at a time
+        self.resets = StoreResets(self, guard)  # what a wiped store took (``store_resets``)
 
     def get(self, session_id: str) -> Session | None:
         """The resident session ``session_id`` unless it is gone (being dropped)."""
         s = self.by_id.get(session_id)
         return s if s is not None and s.gone is None else None
 
-    def add(self, s: Session, footprint: int = 0) -> None:
-        """``s`` is resident from now on; it may hold up to ``footprint`` bytes."""
+    def add(self, s: Session, footprint: int = 0, lease: SessionLease | None = None) -> None:
+        """``s`` is resident from now on (held under ``lease``, when it comes with a new
+        one); it may hold up to ``footprint`` bytes."""
+        if lease is not None:
+            s.lease = lease
         self.remove(s.id)
         self.by_id[s.id] = s
         self.resets.resident(s.id)
@@ -217,9 +227,9 @@ class ResidentSessions:
 
     async def settle(self, s: Session) -> SsmserveError | None:
         """Learn what the store holds of ``s`` after a write with an unknown outcome, and
-        go on from memory if memory holds it all (``settle_with``). None: ``s`` answers
-        again. Otherwise the error: the store unreachable (``s`` stays, unanswered), or
-        memory cannot follow the store (``s`` left memory and reloads).
+        go on from memory if memory holds it all (:meth:`_store_agrees`). None: ``s``
+        answers again. Otherwise the error: the store unreachable (``s`` stays,
+        unanswered), or memory cannot follow the store (``s`` left memory and reloads).
 
         First ``s`` is acquired again (a new token): a write of it still in flight under
         the old token (the one whose outcome is unknown, held in the network) is then
@@ -227,7 +237,7 @@ class ResidentSessions:
         fenced = await self.ownership.reacquire(s.lease)
         if isinstance(fenced, SessionLease):
             s.lease = fenced
-            error = await self.settle_with(s)
+            error = await self._store_agrees(s)
         else:
             error = fenced
         if error is None:
@@ -253,6 +263,77 @@ class ResidentSessions:
                 ),
             )
         return s.gone or error
+
+    async def _store_agrees(self, s: Session) -> SsmserveError | None:
+        """After a write of ``s`` whose outcome is unknown: read what the store holds and
+        make memory's bookkeeping match it, if memory holds everything the store lacks.
+
+        The store's durable step ``D`` must be where memory's log stands: the step before
+        its oldest unflushed input (those up to ``D`` landed: they are flushed now), or,
+        with nothing unflushed, memory's own step. The newest snapshot at or before
+        memory's step is the one memory knows of (a commit that landed unanswered counts).
+        Returns None when settled; a StoreUnavailableError when the store did not answer
+        (ask again later); the reason memory cannot go on otherwise (the session is not
+        ours, or the store holds steps memory gave back: it reloads)."""
+        async with self._flushes.hold(s):  # no flush of it runs meanwhile
+            try:
+                meta = await self.store.get_meta(s.id)
+                newest = await self.store.snapshot_at_or_before(s.id, s.step)
+            except StoreUnavailableError as exc:
+                return exc
+            if meta is None:  # a later owner closed it, or the store was wiped: checked
+                return SessionVanishedError(
+                    f"session {s.id!r} is gone from the store while this worker held it; retry"
+                )
+            if meta.closed:
+                return SessionMissingError(f"session {s.id!r} is gone from the store")
+            if meta.token != s.lease.token:
+                return StaleEpochError(
+                    f"session {s.id!r} was taken over (its token is now {meta.token})",
+                    owner=meta.owner_addr,
+                )
+            unflushed = s.recent.unflushed
+            if unflushed and unflushed.first <= meta.step:
+                unflushed.drop(min(len(unflushed), meta.step - unflushed.first + 1))
+            logged = unflushed.first - 1 if unflushed else s.step
+            if meta.step != logged:
+                return LogDivergedError(
+                    f"the store's log of session {s.id!r} ends at step {meta.step}, memory's "
+                    f"at step {logged}"
+                )
+            if newest is not None:
+                s.last_snapshot_step = newest.step
+        return None
+
+    async def flush_unflushed(self, s: Session, upto: int) -> None:
+        """Write the session's unflushed inputs with step <= ``upto`` to the log."""
+        async with self._flushes.hold(s):  # the stepper and a background snapshot may both flush
+            block = s.recent.unflushed.block(upto)
+            if block is None:
+                return
+            lease = s.lease
+            task = asyncio.ensure_future(self.store.append_logs([(lease, block)], time.time()))
+            try:
+                (error,) = await asyncio.shield(task)
+            except SsmserveError as exc:
+                error = exc
+            except asyncio.CancelledError:
+                # The request went away (a Snapshot, Close or Migrate): the append runs to
+                # its end, and memory follows how it ended, so no input is sent twice or
+                # lost (for snapshot and none durability memory holds the only copy).
+                ended = await write_outcome(task)
+                if ended is None:
+                    (ended,) = task.result()
+                if ended is None:
+                    s.recent.unflushed.drop(block.count)
+                else:
+                    self.lost(s, lease, ended, settle=True)
+                raise
+            if error is not None:
+                self.lost(s, lease, error, settle=True)
+                raise error
+            # Steps recorded meanwhile were appended behind these: drop just the written.
+            s.recent.unflushed.drop(block.count)
 
     async def ensure_lease(self, s: Session) -> None:
         """:meth:`revalidate` for one session; raises what stands in the way."""
@@ -323,10 +404,6 @@ async def write_outcome(task: asyncio.Future[object]) -> SsmserveError | None:
     if isinstance(error, SsmserveError):
         return error
     return StoreOutcomeUnknownError(f"a write failed under way: {type(error).__name__}")
-
-
-async def _nothing(s: Session) -> SsmserveError | None:
-    return None
 
 
 def _group(session_id: str) -> str:

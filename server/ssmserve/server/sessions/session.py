@@ -372,6 +372,29 @@ class Session:
         this worker's clock, and the store agrees with memory as far as anyone knows."""
         return self.unsettled is None and self.lease.valid()
 
+    def rebuilt_at(
+        self, state: SessionState, step: int, snapshot_step: int, may_be_behind: bool = False
+    ) -> None:
+        """Memory rebuilt at ``step`` from the snapshot at ``snapshot_step`` plus replay (a
+        load, a rollback). ``may_be_behind``: from a store that may hold less than was
+        answered (a takeover, a reload after a drop: SESSION_REWOUND)."""
+        self.state, self.step, self.last_snapshot_step = state, step, snapshot_step
+        if may_be_behind:
+            self.restored_step = step
+
+    def snapshotted(self, step: int) -> None:
+        """A snapshot of this session at ``step`` is committed."""
+        self.last_snapshot_step = max(self.last_snapshot_step, step)
+
+    def announce(self, event: SnapshotEvent) -> None:
+        """``event`` goes with the session's next answer (a periodic snapshot committed)."""
+        self.snapshot_events += (event,)
+
+    def own_state(self) -> None:
+        """State arrays of its own: a batch row keeps its whole batch array alive, so a
+        session that stopped stepping copies its row, and holds just its state's size."""
+        self.state = self.state.copy()
+
     @property
     def head_is_step(self) -> bool:
         return bool(self.queue) and isinstance(self.queue[0], StepJob | StepRun)

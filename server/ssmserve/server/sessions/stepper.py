@@ -38,7 +38,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -48,10 +47,14 @@ from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError, being_cancelled
 from ssmserve.server.sessions.batch_plan import APPLY, RESEND, plan
 from ssmserve.server.sessions.batch_work import GuardedStep, SessionWork
+from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability
 from ssmserve.server.sessions.events import SessionEvent
+from ssmserve.server.sessions.events import record as record_events
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, check_output
 from ssmserve.server.sessions.log_ahead import LogAhead
+from ssmserve.server.sessions.replay import Replay
+from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
     GuardRolledBackError,
@@ -62,38 +65,9 @@ from ssmserve.server.sessions.session import (
     StepRun,
 )
 from ssmserve.server.state.input_log import InputBlock
-from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store import Store
-from ssmserve.server.state.store_records import SnapshotRecord
 
 log = logging.getLogger(__name__)
-
-
-class BatchHooks(Protocol):
-    """What the stepper asks of the session components while it holds a batch
-    (``manager.StepperHooks`` serves it from residency, checkpoints and replay)."""
-
-    def schedule_snapshot(self, session: Session, step: int, state: SessionState) -> None: ...
-
-    async def restore_to(
-        self, session: Session, target: int, record: SnapshotRecord | None = None
-    ) -> tuple[int, str, int]: ...
-
-    async def newest_snapshot(self, session: Session, at_most: int) -> SnapshotRecord | None: ...
-
-    async def output_at(self, session: Session, step: int) -> np.ndarray: ...
-
-    async def flush_unflushed(self, session: Session, upto: int) -> None: ...
-
-    def lost(
-        self, session: Session, lease: SessionLease, error: SsmserveError, settle: bool = False
-    ) -> None: ...
-
-    async def revalidate(self, sessions: list[Session]) -> dict[str, SsmserveError]: ...
-
-    def drop(self, session: Session, error: SsmserveError) -> None: ...
-
-    async def record_events(self, session: Session, events: list[SessionEvent]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -113,19 +87,27 @@ _DURABILITIES = tuple(Durability)
 
 
 class Stepper:
-    """Runs the batches of one model's sessions (the module's docstring tells how)."""
+    """Runs the batches of one model's sessions (the module's docstring tells how).
+
+    While it holds a batch it asks ``residents`` whether each session is still ours
+    (and drops those that are not), ``checkpoints`` for due and newest snapshots, and
+    ``replay`` for guard rollbacks and the outputs of resent steps memory let go of."""
 
     def __init__(
         self,
         model: MambaModel,
         store: Store,
-        hooks: BatchHooks,
+        residents: ResidentSessions,
+        checkpoints: Checkpoints,
+        replay: Replay,
         settings: StepperSettings,
         engine: EngineLane,
     ) -> None:
         self.model = model
         self.store = store
-        self.hooks = hooks
+        self.residents = residents
+        self.checkpoints = checkpoints
+        self.replay = replay
         self.settings = settings
         self._ready: dict[str, Session] = {}
         self._wake = asyncio.Event()
@@ -357,10 +339,10 @@ class Stepper:
         for w in work:  # due periodic snapshots, to the sessions' background writers
             if w.fenced is None:
                 for step, state in w.snapshots_due:
-                    self.hooks.schedule_snapshot(w.session, step, state)
+                    self.checkpoints.schedule(w.session, step, state)
         await self._guard_rollbacks(work)
-        await _recompute(work, self.hooks)
-        await _record_events(work, self.hooks)
+        await _recompute(work, self.replay)
+        await _record_events(work, self.store)
 
     async def _commit_logs(self, work: list[SessionWork], ahead: LogAhead) -> None:
         """The replies of the appends sent ahead, then a group commit (one pipeline) of
@@ -371,7 +353,7 @@ class Stepper:
             w.appended = error is None
             if error is not None:
                 w.take_back(error)
-                self.hooks.lost(s, lease, error, settle=True)
+                self.residents.lost(s, lease, error, settle=True)
         pending = [
             (w, w.session.lease, block)
             for w in work
@@ -394,11 +376,11 @@ class Stepper:
                 continue
             w.take_back(error)
             if w.appended:  # its steps logged ahead are in Redis, memory gave them back
-                self.hooks.drop(w.session, error)
+                self.residents.drop(w.session, error)
             else:
                 # Dropped if another worker owns it now; an unknown outcome waits for
                 # the store to say whether it holds more than memory (then it reloads).
-                self.hooks.lost(w.session, lease, error, settle=True)
+                self.residents.lost(w.session, lease, error, settle=True)
         for w in work:
             s = w.session
             if (
@@ -406,7 +388,7 @@ class Stepper:
                 and len(s.recent.unflushed) > self.settings.max_unflushed
             ):
                 try:  # bound memory: a session that is never snapshotted still gets logged
-                    await self.hooks.flush_unflushed(s, s.step)
+                    await self.residents.flush_unflushed(s, s.step)
                 except SsmserveError as exc:
                     log.warning("session %s: log flush failed: %s", s.id, exc)
 
@@ -420,7 +402,7 @@ class Stepper:
         this batch logged steps of it, it also leaves memory (memory gives them back,
         Redis keeps them), so the next request reloads it or finds its new owner.
         """
-        errors = await self.hooks.revalidate([w.session for w in work if w.took])
+        errors = await self.residents.revalidate([w.session for w in work if w.took])
         for w in work:
             error = errors.get(w.session.id)
             if error is None:
@@ -428,7 +410,7 @@ class Stepper:
             w.take_back(error)
             w.fenced = error
             if w.appended:  # Redis holds steps that memory just gave back: reload
-                self.hooks.drop(w.session, error)
+                self.residents.drop(w.session, error)
 
     async def _failed(self, work: list[SessionWork], ahead: LogAhead, exc: BaseException) -> None:
         """The batch failed (a bug, a cancelled engine call or write): every session is put
@@ -441,13 +423,13 @@ class Stepper:
         dropped = set()
         for w in work:
             if w.appended:
-                self.hooks.drop(w.session, error)
+                self.residents.drop(w.session, error)
                 dropped.add(w.session.id)
         for s, lease, refused in await ahead.abandon():
             if refused is not None:  # not written; lost() drops it if not ours now
-                self.hooks.lost(s, lease, refused)
+                self.residents.lost(s, lease, refused)
             elif s.id not in dropped:
-                self.hooks.drop(s, error)
+                self.residents.drop(s, error)
 
     # ------------------------------------------------------------------ guard rollbacks and events
 
@@ -459,10 +441,10 @@ class Stepper:
             outcome = w.guarded[step_refused]
             events = [e for e in outcome.events if e.action == GuardAction.ROLLBACK]
             try:
-                record = await self.hooks.newest_snapshot(s, step_refused - 1)
+                record = await self.checkpoints.newest(s, step_refused - 1)
                 if record is None:
                     raise GuardRolledBackError("no snapshot before the violation to return to")
-                step, _snapshot_id, replayed = await self.hooks.restore_to(s, record.step, record)
+                step, _snapshot_id, replayed = await self.replay.restore_to(s, record.step, record)
                 self._rolled_back_by_guards.inc()
                 w.rollbacks.append(
                     SessionEvent.rollback(step_refused, step, "guard", f"guard {events[0].guard}")
@@ -509,7 +491,7 @@ def _split_guarded_runs(sessions: list[Session], max_ticks: int) -> None:
         s.queue.push_front(entries)
 
 
-async def _recompute(work: list[SessionWork], hooks: BatchHooks) -> None:
+async def _recompute(work: list[SessionWork], replay: Replay) -> None:
     """Resends whose recorded outputs left memory: replayed from the store."""
     for w in work:
         if w.fenced is not None:
@@ -517,12 +499,12 @@ async def _recompute(work: list[SessionWork], hooks: BatchHooks) -> None:
         for step, output in w.resent.items():
             if output is None:
                 try:
-                    w.resent[step] = await hooks.output_at(w.session, step)
+                    w.resent[step] = await replay.output_at(w.session, step)
                 except SsmserveError as exc:
                     w.resend_errors[step] = exc
 
 
-async def _record_events(work: list[SessionWork], hooks: BatchHooks) -> None:
+async def _record_events(work: list[SessionWork], store: Store) -> None:
     """Guard events and guard rollbacks of this batch into each session's event list
     (``events``), before the steps are answered; one write per session that had any."""
     writes = []
@@ -531,6 +513,6 @@ async def _record_events(work: list[SessionWork], hooks: BatchHooks) -> None:
             continue
         events = [SessionEvent.of_guard(e) for g in w.guarded.values() for e in g.events]
         if events or w.rollbacks:
-            writes.append(hooks.record_events(w.session, events + w.rollbacks))
+            writes.append(record_events(store, w.session.lease, events + w.rollbacks))
     if writes:
         await asyncio.gather(*writes)

@@ -48,20 +48,23 @@ _NOT_RELOADED = (SessionMovedError, SessionMissingError, SessionClosedError, Sto
 
 class StoreResets:
     """What this worker remembers of sessions it expects the store to hold, and of those
-    the store lost. ``residents`` is the table they are resident in."""
+    the store lost. ``residents`` is the table they are resident in; ``guard``'s identity
+    checks are followed (None: nothing is checked, in unit tests)."""
 
-    def __init__(self, residents: ResidentSessions, remembered: int = REMEMBERED) -> None:
+    def __init__(
+        self,
+        residents: ResidentSessions,
+        guard: StoreGuard | None = None,
+        remembered: int = REMEMBERED,
+    ) -> None:
         self.residents = residents
         self.remembered = remembered
-        self.guard: StoreGuard | None = None  # none: nothing is checked (unit tests)
+        self.guard = guard
+        if guard is not None:
+            guard.on_reset = self.reset
         self._lost: OrderedDict[str, int] = OrderedDict()  # session id -> its step
         self._reloading: OrderedDict[str, int] = OrderedDict()  # left memory to reload
         self._checks: set[asyncio.Task[bool]] = set()
-
-    def watch(self, guard: StoreGuard) -> None:
-        """Follow ``guard``'s identity checks from now on."""
-        self.guard = guard
-        guard.on_reset = self.reset
 
     def resident(self, session_id: str) -> None:
         """``session_id`` is resident (created, imported, loaded): nothing is lost of it."""
