@@ -57,6 +57,42 @@ class WorkerHarness:
     def manager(self) -> Any:
         return self.worker.manager
 
+    # The parts of the worker a test looks inside (to drive them, or to put a fault in
+    # one), each the object the worker wired into the others.
+
+    @property
+    def store(self) -> Any:
+        return self.worker.store
+
+    @property
+    def memory(self) -> Any:
+        """The worker's one memory budget (``WorkerMemory``)."""
+        return self.worker.memory
+
+    @property
+    def intake(self) -> Any:
+        """Where Stream's steps are queued (``StepIntake``)."""
+        return self.worker.service.intake
+
+    @property
+    def loader(self) -> Any:
+        """What loads sessions into memory and unloads or parks them (``SessionLoader``)."""
+        return self.worker.manager.loader
+
+    @property
+    def checkpoints(self) -> Any:
+        return self.worker.manager.checkpoints
+
+    def engine(self, model: str) -> Any:
+        """``model``'s engine lane (``EngineLane``: steps, forecasts and replays run on it)."""
+        return self.worker.manager.lanes.engines[model]
+
+    def stepper(self, model: str) -> Any:
+        return self.worker.manager.lanes.steppers[model]
+
+    def forecaster(self, model: str) -> Any:
+        return self.worker.manager.lanes.forecasters[model]
+
     def stop(self) -> None:
         if self.stopped:
             return

@@ -343,10 +343,10 @@ def test_a_tenant_resident_bytes_budget(start_worker, tokens):
     w = start_worker(auth_tokens=tokens["path"], service=service)
     with Client(w.address, token=tokens["a"]) as a, Client(w.address, token=tokens["b"]) as b:
         first = a.create_session("demo").session_id
-        assert w.manager.residents.footprint_of("tenant-a~") > 0
+        assert w.manager.resident_bytes("tenant-a~") > 0
         with pytest.raises(ResourceExhausted, match=r"may hold .* its budget is 1"):
             a.create_session("demo")
         b.create_session("demo")  # another tenant's bytes are its own
         a.close_session(first)
-        assert w.manager.residents.footprint_of("tenant-a~") == 0
+        assert w.manager.resident_bytes("tenant-a~") == 0
         a.create_session("demo")

@@ -207,7 +207,7 @@ def test_a_worker_cut_off_from_redis_stops_answering_and_another_serves(
         decided = _answer_decisions(a, memory)
         try:
             wait_for(lambda: len(outs[0]) >= 30 and len(memory_outs[0]) >= 30, errors)
-            stale = a.manager.residents.get(logged).lease.token  # A's, from before the cut
+            stale = a.manager.resident(logged).lease.token  # A's, from before the cut
             proxy.black_hole()
             # The link is surely dead once black_hole() returns (the proxy's thread applies
             # it): the guarantee is bounded from there, not from when it was asked for.
@@ -255,7 +255,7 @@ def _answer_decisions(worker, session_id: str) -> list[tuple[float, float]]:
     check, ``Stepper._check_leases``, where a worker that may have lost the lease fences
     itself): when the check began and the lease bound (``valid_until``) it trusted, both
     on ``lease_clock``. A correct check decides after it began and before that bound."""
-    stepper = worker.manager.steppers["demo"]
+    stepper = worker.stepper("demo")
     check = stepper._check_leases
     decided: list[tuple[float, float]] = []
 
@@ -272,7 +272,7 @@ def _answer_decisions(worker, session_id: str) -> list[tuple[float, float]]:
 
 def _token_held(worker, session_id: str) -> str | None:
     """The token of ``worker``'s resident copy of a session (None: not resident)."""
-    s = worker.manager.residents.get(session_id)
+    s = worker.manager.resident(session_id)
     return None if s is None else s.lease.token
 
 
@@ -488,43 +488,41 @@ def _ignore(call) -> None:
         call()
 
 
-def test_a_session_dropped_as_it_loads_answers_its_step_with_an_error(worker, served_models):
+def test_a_session_dropped_as_it_loads_answers_its_step_with_an_error(
+    worker, served_models, monkeypatch
+):
     """A session can leave memory (an unknown write outcome) between its load finishing
     and the request that waited for the load going on. That request must not queue its
     step on the session that left (nobody would ever answer it): it gets the error that
     dropped the session (UNAVAILABLE, retry), and the retry loads the session again."""
     from ssmserve.server.sessions.errors import ReloadingError
+    from ssmserve.server.sessions.residency import ResidentSessions
 
     model = served_models["demo"]
     x = random_inputs(model, 6, seed=640)
     sid = worker.client.create_session("demo").session_id
     stream = list(worker.client.stream_steps(sid, list(x[:5])))
     assert len(stream) == 5
-    manager = worker.manager
-    worker.call(manager.loader.unload(manager.residents.get(sid), "test"))
-    load = manager.loader._load
+    worker.call(worker.loader.unload(worker.manager.resident(sid), "test"))
+    add = ResidentSessions.add
     dropped = []
 
-    async def load_then_drop(session_id: str):
-        s = await load(session_id)
+    def loaded_then_dropped(residents, s, *args, **kwargs) -> None:
+        add(residents, s, *args, **kwargs)  # the load's last act: the session is resident
         if not dropped:  # as a failed write of another request would, once
             dropped.append(s)
-            manager.residents.drop(s, ReloadingError(f"session {session_id!r} test drop"))
-        return s
+            residents.drop(s, ReloadingError(f"session {s.id!r} test drop"))
 
-    manager.loader._load = load_then_drop
-    try:
-        with pytest.raises(ReloadingError):
-            worker.call(manager.intake.submit(sid, 6, x[5]), timeout=10)
-        outcome = worker.call(_answer(manager, sid, 6, x[5]), timeout=10)  # the retry
-    finally:
-        manager.loader._load = load
+    monkeypatch.setattr(ResidentSessions, "add", loaded_then_dropped)
+    with pytest.raises(ReloadingError):
+        worker.call(worker.intake.submit(sid, 6, x[5]), timeout=10)
+    outcome = worker.call(_answer(worker.intake, sid, 6, x[5]), timeout=10)  # the retry
     assert dropped and outcome.error is None
     assert_bit_equal(outcome.output, reference(model, x)[5])
 
 
-async def _answer(manager, sid, step, value):
-    return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)
+async def _answer(intake, sid, step, value):
+    return await asyncio.wait_for(await intake.submit(sid, step, value), 10)
 
 
 @pytest.mark.parametrize("lands", [True, False], ids=["cut-lands", "cut-fails"])
@@ -536,8 +534,8 @@ def test_a_rollback_given_up_mid_write_leaves_memory_as_redis_has_it(worker, ser
     x = random_inputs(model, 30, seed=21)
     sid = worker.client.create_session("demo", snapshot_every=5).session_id
     stream(worker, sid, x[:12])
-    resident = worker.manager.residents.by_id[sid]
-    store = worker.manager.store
+    resident = worker.manager.resident(sid)
+    store = worker.store
     cut = store.cut_history
 
     async def slow_cut(*args: object, **kwargs: object) -> None:
@@ -573,8 +571,8 @@ def test_a_snapshot_given_up_mid_flush_keeps_memory_as_redis_has_it(worker, serv
     x = random_inputs(model, 20, seed=22)
     sid = worker.client.create_session("demo", durability=pb.DURABILITY_SNAPSHOT).session_id
     stream(worker, sid, x[:6])
-    resident = worker.manager.residents.by_id[sid]
-    store = worker.manager.store
+    resident = worker.manager.resident(sid)
+    store = worker.store
     append = store.append_logs
 
     async def append_then_reply_late(*args: object, **kwargs: object) -> object:
@@ -591,7 +589,7 @@ def test_a_snapshot_given_up_mid_flush_keeps_memory_as_redis_has_it(worker, serv
     finally:
         store.append_logs = append
     assert worker.client.snapshot(sid).step == 6
-    assert worker.manager.residents.by_id.get(sid) is resident  # never reloaded
+    assert worker.manager.resident(sid) is resident  # never reloaded
     got, outs = stream(worker, sid, x[6:16], first_step=7)
     assert [o.step for o in outs] == list(range(7, 17))
     assert_bit_equal(got, reference(model, x)[6:16])

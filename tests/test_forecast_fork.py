@@ -101,12 +101,12 @@ def test_a_forecast_whose_engine_call_is_cancelled_by_someone_else_fails_alone(
     async def cancelled(step, states, values):
         raise asyncio.CancelledError  # as awaiting a task someone else cancelled
 
-    with next_engine_call(worker.manager.lanes.engines["demo"], cancelled):
+    with next_engine_call(worker.engine("demo"), cancelled):
         fc = worker.client.forecast(sid, 5)  # the client's stall bound bounds a hang
     assert "forecast tick failed" in caplog.text and "CancelledError" in caplog.text
     assert fc.stopped is None
     assert_bit_equal(fc.outputs, offline_forecast(model, x, 5))
-    task = worker.manager.forecasters["demo"]._task
+    task = worker.forecaster("demo")._task
     assert task is not None and not task.done()
 
 
@@ -130,7 +130,7 @@ def test_a_forecast_that_stops_sending_is_given_up_within_the_stall_bound(worker
     policy = RetryPolicy(stall_timeout_s=0.3, give_up_after_s=1.0)
     try:
         with (
-            next_engine_call(worker.manager.lanes.engines["demo"], hung),
+            next_engine_call(worker.engine("demo"), hung),
             Client(worker.address, retry=policy) as client,
         ):
             started = time.monotonic()
@@ -165,7 +165,7 @@ def test_forecast_leaves_the_session_bit_identical(worker, served_models, redis_
     sid = worker.client.create_session("demo", snapshot_every=4, max_snapshots=16).session_id
     stream(worker, sid, as_inputs(model, x[:18]))
     worker.client.snapshot(sid, label="mark")
-    resident = worker.manager.residents.by_id[sid]
+    resident = worker.manager.resident(sid)
     state_before, step_before = resident.state.copy(), resident.step
     info_before = worker.client.get_session(sid)
     snaps_before = worker.client.list_snapshots(sid)
@@ -455,7 +455,7 @@ def test_too_many_forecasts_at_once_are_refused(start_worker, served_models):
     model = served_models["demo"]
     sid = w.client.create_session("demo").session_id
     stream(w, sid, as_inputs(model, random_inputs(model, 3, seed=14)))
-    forecaster = w.manager.forecasters["demo"]
+    forecaster = w.forecaster("demo")
     blocker = ForecastJob("x", (), 0, 1, model.new_state(), np.zeros(4, np.float32))
     w.call(_submit_unstarted(forecaster, blocker))  # holds the one slot until it runs
     try:

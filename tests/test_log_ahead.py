@@ -28,8 +28,8 @@ NEVER_FIRES = pb.GuardRule(
 )
 
 
-async def _step(manager, sid: str, step: int, value: np.ndarray) -> StepOutcome:
-    return await asyncio.wait_for(await manager.intake.submit(sid, step, value), 10)
+async def _step(intake, sid: str, step: int, value: np.ndarray) -> StepOutcome:
+    return await asyncio.wait_for(await intake.submit(sid, step, value), 10)
 
 
 def _log_session(
@@ -52,36 +52,36 @@ def _log_session(
         "demo", durability=pb.DURABILITY_LOG, guards=guards, **config
     ).session_id
     for t in range(1, stepped + 1):
-        assert worker.call(_step(worker.manager, sid, t, x[t - 1])).error is None
+        assert worker.call(_step(worker.intake, sid, t, x[t - 1])).error is None
     return model, x, worker, sid
 
 
-async def _drive(manager, sid: str, x: np.ndarray, output_dim: int) -> np.ndarray:
+async def _drive(intake, sid: str, x: np.ndarray, output_dim: int) -> np.ndarray:
     """Steps 1..STEPS in every shape a batch takes: lone steps, eight queued singles (one
     batch: all eight in one append), a run of 16 cut by snapshots at steps 16 and 24
     (one batch, three engine calls, one append), lone steps again. Returns the outputs
     ``(STEPS, o)``."""
     out = np.empty((STEPS, output_dim), np.float32)
     for t in range(1, 4):
-        out[t - 1] = (await _step(manager, sid, t, x[t - 1])).output
-    futures = [manager.intake.submit_resident(sid, t, x[t - 1], True) for t in range(4, 12)]
+        out[t - 1] = (await _step(intake, sid, t, x[t - 1])).output
+    futures = [intake.submit_resident(sid, t, x[t - 1], True) for t in range(4, 12)]
     for t, outcome in zip(range(4, 12), await asyncio.gather(*futures), strict=True):
         assert outcome.error is None, outcome.error
         out[t - 1] = outcome.output
-    run_future = manager.intake.submit_run_resident(sid, 12, x[11:27])
+    run_future = intake.submit_run_resident(sid, 12, x[11:27])
     assert run_future is not None
     run = await asyncio.wait_for(run_future, 10)
     assert all(o is None or o.error is None for o in run.outcomes)
     for t, o in enumerate(run.outcomes):  # a step's own outcome, else its row of outputs
         out[11 + t] = run.outputs[t] if o is None else o.output
     for t in range(28, STEPS + 1):
-        out[t - 1] = (await _step(manager, sid, t, x[t - 1])).output
+        out[t - 1] = (await _step(intake, sid, t, x[t - 1])).output
     return out
 
 
 def _logged(worker, sid: str) -> dict[int, bytes]:
     async def read() -> dict[int, bytes]:
-        raw = await worker.manager.store.read_log(sid, 1, STEPS)
+        raw = await worker.store.read_log(sid, 1, STEPS)
         return dict(enumerate(raw, start=1))
 
     return worker.call(read())
@@ -108,7 +108,7 @@ def test_logging_ahead_or_after_the_engine_call_logs_and_answers_the_same(
             guards=() if ahead else (NEVER_FIRES,),
         ).session_id  # fmt: skip
         sent_ahead.clear()
-        outputs = worker.call(_drive(worker.manager, sid, x, model.config.output_dim))
+        outputs = worker.call(_drive(worker.intake, sid, x, model.config.output_dim))
         assert_bit_equal(outputs, reference(model, x))
         logs[ahead] = _logged(worker, sid)
         ahead_counts[ahead] = list(sent_ahead)
@@ -130,21 +130,20 @@ def test_a_step_logged_ahead_whose_engine_call_fails_reloads_the_session(
     session, right the first time: kept in memory at the earlier step, it would apply the
     step again and find the log already past it."""
     model, x, worker, sid = _log_session(start_worker, served_models, 6, 1902, 3)
-    manager = worker.manager
-    session = manager.residents.get(sid)
+    session = worker.manager.resident(sid)
     assert session.config.durability == Durability.LOG
 
     async def fails(step, states, values):
         await asyncio.sleep(0.05)  # the append sent ahead reaches Redis meanwhile
         raise RuntimeError("injected engine failure")
 
-    with next_engine_call(manager.lanes.engines["demo"], fails):
-        failed = worker.call(_step(manager, sid, 4, x[3]))
+    with next_engine_call(worker.engine("demo"), fails):
+        failed = worker.call(_step(worker.intake, sid, 4, x[3]))
     assert isinstance(failed.error, SessionGoneError), failed.error
     assert "injected engine failure" in str(failed.error)
-    assert manager.residents.by_id.get(sid) is not session  # left memory
+    assert worker.manager.resident(sid) is not session  # left memory
     assert sorted(_logged_upto(worker, sid, 4)) == [1, 2, 3, 4]  # Redis kept step 4
-    outputs = [worker.call(_step(manager, sid, t, x[t - 1])) for t in (4, 5, 6)]
+    outputs = [worker.call(_step(worker.intake, sid, t, x[t - 1])) for t in (4, 5, 6)]
     assert [o.error for o in outputs] == [None, None, None]
     assert outputs[0].replayed  # step 4 came from the log
     expected = reference(model, x)
@@ -161,27 +160,26 @@ def test_a_batch_whose_engine_call_is_cancelled_by_someone_else_fails_and_steps_
     keeps running. Ending it on that CancelledError left every later step of every
     session of the model unanswered."""
     model, x, worker, sid = _log_session(start_worker, served_models, 6, 1903, 3)
-    manager = worker.manager
 
     async def cancelled(step, states, values):
         raise asyncio.CancelledError  # as awaiting a task someone else cancelled
 
-    with next_engine_call(manager.lanes.engines["demo"], cancelled):
-        failed = worker.call(_step(manager, sid, 4, x[3]))
+    with next_engine_call(worker.engine("demo"), cancelled):
+        failed = worker.call(_step(worker.intake, sid, 4, x[3]))
     assert isinstance(failed.error, SessionGoneError), failed.error
     assert "CancelledError" in str(failed.error)
-    outputs = [worker.call(_step(manager, sid, t, x[t - 1])) for t in (4, 5, 6)]  # bounded
+    outputs = [worker.call(_step(worker.intake, sid, t, x[t - 1])) for t in (4, 5, 6)]  # bounded
     assert [o.error for o in outputs] == [None, None, None]
     expected = reference(model, x)
     for t, o in zip((4, 5, 6), outputs, strict=True):
         assert_bit_equal(o.output, expected[t - 1])
-    task = manager.steppers["demo"]._task
+    task = worker.stepper("demo")._task
     assert task is not None and not task.done()
 
 
 def _logged_upto(worker, sid: str, last: int) -> dict[int, bytes]:
     async def read() -> dict[int, bytes]:
-        return dict(enumerate(await worker.manager.store.read_log(sid, 1, last), start=1))
+        return dict(enumerate(await worker.store.read_log(sid, 1, last), start=1))
 
     return worker.call(read())
 
@@ -191,13 +189,12 @@ def test_a_refused_append_takes_the_step_back_either_way(start_worker, served_mo
     """A closed session's append is refused: with the log ahead as after, the step is
     answered with the error, and nothing of it is in the log."""
     _model, x, worker, sid = _log_session(start_worker, served_models, 3, 1903, 2, ahead)
-    manager = worker.manager
-    session = manager.residents.get(sid)
+    session = worker.manager.resident(sid)
 
     async def close_in_redis_then_step():
-        keys = manager.store.keys(sid)
-        await manager.store.redis.hset(keys.meta, "closed", "1")
-        return await _step(manager, sid, 3, x[2])
+        keys = worker.store.keys(sid)
+        await worker.store.redis.hset(keys.meta, "closed", "1")
+        return await _step(worker.intake, sid, 3, x[2])
 
     outcome = worker.call(close_in_redis_then_step())
     assert outcome.error is not None and outcome.output is None
@@ -214,9 +211,9 @@ def test_a_step_is_computed_before_its_append_replies_and_answered_only_after(
     """The overlap, and durable before acknowledged: with the append held up, the step
     is already applied in memory, yet not answered until the append's reply."""
     model, x, worker, sid = _log_session(start_worker, served_models, 1, 1905, 0)
-    manager = worker.manager
-    session = manager.residents.get(sid)
-    append = manager.store.append_logs
+    session = worker.manager.resident(sid)
+    store = worker.store
+    append = store.append_logs
 
     async def held_step():
         gate = asyncio.Event()
@@ -225,15 +222,15 @@ def test_a_step_is_computed_before_its_append_replies_and_answered_only_after(
             await gate.wait()
             return await append(appends, updated_at)
 
-        manager.store.append_logs = held
+        store.append_logs = held
         try:
-            future = await manager.intake.submit(sid, 1, x[0])
+            future = await worker.intake.submit(sid, 1, x[0])
             await asyncio.sleep(0.2)
             computed, answered = session.step, future.done()
             gate.set()
             return computed, answered, await asyncio.wait_for(future, 10)
         finally:
-            manager.store.append_logs = append
+            store.append_logs = append
 
     computed, answered, outcome = worker.call(held_step())
     assert computed == 1 and not answered
@@ -251,9 +248,9 @@ def test_an_unknown_append_outcome_then_an_engine_failure_reloads_the_session(
     from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
 
     model, x, worker, sid = _log_session(start_worker, served_models, 4, 1906, 3)
-    manager = worker.manager
-    session = manager.residents.get(sid)
-    append, lane = manager.store.append_logs, manager.lanes.engines["demo"]
+    session = worker.manager.resident(sid)
+    store, lane = worker.store, worker.engine("demo")
+    append = store.append_logs
     step = lane.step
 
     async def unknown(appends, updated_at):
@@ -263,13 +260,13 @@ def test_an_unknown_append_outcome_then_an_engine_failure_reloads_the_session(
         await asyncio.sleep(0.05)  # the append's reply is in by now
         raise RuntimeError("injected engine failure")
 
-    manager.store.append_logs, lane.step = unknown, fails
+    store.append_logs, lane.step = unknown, fails
     try:
-        failed = worker.call(_step(manager, sid, 4, x[3]))
+        failed = worker.call(_step(worker.intake, sid, 4, x[3]))
     finally:
-        manager.store.append_logs, lane.step = append, step
+        store.append_logs, lane.step = append, step
     assert failed.error is not None and failed.output is None
-    assert manager.residents.by_id.get(sid) is not session  # left memory
-    again = worker.call(_step(manager, sid, 4, x[3]))
+    assert worker.manager.resident(sid) is not session  # left memory
+    again = worker.call(_step(worker.intake, sid, 4, x[3]))
     assert again.error is None
     assert_bit_equal(again.output, reference(model, x)[3])

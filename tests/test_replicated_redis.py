@@ -168,7 +168,7 @@ def test_a_failover_to_a_replica_that_missed_a_takeover_never_repeats_a_token(
             link.black_hole()  # from here R misses every write
             assert a.client.migrate(sid, b.address).target == b.address
             stream(b, sid, x[20:30], first_step=21)  # on P only
-            b_token = b.manager.residents.get(sid).lease.token
+            b_token = b.manager.resident(sid).lease.token
             # P is lost; R is promoted and takes its address.
             redis.Redis(port=replica).replicaof("NO", "ONE")
             front.retarget("127.0.0.1", replica)
@@ -176,7 +176,7 @@ def test_a_failover_to_a_replica_that_missed_a_takeover_never_repeats_a_token(
                 assert via_a.get_session(sid).step == 20
                 got = [o.output for o in via_a.stream_steps(sid, list(x[20:25]), first_step=21)]
             assert_bit_equal(np.stack(got), reference(model, x[:25])[20:])
-            a_token = a.manager.residents.get(sid).lease.token
+            a_token = a.manager.resident(sid).lease.token
             assert a_token.split(".")[:2] == b_token.split(".")[:2]  # the same epoch ...
             assert a_token != b_token  # ... and still not the same token
             with redis.Redis(port=replica) as r:

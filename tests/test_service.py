@@ -506,7 +506,7 @@ def test_periodic_snapshots_are_written_in_the_background_and_reported_later(wor
     # reaches its step): seen once on a machine running two CPU hogs and another suite.
     # Then the newest is still there, and the writer counted each one it dropped.
     steps = [s.step for s in worker.client.list_snapshots(sid)]
-    writer = worker.manager.residents.by_id[sid].snapshots
+    writer = worker.manager.resident(sid).snapshots
     assert steps[0] == 0 and steps[-1] == 24 and set(steps) <= {0, 4, 8, 12, 16, 20, 24}
     assert len(steps) + writer.superseded == 7, (steps, writer.superseded)
     # Each is reported once, in an answer after the step it was taken at.
@@ -533,7 +533,7 @@ def test_snapshots_of_lockstep_sessions_are_committed_in_batches(worker, served_
     bound = ManagerSettings().snapshot_writes_in_flight
     sids = [worker.client.create_session("demo", snapshot_every=2).session_id for _ in range(count)]
     x = random_inputs(model, 2 * due_ticks, seed=31)
-    commits = worker.manager.checkpoints.commits
+    commits = worker.checkpoints.commits
     before = commits.batches
     channel = grpc.insecure_channel(worker.address)
     try:
@@ -546,7 +546,7 @@ def test_snapshots_of_lockstep_sessions_are_committed_in_batches(worker, served_
     finally:
         channel.close()
     for sid in sids:
-        worker.call(worker.manager.checkpoints.settled(sid))
+        worker.call(worker.checkpoints.settled(sid))
         assert [s.step for s in worker.client.list_snapshots(sid)] == [0, 2, 4]
     # Per due tick: the writes in flight together, then the ones that waited for them.
     assert commits.batches - before <= due_ticks * -(-count // bound)
@@ -776,13 +776,13 @@ def test_an_import_is_staged_in_redis_while_it_arrives(
     while sum(_staged_uploads(redis_url).values()) < len(blob) // 2 - 1024 - 300:
         assert time.monotonic() < deadline, "the first half of the upload was never staged"
         time.sleep(0.02)
-    assert w.manager.memory.held_by["imports"] == 0  # nothing held whole yet
+    assert w.memory.held_by["imports"] == 0  # nothing held whole yet
     assert w.worker.service.budgets.import_bytes == len(blob)  # the staging budget
     upload.resume.set()
     info = future.result(60)
     assert (info.session_id, info.step) == ("staged", 25)
     assert _staged_uploads(redis_url) == {}
-    assert w.manager.memory.held_by["imports"] == 0
+    assert w.memory.held_by["imports"] == 0
     assert w.worker.service.budgets.import_bytes == 0
     got, _ = stream(w, "staged", x[25:])
     assert_bit_equal(got, reference(model, x)[25:])
@@ -831,16 +831,14 @@ def test_forecasts_and_imports_count_in_the_worker_memory_budget(start_worker, s
     model = served_models["demo"]
     c = model.config
     probe = start_worker()
-    each = probe.manager.loader.footprint(
-        model, SessionConfig().resolve(SessionDefaults(), c.output_dim)
-    )
+    each = probe.loader.footprint(model, SessionConfig().resolve(SessionDefaults(), c.output_dim))
     probe.stop()
     room = 1000 * c.output_dim * 4 + c.state_bytes  # a forecast of 1000 steps fits ...
     w = start_worker(manager=ManagerSettings(memory_budget_bytes=each + room))
     sid = w.client.create_session("demo").session_id
     stream(w, sid, random_inputs(model, 5, seed=63))
     assert len(w.client.forecast(sid, 1000).outputs) == 1000
-    assert w.manager.memory.held_by["forecasts"] == 0  # given back when it ended
+    assert w.memory.held_by["forecasts"] == 0  # given back when it ended
     with pytest.raises(ResourceExhausted, match=r"forecast of 1001 steps .* memory budget"):
         w.client.forecast(sid, 1001)  # ... one more step does not
     blob = w.client.export_checkpoint(sid)
@@ -849,8 +847,8 @@ def test_forecasts_and_imports_count_in_the_worker_memory_budget(start_worker, s
         w.client.import_checkpoint(blob, "copy")  # checkpoint and one more session
     with pytest.raises(NotFound):
         w.client.get_session("copy")
-    assert sum(w.manager.memory.held_by.values()) == 0
-    assert w.manager.memory.held == each
+    assert sum(w.memory.held_by.values()) == 0
+    assert w.memory.held == each
 
 
 # ---------------------------------------------------------------------------- lifecycle
@@ -1022,7 +1020,7 @@ def test_a_cancelled_stream_leaves_no_reader_behind(start_worker, served_models)
     held = asyncio.Event()
 
     async def hold() -> None:
-        s = w.manager.residents.by_id[sid]
+        s = w.manager.resident(sid)
         async with s.exclusive():
             held.set()
             await release.wait()
@@ -1066,7 +1064,7 @@ def test_the_memory_budget_bounds_what_resident_sessions_may_hold(start_worker, 
     model = served_models["demo"]
     probe = start_worker()
     config = SessionConfig().resolve(SessionDefaults(), model.config.output_dim)
-    each = probe.manager.loader.footprint(model, config)
+    each = probe.loader.footprint(model, config)
     assert each >= model.config.state_bytes + 256 * 4 * model.config.input_dim
     w = start_worker(manager=ManagerSettings(memory_budget_bytes=2 * each + each // 2))
     first = w.client.create_session("demo").session_id
@@ -1075,9 +1073,9 @@ def test_the_memory_budget_bounds_what_resident_sessions_may_hold(start_worker, 
         w.client.create_session("demo")
     with pytest.raises(ResourceExhausted, match="memory budget"):
         w.client.fork(first)
-    assert w.manager.residents.footprint_bytes == 2 * each
+    assert w.memory.resident_bytes == 2 * each
     w.client.close_session(first)
-    assert w.manager.residents.footprint_bytes == each
+    assert w.memory.resident_bytes == each
     w.client.create_session("demo")  # room again
 
 
@@ -1099,7 +1097,7 @@ def test_a_snapshot_phase_places_periodic_snapshots_and_stays_with_the_session(
     assert_bit_equal(got, reference(model, x))
     steps = sorted(s.step for s in w.client.list_snapshots(sid))
     assert steps == [0, 3, 11, 19], steps  # the creation snapshot, then s % 8 == 3
-    w.call(w.manager.loader.park(sid, "test"))  # out of memory: the phase comes from Redis
+    w.call(w.loader.park(sid, "test"))  # out of memory: the phase comes from Redis
     more = random_inputs(model, 8, seed=32)
     again, _ = stream(w, sid, more, first_step=21, per_message=4)
     assert_bit_equal(again, reference(model, np.concatenate([x, more]))[20:])

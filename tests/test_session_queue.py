@@ -79,16 +79,19 @@ def test_a_stream_cancelled_while_its_session_loads_does_not_fail_the_other_stre
     x = random_inputs(served_models["demo"], 4, seed=3)
     sid = w.client.create_session("demo").session_id
     list(w.client.stream_steps(sid, list(x[:3]), first_step=1))
-    w.call(w.manager.loader.park(sid, "test"))  # out of memory: the next step loads it
-    loader = w.manager.loader
+    w.call(w.loader.park(sid, "test"))  # out of memory: the next step loads it
+    store = w.store
     gate = w.call(_make_event())
-    real_load = loader._load
+    load_started = threading.Event()
+    real_get_meta = store.get_meta
 
-    async def held_load(session_id: str):  # the load waits until the test lets it go
-        await gate.wait()
-        return await real_load(session_id)
+    async def held_get_meta(session_id: str):  # the load waits until the test lets it go
+        if session_id == sid:
+            load_started.set()
+            await gate.wait()
+        return await real_get_meta(session_id)
 
-    loader._load = held_load
+    store.get_meta = held_get_meta
     request = pb.StreamRequest(steps=[step_input(sid, 4, x[3])])
     keep_open = threading.Event()
 
@@ -97,7 +100,7 @@ def test_a_stream_cancelled_while_its_session_loads_does_not_fail_the_other_stre
         keep_open.wait(30)
 
     def loading() -> bool:
-        return w.call(_has_load(loader, sid))
+        return load_started.is_set()
 
     with grpc.insecure_channel(w.address) as channel:
         stub = pb_grpc.SessionServiceStub(channel)
@@ -117,10 +120,6 @@ def test_a_stream_cancelled_while_its_session_loads_does_not_fail_the_other_stre
 
 async def _make_event() -> asyncio.Event:
     return asyncio.Event()
-
-
-async def _has_load(loader, sid: str) -> bool:
-    return sid in loader._loading
 
 
 def _wait(condition, what: str, timeout_s: float = 20.0) -> None:

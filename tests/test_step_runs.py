@@ -27,7 +27,7 @@ def outputs(results):
 
 
 def queued_steps(worker) -> int:
-    return sum(s.queued_steps for s in worker.manager.residents.by_id.values())
+    return sum(worker.manager.resident_counts().queued_steps.values())
 
 
 @pytest.mark.parametrize("packed", [True, False])

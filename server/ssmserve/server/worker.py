@@ -55,10 +55,11 @@ from ssmserve.server.engine.numerics import (
 )
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
-from ssmserve.server.observability.metrics import Metrics, ResidentCounts, WorkerView
+from ssmserve.server.observability.metrics import Metrics, WorkerView
 from ssmserve.server.observability.tracing import Tracing
 from ssmserve.server.readiness import Readiness, ReadinessSettings
 from ssmserve.server.sessions.manager import ManagerSettings, SessionManager
+from ssmserve.server.sessions.memory import WorkerMemory, default_memory_budget
 from ssmserve.server.sessions.migration import DrainProgress, MigrationSettings, Migrator
 from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.sessions.rebalance import Rebalancer, RebalanceSettings
@@ -207,6 +208,9 @@ class Worker:
         self.store: Store | None = None
         self.guard: StoreGuard | None = None  # the store's eviction policy and identity
         self.manager: SessionManager | None = None
+        self.memory = WorkerMemory(
+            settings.manager.memory_budget_bytes or default_memory_budget()
+        )  # the worker's one budget: sessions, forecasts, imports being decoded
         self.ownership: Ownership | None = None
         self.migrator: Migrator | None = None
         self.rebalancer: Rebalancer | None = None
@@ -306,7 +310,7 @@ class Worker:
         )  # fmt: skip
         self.ownership.store_checks = self._store_checks
         manager = self.manager = SessionManager(
-            models, self.store, self.ownership, s.manager, guard
+            models, self.store, self.ownership, self.memory, s.manager, guard
         )
         self.migrator = Migrator(
             self.store, self.ownership, self.peers,
@@ -317,14 +321,19 @@ class Worker:
         manager.start()
         self.service = SessionService(
             manager,
+            manager.intake,
             replace(s.service, max_message_bytes=s.max_message_bytes),
             self.migrator,
-            self.authenticator,
+            store=self.store,
+            memory=self.memory,
+            metrics=self.metrics,
+            authenticator=self.authenticator,
             refusal=lambda: guard.refusal,
         )
         pb_grpc.add_SessionServiceServicer_to_server(self.service, self.server)
         pb_grpc.add_ClusterServiceServicer_to_server(
-            ClusterService(self.migrator, self.ownership, self), self.server
+            ClusterService(self.migrator, self.ownership, self.peers, manager, self),
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -406,37 +415,25 @@ class Worker:
             return WorkerStats()
         p50, p99 = service.recent_latency.percentiles_ms(0.5, 0.99)
         return WorkerStats(
-            steps=sum(s.steps for s in manager.steppers.values()),
-            snapshots=manager.checkpoints.committed,
+            steps=manager.steps_taken,
+            snapshots=manager.snapshots_committed,
             open_streams=service.open_streams,
             step_p50_ms=p50,
             step_p99_ms=p99,
-            memory_held=manager.memory.held,
-            memory_budget=manager.memory.budget_bytes,
+            memory_held=self.memory.held,
+            memory_budget=self.memory.budget_bytes,
         )
 
     def _start_metrics(self, listen: str) -> None:
-        manager, ownership = self.manager, self.ownership
+        manager, ownership, memory = self.manager, self.ownership, self.memory
         assert manager is not None and ownership is not None
-
-        def residents() -> ResidentCounts:
-            counts = ResidentCounts()
-            for s in list(manager.residents.by_id.values()):  # a copy, made under the GIL
-                key = (s.model_name, s.id.split("~", 1)[0] if "~" in s.id else "")
-                counts.sessions[key] = counts.sessions.get(key, 0) + 1
-                queued = counts.queued_steps.get(s.model_name, 0)
-                counts.queued_steps[s.model_name] = queued + s.queued_steps
-            return counts
-
         self.metrics.watch(
             WorkerView(
-                residents=residents,
-                memory_held=lambda: manager.memory.held,
-                memory_budget=lambda: manager.memory.budget_bytes,
+                residents=manager.resident_counts,
+                memory_held=lambda: memory.held,
+                memory_budget=lambda: memory.budget_bytes,
                 open_streams=lambda: self.service.open_streams if self.service else 0,
-                forecasts_running=lambda: {
-                    name: f.running for name, f in manager.forecasters.items()
-                },
+                forecasts_running=manager.forecasts_running,
                 draining=lambda: ownership.draining,
                 stored_sessions=lambda: self._stored_sessions,
                 replicas_confirming=lambda: self.store.wait_replicas if self.store else 0,

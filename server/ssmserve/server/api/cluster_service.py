@@ -3,7 +3,6 @@ AdoptSession, LoadModel, UnloadModel."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
@@ -15,6 +14,7 @@ from ssmserve.server.api.conversions import model_to_pb
 from ssmserve.server.api.heartbeats import with_heartbeats
 from ssmserve.server.api.imports import RequestError
 from ssmserve.server.cluster.ownership import Ownership
+from ssmserve.server.cluster.peers import Peers
 from ssmserve.server.errors import clip
 from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.sessions.migration import Migrator, UnknownWorkerError
@@ -26,17 +26,27 @@ from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 class ModelAdmin(Protocol):
     """What LoadModel and UnloadModel ask of the worker (``Worker``)."""
 
-    manager: SessionManager | None
-
     async def load_model(self, key: str, directory: Path) -> None: ...
 
     async def unload_model(self, key: str) -> None: ...
 
 
 class ClusterService(pb_grpc.ClusterServiceServicer):
-    def __init__(self, migrator: Migrator, ownership: Ownership, models: ModelAdmin) -> None:
+    """``peers`` relays a Drain or Undrain of another worker; ``manager`` says which
+    models are served and resident; ``models`` loads and unloads them."""
+
+    def __init__(
+        self,
+        migrator: Migrator,
+        ownership: Ownership,
+        peers: Peers,
+        manager: SessionManager,
+        models: ModelAdmin,
+    ) -> None:
         self.migrator = migrator
         self.ownership = ownership
+        self.peers = peers
+        self.manager = manager
         self.models = models
 
     async def LoadModel(
@@ -56,9 +66,8 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
             return self._models()
 
     def _models(self) -> pb.ListModelsResponse:
-        manager = self.models.manager
-        assert manager is not None
-        resident = Counter(s.model_name for s in manager.residents.by_id.values())
+        manager = self.manager
+        resident = manager.resident_models()
         return pb.ListModelsResponse(
             worker=self.ownership.address,
             models=[model_to_pb(k, manager.models, resident[k]) for k in sorted(manager.models)],
@@ -92,7 +101,7 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
     ) -> AsyncIterator[pb.DrainProgress]:
         async with status.edge(context):
             if await self._elsewhere(request.worker):
-                progress = self.migrator.peers.drain(request.worker)
+                progress = self.peers.drain(request.worker)
             else:
                 progress = self._own_drain()
             last = pb.DrainProgress()
@@ -117,7 +126,7 @@ class ClusterService(pb_grpc.ClusterServiceServicer):
     ) -> pb.WorkerInfo:
         async with status.edge(context):
             if await self._elsewhere(request.worker):
-                return await self.migrator.peers.undrain(request.worker)
+                return await self.peers.undrain(request.worker)
             await self.migrator.undrain()
             return worker_to_pb(self.ownership.record())
 

@@ -2,15 +2,17 @@
 
 The servicer holds no session logic: it turns protobuf messages into calls on the
 :class:`~ssmserve.server.sessions.manager.SessionManager` and results back into messages
-(``conversions``); Stream's requests and answers go through ``stream_pipeline``.
-Errors raised below map to status codes in ``ssmserve.server.api.status``.
+(``conversions``); Stream's requests and answers go through ``stream_pipeline``, which
+queues steps on the :class:`~ssmserve.server.sessions.intake.StepIntake`. Imports are
+staged in the ``store`` and decoded within the worker's ``memory`` budget; forks are
+placed by the ``migrator``. Errors raised below map to status codes in
+``ssmserve.server.api.status``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -33,12 +35,16 @@ from ssmserve.server.api.imports import CHUNK_BYTES, CheckpointUpload, RequestEr
 from ssmserve.server.api.stream_pipeline import StreamReader, answer_responses
 from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.observability.recent_latency import RecentLatency
+from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.memory import WorkerMemory
 from ssmserve.server.sessions.migration import Migrator
 from ssmserve.server.sessions.models import split_key, version_order
 from ssmserve.server.sessions.records import RollbackTarget
 from ssmserve.server.state import checkpoint_signing
+from ssmserve.server.state.store import Store
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
@@ -59,18 +65,27 @@ class SessionService(pb_grpc.SessionServiceServicer):
     def __init__(
         self,
         manager: SessionManager,
+        intake: StepIntake,
         settings: ServiceSettings,
         migrator: Migrator,
+        *,
+        store: Store,
+        memory: WorkerMemory,
+        metrics: Metrics,
         authenticator: Authenticator | None = None,
         refusal: Callable[[], SsmserveError | None] = lambda: None,
     ) -> None:
         self.manager = manager
+        self.intake = intake  # Stream's steps are queued here
         self.settings = settings
         self.migrator = migrator  # places forks on other workers
+        self.store = store  # ImportCheckpoint stages its chunks here
+        self.memory = memory  # the worker's budget: an import is decoded within it
+        self.metrics = metrics
         self.authenticator = authenticator  # None or disabled: no tenants
         # Why this worker must not serve now (``serving_gate``); None: it serves.
         self.refusal = refusal
-        self.budgets = Budgets(settings.budgets, manager.store, manager.residents.footprint_of)
+        self.budgets = Budgets(settings.budgets, store, manager.resident_bytes)
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
         self.recent_latency = RecentLatency()  # for the registry entry (ssmserve top)
 
@@ -107,14 +122,10 @@ class SessionService(pb_grpc.SessionServiceServicer):
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
             models = self.manager.models
-            resident = Counter(
-                s.model_name
-                for s in self.manager.residents.by_id.values()
-                if s.id.startswith(scope.prefix)
-            )
+            resident = self.manager.resident_models(scope.prefix)
             order = sorted(models, key=lambda k: (split_key(k)[0], version_order(split_key(k)[1])))
             infos = [model_to_pb(key, models, resident[key]) for key in order]
-            return pb.ListModelsResponse(worker=self.manager.ownership.address, models=infos)
+            return pb.ListModelsResponse(worker=self.migrator.address, models=infos)
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
@@ -165,7 +176,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         # client still writes can reach the client as INTERNAL with the real status lost.
         scope = self._scope(context)
         reader = StreamReader(
-            self.manager,
+            self.intake,
             scope,
             self.settings.max_steps_per_message,
             self.settings.max_inflight_messages,
@@ -175,7 +186,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
         budget = self.settings.max_message_bytes - RESPONSE_MARGIN
         self.open_streams += 1
         try:
-            latency = self.manager.metrics.step_latency
+            latency = self.metrics.step_latency
             while (message := await reader.answers.get()) is not None:
                 received, futures, packed, steps = message
                 outcomes = [await f for f in futures]
@@ -246,7 +257,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                     request.at_step if request.HasField("at_step") else None,
                 )
             try:
-                async for steps in job.batches(self.manager.settings.forecast.message_bytes):
+                async for steps in job.batches():
                     yield pb.ForecastResponse(
                         from_step=job.from_step,
                         steps=[forecast_step_to_pb(x, request.packed_outputs) for x in steps],
@@ -260,7 +271,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                     )
             finally:
                 job.close()  # done, or the client went away: stop computing, free memory
-                self.manager.metrics.forecast_seconds.observe(time.perf_counter() - started)
+                self.metrics.forecast_seconds.observe(time.perf_counter() - started)
 
     async def Upgrade(
         self, request: pb.UpgradeRequest, context: grpc.aio.ServicerContext
@@ -361,13 +372,13 @@ class SessionService(pb_grpc.SessionServiceServicer):
             with self.budgets.importing(scope.tenant) as buffer:
                 await self.budgets.check_new_session(scope.tenant, scope.prefix)
                 upload = CheckpointUpload(
-                    self.manager.store, self.settings.max_import_bytes, buffer.reserve
+                    self.store, self.settings.max_import_bytes, buffer.reserve
                 )
                 try:
                     await upload.receive(request_iterator)
                     header = upload.header
                     assert header is not None  # receive() checked it
-                    with self.manager.memory.reserve(
+                    with self.memory.reserve(
                         "imports", upload.total, "decoding an imported checkpoint"
                     ):
                         blob, _verified = checkpoint_signing.unwrap(

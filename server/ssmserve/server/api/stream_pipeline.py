@@ -27,7 +27,7 @@ from ssmserve.server.api.conversions import (
 from ssmserve.server.api.imports import RequestError
 from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import ErrorKind, SsmserveError, being_cancelled, clip
-from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.session import SessionGoneError, StepOutcome, StepRun
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -48,13 +48,13 @@ class StreamReader:
 
     def __init__(
         self,
-        manager: SessionManager,
+        intake: StepIntake,
         scope: TenantScope,
         max_steps_per_message: int,
         max_inflight_messages: int,
         refusal: Callable[[], SsmserveError | None] = lambda: None,
     ) -> None:
-        self.manager = manager
+        self.intake = intake
         self.scope = scope
         self.max_steps_per_message = max_steps_per_message
         self.refusal = refusal  # set: every step is answered with it, none is applied
@@ -116,9 +116,9 @@ class StreamReader:
                 sid = self.scope.stored(step.session_id)
                 finite = packed is not None
                 value = packed.value(i) if packed is not None else step_value(step)
-                future = self.manager.intake.submit_resident(sid, step.step, value, finite)
+                future = self.intake.submit_resident(sid, step.step, value, finite)
                 if future is None:  # not in memory: load it first
-                    future = await self.manager.intake.submit(sid, step.step, value, finite)
+                    future = await self.intake.submit(sid, step.step, value, finite)
             except SsmserveError as exc:
                 future = loop.create_future()
                 future.set_result(StepOutcome(step.session_id, step.step, error=exc))
@@ -150,7 +150,7 @@ class StreamReader:
             sid = self.scope.stored(steps[lo].session_id)
         except SsmserveError:
             return None
-        return self.manager.intake.submit_run_resident(sid, steps[lo].step, values)
+        return self.intake.submit_run_resident(sid, steps[lo].step, values)
 
 
 #: A step's answer to come: its own outcome, or a run of steps of one session.

@@ -113,6 +113,7 @@ class ForecastJob:
     finished: bool = False
     cancelled: bool = False  # nobody reads it any more
     memory: MemoryReservation | None = None  # its bytes in the worker's memory budget
+    message_bytes: int = 1 << 20  # output bytes per answer message (``ForecastSettings``)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -133,9 +134,10 @@ class ForecastJob:
         if self.memory is not None:
             self.memory.release()
 
-    async def batches(self, max_bytes: int) -> AsyncIterator[list[ForecastStep]]:
-        """The steps as they come, about ``max_bytes`` of outputs (at least one step) at a
-        time, until the forecast finishes."""
+    async def batches(self, max_bytes: int | None = None) -> AsyncIterator[list[ForecastStep]]:
+        """The steps as they come, about ``max_bytes`` of outputs (at least one step;
+        default ``message_bytes``) at a time, until the forecast finishes."""
+        max_bytes = self.message_bytes if max_bytes is None else max_bytes
         while True:
             await self._wake.wait()
             self._wake.clear()

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 
@@ -350,14 +349,6 @@ def remember_history(s: Session, history: InputHistory) -> None:
     s.recent.remember_inputs(
         history.first_step, [s.codec.encode(value) for value in history.inputs]
     )
-
-
-def default_memory_budget() -> int:
-    """Three quarters of the machine's memory (the rest for the engine, gRPC, Python)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
-    except (ValueError, OSError):
-        return 1 << 62  # unknown: no memory budget beyond max_sessions
 
 
 def _still_resident(s: Session) -> Session:

@@ -2,7 +2,7 @@
 
 Everything that changes a session goes through here, and every change is all-or-nothing:
 a request that fails leaves the session exactly as it was. The manager composes the
-pieces, one module each:
+pieces, one module each, each given what it works with when it is made:
 
 - ``residency``: the resident sessions and the fencing of their writes (a session is
   answered for only while this worker's clock says its lease surely runs);
@@ -10,16 +10,18 @@ pieces, one module each:
 - ``checkpoints``: snapshots, periodic ones in the background;
 - ``replay``: the one primitive that rebuilds a session's state at a step (newest
   snapshot at or before it, plus replay), behind load, rollback, fork and forecast;
-- ``intake``: steps checked and queued on their sessions (``manager.intake``);
+- ``intake``: steps checked and queued on their sessions (the Stream pipeline's);
 - ``model_lanes``: per model, its engine lane, ``stepper`` and ``forecaster``.
 
-Each component is given what it works with when it is made.
+The worker wires the components that work beside the manager from these (``intake``
+for streams; ``residents``, ``loader``, ``checkpoints`` and ``lifecycle`` for
+``migration``); the API asks the manager its operations and a few queries (what is
+resident, per model and per tenant; the worker's counts).
 
 What it adds: **create / import / fork** write the session's metadata, lease and first
 snapshot (step 0, or the imported or forked step) in one script, so every step from
 there on can be rebuilt and a session never exists without its base. **Rollback to t**
-restores the state at t (``replay``), then cuts history after t in Redis. Moving a
-session to another worker is ``migration``'s, beside this.
+restores the state at t (``replay``), then cuts history after t in Redis.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
+from ssmserve.server.observability.metrics import ResidentCounts
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import SessionConfig, SessionDefaults
 from ssmserve.server.sessions.errors import (
@@ -56,7 +60,7 @@ from ssmserve.server.sessions.forecaster import (
 from ssmserve.server.sessions.history import HistoryReader
 from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.lifecycle import Lifecycle
-from ssmserve.server.sessions.loading import SessionLoader, default_memory_budget
+from ssmserve.server.sessions.loading import SessionLoader
 from ssmserve.server.sessions.memory import WorkerMemory
 from ssmserve.server.sessions.model_lanes import ModelLanes
 from ssmserve.server.sessions.models import ServedModels
@@ -110,23 +114,26 @@ class ManagerSettings:
 
 
 class SessionManager:
-    """The session operations of one worker (``guard``: the store's identity checks,
-    whose resets drop the sessions the store lost)."""
+    """The session operations of one worker (``memory``: the worker's one budget, which
+    the API's imports share; ``guard``: the store's identity checks, whose resets drop the
+    sessions the store lost)."""
 
     def __init__(
         self,
         models: Mapping[str, MambaModel],
         store: Store,
         ownership: Ownership,
+        memory: WorkerMemory,
         settings: ManagerSettings,
         guard: StoreGuard | None = None,
     ) -> None:
         self.models = ServedModels(models)
         self.store = store
         self.ownership = ownership
+        self.memory = memory
         self.settings = settings
         self.metrics = store.metrics  # the worker's, handed to its store
-        self.residents = ResidentSessions(store, ownership, guard)
+        self.residents = ResidentSessions(store, ownership, memory, guard)
         self.checkpoints = Checkpoints(store, self.residents, settings.snapshot_writes_in_flight)
         # One engine lane per served model: ``ModelLanes`` fills it (later models too),
         # replays and upgrades run on it.
@@ -136,26 +143,21 @@ class SessionManager:
             self.models, engines, store, self.residents, self.checkpoints, self.replay,
             settings.stepper, settings.forecast,
         )  # fmt: skip
-        self.steppers, self.forecasters = self.lanes.steppers, self.lanes.forecasters
-        self.memory = WorkerMemory(
-            settings.memory_budget_bytes or default_memory_budget(),
-            lambda: self.residents.footprint_bytes,
-        )
         self.loader = SessionLoader(
             self.models, self.residents, self.checkpoints, self.replay,
             self.lanes.notifiers,
             settings.max_sessions, settings.output_window,
-            self.memory, settings.stepper.max_unflushed,
+            memory, settings.stepper.max_unflushed,
         )  # fmt: skip
         self.histories = HistoryReader(
-            self.loader, self.replay, self.memory,
+            self.loader, self.replay, memory,
             settings.max_history_steps, settings.max_history_output_bytes,
         )  # fmt: skip
         self.lifecycle = Lifecycle(
             self.models, self.residents, self.checkpoints, self.replay, self.loader,
             engines, settings.defaults,
         )  # fmt: skip
-        self.intake = StepIntake(self.loader, self.steppers, settings.max_queued_steps)
+        self.intake = StepIntake(self.loader, self.lanes.steppers, settings.max_queued_steps)
         self._reaper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -217,6 +219,46 @@ class SessionManager:
 
     def resident_ids(self) -> list[str]:
         return list(self.residents.by_id)
+
+    def resident(self, session_id: str) -> Session | None:
+        """The session ``session_id`` if it is in memory here (and not leaving it)."""
+        return self.residents.get(session_id)
+
+    def resident_models(self, prefix: str = "") -> Counter[str]:
+        """Resident sessions per model key, of the ids that start with ``prefix``."""
+        return Counter(
+            s.model_name for s in self.residents.by_id.values() if s.id.startswith(prefix)
+        )
+
+    def resident_bytes(self, prefix: str) -> int:
+        """Bytes the resident sessions of ids starting with ``prefix`` ('tenant~') may hold."""
+        return self.residents.footprint_of(prefix)
+
+    def resident_counts(self) -> ResidentCounts:
+        """Resident sessions per (model, tenant) and their queued steps per model, for a
+        metrics scrape (it runs on the HTTP server's thread: a copy of the table is read)."""
+        counts = ResidentCounts()
+        for s in list(self.residents.by_id.values()):  # a copy, made under the GIL
+            key = (s.model_name, s.id.split("~", 1)[0] if "~" in s.id else "")
+            counts.sessions[key] = counts.sessions.get(key, 0) + 1
+            queued = counts.queued_steps.get(s.model_name, 0)
+            counts.queued_steps[s.model_name] = queued + s.queued_steps
+        return counts
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps this worker's steppers applied since it started."""
+        return sum(stepper.steps for stepper in self.lanes.steppers.values())
+
+    @property
+    def snapshots_committed(self) -> int:
+        return self.checkpoints.committed
+
+    def forecasts_running(self) -> dict[str, int]:
+        """Forecasts running per model key."""
+        return {key: f.running for key, f in self.lanes.forecasters.items()}
+
+    # What ``Ownership`` reports about the leases it renews.
 
     def held(self) -> list[SessionLease]:
         return self.residents.held()
@@ -362,7 +404,7 @@ class SessionManager:
                 f"{size / 2**20:.1f} MiB of outputs (limit {limits.max_output_bytes / 2**20:.0f} "
                 f"MiB); ask for at most {limits.max_output_bytes // (c.output_dim * 4)} steps"
             )
-        forecaster = self.forecasters[s.model_name]
+        forecaster = self.lanes.forecasters[s.model_name]
         forecaster.check_room()  # before the (maybe long) replay, not after
         # Its state copy and the answer it may buffer count against the worker's memory
         # until the caller closes the job.
@@ -399,6 +441,7 @@ class SessionManager:
             horizon=horizon,
             state=point.state,
             next_input=feedback(s.model, point.step, point.output),
+            message_bytes=self.settings.forecast.message_bytes,
         )
 
     async def upgrade(self, session_id: str, model: str) -> tuple[SessionView, UpgradeResult]:

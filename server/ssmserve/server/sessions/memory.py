@@ -4,7 +4,8 @@ Three things hold memory in proportion to what clients ask for, and all count ag
 the same budget (``ManagerSettings.memory_budget_bytes``):
 
 - resident sessions, each at its bound: state, input history, recorded outputs and
-  unflushed inputs (``SessionLoader.footprint``; ``ResidentSessions`` keeps the sum);
+  unflushed inputs (``SessionLoader.footprint``; ``ResidentSessions`` keeps the sum in
+  :attr:`WorkerMemory.resident_bytes`);
 - running forecasts: a copy of the state and the answer they may buffer until it is read
   (``horizon x output_dim x 4`` bytes);
 - imports being decoded: the checkpoint's bytes, read back from their Redis staging
@@ -13,27 +14,29 @@ the same budget (``ManagerSettings.memory_budget_bytes``):
 Each is checked *before* it is held, so past the budget a call is refused with
 RESOURCE_EXHAUSTED naming the budget and the use, and nothing already running notices.
 Checks are against bounds, not measured use: a worker can never be pushed past its budget
-by clients, only refuse them early.
+by clients, only refuse them early. The worker makes the budget (``Worker``) and hands it
+to the session manager and the API (imports).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
-from collections.abc import Callable
 
 from ssmserve.server.sessions.errors import CapacityError
 
 
 class WorkerMemory:
-    def __init__(self, budget_bytes: int, resident_bytes: Callable[[], int]) -> None:
+    def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self.resident_bytes = resident_bytes  # what resident sessions may hold, all together
+        # What resident sessions may hold, all together (``ResidentSessions`` keeps it).
+        self.resident_bytes = 0
         self.held_by: Counter[str] = Counter()  # reservations that are not sessions, by kind
 
     @property
     def held(self) -> int:
         """Bytes this worker may hold now: resident sessions and every reservation."""
-        return self.resident_bytes() + sum(self.held_by.values())
+        return self.resident_bytes + sum(self.held_by.values())
 
     def check(self, need: int, what: str) -> None:
         """Raise CapacityError (RESOURCE_EXHAUSTED) unless ``need`` more bytes fit."""
@@ -42,7 +45,7 @@ class WorkerMemory:
             taken = ", ".join(f"{kind} {n:,}" for kind, n in sorted(self.held_by.items()) if n)
             raise CapacityError(
                 f"{what} needs {need:,} bytes and this worker may hold {held:,} already "
-                f"(sessions {self.resident_bytes():,}{', ' + taken if taken else ''}): its "
+                f"(sessions {self.resident_bytes:,}{', ' + taken if taken else ''}): its "
                 f"memory budget is {self.budget_bytes:,} bytes; retry later, close or evict "
                 f"sessions here, or use another worker"
             )
@@ -71,3 +74,11 @@ class MemoryReservation:
 
     def __exit__(self, *_exc: object) -> None:
         self.release()
+
+
+def default_memory_budget() -> int:
+    """Three quarters of the machine's memory (the rest for the engine, gRPC, Python)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4)
+    except (ValueError, OSError):
+        return 1 << 62  # unknown: no memory budget beyond max_sessions

@@ -36,6 +36,7 @@ from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.sessions.errors import ReloadingError
 from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
+from ssmserve.server.sessions.memory import WorkerMemory
 from ssmserve.server.sessions.session import Session
 from ssmserve.server.sessions.store_resets import StoreResets
 from ssmserve.server.state.lease import SessionLease
@@ -61,15 +62,21 @@ _NOT_OURS = (SessionMovedError, SessionMissingError, SessionClosedError)
 class ResidentSessions:
     """The table of resident sessions (``by_id``) and the fencing of their writes.
 
-    ``guard``: the store's identity checks, followed by ``resets`` (None: nothing is
-    checked)."""
+    ``memory``: the worker's budget, told what resident sessions may hold; ``guard``:
+    the store's identity checks, followed by ``resets`` (None: nothing is checked)."""
 
-    def __init__(self, store: Store, ownership: Ownership, guard: StoreGuard | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        ownership: Ownership,
+        memory: WorkerMemory,
+        guard: StoreGuard | None = None,
+    ) -> None:
         self.store = store
         self.ownership = ownership
+        self.memory = memory
         self.by_id: dict[str, Session] = {}
         self._footprints: dict[str, int] = {}  # session id -> bytes it may hold
-        self.footprint_bytes = 0  # their sum: what the memory budget is checked against
         # The same by the part of the id before '~' (the tenant, in ``api.tenancy``'s
         # scheme; '' for ids without one), for per-tenant budgets.
         self._footprint_by_group: Counter[str] = Counter()
@@ -92,14 +99,14 @@ class ResidentSessions:
         self.by_id[s.id] = s
         self.resets.resident(s.id)
         self._footprints[s.id] = footprint
-        self.footprint_bytes += footprint
+        self.memory.resident_bytes += footprint
         self._footprint_by_group[_group(s.id)] += footprint
 
     def remove(self, session_id: str) -> None:
         """``session_id`` is not resident any more (closed, unloaded, dropped)."""
         self.by_id.pop(session_id, None)
         footprint = self._footprints.pop(session_id, 0)
-        self.footprint_bytes -= footprint
+        self.memory.resident_bytes -= footprint
         self._footprint_by_group[_group(session_id)] -= footprint
 
     def footprint_of(self, prefix: str) -> int:
@@ -110,7 +117,7 @@ class ResidentSessions:
         self.by_id.clear()
         self._footprints.clear()
         self._footprint_by_group.clear()
-        self.footprint_bytes = 0
+        self.memory.resident_bytes = 0
 
     def held(self) -> list[SessionLease]:
         """The lease of every resident session not known to have run out (renewed by
