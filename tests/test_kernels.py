@@ -646,8 +646,12 @@ def test_an_engine_threads_arena_gives_its_freed_top_back() -> None:
     if rss is None:
         pytest.skip("not glibc, or SSMSERVE_KEEP_FREED_MB=0")
     mib = 1 << 20
+    # RSS is the whole process's: malloc_trim(0) also gives back free pages of the main
+    # arena and of Python's own heaps (up to ~6 MiB seen), so the premise is checked with
+    # half the 24 MiB block as its margin, and the guarantee against the block itself.
     assert rss["churned"] - rss["before"] >= 20 * mib, rss  # freed, kept for the next steps
-    assert rss["trimmed"] - rss["before"] >= 20 * mib, rss  # malloc_trim leaves the top
+    assert rss["trimmed"] - rss["before"] >= 12 * mib, rss  # malloc_trim leaves the top
+    assert rss["trimmed"] - rss["after"] >= 12 * mib, rss  # the engine thread's trim frees it
     assert rss["after"] - rss["before"] <= 4 * mib, rss  # given back
 
 
