@@ -334,7 +334,9 @@ def test_a_frozen_owner_is_replaced_and_fenced_even_when_the_id_is_reused(
     model_dirs, served_models, redis_url, tmp_path
 ):
     """SIGSTOP the owner mid-stream: the stream resumes on the other worker within
-    TTL + keepalive timeout + 1 s, bit-exact. Meanwhile the session is closed and created
+    keepalive time + timeout (the client notices the freeze), + a TTL (B watches the lease
+    stand that long on its own clock before it takes over), + 1 s (the client's retry
+    backoff, at most 0.2 s, and the restore), bit-exact. Meanwhile the session is closed and created
     again under the same id. After SIGCONT the old owner writes nothing: its token belongs
     to an incarnation that is gone, so nothing it still holds in memory lands anywhere."""
     model = served_models["demo"]
@@ -352,7 +354,7 @@ def test_a_frozen_owner_is_replaced_and_fenced_even_when_the_id_is_reused(
         frozen_at, before = time.monotonic(), len(outs[0])
         wait_for(lambda: len(outs[0]) > before, errors, 30, "the stream moving to B")
         took = stamps[0][before] - frozen_at
-        assert took <= TTL_S + KEEPALIVE_S + 1.0, f"{took:.2f} s to resume on B"
+        assert took <= 2 * KEEPALIVE_S + TTL_S + 1.0, f"{took:.2f} s to resume on B"
         moving_on(outs, errors, 50)
         stop.set()
         thread.join(30)
