@@ -169,6 +169,11 @@ class SessionState:
             [a.reshape(-1) for layer in self.layers for a in (layer.conv, layer.ssm)]
         )
 
+    def packed_buffer(self) -> np.ndarray | None:
+        """The buffer of a packed state itself (no copy: only to read, as a checkpoint's
+        encoder does), or None for the other forms."""
+        return self._packed
+
     @classmethod
     def unpacked(
         cls,
