@@ -10,6 +10,8 @@
 ``demo``      a deterministic random signal Mamba or Mamba-2 for demos and tests
 ``kernels``   the fused numba loops between a step's products
 ``recurrent_state``  per-layer state arrays of one session, and of a batch
+``prefill``   one session's run of T inputs, each layer's products over all T at once,
+              with the bits of T steps
 ``lane``      one engine thread per model, shared by steps, forecasts and replays
 ``products``  the batch-invariant matrix product micro-kernel (LLVM IR)
 ``bench``     ``ssmserve model bench``: batched engine steps timed on this machine

@@ -24,7 +24,9 @@ import numba
 #: Engine sources whose code decides the bits of a step (a change to any of them may
 #: change outputs, so workers running different versions must not share a session, and
 #: their compiled kernels must not be reused).
-ENGINE_SOURCES = ("kernels.py", "mamba.py", "mamba2.py", "numerics.py", "products.py")
+ENGINE_SOURCES = (
+    "kernels.py", "mamba.py", "mamba2.py", "numerics.py", "prefill.py", "products.py",
+)  # fmt: skip
 
 
 def engine_source_digest() -> str:

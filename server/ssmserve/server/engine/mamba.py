@@ -27,7 +27,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from ssmserve.server.engine.threads import (
     run_ranges,
 )
 from ssmserve.server.errors import ModelInputError
+
+if TYPE_CHECKING:
+    from ssmserve.server.engine.prefill import OutputRows
 
 
 @dataclass(frozen=True)
@@ -440,6 +443,28 @@ class MambaModel:
         if ws is None:
             ws = cache[rows] = StepWorkspace.allocate(self.config, rows, self.blocks[0])
         return ws
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(
+        self,
+        inputs: np.ndarray,
+        state: SessionState | None = None,
+        outputs: OutputRows = "all",
+    ) -> tuple[np.ndarray, SessionState]:
+        """One session through a whole sequence at matrix speed, with the bits of
+        :meth:`run` (``prefill.py``: each layer's products over all positions at once,
+        the conv and the scan position by position, the head only where asked).
+
+        ``inputs``: token ids ``(T,)`` or signal ``(T, input_dim)``, checked as
+        :meth:`check_inputs` does. ``outputs``: ``"all"``, ``"last"``, ``"none"``, a
+        boolean mask ``(T,)`` or strictly increasing indices. Returns the outputs of those
+        positions ``(m, output_dim)`` float32, in order, and the state after the last
+        input (``state``, or a fresh one, is not modified).
+        """
+        from ssmserve.server.engine.prefill import prefill  # imports this module
+
+        return prefill(self, inputs, state, outputs)
 
     # ------------------------------------------------------------------ conveniences
 
