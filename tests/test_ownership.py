@@ -8,6 +8,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -295,20 +296,25 @@ def test_drain_with_nowhere_to_go_parks_sessions_for_later(start_worker, served_
 
 @contextlib.contextmanager
 def slow_moves(worker: WorkerHarness, seconds: float) -> Iterator[None]:
-    """Each session's move in a drain of ``worker`` starts ``seconds`` late (as a large
-    session's hand-off may take); moves are quick again on exit."""
-    migrator = worker.worker.migrator
-    move = migrator._move_or_park
+    """Each session's move in a drain of ``worker`` (a hand-off to another worker, or
+    parking it when there is none) starts ``seconds`` late, as a large session's may
+    take; moves are quick again on exit."""
+    migrator, loader = worker.worker.migrator, worker.loader
+    hand_off, park = migrator.hand_off, loader.park
 
-    async def slow(session_id: str, planned: dict[str, int]) -> tuple[str, str, str]:
+    async def slow_hand_off(session_id: str, target: Any, started: float | None = None) -> Any:
         await asyncio.sleep(seconds)
-        return await move(session_id, planned)
+        return await hand_off(session_id, target, started)
 
-    migrator._move_or_park = slow
+    async def slow_park(session_id: str, reason: str) -> None:
+        await asyncio.sleep(seconds)
+        await park(session_id, reason)
+
+    migrator.hand_off, loader.park = slow_hand_off, slow_park
     try:
         yield
     finally:
-        migrator._move_or_park = move
+        migrator.hand_off, loader.park = hand_off, park
 
 
 def test_a_slow_drain_sends_heartbeats(start_worker):
