@@ -457,19 +457,26 @@ def test_too_many_forecasts_at_once_are_refused(start_worker, served_models):
     stream(w, sid, as_inputs(model, random_inputs(model, 3, seed=14)))
     forecaster = w.forecaster("demo")
     blocker = ForecastJob("x", (), 0, 1, model.new_state(), np.zeros(4, np.float32))
-    w.call(_submit_unstarted(forecaster, blocker))  # holds the one slot until it runs
-    try:
-        with pytest.raises(ResourceExhausted, match="limit 1"):
-            w.client.forecast(sid, 4)
-    finally:
-        blocker.cancelled = True
-        w.call(_wake(forecaster))
+    released = w.call(_new_event())
+
+    async def held(step, states, values):  # the blocker's tick waits in the engine
+        await released.wait()
+        return await step(states, values)
+
+    with next_engine_call(w.engine("demo"), held):
+        w.call(_submit(forecaster, blocker))  # holds the one slot until its tick ends
+        try:
+            with pytest.raises(ResourceExhausted, match="limit 1"):
+                w.client.forecast(sid, 4)
+        finally:
+            blocker.cancelled = True
+            w.loop.call_soon_threadsafe(released.set)
     assert len(w.client.forecast(sid, 4).outputs) == 4
 
 
-async def _submit_unstarted(forecaster, job):
-    forecaster._jobs.append(job)  # queued, not woken: it stays until the next wake
+async def _new_event() -> asyncio.Event:
+    return asyncio.Event()  # made on the worker's loop, which waits on it
 
 
-async def _wake(forecaster):
-    forecaster._wake.set()
+async def _submit(forecaster, job) -> None:
+    forecaster.submit(job)
