@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+import xxhash
 
 from ssmserve.server.engine.demo import DemoSpec, demo_config
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import (
     CheckpointChecksumError,
     CheckpointError,
@@ -23,7 +26,13 @@ from ssmserve.server.errors import (
     CheckpointVersionError,
     ErrorKind,
 )
-from ssmserve.server.state.checkpoint import MAGIC, Checkpoint, CheckpointMeta, InputHistory
+from ssmserve.server.state.checkpoint import (
+    FORMAT_VERSION,
+    MAGIC,
+    Checkpoint,
+    CheckpointMeta,
+    InputHistory,
+)
 from tests.conftest import random_inputs, write_model
 
 
@@ -47,15 +56,29 @@ def make_checkpoint(
     return ckpt, inputs
 
 
+def payload_start(blob: bytes) -> int:
+    """Where the payload starts: right after the header (format 1), or at the next
+    multiple of 8 (format 2)."""
+    version, hlen = struct.unpack_from("<H", blob, 8)[0], struct.unpack_from("<I", blob, 12)[0]
+    return 24 + hlen + (-(24 + hlen) % 8 if version == 2 else 0)
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` with the checksum its format version asks for."""
+    if struct.unpack_from("<H", body, 8)[0] == 1:
+        return body + hashlib.sha256(body).digest()
+    return body + xxhash.xxh3_128_digest(body)
+
+
 def reseal(blob: bytes, header: dict) -> bytes:
     """Rebuild a blob with a replaced header and a valid checksum (exercises validation)."""
-    _, version, flags, hlen, plen = struct.unpack_from("<8sHHIQ", blob)
-    payload = blob[24 + hlen : 24 + hlen + plen]
+    _, version, flags, _, plen = struct.unpack_from("<8sHHIQ", blob)
+    start = payload_start(blob)
+    payload = blob[start : start + plen]
     new_header = msgpack.packb(header, use_bin_type=True)
-    body = (
-        struct.pack("<8sHHIQ", MAGIC, version, flags, len(new_header), plen) + new_header + payload
-    )
-    return body + hashlib.sha256(body).digest()
+    prefix = struct.pack("<8sHHIQ", MAGIC, version, flags, len(new_header), plen)
+    pad = b"\0" * (-(24 + len(new_header)) % 8 if version == 2 else 0)
+    return seal(prefix + new_header + pad + payload)
 
 
 def header_of(blob: bytes) -> dict:
@@ -120,9 +143,11 @@ def test_bad_magic(signal_model: MambaModel) -> None:
 
 def test_unsupported_version_and_flags(signal_model: MambaModel) -> None:
     blob = bytearray(make_checkpoint(signal_model)[0].encode())
-    v2 = bytes(blob[:8]) + struct.pack("<H", 2) + bytes(blob[10:])
-    with pytest.raises(CheckpointVersionError, match="version 2"):
-        Checkpoint.decode(v2)
+    v3 = bytes(blob[:8]) + struct.pack("<H", 3) + bytes(blob[10:])
+    with pytest.raises(CheckpointVersionError, match="version 3 is not supported"):
+        Checkpoint.decode(v3)
+    with pytest.raises(CheckpointVersionError, match="format 3"):
+        make_checkpoint(signal_model)[0].encode(format_version=3)
     flagged = bytes(blob[:10]) + struct.pack("<H", 1) + bytes(blob[12:])
     with pytest.raises(CheckpointVersionError, match="flags"):
         Checkpoint.decode(flagged)
@@ -137,13 +162,33 @@ def test_truncation_and_trailing_bytes(signal_model: MambaModel) -> None:
         Checkpoint.decode(blob + b"\0")
 
 
-def test_checksum_mismatch(signal_model: MambaModel) -> None:
-    blob = bytearray(make_checkpoint(signal_model)[0].encode())
+@pytest.mark.parametrize("version", [1, 2])
+def test_checksum_mismatch(signal_model: MambaModel, version: int) -> None:
+    blob = bytearray(make_checkpoint(signal_model)[0].encode(version))
     for pos in (30, len(blob) // 2, len(blob) - 40, len(blob) - 1):
         corrupted = bytearray(blob)
         corrupted[pos] ^= 0x01
         with pytest.raises(CheckpointChecksumError):
             Checkpoint.decode(bytes(corrupted))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_checksum_catches_any_flipped_bit_of_the_state(
+    signal_model: MambaModel, version: int
+) -> None:
+    """Every bit of a state float (sign, exponent, mantissa) in the first, a middle and the
+    last layer: the header's lengths still agree, only the checksum can tell."""
+    ckpt = make_checkpoint(signal_model)[0]
+    blob = ckpt.encode(version)
+    state = header_of(blob)["arrays"][0] if version == 1 else header_of(blob)["state"]["array"]
+    start = payload_start(blob) + state[-2]
+    nbytes = ckpt.state.nbytes if version == 2 else state[-1]
+    for pos in (start, start + nbytes // 2 + 1, start + nbytes - 1):
+        for bit in range(8):
+            corrupted = bytearray(blob)
+            corrupted[pos] ^= 1 << bit
+            with pytest.raises(CheckpointChecksumError, match="checksum mismatch"):
+                Checkpoint.decode(bytes(corrupted))
 
 
 @pytest.mark.parametrize(
@@ -170,11 +215,130 @@ def test_checksum_mismatch(signal_model: MambaModel) -> None:
 def test_inconsistent_header_is_a_layout_error(
     signal_model: MambaModel, mutate, message: str
 ) -> None:
-    blob = make_checkpoint(signal_model)[0].encode()
+    blob = make_checkpoint(signal_model)[0].encode(format_version=1)
     header = header_of(blob)
     mutate(header)
     with pytest.raises(CheckpointLayoutError, match=message):
         Checkpoint.decode(reseal(blob, header))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda h: h.pop("state"), "lacks 'state'"),
+        (lambda h: h.update(state=[1, 2]), "state has the wrong type"),
+        (lambda h: h["state"].update(layers=0), "no layers"),
+        (lambda h: h["state"].update(layers=True), "wrong type"),
+        (lambda h: h["state"].update(layers=1 << 62), "floats, its array has shape"),
+        (lambda h: h["state"].update(layers=h["state"]["layers"] - 1), "floats"),
+        (lambda h: h["state"].update(conv=[4]), "state.conv must be 2"),
+        (lambda h: h["state"].update(conv=[4, 0]), "positive"),
+        (lambda h: h["state"].update(ssm=[1, 2, 3, 4]), "state.ssm must be 2 or 3"),
+        (lambda h: h["state"].update(ssm=[7, "n"]), "state.ssm"),
+        (lambda h: h["state"]["conv"].__setitem__(0, h["state"]["conv"][0] + 1), "disagree"),
+        (lambda h: h["state"]["array"].__setitem__(0, "<f8"), "dtype"),
+        (lambda h: h["state"]["array"].__setitem__(1, [2, 3]), "needs"),
+        (lambda h: h["state"]["array"].__setitem__(2, 1 << 40), "outside the payload"),
+        (lambda h: h["history"].__setitem__(3, h["state"]["array"][2]), "overlap"),
+        (lambda h: h["history"].__setitem__(0, 3), "history covers"),
+        (lambda h: h["meta"].update(tags={"k": 1}), "tags"),
+    ],
+)
+def test_inconsistent_format2_header_is_a_layout_error(
+    signal_model: MambaModel, mutate, message: str
+) -> None:
+    blob = make_checkpoint(signal_model)[0].encode()
+    assert struct.unpack_from("<H", blob, 8)[0] == FORMAT_VERSION == 2
+    header = header_of(blob)
+    mutate(header)
+    with pytest.raises(CheckpointLayoutError, match=message):
+        Checkpoint.decode(reseal(blob, header))
+
+
+@pytest.mark.parametrize("model_name", ["signal_model", "mamba2_model", "mamba2_token_model"])
+@pytest.mark.parametrize("with_output", [False, True])
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("packed", [False, True])
+def test_format2_round_trips(
+    model_name: str, with_output: bool, window: int, packed: bool, request: pytest.FixtureRequest
+) -> None:
+    """Mamba-1 and Mamba-2 state shapes, with and without the output and the history, from
+    a state of per-layer arrays and from a packed one: the same bytes, decoded exactly."""
+    model: MambaModel = request.getfixturevalue(model_name)
+    ckpt, inputs = make_checkpoint(model)
+    if not window:
+        empty = inputs[:0]
+        ckpt = replace(ckpt, history=InputHistory(ckpt.step + 1, empty))
+    if with_output:
+        ckpt = replace(ckpt, output=model.run(inputs[:20])[0][-1])
+    if packed:
+        ckpt = replace(ckpt, state=ckpt.state.copy())
+        assert ckpt.state.packed_buffer() is not None
+    blob = ckpt.encode()
+    assert blob == replace(ckpt, state=SessionState(ckpt.state.layers)).encode()
+    decoded = Checkpoint.decode(blob)
+    decoded.check_model(model)
+    assert decoded.state.bit_equal(ckpt.state) and decoded.meta == ckpt.meta
+    assert decoded.history.first_step == ckpt.history.first_step
+    assert decoded.history.inputs.tobytes() == ckpt.history.inputs.tobytes()
+    assert (decoded.output is None) == (not with_output)
+    if with_output:
+        assert decoded.output.tobytes() == ckpt.output.tobytes()
+    # format 1 holds the same checkpoint, in more bytes
+    again = Checkpoint.decode(ckpt.encode(format_version=1))
+    assert again.state.bit_equal(decoded.state) and again.encode() == blob
+
+
+def test_format2_bytes_and_zero_copy_decode(mamba2_model: MambaModel) -> None:
+    ckpt = make_checkpoint(mamba2_model)[0]
+    blob = ckpt.encode()
+    assert blob[:10] == MAGIC + struct.pack("<H", 2)
+    start, plen = payload_start(blob), struct.unpack_from("<Q", blob, 16)[0]
+    assert start % 8 == 0 and len(blob) == start + plen + 16
+    assert blob[-16:] == xxhash.xxh3_128_digest(blob[:-16])
+    decoded = Checkpoint.decode(blob)
+    buffer = decoded.state.packed_buffer()
+    assert buffer is not None and not buffer.flags.writeable
+    assert np.shares_memory(buffer, np.frombuffer(blob, np.uint8))
+    assert buffer.tobytes() == ckpt.state.packed().tobytes()
+
+
+FORMAT1 = Path(__file__).parent / "fixtures" / "checkpoint_format1"
+
+
+@pytest.mark.parametrize("name", ["mamba1", "mamba2"])
+def test_format1_checkpoints_still_load(name: str) -> None:
+    """Blobs written by the format-1 encoder (``make_fixture.py``) decode to the state,
+    history and output they were made of; encoding format 1 still gives the same bytes,
+    and the same checkpoint re-encodes to format 2."""
+    blob = (FORMAT1 / f"{name}.ckpt").read_bytes()
+    assert struct.unpack_from("<H", blob, 8)[0] == 1
+    facts = json.loads((FORMAT1 / "expected.json").read_text())[name]
+    expected = np.load(FORMAT1 / "expected.npz")
+    ckpt = Checkpoint.decode(blob)
+    assert (ckpt.session_id, ckpt.step, ckpt.model_id) == (
+        f"{name}-session",
+        facts["step"],
+        f"{name}-model",
+    )
+    assert ckpt.meta == CheckpointMeta(1700000000.25, "periodic", "v1-fixture", {"k": "v"})
+    assert len(ckpt.state.layers) == facts["layers"]
+    for i, layer in enumerate(ckpt.state.layers):
+        assert layer.conv.tobytes() == expected[f"{name}.{i}.conv"].tobytes()
+        assert layer.ssm.tobytes() == expected[f"{name}.{i}.ssm"].tobytes()
+        assert layer.ssm.shape == expected[f"{name}.{i}.ssm"].shape
+    hist = expected[f"{name}.history"]
+    assert ckpt.history.first_step == 10
+    assert (
+        ckpt.history.inputs.dtype == hist.dtype and ckpt.history.inputs.tobytes() == hist.tobytes()
+    )
+    if f"{name}.output" in expected:
+        assert ckpt.output is not None
+        assert ckpt.output.tobytes() == expected[f"{name}.output"].tobytes()
+    else:
+        assert ckpt.output is None
+    assert ckpt.encode(format_version=1) == blob
+    assert Checkpoint.decode(ckpt.encode()).state.bit_equal(ckpt.state)
 
 
 def test_foreign_model_is_refused(

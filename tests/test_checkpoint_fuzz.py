@@ -8,6 +8,7 @@ decoder underneath it, where a validation gap shows up as a foreign exception.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -30,10 +31,13 @@ def _decode_or_typed_error(blob: bytes) -> None:
         decode_strict(blob)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[1, 2], ids=["format1", "format2"])
 def valid_blob(request: pytest.FixtureRequest) -> bytes:
+    """A valid blob of each format (the fuzzers below run on both)."""
     model: MambaModel = request.getfixturevalue("signal_model")
-    return make_checkpoint(model, steps=6, window=4)[0].encode()
+    ckpt, inputs = make_checkpoint(model, steps=6, window=4)
+    with_output = replace(ckpt, output=model.run(inputs[:6])[0][-1])
+    return with_output.encode(format_version=request.param)
 
 
 @FUZZ
@@ -99,6 +103,20 @@ def test_resealed_headers_with_random_fields(valid_blob: bytes, data: st.DataObj
         ("history", 0),
         ("history", 2),
         ("history", 3),
+        ("output",),
+        ("output", 1),
+        ("output", 2),
+        ("state",),
+        ("state", "layers"),
+        ("state", "conv"),
+        ("state", "ssm"),
+        ("state", "conv", 0),
+        ("state", "ssm", 1),
+        ("state", "array"),
+        ("state", "array", 0),
+        ("state", "array", 1),
+        ("state", "array", 2),
+        ("state", "array", 3),
     ]
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(paths))
@@ -114,6 +132,24 @@ def test_resealed_headers_with_random_fields(valid_blob: bytes, data: st.DataObj
     except (ValueError, OverflowError, TypeError, msgpack.PackException):
         return  # hypothesis made a value msgpack cannot pack; nothing to decode
     _decode_or_typed_error(blob)
+
+
+def test_every_truncation_and_every_bit_flip_of_the_prefix_and_header_is_refused(
+    valid_blob: bytes,
+) -> None:
+    """Exhaustive where it is cheap: each cut length, and each bit of the prefix and header
+    flipped (the payload's bits: ``test_checkpoint.py``), raises a CheckpointError; none
+    decodes."""
+    for cut in range(len(valid_blob)):
+        with pytest.raises(CheckpointError):
+            decode_strict(valid_blob[:cut])
+    hlen = int.from_bytes(valid_blob[12:16], "little")
+    for pos in range(24 + hlen):
+        for bit in range(8):
+            flipped = bytearray(valid_blob)
+            flipped[pos] ^= 1 << bit
+            with pytest.raises(CheckpointError):
+                decode_strict(bytes(flipped))
 
 
 @pytest.mark.slow

@@ -1,24 +1,34 @@
 """Checkpoint: an immutable, versioned, checksummed binary record of a session at step s.
 
-Layout (all integers little-endian)::
+Layout, format 2 (all integers little-endian)::
 
     offset  size  field
     0       8     magic  b"\\x89SSMCKP\\n"  (high bit and newline catch text-mode mangling)
-    8       2     format version (u16) = 1
+    8       2     format version (u16) = 2
     10      2     flags (u16) = 0; any other value is refused
     12      4     header length H (u32), at most 16 MiB
     16      8     payload length P (u64)
-    24      H     header: msgpack map (session, step, model, array table, history, meta)
-    24+H    P     payload: raw little-endian array bytes, each array at a 64-byte offset
+    24      H     header: msgpack map (session, step, model, state, history, output, meta)
+    24+H    pad   zeros up to S = the next multiple of 8 (the payload's arrays stay aligned)
+    S       P     payload: raw little-endian arrays, each at a 64-byte offset from S
+    S+P     16    xxh3_128 (canonical, big-endian) over bytes [0, S+P)
 
-State arrays are 2-D, or 3-D for a Mamba-2's SSM state (h, p, n); the table format
-did not change for that (readers that predate Mamba-2 refuse such a checkpoint with a
-layout error, and they could not serve its model anyway), so the version stays 1.
+The header's ``state`` is ``{"layers": L, "conv": [c, k], "ssm": [e, n] | [h, p, n],
+"array": ["<f4", [size], offset, nbytes]}``: the whole state as one packed float32 array,
+layer by layer, conv then ssm (``SessionState.packed``'s layout), so encoding copies the
+state's bytes once, into the blob, and decoding is one view (``SessionState.unpacked``).
+``history`` is ``[first_step, dtype, shape, offset, nbytes]`` and the optional ``output``
+(the guarded output of step s, float32 ``(o,)``, so a session restored at s can answer a
+resend of s and start a forecast there without a replay) is ``[dtype, shape, offset,
+nbytes]``. The checksum is xxh3_128 (xxHash, ~27 GB/s here against sha256's ~1.4 GB/s):
+it detects damage, as sha256 did; neither authenticates (anyone can recompute either),
+exports that must prove their origin carry an HMAC (``checkpoint_signing``).
 
-The header may also hold ``output``: the (guarded) output of step s, float32 ``(o,)``, so
-a session restored at s can answer a resend of s and start a forecast there without a
-replay. It is optional (older checkpoints lack it; readers that predate it ignore it).
-    24+H+P  32    sha256 over bytes [0, 24+H+P)
+Format 1 (still read; ``encode(format_version=1)`` still writes it): the same prefix with
+version 1, the header right after it with an ``arrays`` table of ``[name, dtype, shape,
+offset, nbytes]`` per layer array (2-D, or 3-D for a Mamba-2's SSM state) instead of
+``state``, the payload at 24+H, and a sha256 (32 bytes) at the end. A reader of format 1
+only refuses a format-2 blob with a :class:`~ssmserve.server.errors.CheckpointVersionError`.
 
 Decoding trusts nothing: lengths, checksum, every header field's type and range, dtypes
 from a closed list, shape x itemsize = nbytes, arrays inside the payload and not
@@ -43,6 +53,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
@@ -59,9 +70,12 @@ from ssmserve.server.errors import (
 )
 
 MAGIC = b"\x89SSMCKP\n"
-FORMAT_VERSION = 1
+#: The format ``encode`` writes by default; ``READ_VERSIONS`` are the ones ``decode`` reads.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sHHIQ")  # magic, version, flags, header length, payload length
-_DIGEST_SIZE = 32
+_DIGEST_SIZE = {1: 32, 2: 16}  # sha256, xxh3_128
+_PAYLOAD_ALIGN = {1: 1, 2: 8}  # where the payload starts after the header
 _ALIGN = 64
 _MAX_HEADER = 16 << 20
 _MAX_TEXT = 256
@@ -138,52 +152,47 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ encode
 
-    def encode(self) -> bytes:
-        """Serialise; the arrays are copied once, into the returned bytes."""
+    def encode(self, format_version: int = FORMAT_VERSION) -> bytes:
+        """Serialise; the arrays are copied once, into the returned bytes.
+
+        ``format_version`` 1 writes what readers that predate format 2 read (a rolling
+        upgrade's old workers; ``docs/deployment.md``).
+        """
+        if format_version not in READ_VERSIONS:
+            raise CheckpointVersionError(f"cannot write checkpoint format {format_version}")
         _check_fields(self)
-        table: list[list[Any]] = []
-        chunks: list[Any] = []
-        offset = 0
-
-        def place(arr: np.ndarray, dtype: str) -> list[Any]:
-            nonlocal offset
-            data = np.ascontiguousarray(arr, dtype=dtype)
-            pad = -offset % _ALIGN
-            if pad:
-                chunks.append(b"\0" * pad)
-                offset += pad
-            entry = [data.dtype.str, list(data.shape), offset, data.nbytes]
-            chunks.append(data.reshape(-1).view(np.uint8))  # raw bytes, no copy
-            offset += data.nbytes
-            return entry
-
-        for name, arr in self.state.named_arrays():
-            table.append([name, *place(arr, STATE_DTYPE)])
-        hist = self.history.inputs
-        hist_dtype = "<i8" if np.issubdtype(hist.dtype, np.integer) else "<f4"
-        history = [self.history.first_step, *place(hist, hist_dtype)]
+        payload = _PayloadWriter()
         fields: dict[str, Any] = {
             "session_id": self.session_id,
             "step": self.step,
             "model": {"id": self.model_id, "fingerprint": self.fingerprint},
-            "arrays": table,
-            "history": history,
-            "meta": {
-                "created_at": float(self.meta.created_at),
-                "reason": self.meta.reason,
-                "label": self.meta.label,
-                "tags": dict(self.meta.tags),
-            },
+        }
+        if format_version == 1:
+            fields["arrays"] = [
+                [name, *payload.place(arr, STATE_DTYPE)] for name, arr in self.state.named_arrays()
+            ]
+        else:
+            fields["state"] = _state_entry(self.state, payload)
+        hist = self.history.inputs
+        hist_dtype = "<i8" if np.issubdtype(hist.dtype, np.integer) else "<f4"
+        fields["history"] = [self.history.first_step, *payload.place(hist, hist_dtype)]
+        fields["meta"] = {
+            "created_at": float(self.meta.created_at),
+            "reason": self.meta.reason,
+            "label": self.meta.label,
+            "tags": dict(self.meta.tags),
         }
         if self.output is not None:
-            fields["output"] = place(self.output, STATE_DTYPE)
+            fields["output"] = payload.place(self.output, STATE_DTYPE)
         header = msgpack.packb(fields, use_bin_type=True)
-        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), offset)
-        digest = hashlib.sha256(prefix)
-        digest.update(header)
-        for chunk in chunks:
+        prefix = _PREFIX.pack(MAGIC, format_version, 0, len(header), payload.size)
+        pad = b"\0" * (-(len(prefix) + len(header)) % _PAYLOAD_ALIGN[format_version])
+        digest = hashlib.sha256() if format_version == 1 else xxhash.xxh3_128()
+        body = [prefix, header, pad, *payload.chunks]
+        for chunk in body:
             digest.update(chunk)
-        return b"".join([prefix, header, *chunks, digest.digest()])
+        body.append(digest.digest())
+        return b"".join(body)  # the one copy of the arrays
 
     # ------------------------------------------------------------------ decode
 
@@ -198,35 +207,96 @@ class Checkpoint:
             raise CheckpointLayoutError(f"checkpoint is malformed: {clip(repr(exc), 200)}") from exc
 
 
+def _state_entry(state: SessionState, payload: _PayloadWriter) -> dict[str, Any]:
+    """Format 2's ``state``: its arrays back to back, as ``SessionState.packed`` lays them
+    out (a packed state is that already: one chunk to hash and copy)."""
+    buffer = state.packed_buffer()
+    if buffer is not None:
+        arrays = [buffer]
+    else:
+        layers = state.layers
+        if not layers or any(
+            (la.conv.shape, la.ssm.shape) != (layers[0].conv.shape, layers[0].ssm.shape)
+            for la in layers
+        ):
+            raise CheckpointLayoutError("a state to encode needs layers, all of one shape")
+        arrays = [a for layer in layers for a in (layer.conv, layer.ssm)]
+    layout = state.layout
+    return {
+        "layers": layout.num_layers,
+        "conv": list(layout.conv_shape),
+        "ssm": list(layout.ssm_shape),
+        "array": payload.place_all(arrays, STATE_DTYPE),
+    }
+
+
+class _PayloadWriter:
+    """The payload's chunks (views of the arrays, no copies) at 64-byte offsets."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Any] = []
+        self.size = 0
+
+    def place_all(self, arrays: list[np.ndarray], dtype: str) -> list[Any]:
+        """``arrays`` back to back as one 1-D array of ``dtype``; its table entry."""
+        self._pad()
+        entry = [dtype, [sum(a.size for a in arrays)], self.size, 0]
+        for arr in arrays:
+            data = np.ascontiguousarray(arr, dtype=dtype)  # no copy when it already is
+            self.chunks.append(data)
+            self.size += data.nbytes
+        entry[3] = self.size - entry[2]
+        return entry
+
+    def place(self, arr: np.ndarray, dtype: str) -> list[Any]:
+        """``arr`` as ``dtype``; its table entry ``[dtype, shape, offset, nbytes]``."""
+        data = np.ascontiguousarray(arr, dtype=dtype)
+        self._pad()
+        entry = [data.dtype.str, list(data.shape), self.size, data.nbytes]
+        self.chunks.append(data.reshape(-1).view(np.uint8))  # raw bytes, no copy
+        self.size += data.nbytes
+        return entry
+
+    def _pad(self) -> None:
+        pad = -self.size % _ALIGN
+        if pad:
+            self.chunks.append(b"\0" * pad)
+            self.size += pad
+
+
 def _decode(blob: bytes | memoryview) -> Checkpoint:
     size = len(blob)
     head = bytes(blob[: _PREFIX.size])
     if head[: len(MAGIC)] != MAGIC[: min(len(head), len(MAGIC))]:
         raise CheckpointMagicError("not an ssmserve checkpoint (bad magic bytes)")
-    if size < _PREFIX.size + _DIGEST_SIZE:
+    if size < _PREFIX.size:
         raise CheckpointTruncatedError(f"checkpoint is truncated: only {size} bytes")
     _magic, version, flags, header_len, payload_len = _PREFIX.unpack(head)
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise CheckpointVersionError(
             f"checkpoint format version {version} is not supported (this build reads "
-            f"version {FORMAT_VERSION})"
+            f"versions {', '.join(map(str, READ_VERSIONS))}); a newer ssmserve wrote it"
         )
     if flags != 0:
         raise CheckpointVersionError(f"checkpoint uses unknown feature flags {flags:#06x}")
     if header_len > _MAX_HEADER:
         raise CheckpointLayoutError(f"checkpoint header of {header_len} bytes is too large")
-    expected = _PREFIX.size + header_len + payload_len + _DIGEST_SIZE
+    header_end = _PREFIX.size + header_len
+    payload_start = header_end + (-header_end % _PAYLOAD_ALIGN[version])
+    digest_size = _DIGEST_SIZE[version]
+    expected = payload_start + payload_len + digest_size
     if size != expected:
         what = "truncated" if size < expected else "followed by extra bytes"
         raise CheckpointTruncatedError(
             f"checkpoint is {what}: header says {expected} bytes, got {size}"
         )
-    body_end = size - _DIGEST_SIZE
+    body_end = size - digest_size
     # memoryview: slicing bytes would copy the whole blob just to hash it
-    if hashlib.sha256(memoryview(blob)[:body_end]).digest() != bytes(blob[body_end:]):
+    body = memoryview(blob)[:body_end]
+    digest = hashlib.sha256(body).digest() if version == 1 else xxhash.xxh3_128_digest(body)
+    if digest != bytes(blob[body_end:]):
         raise CheckpointChecksumError("checkpoint checksum mismatch: the data is corrupted")
 
-    header_end = _PREFIX.size + header_len
     try:
         header = msgpack.unpackb(
             blob[_PREFIX.size : header_end], raw=False, strict_map_key=True, use_list=True
@@ -239,51 +309,10 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
     model = _Fields(h.get("model", dict), "model")
     model_id = model.text("id")
     fp = model.text("fingerprint")
-    meta_f = _Fields(h.get("meta", dict), "meta")
-    created_at = meta_f.get("created_at", float)
-    if not math.isfinite(created_at):
-        raise CheckpointLayoutError("meta.created_at must be a finite number")
-    tags = meta_f.get("tags", dict)
-    if len(tags) > _MAX_TAGS or not all(
-        isinstance(k, str) and isinstance(v, str) and len(k) <= _MAX_TEXT and len(v) <= _MAX_TEXT
-        for k, v in tags.items()
-    ):
-        raise CheckpointLayoutError(f"meta.tags must map at most {_MAX_TAGS} short strings")
-    label = meta_f.get("label", (str, type(None)))
-    if label is not None and len(label) > _MAX_TEXT:
-        raise CheckpointLayoutError("meta.label is too long")
-    meta = CheckpointMeta(created_at, meta_f.text("reason"), label, tags)
+    meta = _meta(_Fields(h.get("meta", dict), "meta"))
 
-    payload = _Payload(blob, header_end, payload_len)
-    arrays_raw = h.get("arrays", list)
-    named: list[tuple[str, np.ndarray]] = []
-    for i, entry in enumerate(arrays_raw):
-        if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[0], str):
-            raise CheckpointLayoutError(f"arrays[{i}] must be [name, dtype, shape, offset, nbytes]")
-        arr = payload.array(f"array {clip(entry[0])}", entry[1:], (STATE_DTYPE,))
-        if arr.ndim not in (2, 3):
-            raise CheckpointLayoutError(
-                f"array {clip(entry[0])} must be 2-D or 3-D, got shape {arr.shape}"
-            )
-        named.append((entry[0], arr))
-    try:
-        state = SessionState.from_named_arrays(named)
-    except ValueError as exc:
-        raise CheckpointLayoutError(f"checkpoint state arrays: {exc}") from None
-    if not state.layers:
-        raise CheckpointLayoutError("checkpoint holds no layers")
-    for i, layer in enumerate(state.layers):
-        # Mamba-1: conv (e, k), ssm (e, n); Mamba-2: conv (e + 2 g n, k), ssm (h, p, n).
-        # Which one, and the exact sizes, the model checks (``check_model``).
-        if layer.conv.ndim != 2:
-            raise CheckpointLayoutError(f"layer {i} conv state must be 2-D")
-        if layer.ssm.ndim == 2 and layer.conv.shape[0] != layer.ssm.shape[0]:
-            raise CheckpointLayoutError(f"layer {i} state shapes disagree with each other")
-        if layer.conv.shape != state.layers[0].conv.shape:
-            raise CheckpointLayoutError(f"layer {i} conv state shape differs from layer 0")
-        if layer.ssm.shape != state.layers[0].ssm.shape:
-            raise CheckpointLayoutError(f"layer {i} ssm state shape differs from layer 0")
-
+    payload = _Payload(blob, payload_start, payload_len)
+    state = _state_v1(h, payload) if version == 1 else _state_v2(h, payload)
     hist_raw = h.get("history", list)
     if len(hist_raw) != 5 or isinstance(hist_raw[0], bool) or not isinstance(hist_raw[0], int):
         raise CheckpointLayoutError("history must be [first_step, dtype, shape, offset, nbytes]")
@@ -300,6 +329,87 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
     ckpt = Checkpoint(session_id, step, model_id, fp, state, history, meta, output)
     _check_fields(ckpt, error=CheckpointLayoutError)
     return ckpt
+
+
+def _meta(m: _Fields) -> CheckpointMeta:
+    created_at = m.get("created_at", float)
+    if not math.isfinite(created_at):
+        raise CheckpointLayoutError("meta.created_at must be a finite number")
+    tags = m.get("tags", dict)
+    if len(tags) > _MAX_TAGS or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= _MAX_TEXT and len(v) <= _MAX_TEXT
+        for k, v in tags.items()
+    ):
+        raise CheckpointLayoutError(f"meta.tags must map at most {_MAX_TAGS} short strings")
+    label = m.get("label", (str, type(None)))
+    if label is not None and len(label) > _MAX_TEXT:
+        raise CheckpointLayoutError("meta.label is too long")
+    return CheckpointMeta(created_at, m.text("reason"), label, tags)
+
+
+def _state_v1(h: _Fields, payload: _Payload) -> SessionState:
+    """Format 1's state: a table of per-layer arrays."""
+    named: list[tuple[str, np.ndarray]] = []
+    for i, entry in enumerate(h.get("arrays", list)):
+        if not isinstance(entry, list) or len(entry) != 5 or not isinstance(entry[0], str):
+            raise CheckpointLayoutError(f"arrays[{i}] must be [name, dtype, shape, offset, nbytes]")
+        arr = payload.array(f"array {clip(entry[0])}", entry[1:], (STATE_DTYPE,))
+        if arr.ndim not in (2, 3):
+            raise CheckpointLayoutError(
+                f"array {clip(entry[0])} must be 2-D or 3-D, got shape {arr.shape}"
+            )
+        named.append((entry[0], arr))
+    try:
+        state = SessionState.from_named_arrays(named)
+    except ValueError as exc:
+        raise CheckpointLayoutError(f"checkpoint state arrays: {exc}") from None
+    layers = state.layers
+    if not layers:
+        raise CheckpointLayoutError("checkpoint holds no layers")
+    _check_layer_shapes(layers[0].conv.shape, layers[0].ssm.shape)
+    for i, layer in enumerate(layers):
+        if layer.conv.shape != layers[0].conv.shape:
+            raise CheckpointLayoutError(f"layer {i} conv state shape differs from layer 0")
+        if layer.ssm.shape != layers[0].ssm.shape:
+            raise CheckpointLayoutError(f"layer {i} ssm state shape differs from layer 0")
+    return state
+
+
+def _state_v2(h: _Fields, payload: _Payload) -> SessionState:
+    """Format 2's state: one packed array and the shapes that cut it into layers."""
+    s = _Fields(h.get("state", dict), "state")
+    layers = s.integer("layers")
+    conv, ssm = s.get("conv", list), s.get("ssm", list)
+    for name, shape, dims in (("conv", conv, (2,)), ("ssm", ssm, (2, 3))):
+        if len(shape) not in dims or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+        ):
+            raise CheckpointLayoutError(
+                f"state.{name} must be {' or '.join(map(str, dims))} positive sizes, "
+                f"got {clip(shape)}"
+            )
+    if layers < 1:
+        raise CheckpointLayoutError("checkpoint holds no layers")
+    _check_layer_shapes(tuple(conv), tuple(ssm))
+    packed = payload.array("state", s.get("array", list), (STATE_DTYPE,))
+    need = layers * (math.prod(conv) + math.prod(ssm))
+    if packed.shape != (need,):
+        raise CheckpointLayoutError(
+            f"state of {layers} layers of conv {clip(conv)} and ssm {clip(ssm)} is "
+            f"{need} floats, its array has shape {list(packed.shape)}"
+        )
+    return SessionState.unpacked(packed, layers, tuple(conv), tuple(ssm))
+
+
+def _check_layer_shapes(conv: tuple[int, ...], ssm: tuple[int, ...]) -> None:
+    """Mamba-1: conv (e, k), ssm (e, n); Mamba-2: conv (e + 2 g n, k), ssm (h, p, n).
+    Which one, and the exact sizes, the model checks (``check_model``)."""
+    if len(conv) != 2:
+        raise CheckpointLayoutError("the conv state must be 2-D")
+    if len(ssm) == 2 and conv[0] != ssm[0]:
+        raise CheckpointLayoutError(
+            f"state shapes disagree with each other: conv {list(conv)}, ssm {list(ssm)}"
+        )
 
 
 def _check_fields(ckpt: Checkpoint, error: type[CheckpointError] = CheckpointLayoutError) -> None:
@@ -358,6 +468,8 @@ class _Payload:
         self.spans: list[tuple[int, int, str]] = []
 
     def array(self, what: str, desc: list[Any], dtypes: tuple[str, ...]) -> np.ndarray:
+        if len(desc) != 4:
+            raise CheckpointLayoutError(f"{what} must be [dtype, shape, offset, nbytes]")
         dtype, shape, offset, nbytes = desc
         if dtype not in dtypes:
             raise CheckpointLayoutError(f"{what} has dtype {clip(dtype)}; allowed: {dtypes}")
