@@ -7,8 +7,9 @@ when the server is installed::
     ssmserve model init-demo DIR [--input-dim N] [--output-dim N] [--hidden N]
                                  [--layers N] [--state N] [--seed N] [--force]
     ssmserve model inspect DIR [--json]
-    ssmserve model run DIR --input IN.npy --output OUT.npy
-    ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--json]
+    ssmserve model run DIR --input IN.npy --output OUT.npy [--prefill]
+    ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--prefill T]
+                             [--rounds N] [--json]
     ssmserve auth token --tenant T --role client|operator|admin --file TOKENS.toml [--note N]
 
 Only argparse here: the CLI loads this module to list the commands and parse their
@@ -35,6 +36,7 @@ DEMO_DEFAULTS = {
 ARCHS = ("mamba", "mamba2")  # engine.demo.ARCHS
 MAX_BATCH = 4096  # engine.bench.MAX_BATCH
 MAX_STEPS = 1_000_000  # engine.bench.MAX_STEPS
+MAX_PREFILL = 1 << 20  # engine.bench.MAX_PREFILL
 TOKEN_ROLES = ("client", "operator", "admin")  # api.auth.Role, less the workers' own
 
 
@@ -106,6 +108,11 @@ def add_commands(commands: Subparsers) -> None:
     run.add_argument("dir", type=Path, help="model directory")
     file_flag(run, "--input", "(T,) int ids or (T, i) float32", metavar="IN.npy")
     file_flag(run, "--output", "where to write (T, o) float32", metavar="OUT.npy")
+    run.add_argument(
+        "--prefill",
+        action="store_true",
+        help="compute layer by layer over the whole sequence (faster; the same bits)",
+    )
     run.set_defaults(handler=_handler("run"))
 
     bench = model_cmds.add_parser(
@@ -120,7 +127,18 @@ def add_commands(commands: Subparsers) -> None:
     )
     bench.add_argument("--warmup", type=positive_int, default=5, help="untimed steps first (5)")
     bench.add_argument(
-        "--json", action="store_true", help="print one JSON object (batch, step_us_median, ...)"
+        "--prefill",
+        type=positive_int,
+        metavar="T",
+        help=f"time a T-input prompt's prefill (<= {MAX_PREFILL}) and batch-1 decode steps",
+    )
+    bench.add_argument(
+        "--rounds", type=positive_int, default=5, help="prefills timed with --prefill (5)"
+    )
+    bench.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (batch, step_us_median, ...; prefill_ms with --prefill)",
     )
     bench.set_defaults(handler=_handler("bench"))
 

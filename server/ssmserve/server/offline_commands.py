@@ -21,7 +21,7 @@ from ssmserve.client.cli_errors import CliError
 from ssmserve.client.npy_files import load_npy, save_npy
 from ssmserve.client.output_files import check_output
 from ssmserve.server.api.auth import TENANT_PATTERN, parse_token_file, token_entry, token_hash
-from ssmserve.server.engine.bench import bench_model
+from ssmserve.server.engine.bench import bench_model, bench_prefill
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import (
     CONFIG_FILE,
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> None:
             f"got {inputs.dtype}{list(inputs.shape)}"
         )
     try:
-        outputs, _ = model.run(inputs)
+        outputs, _ = model.prefill(inputs) if args.prefill else model.run(inputs)
     except ModelInputError as exc:
         raise ModelInputError(f"{args.input}: {exc}") from None
     save_npy(args.output, outputs)
@@ -162,6 +162,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
+    if args.prefill is not None:
+        bench_a_prefill(args)
+        return
     model = load_model(args.dir)
     result = bench_model(model, args.batch, args.steps, args.warmup)
     if args.json:
@@ -177,6 +180,27 @@ def bench(args: argparse.Namespace) -> None:
         f"   p90 {result.step_us_p90:,.1f} us\n"
         f"throughput  {result.steps_per_s:,.0f} session-steps/s (batch / median step)\n"
         f"numerics    {result.numerics} (engine alone: no gRPC, no Redis)"
+    )
+
+
+def bench_a_prefill(args: argparse.Namespace) -> None:
+    if args.batch != 1:
+        raise ModelInputError("--prefill times one session: leave out --batch")
+    model = load_model(args.dir)
+    result = bench_prefill(model, args.prefill, args.rounds, args.steps, args.warmup)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return
+    print(
+        f"model        {args.dir} ({model.config.architecture}, "
+        f"hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers)\n"
+        f"prefill      {result.prefill_steps} inputs, last outputs: median "
+        f"{result.prefill_ms:,.1f} ms (min {result.prefill_ms_min:,.1f}) over {result.rounds}"
+        f" rounds, {result.prefill_us_per_input:,.1f} us an input\n"
+        f"decode step  median {result.step_us_median:,.1f} us   p10 {result.step_us_p10:,.1f} us"
+        f"   p90 {result.step_us_p90:,.1f} us (one session, {result.steps} steps)\n"
+        f"ratio        {result.prefill_per_input_over_step:.3f} (prefill per input / decode step)"
+        f"\nnumerics     {result.numerics} (engine alone: no gRPC, no Redis)"
     )
 
 
