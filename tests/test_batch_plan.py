@@ -12,21 +12,11 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.sessions.batch_plan import APPLY, GAP, RESEND, plan, plan_session
 from ssmserve.server.sessions.config import Durability, SessionConfig, SessionDefaults
 from ssmserve.server.sessions.guards import GuardAction, GuardCheck, GuardRule
-from ssmserve.server.sessions.session import Session, StepJob, StepRun, _Gate
+from ssmserve.server.sessions.session import Session, StepRun, _Gate
 from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease
 
 MAX_TICKS = 16
-
-
-class _Answer:
-    """Where a step's answer would go (the plan never answers)."""
-
-    def done(self) -> bool:
-        return False
-
-    def set_result(self, result: object) -> None:
-        raise AssertionError("a plan answers nothing")
 
 
 def session(model: MambaModel, step: int, **config: object) -> Session:
@@ -38,9 +28,10 @@ def session(model: MambaModel, step: int, **config: object) -> Session:
     )  # fmt: skip
 
 
-def job(model: MambaModel, step: int) -> StepJob:
+def job(model: MambaModel, step: int) -> StepRun:
+    """A step sent alone: a run of one (the plan answers nothing, so no future)."""
     value = np.zeros(model.config.input_dim, np.float32)
-    return StepJob(step, value, value.tobytes(), _Answer())
+    return StepRun.one("s", step, value, value.tobytes(), None)  # type: ignore[arg-type]
 
 
 def run(model: MambaModel, first: int, count: int) -> StepRun:

@@ -11,7 +11,7 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.config import SessionConfig
 from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
-from ssmserve.server.sessions.session import Session, StepJob
+from ssmserve.server.sessions.session import Session, StepRun
 from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease
 
@@ -34,8 +34,10 @@ def test_a_control_operation_queued_behind_steps_is_answered_when_the_session_le
             RecentSteps(4, 4), SessionLease("s1", "x.1", "w1"), lambda _s: None,
         )  # fmt: skip
         value = np.zeros(demo_model.config.input_dim, np.float32)
-        job = StepJob(1, value, value.tobytes(), loop.create_future())
-        s.queue.append(job)  # queued, not yet taken by a stepper: the session is not busy
+        future = loop.create_future()
+        s.queue.append(
+            StepRun.one(s.id, 1, value, value.tobytes(), future)
+        )  # queued, not yet taken by a stepper: the session is not busy
 
         async def control() -> None:
             async with s.exclusive():
@@ -51,7 +53,7 @@ def test_a_control_operation_queued_behind_steps_is_answered_when_the_session_le
             pass
         else:
             raise AssertionError("the control operation should have failed")
-        assert job.future.result().error is not None
+        assert future.result().error is not None
         assert not s.queue and not s.busy
 
     asyncio.run(scenario())
@@ -147,7 +149,7 @@ def test_the_session_queue_behaves_as_a_deque_under_random_operations() -> None:
             op = rng.integers(6)
             if op <= 1:  # append a step or a gate
                 entry: object = (
-                    StepJob(int(rng.integers(100)), value, b"", None)  # type: ignore[arg-type]
+                    StepRun.one("s", int(rng.integers(100)), value, b"", None)  # type: ignore[arg-type]
                     if op == 0
                     else _Gate(None)  # type: ignore[arg-type]
                 )
@@ -156,7 +158,7 @@ def test_the_session_queue_behaves_as_a_deque_under_random_operations() -> None:
             elif op == 2 and model:
                 assert queue.popleft() is model.popleft()
             elif op == 3:
-                jobs = [StepJob(i, value, b"", None) for i in range(int(rng.integers(4)))]  # type: ignore[arg-type]
+                jobs = [StepRun.one("s", i, value, b"", None) for i in range(int(rng.integers(4)))]  # type: ignore[arg-type]
                 queue.push_front(jobs)
                 model.extendleft(reversed(jobs))
             elif op == 4 and model:

@@ -283,9 +283,11 @@ def fill_run_results(
     add: Callable[[], pb.StepResult], run: StepRun, scope: TenantScope, packed: bool
 ) -> None:
     """A result per step of ``run`` (``add`` makes each): from its row of ``run.outputs``
-    while it has nothing else to say, else from its own outcome."""
+    while it has nothing else to say, else from its own outcome. (A lone step's run is
+    answered with its StepOutcome instead: :func:`fill_result`.)"""
     sid = scope.shown(run.session_id)
     outputs = run.outputs  # (T, o)
+    assert outputs is not None, "a lone step's run is answered with its StepOutcome"
     blob = outputs.astype("<f4", copy=False).tobytes() if packed else b""
     width = len(blob) // len(outputs)
     for t, outcome in enumerate(run.outcomes):

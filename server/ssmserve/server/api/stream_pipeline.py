@@ -2,7 +2,8 @@
 
 :class:`StreamReader` reads one Stream's requests (up to ``max_inflight_messages`` ahead
 of their answers) and queues each message's steps: consecutive steps of one session as
-one run, the others one by one. The handler awaits each message's futures in request
+one run, answered as a whole, the others one by one (each a run of one, answered with its
+own StepOutcome). The handler awaits each message's futures in request
 order and writes them with :func:`answer_responses`, split to stay below the message
 limit (:func:`split_results`). Every problem of a step, a redirect included, is answered
 in its StepResult: ending a bidi call while the client still writes can reach the client

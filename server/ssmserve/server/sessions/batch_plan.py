@@ -2,7 +2,8 @@
 
 As vLLM's scheduler makes a step's batch a complete value before the model runs, the
 plan says, from each session's step and the head of its queue (runs of consecutive
-steps; a single step is a run of one), what the batch will do with every step it takes:
+steps, :class:`StepRun`; a single step is a run of one), what the batch will do with
+every step it takes:
 
 - **resend**: a step at or before the session's step, answered with its recorded output;
 - **apply**: the session's next steps, ``step + 1, step + 2, ...`` (its *advance*), run
@@ -27,18 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ssmserve.server.sessions.config import Durability
-from ssmserve.server.sessions.session import Session, StepJob, StepRun
+from ssmserve.server.sessions.session import Session, StepRun
 
 RESEND, APPLY, GAP = "resend", "apply", "gap"
 
 
 @dataclass(slots=True)
 class Piece:
-    """Consecutive steps of one queue entry that the batch treats alike: steps
-    ``first .. first + count - 1``, indices ``lo .. lo + count - 1`` of ``entry`` (0 for
-    a :class:`StepJob`)."""
+    """Consecutive steps of one queued run that the batch treats alike: steps
+    ``first .. first + count - 1``, indices ``lo .. lo + count - 1`` of ``entry``."""
 
-    entry: StepJob | StepRun
+    entry: StepRun
     lo: int
     count: int
     first: int
@@ -88,21 +88,21 @@ def plan_session(s: Session, max_ticks: int) -> SessionPlan:
     """What a batch does with ``s``'s queued steps (see the module's docstring)."""
     p = SessionPlan(s, s.step, guarded=bool(s.config.guards))
     at, left = s.step, max_ticks  # the step the session will be at; steps still to take
+    # A guarded session's pieces are single steps: a guard may stop it after any step,
+    # and what it took after that step goes back to the queue (SessionWork.give_back).
+    most = 1 if p.guarded else max_ticks
     for entry in s.queue.first(max_ticks):
-        if isinstance(entry, StepJob):
-            first, lo, end = entry.step, 0, 1
-        elif isinstance(entry, StepRun):
-            first, lo, end = entry.first, entry.taken, entry.count
-        else:  # a control operation: it runs before anything queued behind it
-            break
+        if not isinstance(entry, StepRun):
+            break  # a control operation: it runs before anything queued behind it
+        first, lo, end = entry.first, entry.taken, entry.count
         while lo < end and left:
             step = first + lo
             if step <= at:
-                kind, n = RESEND, min(end - lo, at - step + 1, left)
+                kind, n = RESEND, min(end - lo, at - step + 1, left, most)
             elif step == at + 1:
-                kind, n = APPLY, min(end - lo, left)
+                kind, n = APPLY, min(end - lo, left, most)
             else:  # later steps of the entry are beyond the next one too
-                kind, n = GAP, min(end - lo, left)
+                kind, n = GAP, min(end - lo, left, most)
             p.pieces.append(Piece(entry, lo, n, step, kind, at))
             if kind == APPLY:
                 at += n

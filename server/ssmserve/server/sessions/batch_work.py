@@ -24,7 +24,6 @@ from ssmserve.server.sessions.session import (
     Session,
     SessionRewoundError,
     StepGapError,
-    StepJob,
     StepOutcome,
     StepRun,
 )
@@ -102,19 +101,28 @@ class SessionWork:
     def give_back(self, after_step: int) -> None:
         """A guard stopped the session at ``after_step``: the steps taken after it go back
         to the head of its queue, in order, answered by a later batch (a guarded session's
-        pieces are single steps: ``Stepper._split_guarded_runs``)."""
+        pieces are single steps: ``batch_plan.plan_session``)."""
         pieces = self.plan.pieces
         keep = len(pieces)
         while keep and not (
             pieces[keep - 1].kind == APPLY and pieces[keep - 1].first == after_step
         ):
             keep -= 1
-        back = [p.entry for p in pieces[keep:] if isinstance(p.entry, StepJob)]
         self.given_back = len(pieces) - keep
+        s = self.session
+        back: list[StepRun] = []  # runs the batch took off the queue whole, in order
+        last: StepRun | None = None
+        for piece in pieces[keep:]:
+            s.queued_steps += piece.count
+            run = piece.entry
+            if run is last:  # a run's pieces are consecutive: its first one reset it
+                continue
+            last = run
+            if run.taken == run.count:  # taken whole, so off the queue (``Stepper._take``)
+                back.append(run)
+            run.taken = piece.lo  # its steps from this piece on are queued again
         if back:
-            s = self.session
             s.queue.push_front(back)
-            s.queued_steps += len(back)
 
     # ------------------------------------------------------------------ answers
 
@@ -127,19 +135,17 @@ class SessionWork:
         if pieces and s.snapshot_events:
             events, s.snapshot_events = s.snapshot_events, ()
         for i, piece in enumerate(pieces):
-            last = events if i == len(pieces) - 1 else ()
-            entry = piece.entry
-            if isinstance(entry, StepJob):
-                outcome = self._outcome(piece, piece.first)
-                outcome.snapshot_events += last
-                if not entry.future.done():
-                    entry.future.set_result(outcome)
-            else:
-                self._answer_run(entry, piece, last)
+            self._answer_piece(piece, events if i == len(pieces) - 1 else ())
 
-    def _answer_run(self, run: StepRun, piece: Piece, events: tuple) -> None:
-        lo, hi = piece.lo, piece.lo + piece.count
-        if piece.kind == APPLY and self.failed is None and self.fenced is None:
+    def _answer_piece(self, piece: Piece, events: tuple) -> None:
+        run, lo, hi = piece.entry, piece.lo, piece.lo + piece.count
+        if (
+            piece.kind == APPLY
+            and run.outputs is not None
+            and not self.plan.guarded
+            and self.failed is None
+            and self.fenced is None
+        ):
             row = piece.first - self.start - 1  # applied whole: answered by its outputs
             run.outputs[lo:hi] = self.outputs[row : row + piece.count]  # type: ignore[index]
             if events:
@@ -147,7 +153,7 @@ class SessionWork:
                     run.session_id, run.first + hi - 1, output=run.outputs[hi - 1],
                     snapshot_events=events,
                 )  # fmt: skip
-        else:
+        else:  # a lone step, a guarded one, a resend, a gap, an error: its own outcome
             for t in range(lo, hi):
                 run.outcomes[t] = self._outcome(piece, run.first + t)
             if events:

@@ -1,8 +1,9 @@
 """Step intake: a stream's steps checked and queued on their sessions' steppers.
 
-Every step a worker takes comes in here: one at a time (:meth:`StepIntake.submit`, with
-the load of a session that is not in memory), or a message's consecutive steps of one
-resident session as one :class:`~ssmserve.server.sessions.session.StepRun`
+Every step a worker takes comes in here and is queued as a
+:class:`~ssmserve.server.sessions.session.StepRun`: one at a time, a run of one answered
+with its StepOutcome (:meth:`StepIntake.submit`, with the load of a session that is not
+in memory), or a message's consecutive steps of one resident session as one run
 (:meth:`StepIntake.submit_run_resident`). What is wrong with a step (its number, its
 input, a full queue) is raised here, before anything is queued, so the session is
 untouched.
@@ -18,7 +19,7 @@ import numpy as np
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.sessions.errors import BadStepInputError, CapacityError, StepRangeError
 from ssmserve.server.sessions.loading import SessionLoader
-from ssmserve.server.sessions.session import Session, StepJob, StepOutcome, StepRun
+from ssmserve.server.sessions.session import Session, StepOutcome, StepRun
 from ssmserve.server.sessions.stepper import Stepper
 from ssmserve.server.state.store_layout import MAX_STEP
 
@@ -101,7 +102,8 @@ class StepIntake:
             )
         loop = self.loop or asyncio.get_running_loop()  # the call costs a getpid() on 3.11
         future: asyncio.Future[StepOutcome] = loop.create_future()
-        self.steppers[s.model_name].submit(s, StepJob(step, arr, s.codec.encode(arr), future))
+        run = StepRun.one(s.id, step, arr, s.codec.encode(arr), future)
+        self.steppers[s.model_name].submit(s, run)
         return future
 
 

@@ -3,7 +3,7 @@
 Steps and control operations (rollback, snapshot, export, close, eviction) of a session go
 through one FIFO queue, so a rollback that arrives while a stream is open is ordered with
 that session's steps: it runs after the steps queued before it and before those queued
-after it. The stepper takes steps (:class:`StepJob`, :class:`StepRun`) from the head; a
+after it. The stepper takes steps (runs of one or more: :class:`StepRun`) from the head; a
 control operation waits in :meth:`Session.exclusive` until its gate reaches the head and
 no batch holds the session, and holds the session until it leaves the ``async with`` block.
 """
@@ -15,7 +15,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -86,39 +85,34 @@ class StepOutcome:
     error: SsmserveError | None = None
 
 
-class StepAnswer(Protocol):
-    """Where a step's outcome goes: its own future, or its place in a :class:`StepRun`."""
-
-    def done(self) -> bool: ...
-
-    def set_result(self, result: StepOutcome, /) -> None: ...
-
-
-@dataclass(eq=False, slots=True)
-class StepJob:
-    step: int
-    value: np.ndarray  # () int64 token id or (i,) float32, already validated
-    raw: bytes  # the value as the log stores it
-    future: StepAnswer
-
-
 class StepRun:
-    """Consecutive steps ``first, first + 1, ...`` of one session from one message,
-    queued as one entry and answered with one future (resolved to the run itself).
+    """Consecutive steps ``first, first + 1, ...`` of one session, queued as one entry:
+    every step a session's queue holds is in a run, and a single step is a run of one.
 
-    Why: a multiplexed stream sends several steps of each session per message. Queued
-    and answered one by one, each step costs the server a job, a future, an outcome and
-    its own pass through the stepper's Python, which at thousands of sessions is most of
-    the server's CPU per step. The stepper takes a run it can step straight through (the
-    session is at ``first + taken - 1`` and has no guards) in chunks, each one engine
-    call over all its steps (``EngineLane.step_many``) with bookkeeping per chunk, not
-    per step. Any other run is split back into one :class:`StepJob` per step (:meth:`split`) and
-    goes the per-step way, so every outcome is exactly what separate steps would get.
+    A message's consecutive steps of one session are one run, answered with one future
+    resolved to the run itself: a step with nothing else to say is answered by its row
+    of ``outputs``, any other by its own outcome in ``outcomes``. A step sent alone
+    (``lone``) is a run of one whose future resolves to that step's
+    :class:`StepOutcome`; it has no ``outputs`` (its outcome always carries its output).
+
+    Why runs: a multiplexed stream sends several steps of each session per message.
+    Queued and answered one by one, each step costs the server an entry, a future, an
+    outcome and its own pass through the stepper's Python, which at thousands of
+    sessions is most of the server's CPU per step. The batch plan cuts the runs at the
+    head of a session's queue into pieces (resends, applied steps, gaps); a batch may
+    take part of a run (``max_ticks``, a control operation queued behind it) and leave
+    the rest queued, from ``next_step`` on. The applied steps of a session without
+    guards run in chunks, each one engine call over all its steps
+    (``EngineLane.step_many``) with bookkeeping per chunk, not per step. A guarded
+    session's pieces are single steps, and the steps a guard keeps from running go back
+    to the queue (``SessionWork.give_back``), so every outcome is exactly what separate
+    steps would get.
     """
 
     __slots__ = (
         "first",
         "future",
+        "lone",
         "outcomes",
         "outputs",
         "pending",
@@ -135,20 +129,39 @@ class StepRun:
         values: np.ndarray,
         raw: bytes,
         output_dim: int,
-        future: asyncio.Future[StepRun],
+        future: asyncio.Future[StepRun] | asyncio.Future[StepOutcome] | None,
+        lone: bool = False,
     ) -> None:
         count = values.shape[0]
         self.session_id = session_id  # as stored
         self.first = first
-        self.values = values  # (T, i) float32, checked finite
+        self.values = values  # (T,) int64 token ids or (T, i) float32, checked finite
         self.raw = raw  # the T inputs as the log stores them, back to back
-        self.future: asyncio.Future[StepRun] | None = future  # None once resolved
-        self.outputs = np.empty((count, output_dim), np.float32)  # (T, o), as chunks run
+        self.future = future  # None once resolved
+        self.lone = lone  # one step sent alone: the future takes its StepOutcome
+        # (T, o), filled as batches answer; none for a lone step: its outcome carries its
+        # output, and an array per step sent alone would cost that path an allocation.
+        self.outputs: np.ndarray | None = (
+            None if lone else np.empty((count, output_dim), np.float32)
+        )
         # Per step: None while it is answered by its row of ``outputs`` (applied, nothing
-        # else to say), else its outcome (an error, a split-off step's own outcome).
+        # else to say), else its outcome (an error, a resend, a guarded step's verdict).
         self.outcomes: list[StepOutcome | None] = [None] * count
-        self.taken = 0  # steps the stepper has taken (stepped, or split off)
+        self.taken = 0  # steps the stepper has taken; those from here on are queued
         self.pending = count  # steps not answered yet
+
+    @classmethod
+    def one(
+        cls,
+        session_id: str,
+        step: int,
+        value: np.ndarray,
+        raw: bytes,
+        future: asyncio.Future[StepOutcome],
+    ) -> StepRun:
+        """Step ``step`` sent alone: ``value`` its input (a () token id or an (i,)
+        vector), answered with its StepOutcome."""
+        return cls(session_id, step, value[None], raw, 0, future, lone=True)
 
     @property
     def count(self) -> int:
@@ -160,8 +173,8 @@ class StepRun:
         return self.first + self.taken
 
     def answer(self, lo: int, hi: int, error: SsmserveError | None = None) -> None:
-        """Steps ``lo:hi`` (indices) are answered: by their outputs, or with ``error``.
-        The future resolves once every step is."""
+        """Steps ``lo:hi`` (indices) are answered: by their outputs or outcomes, or with
+        ``error``. The future resolves once every step is."""
         if error is not None:
             for t in range(lo, hi):
                 self.outcomes[t] = StepOutcome(self.session_id, self.first + t, error=error)
@@ -172,38 +185,18 @@ class StepRun:
             # and their outputs stayed in an idle worker: 2.4 KiB per demo session).
             future, self.future = self.future, None
             if not future.done():
-                future.set_result(self)
+                future.set_result(self.outcomes[0] if self.lone else self)  # type: ignore[arg-type]
 
     def raw_of(self, lo: int, hi: int) -> bytes:
         """The logged bytes of steps ``lo:hi`` (indices), back to back."""
+        if lo == 0 and hi == self.count:
+            return self.raw
         width = len(self.raw) // self.count  # bytes per input
         return self.raw[lo * width : hi * width]
 
-    def split(self) -> list[StepJob]:
-        """The steps not taken yet as separate jobs (their outcomes come back here)."""
-        jobs = [
-            StepJob(self.first + t, self.values[t], self.raw_of(t, t + 1), _RunSlot(self, t))
-            for t in range(self.taken, self.count)
-        ]
-        self.taken = self.count
-        return jobs
-
-
-class _RunSlot:
-    """A split-off step's answer: its outcome goes to its place in the run."""
-
-    __slots__ = ("_done", "index", "run")
-
-    def __init__(self, run: StepRun, index: int) -> None:
-        self.run, self.index, self._done = run, index, False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, result: StepOutcome, /) -> None:
-        self._done = True
-        self.run.outcomes[self.index] = result
-        self.run.answer(self.index, self.index + 1)
+    def values_of(self, lo: int, hi: int) -> np.ndarray:
+        """The inputs of steps ``lo:hi`` (indices)."""
+        return self.values if lo == 0 and hi == self.count else self.values[lo:hi]
 
 
 @dataclass(eq=False, slots=True)
@@ -211,7 +204,7 @@ class _Gate:
     opened: asyncio.Future[None]
 
 
-QueueEntry = StepJob | StepRun | _Gate
+QueueEntry = StepRun | _Gate
 
 
 class SessionQueue:
@@ -271,12 +264,12 @@ class SessionQueue:
             self._head = 0
         return entry
 
-    def push_front(self, entries: list[StepJob]) -> None:
-        """``entries`` at the head, in their order (a run split back into steps)."""
+    def push_front(self, entries: list[StepRun]) -> None:
+        """``entries`` at the head, in their order (runs a guard sent back)."""
         self._items[self._head : self._head] = entries
 
-    def take_steps(self) -> list[StepJob | StepRun]:
-        """Take every step and run out, in order; control gates stay, in order."""
+    def take_steps(self) -> list[StepRun]:
+        """Take every run out, in order; control gates stay, in order."""
         entries = self._entries()
         self._items = [e for e in entries if isinstance(e, _Gate)]
         self._head = 0
@@ -397,7 +390,7 @@ class Session:
 
     @property
     def head_is_step(self) -> bool:
-        return bool(self.queue) and isinstance(self.queue[0], StepJob | StepRun)
+        return bool(self.queue) and isinstance(self.queue[0], StepRun)
 
     def touch(self, now: tuple[float, float] | None = None) -> None:
         """Active just now; ``now`` is (``time.monotonic()``, ``time.time()``) read once
@@ -455,13 +448,9 @@ class Session:
         """The session is leaving memory: everything still queued gets ``error``."""
         self.gone = error
         self.snapshots.cancel()
-        for item in self.queue.take_steps():
-            if isinstance(item, StepJob):
-                if not item.future.done():
-                    item.future.set_result(StepOutcome(self.id, item.step, error=error))
-            else:
-                taken, item.taken = item.taken, item.count
-                item.answer(taken, item.count, error)
+        for run in self.queue.take_steps():
+            taken, run.taken = run.taken, run.count
+            run.answer(taken, run.count, error)
         self.queued_steps = 0
         # A control operation that waited behind those steps is at the head now: open its
         # gate so it sees ``gone`` and raises. Nothing else would (the session has left

@@ -60,8 +60,6 @@ from ssmserve.server.sessions.session import (
     GuardRolledBackError,
     Session,
     SessionGoneError,
-    StepJob,
-    StepOutcome,
     StepRun,
 )
 from ssmserve.server.state.input_log import InputBlock
@@ -132,16 +130,13 @@ class Stepper:
             self._task = None
         self.engine.shutdown()
 
-    def submit(self, session: Session, job: StepJob | StepRun) -> None:
-        if session.gone is not None:  # it left memory: nobody would run this step
-            if isinstance(job, StepRun):
-                job.taken = job.count
-                job.answer(0, job.count, session.gone)
-            else:
-                job.future.set_result(StepOutcome(session.id, job.step, error=session.gone))
+    def submit(self, session: Session, run: StepRun) -> None:
+        if session.gone is not None:  # it left memory: nobody would run these steps
+            run.taken = run.count
+            run.answer(0, run.count, session.gone)
             return
-        session.queue.append(job)
-        session.queued_steps += job.count if isinstance(job, StepRun) else 1
+        session.queue.append(run)
+        session.queued_steps += run.count
         self.notify(session)
 
     def notify(self, session: Session) -> None:
@@ -184,7 +179,6 @@ class Stepper:
                         self.notify(s)
 
     async def _batch(self, sessions: list[Session]) -> None:
-        _split_guarded_runs(sessions, self.settings.max_ticks)
         work = [
             SessionWork(p, p.session.state)
             for p in plan(sessions, self.settings.max_ticks).sessions
@@ -218,21 +212,14 @@ class Stepper:
             values: list[np.ndarray] = []
             raws: list[bytes] = []
             for piece in w.plan.pieces:
-                entry, n = piece.entry, piece.count
-                if isinstance(entry, StepJob):
-                    s.queue.popleft()  # the plan took entries from the head, in order
-                else:
-                    entry.taken = piece.lo + n
-                    if entry.taken == entry.count:
-                        s.queue.popleft()
+                run, lo, n = piece.entry, piece.lo, piece.count
+                run.taken = lo + n
+                if run.taken == run.count:
+                    s.queue.popleft()  # the plan took runs from the head, in order
                 s.queued_steps -= n
                 if piece.kind == APPLY:
-                    if isinstance(entry, StepJob):
-                        values.append(entry.value[None])
-                        raws.append(entry.raw)
-                    else:
-                        values.append(entry.values[piece.lo : piece.lo + n])
-                        raws.append(entry.raw_of(piece.lo, piece.lo + n))
+                    values.append(run.values_of(lo, lo + n))
+                    raws.append(run.raw_of(lo, lo + n))
                 elif piece.kind == RESEND:
                     for step in range(piece.first, piece.first + n):
                         if step <= w.start:
@@ -472,23 +459,6 @@ class Stepper:
                 f"{events[0].detail}; the session returned to step {step}, so the next input "
                 f"is step {step + 1}"
             )
-
-
-def _split_guarded_runs(sessions: list[Session], max_ticks: int) -> None:
-    """A guarded session steps one input per engine call and may stop at any of them: the
-    runs at the head of its queue become single steps (their answers still go to the
-    run), so what a guard keeps from running goes back to the queue whole."""
-    for s in sessions:
-        if not s.config.guards:
-            continue
-        head = s.queue.first(max_ticks)
-        if not any(isinstance(e, StepRun) for e in head):
-            continue
-        entries: list[StepJob] = []
-        while s.queue and isinstance(s.queue[0], StepJob | StepRun) and len(entries) < max_ticks:
-            entry = s.queue.popleft()
-            entries += entry.split() if isinstance(entry, StepRun) else [entry]
-        s.queue.push_front(entries)
 
 
 async def _recompute(work: list[SessionWork], replay: Replay) -> None:
