@@ -10,6 +10,7 @@ when the server is installed::
     ssmserve model run DIR --input IN.npy --output OUT.npy [--prefill]
     ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--prefill T]
                              [--rounds N] [--json]
+    ssmserve model bench DIR --checkpoint [--json]
     ssmserve auth token --tenant T --role client|operator|admin --file TOKENS.toml [--note N]
 
 Only argparse here: the CLI loads this module to list the commands and parse their
@@ -119,6 +120,12 @@ def add_commands(commands: Subparsers) -> None:
         "bench", help="time batched engine steps of a model on this machine"
     )
     bench.add_argument("dir", type=Path, help="model directory")
+    bench.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="time the checkpoint codec on a random state of the model's shapes (reads only "
+        "its config) beside a memory copy of the same bytes: encode_ms, decode_ms, memcpy_ms",
+    )
     bench.add_argument(
         "--batch", type=positive_int, default=1, help=f"sessions per step, <= {MAX_BATCH} (1)"
     )

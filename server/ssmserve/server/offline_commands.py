@@ -29,10 +29,12 @@ from ssmserve.server.engine.loader import (
     WEIGHTS_FILE,
     expected_shapes,
     load_model,
+    read_config,
     save_model,
 )
 from ssmserve.server.engine.numerics import blas_signature
 from ssmserve.server.errors import ModelInputError, SsmserveError
+from ssmserve.server.state.checkpoint_bench import bench_checkpoint
 
 
 def make_token(args: argparse.Namespace) -> None:
@@ -162,6 +164,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
+    if args.checkpoint:
+        bench_a_checkpoint(args)
+        return
     if args.prefill is not None:
         bench_a_prefill(args)
         return
@@ -201,6 +206,23 @@ def bench_a_prefill(args: argparse.Namespace) -> None:
         f"   p90 {result.step_us_p90:,.1f} us (one session, {result.steps} steps)\n"
         f"ratio        {result.prefill_per_input_over_step:.3f} (prefill per input / decode step)"
         f"\nnumerics     {result.numerics} (engine alone: no gRPC, no Redis)"
+    )
+
+
+def bench_a_checkpoint(args: argparse.Namespace) -> None:
+    result = bench_checkpoint(read_config(args.dir), args.dir.resolve().name)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return
+    print(
+        f"state       {result.state_bytes:,} bytes ({result.state_bytes / 2**20:.2f} MiB), "
+        f"checkpoint format {result.format_version}: {result.blob_bytes:,} bytes\n"
+        f"encode      {result.encode_ms:.3f} ms ({result.encode_over_memcpy:.2f}x memcpy)\n"
+        f"decode      {result.decode_ms:.3f} ms ({result.decode_over_memcpy:.2f}x memcpy)\n"
+        f"memcpy      {result.memcpy_ms:.3f} ms (the state's bytes into a new buffer)\n"
+        f"format 1    encode {result.format1_encode_ms:.3f} ms, decode "
+        f"{result.format1_decode_ms:.3f} ms (sha256)\n"
+        f"medians of {result.rounds} rounds each, this run"
     )
 
 
