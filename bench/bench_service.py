@@ -231,7 +231,9 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
     r = store.redis
     ckpt = mamba130m_checkpoint()
     blob = ckpt.encode()
-    out: dict[str, list[float]] = {"log": [], "set16": [], "big": [], "setbig": [], "enc": []}
+    out: dict[str, list[float]] = {
+        "log": [], "set16": [], "big": [], "setbig": [], "enc": [], "big1": [], "enc1": [],
+    }  # fmt: skip
     from ssmserve.server.state.lease import SessionLease, new_incarnation
     from ssmserve.server.state.store_records import SessionMeta
 
@@ -261,6 +263,15 @@ async def store_limits(url: str, reps: int) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         await r.set("bench:blob", blob)
         out["setbig"].append(time.perf_counter() - t0)
+        # the same write in checkpoint format 1 (sha256), taking turns with format 2
+        t0 = time.perf_counter()
+        data = ckpt.encode(format_version=1)
+        rec = SnapshotRecord(f"v1-{i}", i, "", "bench", 0.0, len(data), 1)
+        await store.commit_snapshot(lease, rec, data, 4)
+        out["big1"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ckpt.encode(format_version=1)
+        out["enc1"].append(time.perf_counter() - t0)
     await store.aclose()
     out["size"] = [len(blob)]
     return out
@@ -459,7 +470,11 @@ async def bench(
         ["Snapshot RPC, demo model (20 KB state)", pct(snap_times, 50), pct(snap_times, 99)],
         [f"snapshot write, {size / 2**20:.2f} MiB: encode + SET + commit", pct(lim["big"], 50),
          pct(lim["big"], 99)],
-        ["  of which encode (sha256 + copy)", pct(lim["enc"], 50), pct(lim["enc"], 99)],
+        ["  of which encode (format 2: copy + xxh3_128)", pct(lim["enc"], 50),
+         pct(lim["enc"], 99)],
+        ["the same write, checkpoint format 1", pct(lim["big1"], 50), pct(lim["big1"], 99)],
+        ["  of which encode (format 1: copy + sha256)", pct(lim["enc1"], 50),
+         pct(lim["enc1"], 99)],
         [f"bare SET of the same {size / 2**20:.2f} MiB", pct(lim["setbig"], 50),
          pct(lim["setbig"], 99)],
         ["log append (Lua script, 16 B input)", pct(lim["log"], 50), pct(lim["log"], 99)],
@@ -471,6 +486,7 @@ async def bench(
         "log_append_p50_ms": pct(lim["log"], 50),
         "setbig_p50_ms": pct(lim["setbig"], 50),
         "snapshot_big_p50_ms": pct(lim["big"], 50),
+        "snapshot_big_format1_p50_ms": pct(lim["big1"], 50),
     }
     report["rollback_p50_ms"] = {k: pct(v, 50) for k, v in rb.items()}
 

@@ -215,10 +215,7 @@ def _state_entry(state: SessionState, payload: _PayloadWriter) -> dict[str, Any]
         arrays = [buffer]
     else:
         layers = state.layers
-        if not layers or any(
-            (la.conv.shape, la.ssm.shape) != (layers[0].conv.shape, layers[0].ssm.shape)
-            for la in layers
-        ):
+        if len({(la.conv.shape, la.ssm.shape) for la in layers}) != 1:
             raise CheckpointLayoutError("a state to encode needs layers, all of one shape")
         arrays = [a for layer in layers for a in (layer.conv, layer.ssm)]
     layout = state.layout
@@ -240,13 +237,12 @@ class _PayloadWriter:
     def place_all(self, arrays: list[np.ndarray], dtype: str) -> list[Any]:
         """``arrays`` back to back as one 1-D array of ``dtype``; its table entry."""
         self._pad()
-        entry = [dtype, [sum(a.size for a in arrays)], self.size, 0]
-        for arr in arrays:
-            data = np.ascontiguousarray(arr, dtype=dtype)  # no copy when it already is
-            self.chunks.append(data)
-            self.size += data.nbytes
-        entry[3] = self.size - entry[2]
-        return entry
+        start = self.size
+        chunks = [np.ascontiguousarray(a, dtype=dtype) for a in arrays]  # no copies as a rule
+        self.chunks += chunks
+        self.size += sum(c.nbytes for c in chunks)
+        nbytes = self.size - start
+        return [dtype, [nbytes // np.dtype(dtype).itemsize], start, nbytes]
 
     def place(self, arr: np.ndarray, dtype: str) -> list[Any]:
         """``arr`` as ``dtype``; its table entry ``[dtype, shape, offset, nbytes]``."""

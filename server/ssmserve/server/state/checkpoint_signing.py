@@ -1,6 +1,6 @@
 """Checkpoints that prove their origin: an HMAC over the exported bytes.
 
-A checkpoint's sha256 proves it was not damaged, not who made it. With a server key
+A checkpoint's checksum proves it was not damaged, not who made it. With a server key
 (``--checkpoint-key FILE``, shared by the workers that should trust each other's
 exports), every export ends with a trailer: ``SIGNATURE_MAGIC`` + HMAC-SHA256(key, the
 checkpoint's bytes). An import strips a trailer and checks it; with
