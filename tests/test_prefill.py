@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,6 +129,39 @@ def test_chunks_and_threads_change_no_bits(
         monkeypatch.setattr(model, "threads", threads)
         out, final = model.prefill(inputs, start)
         assert same_bits(out, expected) and same_state(final, state), threads
+
+
+@pytest.mark.parametrize("failing_chunk", [0, 1, 4])
+def test_a_failing_runner_fails_the_prefill_and_no_runner_waits(
+    signal_model: MambaModel, monkeypatch: pytest.MonkeyPatch, failing_chunk: int
+) -> None:
+    """Chunk 0 runs on the calling thread, chunk 1 on a runner of its own, chunk 4 after
+    the others waited for turns: whichever fails, its error comes back, and within a
+    bound (a runner waiting for a failed one's turn would hang)."""
+    monkeypatch.setattr(prefill_module, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(signal_model, "threads", 2)
+    chunk = prefill_module._chunk
+
+    def failing(*args: object) -> None:
+        if args[5] == failing_chunk:
+            raise RuntimeError(f"chunk {failing_chunk} failed")
+        chunk(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefill_module, "_chunk", failing)
+    result: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            signal_model.prefill(random_inputs(signal_model, 150, seed=1))
+        except BaseException as exc:
+            result.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=60)
+    assert not caller.is_alive(), "the prefill hangs after a runner failed"
+    assert len(result) == 1 and str(result[0]) == f"chunk {failing_chunk} failed"
+    assert {t.name for t in threading.enumerate()}.isdisjoint({"ssmserve-prefill-1"})
 
 
 def test_outputs_by_mask_and_by_indices(token_model: MambaModel) -> None:

@@ -42,7 +42,8 @@ r rank of Δ, c conv channels, h heads, p head dim, v / o outputs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -68,6 +69,10 @@ OutputRows = Literal["all", "last", "none"] | np.ndarray | Sequence[int]
 #: activations of a chunk of mamba-130m take ~20 MB at 512 rows. Chunking changes no
 #: bits (rows are independent, and the state carries from one chunk to the next).
 CHUNK_ROWS = 512
+
+#: Fewest positions per runner for a prefill to spread its chunks over the model's
+#: threads (``prefill``); fewer, and one runner cuts each product over the threads.
+MIN_ROWS_PER_RUNNER = 32
 
 #: Fewest rows per thread when a product is cut by rows: below this the hand-off to a
 #: helper thread costs more than the half of the work it takes (and short products of a
@@ -126,33 +131,92 @@ class LayerCarry:
         return carry
 
 
+class Turns:
+    """The order in which chunks advance each layer's state: chunk c's conv (stage 0) and
+    scan (stage 1) of a layer run after chunk c - 1's, on whichever runner holds it.
+    Counters under one condition, so a prompt of any length needs no more than these."""
+
+    CONV, SCAN = 0, 1
+
+    def __init__(self, layers: int) -> None:
+        self._passed = [[0, 0] for _ in range(layers)]  # chunks through each (layer, stage)
+        self._changed = threading.Condition()
+        self._abandoned = False
+
+    def wait(self, chunk: int, layer: int, stage: int) -> None:
+        """Until chunks ``:chunk`` have passed ``stage`` of ``layer`` (or a runner failed:
+        then raise, so no runner waits for one that is gone)."""
+        with self._changed:
+            passed = self._passed[layer]
+            while passed[stage] < chunk and not self._abandoned:
+                self._changed.wait()
+            if self._abandoned:
+                raise _Abandoned
+
+    def done(self, layer: int, stage: int) -> None:
+        with self._changed:
+            self._passed[layer][stage] += 1
+            self._changed.notify_all()
+
+    def abandon(self) -> None:
+        with self._changed:
+            self._abandoned = True
+            self._changed.notify_all()
+
+
+class _Abandoned(Exception):
+    """Another runner of the prefill failed (its error is the one raised)."""
+
+
 def prefill(
     model: MambaModel,
     inputs: np.ndarray,
     state: SessionState | None = None,
     outputs: OutputRows = "all",
 ) -> tuple[np.ndarray, SessionState]:
-    """``MambaModel.prefill``: see there."""
+    """``MambaModel.prefill``: see there.
+
+    The T positions are cut into chunks (at most :data:`CHUNK_ROWS` each). With several
+    threads and at least :data:`MIN_ROWS_PER_RUNNER` positions for each, chunk c runs on
+    runner c mod R, each runner a thread of its own computing its chunks' products on
+    one core, and the chunks take :class:`Turns` at each layer's conv and scan: while
+    one runner walks a layer's scan (one core, position by position) the other computes
+    products. Otherwise one runner takes the chunks in turn and cuts each product over
+    the threads. The head runs at the end, on the positions asked for, over the threads.
+    """
     seq = model.check_inputs(inputs)  # (T,) ids or (T, i)
     start = state if state is not None else model.new_state()
     model.check_state(start)
+    c = model.config
     steps = seq.shape[0]
-    rows = output_rows(outputs, steps)
-    out = np.empty((rows.shape[0], model.config.output_dim), np.float32)  # (m, o)
+    rows = output_rows(outputs, steps)  # (m,)
     carries = [LayerCarry.of(layer.conv, layer.ssm) for layer in start.layers]
-    ws = StepWorkspace.allocate(
-        model.config, padded(min(max(steps, 1), CHUNK_ROWS)), model.blocks[0]
-    )
-    done = 0  # outputs written
-    for lo in range(0, steps, CHUNK_ROWS):
-        hi = min(steps, lo + CHUNK_ROWS)
-        _chunk(model, seq[lo:hi], ws, carries)
-        wanted = rows[done : np.searchsorted(rows, hi)] - lo  # (m',) positions in the chunk
-        if wanted.size:
-            xn = ws.xn if wanted.size == hi - lo else ws.xn[wanted]  # (m', d)
-            _product(model.head, xn, out[done : done + wanted.size], wanted.size, model.threads)
-            done += wanted.size
-    layout = state_layout(len(carries), model.config.conv_state_shape, model.config.ssm_state_shape)
+    runners = max(1, min(model.threads, steps // MIN_ROWS_PER_RUNNER))
+    size = CHUNK_ROWS  # positions per chunk: near T / runners when that is smaller
+    if runners > 1:
+        per_runner = -(-steps // runners)
+        size = min(CHUNK_ROWS, -(-per_runner // products.ROWS) * products.ROWS)
+    bounds = [*range(0, steps, size), steps]  # chunk j: positions bounds[j]:bounds[j + 1]
+    chunks = len(bounds) - 1
+    runners = max(1, min(runners, chunks))
+    product_threads = model.threads if runners == 1 else 1
+    turns = Turns(len(carries))
+    picked = np.empty((rows.shape[0], c.hidden_size), np.float32)  # (m, d) the head's rows
+
+    def run(first: int) -> None:
+        """Chunks ``first``, ``first + runners``, ... through every block."""
+        ws = StepWorkspace.allocate(c, padded(max(1, size)), model.blocks[0])
+        for j in range(first, chunks, runners):
+            lo, hi = bounds[j], bounds[j + 1]
+            _chunk(model, seq[lo:hi], ws, carries, turns, j, product_threads)
+            a, b = np.searchsorted(rows, (lo, hi))  # the outputs asked for in this chunk
+            picked[a:b] = ws.xn[rows[a:b] - lo]  # (m', d)
+
+    _run_runners(runners, run, turns)
+    out = np.empty((rows.shape[0], c.output_dim), np.float32)  # (m, o)
+    if rows.shape[0]:
+        _product(model.head, picked, out, rows.shape[0], model.threads)  # (m, d) -> (m, v | o)
+    layout = state_layout(len(carries), c.conv_state_shape, c.ssm_state_shape)
     final = np.empty(layout.size, np.float32)
     for layer, carry in zip(layout.views(final), carries, strict=True):
         layer.conv[...] = carry.conv[carry.conv_slot, 0]
@@ -160,11 +224,50 @@ def prefill(
     return out, SessionState.of_buffer(final, layout)
 
 
-def _chunk(model: MambaModel, x: np.ndarray, ws: StepWorkspace, carries: list[LayerCarry]) -> None:
-    """Positions ``x`` (t,) ids or (t, i) through every block: the final norm's output in
-    ``ws.xn[:t]`` (t, d), each layer's state advanced by t positions in ``carries``."""
+def _run_runners(runners: int, run: Callable[[int], None], turns: Turns) -> None:
+    """``run(r)`` for each runner r at once: r = 0 on this thread, the others on threads
+    started for this prefill (not the engine's helper pool: a runner waits for others'
+    turns, and the pool's helpers must never wait). Raises the first runner's error."""
+    if runners == 1:
+        run(0)
+        return
+    errors: list[BaseException] = []
+
+    def guarded(r: int) -> None:
+        try:
+            run(r)
+        except _Abandoned:
+            pass
+        except BaseException as exc:  # every runner must learn that one failed
+            errors.append(exc)
+            turns.abandon()
+
+    helpers = [
+        threading.Thread(target=guarded, args=(r,), name=f"ssmserve-prefill-{r}", daemon=True)
+        for r in range(1, runners)
+    ]
+    for helper in helpers:
+        helper.start()
+    guarded(0)
+    for helper in helpers:
+        helper.join()  # bounded: a runner that fails abandons the turns the others wait on
+    if errors:
+        raise errors[0]
+
+
+def _chunk(
+    model: MambaModel,
+    x: np.ndarray,
+    ws: StepWorkspace,
+    carries: list[LayerCarry],
+    turns: Turns,
+    chunk: int,
+    threads: int,
+) -> None:
+    """Positions ``x`` (t,) ids or (t, i), chunk number ``chunk``, through every block:
+    the final norm's output in ``ws.xn[:t]`` (t, d), each layer's state advanced by t
+    positions in ``carries`` (in its turn); products on ``threads`` threads."""
     t = x.shape[0]
-    threads = model.threads
     eps = np.float32(model.config.layer_norm_epsilon)
     if model.embeddings is not None:
         ws.h[:t] = model.embeddings[x]  # (t, d)
@@ -176,23 +279,46 @@ def _chunk(model: MambaModel, x: np.ndarray, ws: StepWorkspace, carries: list[La
     blocks = model.blocks
     kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, t, ws.xn)  # (t, d)
     for i, block in enumerate(blocks):
-        _mix(block, ws, carries[i], t, threads)  # -> ws.delta (t, d)
+        turn = _Turn(turns, chunk, i)
+        _mix(block, ws, carries[i], t, threads, turn)  # -> ws.delta (t, d)
         # Residual around the block, then the next block's norm (or the final norm).
         norm = blocks[i + 1].norm if i + 1 < len(blocks) else model.norm_f
         kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, t, ws.xn)  # (t, d)
 
 
-def _mix(block: BlockWeights, ws: StepWorkspace, carry: LayerCarry, t: int, threads: int) -> None:
+@dataclass(frozen=True)
+class _Turn:
+    """One chunk's turns at one layer's carry."""
+
+    turns: Turns
+    chunk: int
+    layer: int
+
+    def wait(self, stage: int) -> None:
+        self.turns.wait(self.chunk, self.layer, stage)
+
+    def done(self, stage: int) -> None:
+        self.turns.done(self.layer, stage)
+
+
+def _mix(
+    block: BlockWeights, ws: StepWorkspace, carry: LayerCarry, t: int, threads: int, turn: _Turn
+) -> None:
     if isinstance(block, MambaBlockWeights):
-        _mamba_mix(block, ws, carry, t, threads)
+        _mamba_mix(block, ws, carry, t, threads, turn)
     elif isinstance(block, Mamba2BlockWeights):
-        _mamba2_mix(block, ws, carry, t, threads)
+        _mamba2_mix(block, ws, carry, t, threads, turn)
     else:
         raise TypeError(f"no prefill for {type(block).__name__}")
 
 
 def _mamba_mix(
-    block: MambaBlockWeights, ws: StepWorkspace, carry: LayerCarry, t: int, threads: int
+    block: MambaBlockWeights,
+    ws: StepWorkspace,
+    carry: LayerCarry,
+    t: int,
+    threads: int,
+    turn: _Turn,
 ) -> None:
     """The Mamba-1 mixer over t positions ([1] Figure 3): ``MambaBlockWeights.mix_in_steps``
     with the products over all t rows and the conv and the scan walking them."""
@@ -202,26 +328,35 @@ def _mamba_mix(
     r = block.dt_proj.in_features
     _product(block.in_proj, ws.xn, m.xz, t, threads)  # (t, d) -> (t, 2e): x branch, gate z
     # Causal depthwise conv then SiLU, position by position: (t, e).
+    turn.wait(Turns.CONV)
     carry.conv_slot = conv_silu_positions(
         carry.conv, carry.conv_slot, t, m.xz.reshape(rows, 1, 2 * e), block.conv_weight,
         block.conv_bias_or_zero, block.conv_bias is not None, m.xs.reshape(rows, 1, e),
         m.scratch,
     )  # fmt: skip
+    turn.done(Turns.CONV)
     # Selection: Δ, B, C of every position ([1] Algorithm 2, lines 3-5).
     _product(block.x_proj, m.xs, m.x_dbl, t, threads)  # (t, e) -> (t, r + 2n)
     _product(block.dt_proj, m.x_dbl[:, :r], m.dt_raw, t, threads)  # (t, r) -> (t, e)
     # The recurrence h_t = Ā h_{t-1} + B̄ x_t and the gated readout, position by position.
     width = m.x_dbl.shape[1]
+    turn.wait(Turns.SCAN)
     carry.ssm_slot = selective_scan_positions(
         m.dt_raw.reshape(rows, 1, e), m.xs.reshape(rows, 1, e), m.x_dbl.reshape(rows, 1, width),
         m.xz.reshape(rows, 1, 2 * e), block.A, block.D, carry.ssm, carry.ssm_slot, t,
         ws.y.reshape(rows, 1, e), m.scratch, m.scratch_bits,
     )  # fmt: skip
+    turn.done(Turns.SCAN)
     _product(block.out_proj, ws.y, ws.delta, t, threads)  # (t, e) -> (t, d)
 
 
 def _mamba2_mix(
-    block: Mamba2BlockWeights, ws: StepWorkspace, carry: LayerCarry, t: int, threads: int
+    block: Mamba2BlockWeights,
+    ws: StepWorkspace,
+    carry: LayerCarry,
+    t: int,
+    threads: int,
+    turn: _Turn,
 ) -> None:
     """The Mamba-2 mixer over t positions ([2] Section 7.1): ``Mamba2BlockWeights.mix``
     with the products and the gated norm over all t rows, the conv and the SSD recurrence
@@ -235,16 +370,20 @@ def _mamba2_mix(
     zxbcdt = m.zxbcdt.reshape(rows, 1, width)  # (t, 1, e + c + h)
     xbc = m.xbc.reshape(rows, 1, c)  # (t, 1, c)
     # Causal depthwise conv of x, B and C together, then SiLU, position by position.
+    turn.wait(Turns.CONV)
     carry.conv_slot = conv_silu_columns_positions(
         carry.conv, carry.conv_slot, t, zxbcdt, e, e + c, block.conv_weight,
         block.conv_bias_or_zero, block.conv_bias is not None, xbc, m.scratch,
     )  # fmt: skip
+    turn.done(Turns.CONV)
     # Discretize, update the (h, p, n) state, read out with C, add D x: (t, e).
     dt_min, dt_max = block.dt_bounds
+    turn.wait(Turns.SCAN)
     carry.ssm_slot = ssd_positions(
         zxbcdt, xbc, block.dt_bias, block.A, block.D, dt_min, dt_max, carry.ssm,
         carry.ssm_slot, t, ws.y.reshape(rows, 1, e), m.scratch, m.scratch_bits,
     )  # fmt: skip
+    turn.done(Turns.SCAN)
     # Gate with silu(z) and normalise per group: (t, e), in place, all rows at once.
     kernels.gated_rms_norm_rows(
         ws.y, m.zxbcdt, block.gated_norm, block.groups, np.float32(block.eps), t, ws.y,
