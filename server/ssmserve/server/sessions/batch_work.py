@@ -138,10 +138,15 @@ class SessionWork:
             self._answer_piece(piece, events if i == len(pieces) - 1 else ())
 
     def _answer_piece(self, piece: Piece, events: tuple) -> None:
-        run, lo, hi = piece.entry, piece.lo, piece.lo + piece.count
+        run = piece.entry
+        if run.outputs is None:  # a step sent alone: answered with its own outcome
+            outcome = self._outcome(piece, piece.first)
+            outcome.snapshot_events += events
+            run.answer_alone(outcome)
+            return
+        lo, hi = piece.lo, piece.lo + piece.count
         if (
             piece.kind == APPLY
-            and run.outputs is not None
             and not self.plan.guarded
             and self.failed is None
             and self.fenced is None
@@ -153,7 +158,7 @@ class SessionWork:
                     run.session_id, run.first + hi - 1, output=run.outputs[hi - 1],
                     snapshot_events=events,
                 )  # fmt: skip
-        else:  # a lone step, a guarded one, a resend, a gap, an error: its own outcome
+        else:  # a guarded step, a resend, a gap, an error: its own outcome
             for t in range(lo, hi):
                 run.outcomes[t] = self._outcome(piece, run.first + t)
             if events:

@@ -91,9 +91,9 @@ class StepRun:
 
     A message's consecutive steps of one session are one run, answered with one future
     resolved to the run itself: a step with nothing else to say is answered by its row
-    of ``outputs``, any other by its own outcome in ``outcomes``. A step sent alone
-    (``lone``) is a run of one whose future resolves to that step's
-    :class:`StepOutcome`; it has no ``outputs`` (its outcome always carries its output).
+    of ``outputs``, any other by its own outcome in ``outcomes``. A step sent alone is a
+    run of one (:meth:`one`) without ``outputs``, whose future resolves to that step's
+    :class:`StepOutcome` (its outcome always carries its output).
 
     Why runs: a multiplexed stream sends several steps of each session per message.
     Queued and answered one by one, each step costs the server an entry, a future, an
@@ -110,9 +110,9 @@ class StepRun:
     """
 
     __slots__ = (
+        "count",
         "first",
         "future",
-        "lone",
         "outcomes",
         "outputs",
         "pending",
@@ -129,21 +129,17 @@ class StepRun:
         values: np.ndarray,
         raw: bytes,
         output_dim: int,
-        future: asyncio.Future[StepRun] | asyncio.Future[StepOutcome] | None,
-        lone: bool = False,
+        future: asyncio.Future[StepRun] | None,
     ) -> None:
-        count = values.shape[0]
+        count = len(values)
         self.session_id = session_id  # as stored
         self.first = first
         self.values = values  # (T,) int64 token ids or (T, i) float32, checked finite
         self.raw = raw  # the T inputs as the log stores them, back to back
-        self.future = future  # None once resolved
-        self.lone = lone  # one step sent alone: the future takes its StepOutcome
-        # (T, o), filled as batches answer; none for a lone step: its outcome carries its
-        # output, and an array per step sent alone would cost that path an allocation.
-        self.outputs: np.ndarray | None = (
-            None if lone else np.empty((count, output_dim), np.float32)
-        )
+        self.future: asyncio.Future[StepRun] | asyncio.Future[StepOutcome] | None = future
+        self.count = count
+        # (T, o), filled as batches answer; None for a step sent alone (:meth:`one`).
+        self.outputs: np.ndarray | None = np.empty((count, output_dim), np.float32)
         # Per step: None while it is answered by its row of ``outputs`` (applied, nothing
         # else to say), else its outcome (an error, a resend, a guarded step's verdict).
         self.outcomes: list[StepOutcome | None] = [None] * count
@@ -157,15 +153,17 @@ class StepRun:
         step: int,
         value: np.ndarray,
         raw: bytes,
-        future: asyncio.Future[StepOutcome],
+        future: asyncio.Future[StepOutcome] | None,
     ) -> StepRun:
-        """Step ``step`` sent alone: ``value`` its input (a () token id or an (i,)
-        vector), answered with its StepOutcome."""
-        return cls(session_id, step, value[None], raw, 0, future, lone=True)
-
-    @property
-    def count(self) -> int:
-        return len(self.outcomes)
+        """Step ``step`` sent alone, ``value`` its input (a () token id or an (i,)
+        vector): a run of one answered with its StepOutcome. Made field by field, not
+        through ``__init__``: every step sent alone is made here, and the general
+        constructor (its keyword checks, the outputs array) cost it 0.7 us."""
+        run = cls.__new__(cls)
+        run.session_id, run.first, run.values, run.raw = session_id, step, value[None], raw
+        run.future, run.count, run.outputs, run.outcomes = future, 1, None, [None]
+        run.taken, run.pending = 0, 1
+        return run
 
     @property
     def next_step(self) -> int:
@@ -185,18 +183,20 @@ class StepRun:
             # and their outputs stayed in an idle worker: 2.4 KiB per demo session).
             future, self.future = self.future, None
             if not future.done():
-                future.set_result(self.outcomes[0] if self.lone else self)  # type: ignore[arg-type]
+                # A step sent alone (no ``outputs``) is answered with its own outcome.
+                future.set_result(self if self.outputs is not None else self.outcomes[0])  # type: ignore[arg-type]
+
+    def answer_alone(self, outcome: StepOutcome) -> None:
+        """A step sent alone (:meth:`one`) is answered with ``outcome``."""
+        self.outcomes[0], self.pending = outcome, 0
+        future, self.future = self.future, None
+        if future is not None and not future.done():
+            future.set_result(outcome)  # type: ignore[arg-type]
 
     def raw_of(self, lo: int, hi: int) -> bytes:
         """The logged bytes of steps ``lo:hi`` (indices), back to back."""
-        if lo == 0 and hi == self.count:
-            return self.raw
         width = len(self.raw) // self.count  # bytes per input
         return self.raw[lo * width : hi * width]
-
-    def values_of(self, lo: int, hi: int) -> np.ndarray:
-        """The inputs of steps ``lo:hi`` (indices)."""
-        return self.values if lo == 0 and hi == self.count else self.values[lo:hi]
 
 
 @dataclass(eq=False, slots=True)

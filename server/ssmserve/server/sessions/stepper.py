@@ -218,8 +218,12 @@ class Stepper:
                     s.queue.popleft()  # the plan took runs from the head, in order
                 s.queued_steps -= n
                 if piece.kind == APPLY:
-                    values.append(run.values_of(lo, lo + n))
-                    raws.append(run.raw_of(lo, lo + n))
+                    if n == run.count:  # the whole run (a step sent alone, most often)
+                        values.append(run.values)
+                        raws.append(run.raw)
+                    else:
+                        values.append(run.values[lo : lo + n])
+                        raws.append(run.raw_of(lo, lo + n))
                 elif piece.kind == RESEND:
                     for step in range(piece.first, piece.first + n):
                         if step <= w.start:
