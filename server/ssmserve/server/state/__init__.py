@@ -1,6 +1,7 @@
 """What a session is made of, at rest: the checkpoint codec, the input log, and Redis.
 
 ``checkpoint``    immutable, versioned, checksummed binary record of a session at a step
+``checkpoint_bench``  ``model bench --checkpoint``: the codec timed beside a memory copy
 ``checkpoint_signing``  an HMAC trailer on exported checkpoints (proof of origin)
 ``input_log``     the encoding of logged inputs and the history window a checkpoint carries
 ``lease``         the fencing token every store write carries (``SessionLease``)
