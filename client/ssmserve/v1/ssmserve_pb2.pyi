@@ -18,6 +18,76 @@ DURABILITY_LOG: Durability
 DURABILITY_SNAPSHOT: Durability
 DURABILITY_NONE: Durability
 
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    at_step: int
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_text: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated_before: int
+    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ...) -> None: ...
+
+class GeneratedToken(_message.Message):
+    __slots__ = ("step", "token_id", "logprob", "text", "guard_events")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    GUARD_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    token_id: int
+    logprob: float
+    text: str
+    guard_events: _containers.RepeatedCompositeFieldContainer[GuardEvent]
+    def __init__(self, step: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("tokens", "finish_reason", "stopped", "session_step")
+    class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FINISH_UNSPECIFIED: _ClassVar[GenerateResponse.FinishReason]
+        FINISH_LENGTH: _ClassVar[GenerateResponse.FinishReason]
+        FINISH_STOP: _ClassVar[GenerateResponse.FinishReason]
+        FINISH_GUARD: _ClassVar[GenerateResponse.FinishReason]
+    FINISH_UNSPECIFIED: GenerateResponse.FinishReason
+    FINISH_LENGTH: GenerateResponse.FinishReason
+    FINISH_STOP: GenerateResponse.FinishReason
+    FINISH_GUARD: GenerateResponse.FinishReason
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
+    finish_reason: GenerateResponse.FinishReason
+    stopped: StepError
+    session_step: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ...) -> None: ...
+
 class UpgradeRequest(_message.Message):
     __slots__ = ("session_id", "model")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -208,12 +278,14 @@ class StepInput(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token: _Optional[int] = ..., vector: _Optional[_Union[Vector, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("steps", "packed_outputs")
+    __slots__ = ("steps", "packed_outputs", "last_outputs_only")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PACKED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_OUTPUTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[StepInput]
     packed_outputs: bool
-    def __init__(self, steps: _Optional[_Iterable[_Union[StepInput, _Mapping]]] = ..., packed_outputs: _Optional[bool] = ...) -> None: ...
+    last_outputs_only: bool
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepInput, _Mapping]]] = ..., packed_outputs: _Optional[bool] = ..., last_outputs_only: _Optional[bool] = ...) -> None: ...
 
 class GuardEvent(_message.Message):
     __slots__ = ("guard", "action", "step", "dims", "detail", "rolled_back_to")

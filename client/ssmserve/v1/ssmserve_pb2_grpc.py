@@ -109,6 +109,11 @@ class SessionServiceStub:
                 request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeRequest.SerializeToString,
                 response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/ssmserve.v1.SessionService/Generate',
+                request_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -234,6 +239,18 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Token models: feed `prompt_ids` (if any), then sample up to `max_tokens` tokens, each
+        fed back as the session's next input and logged like any step, so rollback, fork,
+        migration and crash recovery replay it exactly. A token is drawn from a counter-based
+        generator keyed by (seed, the step whose logits it is drawn from): the same request
+        from the same step gives the same tokens, on any worker, after any fault. The
+        session's guards apply as in Stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -311,6 +328,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.Upgrade,
                     request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeRequest.FromString,
                     response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=ssmserve_dot_v1_dot_ssmserve__pb2.GenerateRequest.FromString,
+                    response_serializer=ssmserve_dot_v1_dot_ssmserve__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -718,6 +740,33 @@ class SessionService:
             '/ssmserve.v1.SessionService/Upgrade',
             ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeRequest.SerializeToString,
             ssmserve_dot_v1_dot_ssmserve__pb2.UpgradeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ssmserve.v1.SessionService/Generate',
+            ssmserve_dot_v1_dot_ssmserve__pb2.GenerateRequest.SerializeToString,
+            ssmserve_dot_v1_dot_ssmserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
