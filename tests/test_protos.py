@@ -52,6 +52,7 @@ def test_contract_services_and_messages() -> None:
         "GetHistory": (False, True),
         "ListModels": (False, False),
         "Upgrade": (False, False),
+        "Generate": (False, True),
     }
     request = pb.RollbackRequest(session_id="s", steps_back=3)
     assert request.WhichOneof("target") == "steps_back"
