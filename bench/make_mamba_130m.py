@@ -1,20 +1,26 @@
-"""Write a mamba-130m-shaped MambaForCausalLM directory with random weights (nothing is
-downloaded): the model ``ssmserve model bench DIR --prefill 512`` is measured on.
+"""Write a mamba-130m-shaped (or mamba2-130m-shaped) causal LM directory with random
+weights (nothing is downloaded): the model ``ssmserve model bench DIR --prefill 512`` is
+measured on.
 
 Usage (from the repo root)::
 
-    .venv/bin/python bench/make_mamba_130m.py DIR [--seed N]
+    .venv/bin/python bench/make_mamba_130m.py DIR [--arch mamba|mamba2] [--seed N]
     .venv/bin/ssmserve model bench DIR --prefill 512 --steps 40 --json
 
-The dims are state-spaces/mamba-130m's (``bench_engine.mamba_130m_config``: hidden 768,
-24 layers, state 16, expand 2, conv 4, vocab 50280, tied embeddings, F32); the files are
-what ``engine/loader.py`` reads from a Hugging Face checkpoint (``config.json`` and
-``model.safetensors`` with ``backbone.*`` tensor names), ~0.5 GB.
+``--arch mamba`` (the default): state-spaces/mamba-130m's dims
+(``bench_engine.mamba_130m_config``: hidden 768, 24 layers, state 16, expand 2, conv 4,
+vocab 50280, tied embeddings). ``--arch mamba2``: state-spaces/mamba2-130m's dims
+(``bench_mamba2.mamba2_config``: hidden 768, 24 layers, state 128, head dim 64 so 24
+heads, 1 group, expand 2, conv 4, tied embeddings) with its padded vocab of 50288 (a
+multiple of 16, as its checkpoint and llama.cpp's converter have it). The files are what
+``engine/loader.py`` reads from a Hugging Face checkpoint (``config.json`` and
+``model.safetensors`` with ``backbone.*`` tensor names, F32), ~0.5 GB.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -22,19 +28,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import mamba_130m_config
+from bench_mamba2 import mamba2_config
 
+from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import random_tensors
 from ssmserve.server.engine.loader import save_model
+
+#: mamba2-130m's embedding rows: its tokenizer's 50277 padded to a multiple of 16.
+MAMBA2_130M_VOCAB = 50288
+
+
+def config_for(arch: str) -> MambaConfig:
+    if arch == "mamba2":
+        return dataclasses.replace(mamba2_config(small=False), vocab_size=MAMBA2_130M_VOCAB)
+    return mamba_130m_config()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="directory to write config.json and weights to")
+    parser.add_argument(
+        "--arch", choices=("mamba", "mamba2"), default="mamba", help="Mamba-1 or Mamba-2 (mamba)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights seed (0)")
     args = parser.parse_args()
-    config = mamba_130m_config()
+    config = config_for(args.arch)
     save_model(args.dir, config, random_tensors(config, args.seed))
-    print(f"wrote a mamba-130m-shaped model to {args.dir}")
+    print(f"wrote a {args.arch}-130m-shaped model to {args.dir}")
     return 0
 
 
