@@ -10,7 +10,7 @@ and moving them to other workers.
 ``rebalance``        sessions spread over the workers as they join (hand-offs)
 ``replay``           the one rebuild: the newest snapshot at or before a step, plus replay
 ``lifecycle``        sessions born and ended: create, fork, import, close, export
-``intake``           a stream's steps checked and queued, one by one or as runs
+``intake``           a stream's steps checked and queued as runs (a step sent alone: a run of one)
 ``stepper``          queued steps of many sessions run as batches: plan, log, execute, settle
 ``batch_plan``       what a batch does with each queued step, decided before it runs
 ``batch_work``       what a batch did to one session, and its answers
