@@ -227,7 +227,7 @@ def event_to_pb(event: SessionEvent) -> pb.SessionEvent:
     return message
 
 
-def _guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:
+def guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:
     return pb.GuardEvent(
         guard=event.guard,
         action=int(event.action),
@@ -244,7 +244,7 @@ def _snapshot_event_to_pb(event: SnapshotEvent) -> pb.SnapshotEvent:
 
 def forecast_step_to_pb(item: ForecastStep, packed: bool = False) -> pb.ForecastStep:
     out = pb.ForecastStep(
-        step=item.step, guard_events=[_guard_event_to_pb(e) for e in item.guard_events]
+        step=item.step, guard_events=[guard_event_to_pb(e) for e in item.guard_events]
     )
     if item.output is not None:
         _set_vector(out.output, item.output, packed)
@@ -270,7 +270,7 @@ def fill_result(
     if outcome.replayed:
         result.replayed = True
     if outcome.guard_events:
-        result.guard_events.extend(_guard_event_to_pb(e) for e in outcome.guard_events)
+        result.guard_events.extend(guard_event_to_pb(e) for e in outcome.guard_events)
     if outcome.snapshot_events:
         result.snapshot_events.extend(_snapshot_event_to_pb(e) for e in outcome.snapshot_events)
     if outcome.output is not None:

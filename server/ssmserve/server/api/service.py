@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from ssmserve.server.api import status
+from ssmserve.server.api import generate_calls, status
 from ssmserve.server.api.auth import Authenticator, caller
 from ssmserve.server.api.budgets import Budgets, BudgetSettings
 from ssmserve.server.api.conversions import (
@@ -37,6 +37,7 @@ from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.observability.recent_latency import RecentLatency
+from ssmserve.server.sessions.generation import GenerateSettings, Generations
 from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.sessions.memory import WorkerMemory
@@ -59,6 +60,7 @@ class ServiceSettings:
     checkpoint_key: bytes | None = None
     require_signed_checkpoints: bool = False  # imports must carry a valid signature
     budgets: BudgetSettings = field(default_factory=BudgetSettings)
+    generate: GenerateSettings = field(default_factory=GenerateSettings)
 
 
 class SessionService(pb_grpc.SessionServiceServicer):
@@ -86,6 +88,10 @@ class SessionService(pb_grpc.SessionServiceServicer):
         # Why this worker must not serve now (``serving_gate``); None: it serves.
         self.refusal = refusal
         self.budgets = Budgets(settings.budgets, store, manager.resident_bytes)
+        # Generate's steps go through the same intake as Stream's.
+        self.generations = Generations(
+            manager.loader, intake, manager.replay, manager.residents, settings.generate
+        )
         self.open_streams = 0  # Stream calls running now (a vanished client's is reaped)
         self.recent_latency = RecentLatency()  # for the registry entry (ssmserve top)
 
@@ -272,6 +278,15 @@ class SessionService(pb_grpc.SessionServiceServicer):
             finally:
                 job.close()  # done, or the client went away: stop computing, free memory
                 self.metrics.forecast_seconds.observe(time.perf_counter() - started)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        scope = self._scope(context)
+        async for response in generate_calls.answer(
+            self.generations, request, scope, context, self.refusal
+        ):
+            yield response
 
     async def Upgrade(
         self, request: pb.UpgradeRequest, context: grpc.aio.ServicerContext

@@ -19,6 +19,7 @@ and moving them to other workers.
 ``snapshot_writer``  periodic checkpoints encoded and written off the hot path
 ``snapshot_commits``  snapshot commits that come due together sent to Redis together
 ``forecaster``       forecasts of many sessions batched per engine call
+``generation``       Generate: a prompt fed, then seeded draws fed back, through the intake
 ``sampling``         a token drawn from logits: greedy, or keyed by (seed, step) with filters
 ``history``          ``HistoryReader``: what a session did over a range of steps
 ``guards``           rules on every output (FINITE, RANGE) and their actions

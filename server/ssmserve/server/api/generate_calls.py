@@ -1,0 +1,117 @@
+"""Generate's answers: a request turned into a generation, its tokens into responses.
+
+``sessions.generation`` does the work; this module converts. What is wrong with the
+request (its parameters, the model, the session) ends the call with its status before
+anything is queued. Once generating, tokens go out as soon as they are drawn: each
+response carries every token that is ready when it is written (several when the client
+reads slower than the session steps, one at a time otherwise: none waits to be batched).
+The last response says why it ended; a step that failed (a guard, a SESSION_MOVED to
+follow, an at_step the session cannot resume from) is its ``stopped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import numpy as np
+
+from ssmserve.server.api import status
+from ssmserve.server.api.conversions import guard_event_to_pb
+from ssmserve.server.api.tenancy import TenantScope
+from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.generation import (
+    Finish,
+    GenerateAtStepError,
+    GenerateRequest,
+    Generations,
+    Start,
+    Token,
+    Update,
+)
+from ssmserve.server.sessions.sampling import SamplingParams
+from ssmserve.v1 import ssmserve_pb2 as pb
+
+#: Tokens per response at most (each is a few bytes; this bounds a message, not a wait).
+TOKENS_PER_MESSAGE = 256
+_FINISH = {
+    "length": pb.GenerateResponse.FINISH_LENGTH,
+    "stop": pb.GenerateResponse.FINISH_STOP,
+    "guard": pb.GenerateResponse.FINISH_GUARD,
+    "": pb.GenerateResponse.FINISH_UNSPECIFIED,
+}
+
+
+def request_from_pb(request: pb.GenerateRequest, session_id: str) -> GenerateRequest:
+    p = request.sampling
+    return GenerateRequest(
+        session_id=session_id,
+        max_tokens=request.max_tokens,
+        sampling=SamplingParams(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed
+        ),
+        prompt=np.asarray(request.prompt_ids, np.int64),
+        at_step=request.at_step if request.HasField("at_step") else None,
+        stop_ids=frozenset(request.stop_token_ids),
+        generated_before=request.generated_before,
+        prompt_text=request.prompt_text,
+    )
+
+
+async def answer(
+    generations: Generations,
+    request: pb.GenerateRequest,
+    scope: TenantScope,
+    context: grpc.aio.ServicerContext,
+    refusal: Callable[[], SsmserveError | None],
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The responses of one Generate call."""
+    try:
+        async with status.edge(context, scope.clean):
+            if (refused := refusal()) is not None:
+                raise refused
+            generation = await generations.start(
+                request_from_pb(request, scope.stored(request.session_id))
+            )
+    except GenerateAtStepError as exc:  # answered, with where the session is
+        yield pb.GenerateResponse(
+            stopped=status.step_error(exc, scope.clean), session_step=exc.session_step
+        )
+        return
+    task = asyncio.create_task(generation.run(), name="generate")
+    try:
+        updates = generation.updates
+        while True:
+            batch = [await updates.get()]
+            while not updates.empty() and len(batch) < TOKENS_PER_MESSAGE:
+                batch.append(updates.get_nowait())
+            response = _response(batch, scope)
+            yield response
+            if isinstance(batch[-1], Finish):
+                return
+    finally:
+        task.cancel()  # done, or the client went away: stop generating
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
+    response = pb.GenerateResponse()
+    for update in batch:
+        if isinstance(update, Token):
+            response.tokens.add(
+                step=update.step,
+                token_id=update.token,
+                logprob=update.logprob,
+                guard_events=[guard_event_to_pb(e) for e in update.guard_events],
+            )
+            response.session_step = update.step
+        elif isinstance(update, Start):
+            response.session_step = update.session_step
+        else:
+            assert isinstance(update, Finish)
+            response.session_step = update.session_step
+            response.finish_reason = _FINISH[update.reason]
+            if update.error is not None:
+                response.stopped.CopyFrom(status.step_error(update.error, scope.clean))
+    return response

@@ -1,0 +1,415 @@
+"""Generate: a token model fed its prompt, then its own seeded draws, step by step.
+
+Every input Generate gives a session goes through the :class:`StepIntake` like a Stream
+step: the session's numbering, input log, durability, guards, lease checks and batching
+with every other step are the stepper's. So a generated token is logged before it is
+answered, concurrent generations share engine calls, and rollback, fork, migration and
+crash recovery replay a generation exactly.
+
+The token of step ``s + 1`` is drawn from the (guarded) logits of step ``s`` with the key
+``(seed, s)`` (``sampling.draw``): it depends on nothing but the request and the
+session's history, so a retry draws the same tokens on any worker. A retry names the step
+the client got to (``at_step``, with the prompt again if it got no token): the session's
+logged inputs past it are checked to be this request's (the prompt's ids, then the tokens
+its draws give) and answered again, and generation goes on from the session's step.
+
+``Generations.start`` checks the request and reads where the session is, before anything
+is queued: what is wrong with the request is raised there and the session is untouched.
+``Generation.run`` then feeds the prompt (as runs of steps) and generates, putting each
+token and finally the end on ``Generation.updates`` as soon as it is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.sessions.guards import GuardEvent
+from ssmserve.server.sessions.intake import StepIntake
+from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.replay import Replay
+from ssmserve.server.sessions.residency import ResidentSessions
+from ssmserve.server.sessions.sampling import SamplingParams, draw
+from ssmserve.server.sessions.session import (
+    GuardRejectedError,
+    GuardRolledBackError,
+    Session,
+    StepOutcome,
+    StepRun,
+)
+
+log = logging.getLogger(__name__)
+
+#: Prompt steps queued at once (one run each): well inside a session's queue limit.
+PROMPT_CHUNK = 512
+MAX_STOP_IDS = 256
+
+
+class GenerateUnsupportedError(SsmserveError):
+    """Generate needs a token model (FAILED_PRECONDITION for a signal model)."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class BadGenerateRequestError(SsmserveError):
+    """A Generate request out of range (INVALID_ARGUMENT): max_tokens, prompt, stop ids."""
+
+
+class GenerateAtStepError(SsmserveError):
+    """``at_step`` does not fit the session: it is behind it, its log no longer holds
+    the steps after it, or they are not this generation's. ``session_step``: where the
+    session is."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+    def __init__(self, message: str, session_step: int) -> None:
+        super().__init__(message)
+        self.session_step = session_step
+
+
+class GenerateFailedError(SsmserveError):
+    """A bug ended a generation (INTERNAL; the worker's log has its traceback)."""
+
+    kind = ErrorKind.INTERNAL
+
+
+class SessionSteppedError(SsmserveError):
+    """A step Generate sent was already taken with another input: something else steps
+    the session at the same time (FAILED_PRECONDITION)."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """Limits of one Generate call (documented defaults)."""
+
+    max_tokens: int = 4096  # tokens per generation; more is INVALID_ARGUMENT
+    max_prompt_ids: int = 65_536
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    session_id: str  # as stored
+    max_tokens: int
+    sampling: SamplingParams
+    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (n,) int64
+    at_step: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+    generated_before: int = 0
+    prompt_text: str = ""
+
+
+@dataclass(frozen=True)
+class Token:
+    step: int  # the step this token is the input of
+    token: int
+    logprob: float
+    guard_events: tuple[GuardEvent, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a generation ended: ``reason`` length, stop or guard; ``error`` set for a
+    guard's verdict or a step that failed (the client follows a SESSION_MOVED)."""
+
+    reason: str
+    session_step: int
+    error: SsmserveError | None = None
+
+
+@dataclass(frozen=True)
+class Start:
+    """The step generation starts from, once the prompt is fed: a retry with no token
+    received goes on from here, without the prompt."""
+
+    session_step: int
+
+
+Update = Start | Token | Finish
+
+
+class Generations:
+    """Starts Generate calls on one worker's sessions."""
+
+    def __init__(
+        self,
+        loader: SessionLoader,
+        intake: StepIntake,
+        replay: Replay,
+        residents: ResidentSessions,
+        settings: GenerateSettings,
+        tokenizer_of: Callable[[str], object | None] = lambda model: None,
+    ) -> None:
+        self.loader, self.intake, self.replay, self.residents = loader, intake, replay, residents
+        self.settings = settings
+        # The model's tokenizer (None: it has none, and prompt_text is refused).
+        self.tokenizer_of = tokenizer_of
+
+    async def start(self, request: GenerateRequest) -> Generation:
+        """A generation ready to run, or the error that refuses it (session untouched)."""
+        self._check_request(request)
+        s = await self.loader.session(request.session_id)
+        c = s.model.config
+        if not c.is_token_model:
+            raise GenerateUnsupportedError(
+                f"model {s.model_name!r} takes float vectors: Generate needs a token model "
+                f"(use Forecast to run a signal model ahead)"
+            )
+        if request.prompt_text:
+            if self.tokenizer_of(s.model_name) is None:
+                raise BadGenerateRequestError(
+                    f"model {s.model_name!r} has no tokenizer, so prompt_text cannot be "
+                    f"encoded; send the prompt as prompt_ids"
+                )
+            raise BadGenerateRequestError("prompt_text is not supported yet; send prompt_ids")
+        ids = np.concatenate([request.prompt, np.fromiter(request.stop_ids, np.int64)])
+        outside = (ids < 0) | (ids >= c.vocab_size)
+        if outside.any():
+            bad = int(ids[np.argmax(outside)])
+            raise BadGenerateRequestError(
+                f"token id {bad} (prompt or stop ids) is outside [0, {c.vocab_size}) of model "
+                f"{s.model_name!r}"
+            )
+        generation = Generation(self, s, request)
+        await generation.resume()
+        return generation
+
+    def _check_request(self, r: GenerateRequest) -> None:
+        limit = self.settings.max_tokens
+        if not 1 <= r.max_tokens <= limit:
+            raise BadGenerateRequestError(
+                f"max_tokens must be in 1..{limit} (this server's limit), got {r.max_tokens}"
+            )
+        if r.generated_before >= r.max_tokens:
+            raise BadGenerateRequestError(
+                f"generated_before ({r.generated_before}) must be below max_tokens "
+                f"({r.max_tokens}): that generation is complete"
+            )
+        if len(r.prompt) > self.settings.max_prompt_ids:
+            raise BadGenerateRequestError(
+                f"a prompt of {len(r.prompt)} ids is over this server's limit of "
+                f"{self.settings.max_prompt_ids}; feed the rest with Stream first"
+            )
+        if r.prompt_text and len(r.prompt):
+            raise BadGenerateRequestError("give prompt_ids or prompt_text, not both")
+        if len(r.stop_ids) > MAX_STOP_IDS:
+            raise BadGenerateRequestError(f"at most {MAX_STOP_IDS} stop ids, got {len(r.stop_ids)}")
+        r.sampling.check()
+
+
+class Generation:
+    """One Generate call on one session: ``resume`` (in ``Generations.start``) reads
+    where the session is; ``run`` feeds and generates onto ``updates``."""
+
+    def __init__(self, parent: Generations, s: Session, request: GenerateRequest) -> None:
+        self.parent, self.session, self.request = parent, s, request
+        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.step = 0  # the step the session is at after what was fed so far
+        self.output: np.ndarray | None = None  # the logits of ``step``, once known
+        self.prompt_left = request.prompt  # prompt ids not yet fed
+        self.count = request.generated_before  # tokens of this generation so far
+        self.resent: list[Token] = []  # tokens past at_step, answered again from the log
+
+    async def resume(self) -> None:
+        """Where the session is against ``at_step``: the part of the prompt still to feed,
+        or the tokens it generated past it (checked to be this generation's draws)."""
+        s, r = self.session, self.request
+        async with self.parent.residents.hold(s, read_only=True):
+            t = s.step
+            self.output = s.recent.output_at(t)
+        self.step = t
+        at = t if r.at_step is None else r.at_step
+        if at > t:
+            raise GenerateAtStepError(
+                f"session {s.id!r} is at step {t}, behind at_step {at} (it came back from the "
+                f"store behind steps that were answered, or was rolled back)",
+                t,
+            )
+        n = len(r.prompt)
+        ahead = t - at
+        if ahead:
+            logged = await self._logged(at, t)
+            fed = min(n, ahead)
+            if not np.array_equal(logged[:fed], r.prompt[:fed]):
+                raise GenerateAtStepError(
+                    f"the inputs of session {s.id!r} after step {at} are not this request's "
+                    f"prompt: something else stepped it; generate from its step {t}",
+                    t,
+                )
+            self.prompt_left = r.prompt[fed:]
+            if ahead > n:
+                await self._resend(at + n, logged[n:])
+        if t == 0 and not len(self.prompt_left):
+            raise GenerateAtStepError(
+                f"session {s.id!r} is at step 0 and has no logits to draw from yet; send a "
+                f"prompt (prompt_ids)",
+                0,
+            )
+
+    async def _logged(self, at: int, t: int) -> np.ndarray:
+        s = self.session
+        _count, oldest = await self.parent.replay.store.snapshot_count_and_oldest(s.id)
+        if oldest is None or at < oldest:
+            raise GenerateAtStepError(
+                f"session {s.id!r} no longer holds the inputs after step {at} (its oldest "
+                f"kept snapshot is at step {oldest}); generate from its step {t}",
+                t,
+            )
+        return s.codec.decode_many(await self.parent.replay.inputs(s, at + 1, t))
+
+    async def _resend(self, start: int, tokens: np.ndarray) -> None:
+        """The tokens of steps ``start + 1 ..``, generated before this call: each checked
+        to be what this generation draws there, then kept to be answered first."""
+        s, r = self.session, self.request
+        outputs = await self._outputs(start, start + len(tokens) - 1)
+        for i, token in enumerate(tokens.tolist()):
+            step = start + i  # the step whose logits drew it
+            d = draw(r.sampling, (r.sampling.seed, step), outputs[i])
+            if d.token != token:
+                raise GenerateAtStepError(
+                    f"step {step + 1} of session {s.id!r} took token {token}, not {d.token} "
+                    f"that this generation draws there: something else stepped it; generate "
+                    f"from its step {self.step}",
+                    self.step,
+                )
+            self.resent.append(Token(step + 1, token, d.logprob))
+            if self.count + len(self.resent) >= r.max_tokens or token in r.stop_ids:
+                break
+
+    async def _outputs(self, first: int, last: int) -> list[np.ndarray]:
+        """The (guarded) logits of steps ``first..last``: memory, else replayed."""
+        s = self.session
+        held = [s.recent.output_at(step) for step in range(first, last + 1)]
+        if all(o is not None for o in held):
+            return held  # type: ignore[return-value]
+        store = self.parent.replay.store
+        record = await store.snapshot_at_or_before(s.id, first)
+        rebuilt = None if record is None else await self.parent.replay.rebuild(s, last, record)
+        found: dict[int, np.ndarray | None] = {}
+        if rebuilt is not None:
+            found = {rebuilt.record.step + 1 + i: o for i, o in enumerate(rebuilt.outputs)}
+            found.setdefault(rebuilt.record.step, rebuilt.checkpoint.output)
+        outputs = [found.get(step) for step in range(first, last + 1)]
+        if any(o is None for o in outputs):
+            raise GenerateAtStepError(
+                f"the logits of steps {first}..{last} of session {s.id!r} can no longer be "
+                f"rebuilt; generate from its step {self.step}",
+                self.step,
+            )
+        return outputs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        """Feed what is left of the prompt, then generate; every update goes on
+        ``updates``, the last a :class:`Finish`."""
+        try:
+            finish = await self._run()
+        except SsmserveError as exc:
+            finish = Finish("", self.step, exc)
+        except Exception as exc:  # a bug: logged here, the client told no more than that
+            log.error("generate: internal error", exc_info=exc)
+            failed = GenerateFailedError(f"internal error ({type(exc).__name__})")
+            finish = Finish("", self.step, failed)
+        self.updates.put_nowait(finish)
+
+    async def _run(self) -> Finish:
+        r = self.request
+        for token in self.resent:
+            self.updates.put_nowait(token)
+            self.count += 1
+            if token.token in r.stop_ids:
+                return Finish("stop", token.step)
+        if self.resent:
+            self.step = self.resent[-1].step
+            if self.count >= r.max_tokens:
+                return Finish("length", self.step)
+        if len(self.prompt_left):
+            await self._feed(self.prompt_left)
+        self.updates.put_nowait(Start(self.step))
+        if self.output is None:  # not in memory: replayed
+            self.output = await self.parent.replay.output_at(self.session, self.step)
+        seed = r.sampling.seed
+        while self.count < r.max_tokens:
+            d = draw(r.sampling, (seed, self.step), self.output)
+            outcome = await self._submit(self.step + 1, d.token)
+            if outcome.error is not None:
+                return self._stopped(outcome.error)
+            self.step += 1
+            self.count += 1
+            self.output = outcome.output
+            self.updates.put_nowait(Token(self.step, d.token, d.logprob, outcome.guard_events))
+            if d.token in r.stop_ids:
+                return Finish("stop", self.step)
+        return Finish("length", self.step)
+
+    def _stopped(self, error: SsmserveError) -> Finish:
+        if isinstance(error, GuardRolledBackError):
+            return Finish("guard", self.session.step, error)
+        if isinstance(error, GuardRejectedError):
+            return Finish("guard", self.step, error)
+        return Finish("", self.step, error)
+
+    async def _submit(self, step: int, token: int) -> StepOutcome:
+        """Step ``step`` with input ``token``, through the intake like a Stream step."""
+        intake, sid = self.parent.intake, self.session.id
+        try:
+            future = intake.submit_resident(sid, step, token)
+            if future is None:
+                future = await intake.submit(sid, step, token)
+        except SsmserveError as exc:
+            return StepOutcome(sid, step, error=exc)
+        outcome = await future
+        if outcome.replayed and outcome.error is None:
+            self._check_same(step, np.asarray([token], np.int64))
+        return outcome
+
+    async def _feed(self, prompt: np.ndarray) -> None:
+        """The prompt's ids as steps ``self.step + 1 ..``, in runs; the logits of its last
+        step become ``self.output``. A failed step raises its error."""
+        for lo in range(0, len(prompt), PROMPT_CHUNK):
+            chunk = prompt[lo : lo + PROMPT_CHUNK]
+            first = self.step + 1
+            future = self.parent.intake.submit_run_resident(self.session.id, first, chunk)
+            if future is not None:
+                run = await future
+                output = self._run_result(run, chunk)
+            else:  # not resident now (moved, evicted) or its queue is full: one by one
+                for i, token in enumerate(chunk.tolist()):
+                    outcome = await self._submit(first + i, token)
+                    if outcome.error is not None:
+                        raise outcome.error
+                    output = outcome.output
+            self.step += len(chunk)
+            self.output = output
+
+    def _run_result(self, run: StepRun, chunk: np.ndarray) -> np.ndarray | None:
+        """The last output of a prompt run; raises the error of its first failed step."""
+        for i, outcome in enumerate(run.outcomes):
+            if outcome is None:
+                continue
+            if outcome.error is not None:
+                raise outcome.error
+            if outcome.replayed:
+                self._check_same(run.first + i, chunk[i : i + 1])
+        last = run.outcomes[-1]
+        if last is not None:
+            return last.output
+        return None if run.outputs is None else run.outputs[-1]
+
+    def _check_same(self, step: int, value: np.ndarray) -> None:
+        """A step answered as a resend (already taken) must have been taken with this
+        input: this generation's own earlier attempt, not another client's step."""
+        s = self.session
+        if s.recent.input_at(step) != s.codec.encode(value[0]):
+            raise SessionSteppedError(
+                f"step {step} of session {s.id!r} was already taken with another input (or "
+                f"one no longer in memory to compare): something else steps this session "
+                f"while it generates; generate again from its current step"
+            )
