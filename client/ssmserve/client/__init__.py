@@ -23,7 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ssmserve.client.aio import AsyncClient, Forecast, StepOutput
+    from ssmserve.client.aio import AsyncClient, Forecast, GeneratedToken, StepOutput
     from ssmserve.client.errors import (
         ServerUnreachable,
         SessionMoved,
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "AsyncClient": "ssmserve.client.aio",
     "Forecast": "ssmserve.client.aio",
+    "GeneratedToken": "ssmserve.client.aio",
     "StepOutput": "ssmserve.client.aio",
     "ServerUnreachable": "ssmserve.client.errors",
     "SessionMoved": "ssmserve.client.errors",
@@ -49,6 +50,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Forecast",
+    "GeneratedToken",
     "RetryPolicy",
     "ServerUnreachable",
     "SessionMoved",

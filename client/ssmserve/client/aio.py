@@ -41,6 +41,7 @@ import grpc
 
 from ssmserve.client.addresses import worker_address
 from ssmserve.client.aio_cluster import AsyncClusterCalls
+from ssmserve.client.generation import AsyncGenerateCalls, GeneratedToken
 from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.routing import WorkerRouter, WorkerStubs, session_metadata
@@ -59,6 +60,7 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 __all__ = [
     "AsyncClient",
     "Forecast",
+    "GeneratedToken",
     "SessionHistory",
     "SessionRef",
     "StepOutput",
@@ -69,7 +71,7 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE = 64 << 20
 
 
-class AsyncClient(AsyncClusterCalls):
+class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls):
     """A client of one ssmserve cluster: sessions, their steps, snapshots, rollbacks,
     forecasts, forks and checkpoints (here), and the cluster's workers and models
     (:class:`~ssmserve.client.aio_cluster.AsyncClusterCalls`).

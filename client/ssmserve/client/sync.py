@@ -33,6 +33,7 @@ from ssmserve.client.aio import DEFAULT_MAX_MESSAGE, AsyncClient
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.step_values import Forecast, SessionHistory, SessionRef, StepOutput
 from ssmserve.client.sync_cluster import ClusterCalls
+from ssmserve.client.sync_generate import GenerateCalls
 from ssmserve.client.tls import TlsConfig
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -41,7 +42,7 @@ T = TypeVar("T")
 _UNWIND_S = 5.0
 
 
-class Client(ClusterCalls):
+class Client(ClusterCalls, GenerateCalls):
     """A blocking client of one ssmserve cluster: sessions, their steps, snapshots,
     rollbacks, forecasts, forks and checkpoints (here), and the cluster's workers and
     models (:class:`~ssmserve.client.sync_cluster.ClusterCalls`).

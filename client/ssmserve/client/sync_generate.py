@@ -1,0 +1,67 @@
+"""The blocking client's Generate (:class:`~ssmserve.client.sync.Client` inherits it, as
+``AsyncClient`` inherits ``generation.AsyncGenerateCalls``); it iterates the async one."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import TypeVar
+
+from ssmserve.client.aio import AsyncClient
+from ssmserve.client.generation import GeneratedToken
+from ssmserve.client.step_values import SessionRef
+
+T = TypeVar("T")
+
+
+class GenerateCalls:
+    """Generate: a token model's session fed a prompt, then its own seeded draws."""
+
+    _aio: AsyncClient
+
+    def _iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        raise NotImplementedError  # Client's
+
+    def generate(
+        self,
+        session: SessionRef,
+        max_tokens: int,
+        *,
+        prompt_ids: Iterable[int] | None = None,
+        at_step: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int = 0,
+        stop_token_ids: Iterable[int] = (),
+    ) -> Iterator[GeneratedToken]:
+        """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
+        SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
+
+        ``prompt_ids`` are fed first, as steps. Each token is drawn from the logits of the
+        step before it and fed back as the session's next input, logged like any step:
+        ``temperature`` 0 is greedy (the argmax); otherwise the logits over
+        ``temperature``, filtered by ``top_k`` (0: all), ``top_p`` (1: all) and
+        ``min_p`` (0: none), drawn with a generator keyed by (``seed``, step), so the same
+        call from the same step gives the same tokens. Generation ends after
+        ``max_tokens`` tokens or a token of ``stop_token_ids`` (yielded). ``at_step``:
+        the step the session is at before the prompt (default: its step now). When the
+        call is cut it resumes wherever the session is served; each token is yielded
+        once. Raises InvalidArgument (bad parameters, ids outside the vocabulary; the
+        session is untouched), FailedPrecondition (a signal model, or a session not at
+        ``at_step``), StepFailed (a guard rejected or rolled back the next step, or
+        something else stepped the session: the tokens before it were yielded), NotFound."""
+        return self._iterate(
+            self._aio.generate(
+                session,
+                max_tokens,
+                prompt_ids=prompt_ids,
+                at_step=at_step,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                seed=seed,
+                stop_token_ids=stop_token_ids,
+            )
+        )
