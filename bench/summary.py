@@ -239,6 +239,30 @@ def _side_by_side(name: str, base: str, goal: str) -> Callable[[dict[str, Any]],
     return cells
 
 
+def _llama_prefill(d: dict[str, Any]) -> Cells:
+    ours, peer = d["ssmserve_ms"]["prefill"], d["llama_cpp_ms"]["prefill"]
+    return fmt(ours), f"llama.cpp: {fmt(peer)} (goal <= {d['prefill_goal']:g}x)", fmt(ours / peer)
+
+
+def _llama_decode(d: dict[str, Any]) -> Cells:
+    ours, peer = d["ssmserve_ms"], d["llama_cpp_ms"]
+    ratios = [ours[k] / peer[k] for k in ("step", "step8")]
+    return (
+        joined([ours["step"], ours["step8"]]),
+        f"llama.cpp: {joined([peer['step'], peer['step8']])}",
+        joined(ratios),
+    )
+
+
+def _llama_save(d: dict[str, Any]) -> Cells:
+    ours, peer = d["ssmserve_ms"], d["llama_cpp_ms"]
+    limit = (
+        f"memcpy of the state: {fmt(ours['memcpy'])} (goal <= {d['save_over_memcpy_goal']:g}x); "
+        f"llama.cpp's state save: {fmt(peer['save'])}"
+    )
+    return fmt(ours["save"]), limit, fmt(ours["save"] / ours["memcpy"])
+
+
 def _forecast(d: dict[str, Any]) -> Cells:
     f = d["demo"]["forecast"]["128"]
     return (
@@ -296,6 +320,18 @@ FIGURES = [
            "`bench/bench_mamba2.py`", _mamba2_token),
     Figure("mamba2-130m-shaped decode, batch 64, tokens/s", "mamba2",
            "`bench/bench_mamba2.py`", _mamba2_batch),
+    Figure("mamba-130m-shaped 512-token prompt, last logits, ms", "llama_cpp",
+           "`bench/bench_llama_cpp.py`", _llama_prefill),
+    Figure("mamba2-130m-shaped 512-token prompt, last logits, ms", "llama_cpp_mamba2",
+           "`bench/bench_llama_cpp.py --arch mamba2`", _llama_prefill),
+    Figure("mamba-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms", "llama_cpp",
+           "`bench/bench_llama_cpp.py`", _llama_decode),
+    Figure("mamba2-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms",
+           "llama_cpp_mamba2", "`bench/bench_llama_cpp.py --arch mamba2`", _llama_decode),
+    Figure("mamba-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp",
+           "`bench/bench_llama_cpp.py`", _llama_save),
+    Figure("mamba2-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp_mamba2",
+           "`bench/bench_llama_cpp.py --arch mamba2`", _llama_save),
     Figure("engine step, signal 256x4 model, batch 1, us", "engine",
            "`bench/bench_engine.py`", _engine_batch_1),
     Figure("engine steps/s, signal 256x4 model, batch 64", "engine",
