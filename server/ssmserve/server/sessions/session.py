@@ -208,7 +208,7 @@ QueueEntry = StepRun | _Gate
 
 
 class SessionQueue:
-    """A session's FIFO of steps, runs and control gates: a list read from ``_head``.
+    """A session's FIFO of runs of steps and control gates: a list read from ``_head``.
 
     Why not ``collections.deque``: an empty deque still holds a 528-byte block, and a
     worker keeps thousands of resident sessions whose queues are empty almost always
