@@ -67,16 +67,20 @@ async def answer(
     refusal: Callable[[], SsmserveError | None],
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The responses of one Generate call."""
-    try:
-        async with status.edge(context, scope.clean):
-            if (refused := refusal()) is not None:
-                raise refused
+    at_step_error: GenerateAtStepError | None = None
+    async with status.edge(context, scope.clean):
+        if (refused := refusal()) is not None:
+            raise refused
+        try:
             generation = await generations.start(
                 request_from_pb(request, scope.stored(request.session_id))
             )
-    except GenerateAtStepError as exc:  # answered, with where the session is
+        except GenerateAtStepError as exc:  # answered, with where the session is
+            at_step_error = exc
+    if at_step_error is not None:
         yield pb.GenerateResponse(
-            stopped=status.step_error(exc, scope.clean), session_step=exc.session_step
+            stopped=status.step_error(at_step_error, scope.clean),
+            session_step=at_step_error.session_step,
         )
         return
     task = asyncio.create_task(generation.run(), name="generate")

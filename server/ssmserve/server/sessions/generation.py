@@ -311,8 +311,8 @@ class Generation:
         ``updates``, the last a :class:`Finish`."""
         try:
             finish = await self._run()
-        except SsmserveError as exc:
-            finish = Finish("", self.step, exc)
+        except SsmserveError as exc:  # a prompt step's, or logits that cannot be drawn from
+            finish = self._stopped(exc)
         except Exception as exc:  # a bug: logged here, the client told no more than that
             log.error("generate: internal error", exc_info=exc)
             failed = GenerateFailedError(f"internal error ({type(exc).__name__})")
