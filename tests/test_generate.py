@@ -366,3 +366,28 @@ def test_kill_9_of_the_owner_mid_generation_changes_no_token(
     finally:
         for w in workers:
             w.kill()
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_the_cli_prints_the_tokens_and_writes_them(worker, served_models, tmp_path, capsys):
+    from ssmserve.client.cli import main
+
+    sid = worker.client.create_session("lm").session_id
+    np.save(tmp_path / "prompt.npy", np.asarray(PROMPT))
+    out = tmp_path / "ids.npy"
+    prompt = str(tmp_path / "prompt.npy")
+    flags = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.02",
+             "--seed", "77", "--prompt-ids", prompt, "--output", str(out)]  # fmt: skip
+    args = ["--server", worker.address, "generate", sid, "--max-tokens", "12", *flags]
+    assert main(args) == 0
+    tokens = offline(served_models["lm"], PROMPT, 12)[0]
+    printed = capsys.readouterr()
+    assert printed.out.split() == [str(t) for t in tokens]
+    assert "generated 12 tokens (steps 9..20" in printed.err
+    np.testing.assert_array_equal(np.load(out), tokens)
+    assert main(["--server", worker.address, "generate", sid, "--max-tokens", "3",
+                 "--temperature", "-1"]) == 2  # fmt: skip
+    assert "INVALID_ARGUMENT (BAD_SAMPLING): temperature" in capsys.readouterr().err
+    assert worker.client.get_session(sid).step == len(PROMPT) + 12

@@ -1,6 +1,6 @@
-"""The CLI's commands that move arrays through .npy files: ``session stream`` and
-``forecast`` (this module, and numpy with it, is imported only when one of them runs:
-``cli_parsers._on_worker``).
+"""The CLI's commands that move arrays through .npy files: ``session stream``,
+``forecast`` and ``generate`` (this module, and numpy with it, is imported only when one
+of them runs: ``cli_parsers._on_worker``).
 
 ``session stream`` keeps every answer: the output path is checked before anything is
 sent, and a stream cut part-way (a worker's error, Ctrl-C) saves the outputs of the
@@ -130,3 +130,46 @@ def forecast(client: Client, args: argparse.Namespace) -> None:
         f"forecast of {len(fc.outputs)} steps from step {fc.from_step} of {args.session_id} "
         f"(the session is unchanged){where}"
     )
+
+
+def generate(client: Client, args: argparse.Namespace) -> None:
+    """Token ids on stdout, one per line as they come; the ids in ``--output`` if given
+    (also those of a generation a guard or an error ended early: then it exits 2)."""
+    if args.output is not None:
+        check_output(args.output)
+    prompt = None
+    if args.prompt_ids is not None:
+        ids = load_npy(args.prompt_ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise CliError(f"{args.prompt_ids}: a prompt is int token ids of shape (T,)")
+        prompt = [int(i) for i in ids]
+    sid = args.session_id
+    tokens: list[int] = []
+    first = None
+    try:
+        for t in client.generate(
+            sid, args.max_tokens, prompt_ids=prompt, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+            stop_token_ids=args.stop,
+        ):  # fmt: skip
+            first = t.step if first is None else first
+            tokens.append(t.token_id)
+            print(t.token_id, flush=True)
+            for event in t.guard_events:
+                print(f"step {t.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
+    except SsmserveClientError as exc:
+        where = _keep_generated(args, tokens)
+        raise CliError(f"{rpc_failure(exc)}; {len(tokens)} tokens were generated{where}") from None
+    where = _keep_generated(args, tokens)
+    steps = f"steps {first}..{first + len(tokens) - 1}" if tokens else "no step"
+    print(f"generated {len(tokens)} tokens ({steps} of {sid}){where}", file=sys.stderr)
+
+
+def _keep_generated(args: argparse.Namespace, tokens: list[int]) -> str:
+    if args.output is None:
+        return ""
+    where = write_or_keep(
+        args.output, npy_writer(np.asarray(tokens, np.int64)), f"{args.session_id}-generated",
+        ".npy", f"the {len(tokens)} tokens were generated",
+    )  # fmt: skip
+    return f"; ids in {where}"

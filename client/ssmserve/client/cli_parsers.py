@@ -14,6 +14,8 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
     rollback SID (--to-step T | --to-snapshot ID | --to-label L | --back N)
     export SID --output FILE [--snapshot ID] | import --input FILE [--session SID] [--model NAME]
     forecast SID --horizon H [--at-step T] [--output OUT.npy]
+    generate SID --max-tokens N [--temperature T] [--top-k K] [--top-p P] [--min-p M]
+             [--seed S] [--stop ID]... [--prompt-ids IN.npy] [--output OUT.npy]
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | models [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
     top [--interval S] [--sessions N] [--once | --json]
@@ -282,6 +284,25 @@ def _add_state_commands(commands: Subparsers) -> None:
     file_flag(forecast, "--output", "write the (H, output_dim) outputs here", required=False,
               metavar="OUT.npy")  # fmt: skip
     forecast.set_defaults(handler=_on_worker("forecast", "array_commands"))
+
+    gen = commands.add_parser(
+        "generate", help="a token model's session fed a prompt, then its own seeded draws"
+    )
+    gen.add_argument("session_id", help="the session to generate with")
+    gen.add_argument("--max-tokens", required=True, type=positive_int, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="0 (default): greedy")  # fmt: skip
+    gen.add_argument("--top-k", type=count, default=0, metavar="K", help="0 (default): all")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 (default): all")
+    gen.add_argument("--min-p", type=float, default=0.0, metavar="M", help="0 (default): none")
+    gen.add_argument("--seed", type=count, default=0, metavar="S", help="default 0")
+    gen.add_argument("--stop", type=count, action="append", default=[], metavar="ID",
+                     help="end after this token (repeatable)")  # fmt: skip
+    file_flag(gen, "--prompt-ids", "token ids (T,) fed first", required=False,
+              metavar="IN.npy")  # fmt: skip
+    file_flag(gen, "--output", "write the generated ids (N,) int64 here", required=False,
+              metavar="OUT.npy")  # fmt: skip
+    gen.set_defaults(handler=_on_worker("generate", "array_commands"))
 
     fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")
     fork.add_argument("session_id", help="the session to branch")
