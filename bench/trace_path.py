@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import json
 import os
 import subprocess
@@ -126,6 +127,10 @@ class Side:
     entries_per_module: collections.Counter[str] = field(default_factory=collections.Counter)
     crossings_per_thread: dict[str, int] = field(default_factory=dict)
     paths: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    #: The same count between components (``component_of``: api, sessions, state, engine,
+    #: cluster, observability; the server's top modules one more), and the components seen.
+    component_crossings: int = 0
+    components: set[str] = field(default_factory=set)
 
     def add(self, thread: str, sequence: list[str]) -> None:
         """One thread's kept events, in order."""
@@ -142,6 +147,9 @@ class Side:
         self.entries_per_module.update(module for module, _ in stays[1:])
         self.crossings_per_thread[thread] = self.crossings_per_thread.get(thread, 0) + crossings
         self.paths.setdefault(thread, []).extend(stays)
+        parts = [component_of(module) for module, _ in stays]
+        self.components.update(parts)
+        self.component_crossings += sum(1 for a, b in itertools.pairwise(parts) if a != b)
 
     def summary(self) -> dict[str, Any]:
         """The side's figures; ``entries_per_module``: the crossings into each module."""
@@ -153,7 +161,19 @@ class Side:
             "events_per_module": dict(sorted(self.events_per_module.items())),
             "entries_per_module": dict(sorted(self.entries_per_module.items())),
             "crossings_per_thread": self.crossings_per_thread,
+            "component_crossings": self.component_crossings,
+            "components": sorted(self.components),
         }
+
+
+def component_of(module: str) -> str:
+    """The component a module belongs to: its package under ``ssmserve.server`` (api,
+    sessions, state, engine, cluster, observability), ``server`` for the server's top
+    modules (worker, errors, cli), ``client`` for the client's."""
+    parts = module.split(".")
+    if parts[1] != "server":
+        return parts[1]
+    return parts[2] if len(parts) > 3 else "server"
 
 
 def thread_name(ident: int) -> str:
@@ -386,7 +406,12 @@ def report(result: dict[str, Any], show_path: bool) -> str:
             cells = []
             for data in codes.values():
                 d = data[trace] if side == "server" else data[trace]["client"]
-                cells.append(f"{d['crossings']} / {d['modules']}")
+                between = (
+                    f"{d['component_crossings']} / {len(d['components'])}"
+                    if ("components" in d)
+                    else "-"
+                )
+                cells.append(f"{d['crossings']} / {d['modules']} (components: {between})")
             rows.append([trace, side, *cells, limits if side == "server" else ""])
     headers = ["trace", "side", *(f"{k}: crossings / modules" for k in codes), "goal"]
     lines = [table(headers, rows), ""]
