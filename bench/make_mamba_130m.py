@@ -2,6 +2,7 @@
 weights (nothing is downloaded): the model ``ssmserve model bench DIR --prefill 512`` is
 measured on.
 
+The same model as ``ssmserve model init-demo DIR --preset mamba-130m|mamba2-130m``.
 Usage (from the repo root)::
 
     .venv/bin/python bench/make_mamba_130m.py DIR [--arch mamba|mamba2] [--seed N]
@@ -20,28 +21,20 @@ multiple of 16, as its checkpoint and llama.cpp's converter have it). The files 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_engine import mamba_130m_config
-from bench_mamba2 import mamba2_config
 
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import random_tensors
 from ssmserve.server.engine.loader import save_model
-
-#: mamba2-130m's embedding rows: its tokenizer's 50277 padded to a multiple of 16.
-MAMBA2_130M_VOCAB = 50288
+from ssmserve.server.engine.presets import preset_config
 
 
 def config_for(arch: str) -> MambaConfig:
-    if arch == "mamba2":
-        return dataclasses.replace(mamba2_config(small=False), vocab_size=MAMBA2_130M_VOCAB)
-    return mamba_130m_config()
+    """The ``init-demo`` preset of that architecture (``engine/presets.py``)."""
+    return preset_config("mamba2-130m" if arch == "mamba2" else "mamba-130m")
 
 
 def main() -> int:

@@ -250,3 +250,41 @@ def test_server_commands_show_the_engines_own_defaults_and_limits() -> None:
     assert (cli.ARCHS, cli.MAX_BATCH, cli.MAX_STEPS) == (demo.ARCHS, bench.MAX_BATCH,
                                                          bench.MAX_STEPS)  # fmt: skip
     assert tuple(r.value for r in Role if r is not Role.WORKER) == cli.TOKEN_ROLES
+
+
+def test_init_demo_presets_have_the_released_shapes() -> None:
+    """Each preset's config has its checkpoint's parameter count and state size (the
+    weights are random; the costs are the real model's)."""
+    from ssmserve.server.engine.loader import expected_shapes
+    from ssmserve.server.engine.presets import PRESETS, preset_config
+
+    def params(name: str) -> float:
+        shapes = expected_shapes(preset_config(name)).values()
+        return sum(int(np.prod(s)) for s in shapes) / 1e6
+
+    assert {k: round(params(k)) for k in PRESETS} == {
+        "mamba-130m": 129,
+        "mamba2-130m": 129,
+        "mamba-790m": 793,
+    }
+    c = preset_config("mamba2-130m")
+    assert (c.num_heads, c.head_dim, c.n_groups, c.state_size) == (24, 64, 1, 128)
+    with pytest.raises(ValueError, match="one of mamba-130m"):
+        preset_config("mamba-7b")
+
+
+@pytest.mark.slow
+def test_init_demo_writes_a_preset_that_loads(tmp_path: Path) -> None:
+    """``init-demo --preset mamba-130m`` writes a loadable 0.5 GB language model; the
+    shape flags are refused beside a preset, naming them."""
+    out = tmp_path / "m"
+    result = ssmserve("model", "init-demo", out, "--preset", "mamba-130m", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert "mamba-130m-shaped language model" in result.stdout
+    info = ssmserve("model", "inspect", out, "--json")
+    described = json.loads(info.stdout)
+    assert described["hidden_size"] == 768 and described["num_hidden_layers"] == 24
+    assert_one_line_error(
+        ssmserve("model", "init-demo", tmp_path / "x", "--preset", "mamba-130m", "--hidden", "8"),
+        "drop --hidden",
+    )

@@ -6,6 +6,7 @@ when the server is installed::
 
     ssmserve model init-demo DIR [--input-dim N] [--output-dim N] [--hidden N]
                                  [--layers N] [--state N] [--seed N] [--force]
+    ssmserve model init-demo DIR --preset mamba-130m|mamba2-130m|mamba-790m [--seed N]
     ssmserve model inspect DIR [--json]
     ssmserve model run DIR --input IN.npy --output OUT.npy [--prefill]
     ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--prefill T]
@@ -35,6 +36,7 @@ DEMO_DEFAULTS = {
     "seed": 0, "arch": "mamba", "head_dim": 16, "groups": 2,
 }  # fmt: skip
 ARCHS = ("mamba", "mamba2")  # engine.demo.ARCHS
+PRESETS = ("mamba-130m", "mamba2-130m", "mamba-790m")  # engine.presets.PRESETS
 MAX_BATCH = 4096  # engine.bench.MAX_BATCH
 MAX_STEPS = 1_000_000  # engine.bench.MAX_STEPS
 MAX_PREFILL = 1 << 20  # engine.bench.MAX_PREFILL
@@ -96,6 +98,13 @@ def add_commands(commands: Subparsers) -> None:
     )
     init.add_argument(
         "--seed", type=int, default=DEMO_DEFAULTS["seed"], help="weights seed (default 0)"
+    )
+    init.add_argument(
+        "--preset",
+        choices=PRESETS,
+        help="instead of a signal model, a language model at a released checkpoint's shapes "
+        "with random weights (F32): mamba-130m (0.5 GB), mamba2-130m (0.5 GB), "
+        "mamba-790m (3.2 GB); the shape flags do not go with it",
     )
     init.add_argument("--force", action="store_true", help="overwrite an existing model in DIR")
     init.set_defaults(handler=_handler("init_demo"))

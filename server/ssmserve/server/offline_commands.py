@@ -72,6 +72,9 @@ def init_demo(args: argparse.Namespace) -> None:
     existing = [f for f in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) if (directory / f).exists()]
     if existing and not args.force:
         raise CliError(f"{directory} already holds {', '.join(existing)}; pass --force to replace")
+    if args.preset is not None:
+        _init_preset(directory, args)
+        return
     spec = DemoSpec(
         input_dim=args.input_dim,
         output_dim=args.output_dim,
@@ -94,6 +97,40 @@ def init_demo(args: argparse.Namespace) -> None:
     model = load_model(directory)
     kind = "Mamba-2" if args.arch == "mamba2" else "Mamba"
     print(f"wrote signal {kind} to {directory} (fingerprint {model.fingerprint[:16]})")
+
+
+#: init-demo's shape flags (attribute names): a preset sets every one of them.
+_SHAPE_FLAGS = (
+    "input_dim",
+    "output_dim",
+    "hidden",
+    "layers",
+    "state",
+    "arch",
+    "head_dim",
+    "groups",
+)
+
+
+def _init_preset(directory: Path, args: argparse.Namespace) -> None:
+    """``init-demo --preset``: a random-weight language model at a preset's shapes."""
+    from ssmserve.server.cli import DEMO_DEFAULTS
+    from ssmserve.server.engine.presets import preset_config
+
+    clashes = [f for f in _SHAPE_FLAGS if getattr(args, f) != DEMO_DEFAULTS[f]]
+    if clashes:
+        flags = ", ".join("--" + f.replace("_", "-") for f in clashes)
+        raise CliError(f"--preset sets every dimension of the model; drop {flags}")
+    config = preset_config(args.preset)
+    try:
+        save_model(directory, config, random_tensors(config, args.seed))
+    except OSError as exc:
+        raise CliError(f"cannot write {directory}: {exc.strerror or exc}") from None
+    model = load_model(directory)
+    print(
+        f"wrote {args.preset}-shaped language model (random weights) to {directory} "
+        f"(fingerprint {model.fingerprint[:16]})"
+    )
 
 
 def describe(directory: Path) -> dict[str, object]:

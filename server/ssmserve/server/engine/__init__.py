@@ -8,6 +8,7 @@
 ``loader``    Hugging Face ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` and signal-model
               directories (F32, F16, BF16, F64; sharded)
 ``demo``      a deterministic random signal Mamba or Mamba-2 for demos and tests
+``presets``   language models at released checkpoints' shapes (random-weight stand-ins)
 ``kernels``   the fused numba loops between a step's products
 ``recurrent_state``  per-layer state arrays of one session, and of a batch
 ``prefill``   one session's run of T inputs, each layer's products over all T at once,
