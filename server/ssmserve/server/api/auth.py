@@ -59,7 +59,7 @@ CLUSTER_SERVICE = "/ssmserve.v1.ClusterService/"
 _SESSION_RPCS = (
     "CreateSession", "GetSession", "ListSessions", "CloseSession", "Stream", "Snapshot",
     "ListSnapshots", "Rollback", "ExportCheckpoint", "ImportCheckpoint", "Forecast", "Fork",
-    "GetHistory", "ListModels", "Upgrade",
+    "GetHistory", "ListModels", "Upgrade", "Generate",
 )  # fmt: skip
 _READ_RPCS = ("GetSession", "ListSessions", "ListSnapshots", "GetHistory", "ListModels")
 _CLUSTER_OPERATIONS = ("ListWorkers", "Migrate", "Drain", "Undrain")
