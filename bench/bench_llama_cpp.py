@@ -58,7 +58,7 @@ of the GPT-NeoX vocabulary). Per round:
 llama.cpp's OpenMP wait policy. Its CPU backend meets an OpenMP barrier at every node of
 the graph (~1,200 a step here), and libgomp's default policy spins there before sleeping:
 on a shared 2-core machine with other work running, a spinning thread holds a core its
-partner needs, and a step took ~3 s instead of ~40 ms (and slowed the other children
+partner needs: a batch-1 step took 0.1-3 s instead of ~40 ms (and slowed the other children
 too). So its children run with ``OMP_WAIT_POLICY=PASSIVE`` (``--llama-wait``: one child per
 policy, e.g. ``default,passive``; each figure of llama.cpp is the best of its children).
 
