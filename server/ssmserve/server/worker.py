@@ -53,6 +53,7 @@ from ssmserve.server.engine.numerics import (
     numerics_signature,
     pin_blas_threads,
 )
+from ssmserve.server.engine.tokenizer import ModelTokenizer, load_tokenizer
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, WorkerView
@@ -245,8 +246,9 @@ class Worker:
         check_exposure(s)  # before anything starts: refuse, or warn
         pin_blas_threads(s.blas_threads)
         models: dict[str, MambaModel] = {}
+        tokenizers: dict[str, ModelTokenizer | None] = {}
         for name, directory in s.models:
-            models[name] = await asyncio.to_thread(load_model, directory, name)
+            models[name], tokenizers[name] = await asyncio.to_thread(_load, directory, name)
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
             self._check_fits(name, model)
@@ -312,6 +314,8 @@ class Worker:
         manager = self.manager = SessionManager(
             models, self.store, self.ownership, self.memory, s.manager, guard
         )
+        for name, tokenizer in tokenizers.items():
+            manager.models.set_tokenizer(name, tokenizer)
         self.migrator = Migrator(
             self.store, self.ownership, self.peers,
             manager.residents, manager.loader, manager.checkpoints, manager.lifecycle,
@@ -471,9 +475,9 @@ class Worker:
                 f"model {clip(key)}: expected NAME or NAME@VERSION of letters, digits, '.', "
                 f"'_' or '-'"
             )
-        model = await asyncio.to_thread(load_model, directory, key)
+        model, tokenizer = await asyncio.to_thread(_load, directory, key)
         self._check_fits(key, model)
-        await self.manager.load_model(key, model)
+        await self.manager.load_model(key, model, tokenizer)
         await self._models_changed()
 
     async def unload_model(self, key: str) -> None:
@@ -593,3 +597,14 @@ class Worker:
             await self.tokens.stop()
         if self.store is not None:
             await self.store.aclose()
+
+
+def _load(directory: Path, key: str) -> tuple[MambaModel, ModelTokenizer | None]:
+    """A model directory's model and, for a token model with a ``tokenizer.json``, its
+    tokenizer (both checked: a bad one refuses the model)."""
+    model = load_model(directory, key)
+    c = model.config
+    tokenizer = load_tokenizer(directory, c.vocab_size) if c.is_token_model else None
+    if tokenizer is not None:
+        log.info("model %s: tokenizer.json loaded (%s)", key, tokenizer.fingerprint[:16])
+    return model, tokenizer

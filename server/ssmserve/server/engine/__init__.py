@@ -8,6 +8,8 @@
 ``loader``    Hugging Face ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` and signal-model
               directories (F32, F16, BF16, F64; sharded)
 ``demo``      a deterministic random signal Mamba or Mamba-2 for demos and tests
+``tokenizer``  a token model's Hugging Face ``tokenizer.json``, read by ``tokenizers``
+``detokenizer``  the text each generated token adds, in whole characters
 ``presets``   language models at released checkpoints' shapes (random-weight stand-ins)
 ``kernels``   the fused numba loops between a step's products
 ``recurrent_state``  per-layer state arrays of one session, and of a batch
@@ -22,7 +24,8 @@
 ``allocator``  freed heap pages kept for the next step, given back when idle
 ``environment``  the engine's knobs read from the environment, each checked
 
-Imports: nothing else of the server (numpy, numba, safetensors only).
+Imports: nothing else of the server (numpy, numba, safetensors; tokenizers for a
+model directory that has a ``tokenizer.json``).
 """
 
 from ssmserve.server.engine.compile_cache import key_numba_cache

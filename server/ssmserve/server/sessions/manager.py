@@ -37,6 +37,7 @@ from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.tokenizer import ModelTokenizer
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
 from ssmserve.server.observability.metrics import ResidentCounts
 from ssmserve.server.sessions.checkpoints import Checkpoints
@@ -166,9 +167,19 @@ class SessionManager:
         """Compile every model's kernels (off the event loop) before the worker serves."""
         await self.lanes.warm_up()
 
-    async def load_model(self, key: str, model: MambaModel) -> None:
-        """Serve another model (version) from now on (``ModelLanes.add``)."""
-        await self.lanes.add(key, model)
+    async def load_model(
+        self, key: str, model: MambaModel, tokenizer: ModelTokenizer | None = None
+    ) -> None:
+        """Serve another model (version) from now on (``ModelLanes.add``), with its
+        tokenizer if it has one (in place before requests can see the model)."""
+        if key not in self.models:
+            self.models.set_tokenizer(key, tokenizer)
+        try:
+            await self.lanes.add(key, model)
+        except BaseException:
+            if key not in self.models:
+                self.models.set_tokenizer(key, None)
+            raise
 
     async def unload_model(self, key: str) -> None:
         """Stop serving ``key``; refused while a resident session runs it."""

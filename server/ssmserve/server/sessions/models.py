@@ -8,6 +8,9 @@ stays pinned to that version until it is closed: after a restart or a migration 
 loaded only by a worker that serves that key with the same fingerprint, and a worker that
 does not serve it sends the caller to one that does (``loading``).
 
+A token model served with a ``tokenizer.json`` has its tokenizer here too, under the same
+key, loaded with it once per version.
+
 Newest is by version, compared in natural order: ``2 < 10``, ``1.9 < 1.10``, and a
 version with letters sorts by its text (``2024-06-rc1`` after ``2024-06``).
 """
@@ -18,6 +21,7 @@ import re
 from collections.abc import Iterator, Mapping
 
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.tokenizer import ModelTokenizer
 from ssmserve.server.errors import clip
 from ssmserve.server.sessions.errors import UnknownModelError
 
@@ -50,6 +54,7 @@ class ServedModels(Mapping[str, MambaModel]):
                     f"'.', '_' or '-' (at most 64 each)"
                 )
         self._models = dict(models)
+        self._tokenizers: dict[str, ModelTokenizer] = {}
 
     def __getitem__(self, key: str) -> MambaModel:
         return self._models[key]
@@ -84,6 +89,18 @@ class ServedModels(Mapping[str, MambaModel]):
 
     def remove(self, key: str) -> None:
         del self._models[key]
+        self._tokenizers.pop(key, None)
+
+    def set_tokenizer(self, key: str, tokenizer: ModelTokenizer | None) -> None:
+        """``key``'s tokenizer (None: it has none); set before the model is added."""
+        if tokenizer is None:
+            self._tokenizers.pop(key, None)
+        else:
+            self._tokenizers[key] = tokenizer
+
+    def tokenizer(self, key: str) -> ModelTokenizer | None:
+        """The tokenizer served with ``key``, or None: that model has no text."""
+        return self._tokenizers.get(key)
 
     def newest(self, key: str) -> bool:
         """Whether ``key`` is the newest version of its name here."""

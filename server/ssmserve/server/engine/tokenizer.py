@@ -1,0 +1,72 @@
+"""A token model's tokenizer: the Hugging Face ``tokenizer.json`` beside its weights.
+
+A model directory that holds ``tokenizer.json`` (as transformers saves it, and as the
+released Mamba checkpoints ship it) has text in and out: Generate encodes a prompt text
+with it and decodes the generated ids (``detokenizer``). The file is read by Hugging
+Face's ``tokenizers`` library, the reference implementation of the format (pre-tokenizers,
+BPE / Unigram / WordPiece models, post-processors, decoders); nothing here interprets it.
+
+Loading is strict like the weights': a file the library cannot read, or one whose ids do
+not fit the model's embedding rows, is a :class:`~ssmserve.server.errors.ModelFormatError`
+that names it. The library is imported only when a model has a tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ssmserve.server.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """One model version's tokenizer; ``fingerprint``: sha256 of its ``tokenizer.json``."""
+
+    tokenizer: Tokenizer
+    fingerprint: str
+
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of ``text`` (int64), with the special tokens the file's post-processor
+        adds (what the model was trained to see)."""
+        return np.asarray(self.tokenizer.encode(text).ids, np.int64)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens left out; bytes that are no whole UTF-8
+        character decode as U+FFFD."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(directory: str | Path, vocab_size: int) -> ModelTokenizer | None:
+    """The tokenizer of the model in ``directory`` (``vocab_size`` embedding rows), or
+    None when it has no ``tokenizer.json``."""
+    path = Path(directory) / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    raw = path.read_bytes()
+    from tokenizers import Tokenizer  # only for models that have one
+
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # not UTF-8, or what the library raises (plain Exception)
+        raise ModelFormatError(
+            f"{path} cannot be read as a Hugging Face tokenizer.json ({str(exc)[:200]}); "
+            f"replace it with the model's own, or remove it to serve the model without text"
+        ) from None
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    top = max(ids, default=-1)
+    if top >= vocab_size:
+        raise ModelFormatError(
+            f"{path} has token id {top}, outside the model's {vocab_size} embedding rows: "
+            f"it is not this model's tokenizer"
+        )
+    return ModelTokenizer(tokenizer, hashlib.sha256(raw).hexdigest())
