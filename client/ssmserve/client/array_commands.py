@@ -133,10 +133,14 @@ def forecast(client: Client, args: argparse.Namespace) -> None:
 
 
 def generate(client: Client, args: argparse.Namespace) -> None:
-    """Token ids on stdout, one per line as they come; the ids in ``--output`` if given
-    (also those of a generation a guard or an error ended early: then it exits 2)."""
+    """The text on stdout as it comes when the session's model has a tokenizer, else
+    token ids, one per line; the ids in ``--output`` if given (also those of a generation
+    a guard or an error ended early: then it exits 2)."""
     if args.output is not None:
         check_output(args.output)
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise CliError("give --prompt-ids or --prompt, not both")
+    as_text = args.prompt is not None or _has_tokenizer(client, args.session_id)
     prompt = None
     if args.prompt_ids is not None:
         ids = load_npy(args.prompt_ids)
@@ -148,21 +152,35 @@ def generate(client: Client, args: argparse.Namespace) -> None:
     first = None
     try:
         for t in client.generate(
-            sid, args.max_tokens, prompt_ids=prompt, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-            stop_token_ids=args.stop,
+            sid, args.max_tokens, prompt_ids=prompt, prompt_text=args.prompt or "",
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop,
         ):  # fmt: skip
             first = t.step if first is None else first
             tokens.append(t.token_id)
-            print(t.token_id, flush=True)
+            if as_text:
+                print(t.text, end="", flush=True)
+            else:
+                print(t.token_id, flush=True)
             for event in t.guard_events:
                 print(f"step {t.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
     except SsmserveClientError as exc:
+        if as_text and tokens:
+            print()
         where = _keep_generated(args, tokens)
         raise CliError(f"{rpc_failure(exc)}; {len(tokens)} tokens were generated{where}") from None
+    if as_text:
+        print()  # the text's line ends
     where = _keep_generated(args, tokens)
     steps = f"steps {first}..{first + len(tokens) - 1}" if tokens else "no step"
     print(f"generated {len(tokens)} tokens ({steps} of {sid}){where}", file=sys.stderr)
+
+
+def _has_tokenizer(client: Client, session_id: str) -> bool:
+    """Whether the model the session runs is served with a tokenizer (by its owner)."""
+    info = client.get_session(session_id)
+    served = client.list_models(info.owner).models
+    return any(m.key == info.model and m.tokenizer_fingerprint for m in served)
 
 
 def _keep_generated(args: argparse.Namespace, tokens: list[int]) -> str:

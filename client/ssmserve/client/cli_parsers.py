@@ -15,7 +15,7 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
     export SID --output FILE [--snapshot ID] | import --input FILE [--session SID] [--model NAME]
     forecast SID --horizon H [--at-step T] [--output OUT.npy]
     generate SID --max-tokens N [--temperature T] [--top-k K] [--top-p P] [--min-p M]
-             [--seed S] [--stop ID]... [--prompt-ids IN.npy] [--output OUT.npy]
+             [--seed S] [--stop ID]... [--prompt-ids IN.npy | --prompt TEXT] [--output OUT.npy]
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | models [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
     top [--interval S] [--sessions N] [--once | --json]
@@ -300,6 +300,9 @@ def _add_state_commands(commands: Subparsers) -> None:
                      help="end after this token (repeatable)")  # fmt: skip
     file_flag(gen, "--prompt-ids", "token ids (T,) fed first", required=False,
               metavar="IN.npy")  # fmt: skip
+    gen.add_argument("--prompt", metavar="TEXT",
+                     help="a text fed first (not with --prompt-ids), encoded by the model's "
+                     "tokenizer.json")  # fmt: skip
     file_flag(gen, "--output", "write the generated ids (N,) int64 here", required=False,
               metavar="OUT.npy")  # fmt: skip
     gen.set_defaults(handler=_on_worker("generate", "array_commands"))

@@ -8,12 +8,17 @@ the prompt once the worker said it was fed) and with ``generated_before`` the to
 has. Tokens are drawn by a generator keyed by (seed, step), and the worker answers again
 from the session's log what it generated past that step, so the caller sees each token
 exactly once and the same tokens as without the fault.
+
+A model served with a tokenizer takes ``prompt_text`` and gives each token's ``text``: the
+whole characters it completes, so the texts joined are the generation's text, the same
+across a resumed call (the worker rebuilds its detokenizer from the session's log).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -39,7 +44,9 @@ class GeneratedToken:
     token_id: int
     logprob: float
     guard_events: list[pb.GuardEvent] = field(default_factory=list)
-    text: str = ""  # models with a tokenizer: the text this token completes
+    # Models with a tokenizer: the whole characters this token completes ('' while a
+    # character's bytes are still coming); joined, the generation's text.
+    text: str = ""
 
 
 class AsyncGenerateCalls:
@@ -57,6 +64,7 @@ class AsyncGenerateCalls:
         max_tokens: int,
         *,
         prompt_ids: Iterable[int] | None = None,
+        prompt_text: str = "",
         at_step: int | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -68,8 +76,10 @@ class AsyncGenerateCalls:
         """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
         SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
 
-        ``prompt_ids`` are fed first, as steps. Each token is drawn from the logits of the
-        step before it and fed back as the session's next input, logged like any step:
+        ``prompt_ids`` are fed first, as steps; or ``prompt_text``, which a model served
+        with a tokenizer.json encodes into them (one of the two). Each token is drawn from
+        the logits of the step before it and fed back as the session's next input, logged
+        like any step:
         ``temperature`` 0 is greedy (the argmax); otherwise the logits over
         ``temperature``, filtered by ``top_k`` (0: all), ``top_p`` (1: all) and
         ``min_p`` (0: none), drawn with a generator keyed by (``seed``, step), so the same
@@ -77,10 +87,12 @@ class AsyncGenerateCalls:
         ``max_tokens`` tokens or a token of ``stop_token_ids`` (yielded). ``at_step``:
         the step the session is at before the prompt (default: its step now). When the
         call is cut it resumes wherever the session is served; each token is yielded
-        once. Raises InvalidArgument (bad parameters, ids outside the vocabulary; the
-        session is untouched), FailedPrecondition (a signal model, or a session not at
-        ``at_step``), StepFailed (a guard rejected or rolled back the next step, or
-        something else stepped the session: the tokens before it were yielded), NotFound."""
+        once, with ``text`` (a model with a tokenizer: the whole characters it completes).
+        Raises InvalidArgument (bad parameters, ids outside the vocabulary, prompt_text
+        for a model without a tokenizer; the session is untouched), FailedPrecondition (a
+        signal model, or a session not at ``at_step``), StepFailed (a guard rejected or
+        rolled back the next step, or something else stepped the session: the tokens before
+        it were yielded), NotFound."""
         session_id = session_id_of(session)
         if at_step is None:
             at_step = (await self.get_session(session_id)).step
@@ -94,12 +106,38 @@ class AsyncGenerateCalls:
             ),
             stop_token_ids=list(stop_token_ids),
         )
-        async for token in _generate(self.router, request, list(prompt_ids or ()), at_step):
+        prompt = _Prompt(list(prompt_ids or ()), prompt_text)
+        async for token in _generate(self.router, request, prompt, at_step):
             yield token
+
+    async def generate_text(
+        self, session: SessionRef, max_tokens: int, *, prompt_text: str = "", **options: Any
+    ) -> str:
+        """The text ``generate`` gives (its tokens' texts joined): a model served with a
+        tokenizer; ``options`` as ``generate``'s."""
+        parts = [
+            t.text
+            async for t in self.generate(session, max_tokens, prompt_text=prompt_text, **options)
+        ]
+        return "".join(parts)
+
+
+@dataclass
+class _Prompt:
+    """What is still to be fed before generating: ids, or a text the worker encodes."""
+
+    ids: list[int]
+    text: str
+
+    def fed(self) -> None:
+        self.ids, self.text = [], ""
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.text)
 
 
 async def _generate(
-    router: WorkerRouter, base: pb.GenerateRequest, prompt: list[int], at: int
+    router: WorkerRouter, base: pb.GenerateRequest, prompt: _Prompt, at: int
 ) -> AsyncIterator[GeneratedToken]:
     """Generate calls until the generation ends, each from where the last one got to."""
     session_id = base.session_id
@@ -111,7 +149,8 @@ async def _generate(
         request = pb.GenerateRequest()
         request.CopyFrom(base)
         request.at_step, request.generated_before = at, received
-        request.prompt_ids.extend(prompt)
+        request.prompt_ids.extend(prompt.ids)
+        request.prompt_text = prompt.text
         call = router.worker(address).sessions.Generate(
             request, metadata=session_metadata(session_id)
         )
@@ -125,9 +164,11 @@ async def _generate(
                         continue  # answered before this call resumed
                     events = list(t.guard_events)
                     yield GeneratedToken(t.step, t.token_id, t.logprob, events, t.text)
-                    received, last_token, at, prompt = received + 1, t.token_id, t.step, []
-                if prompt and reply.session_step == at + len(prompt):
-                    at, prompt = reply.session_step, []  # the prompt is fed
+                    received, last_token, at = received + 1, t.token_id, t.step
+                    prompt.fed()
+                if prompt and _prompt_fed(reply, at, prompt):
+                    at = reply.session_step
+                    prompt.fed()
                 if reply.HasField("stopped"):
                     stopped = reply.stopped
                     if stopped.code not in TRANSIENT_NUMBERS:
@@ -148,3 +189,14 @@ async def _generate(
         if received >= base.max_tokens or (received and last_token in stop):
             return  # every token is here; only the end was not
         address = await router.next_address(address, error, backoff)
+
+
+def _prompt_fed(reply: pb.GenerateResponse, at: int, prompt: _Prompt) -> bool:
+    """Whether ``reply`` says the prompt is fed: the first message after it carries no
+    token and the step generation starts from (a text's id count is the worker's)."""
+    if prompt.ids:
+        return reply.session_step == at + len(prompt.ids)
+    done = (
+        reply.HasField("stopped") or reply.finish_reason != pb.GenerateResponse.FINISH_UNSPECIFIED
+    )
+    return not reply.tokens and not done and reply.session_step > at

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.generation import GeneratedToken
@@ -27,6 +27,7 @@ class GenerateCalls:
         max_tokens: int,
         *,
         prompt_ids: Iterable[int] | None = None,
+        prompt_text: str = "",
         at_step: int | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -38,8 +39,10 @@ class GenerateCalls:
         """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
         SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
 
-        ``prompt_ids`` are fed first, as steps. Each token is drawn from the logits of the
-        step before it and fed back as the session's next input, logged like any step:
+        ``prompt_ids`` are fed first, as steps; or ``prompt_text``, which a model served
+        with a tokenizer.json encodes into them (one of the two). Each token is drawn from
+        the logits of the step before it and fed back as the session's next input, logged
+        like any step:
         ``temperature`` 0 is greedy (the argmax); otherwise the logits over
         ``temperature``, filtered by ``top_k`` (0: all), ``top_p`` (1: all) and
         ``min_p`` (0: none), drawn with a generator keyed by (``seed``, step), so the same
@@ -47,15 +50,18 @@ class GenerateCalls:
         ``max_tokens`` tokens or a token of ``stop_token_ids`` (yielded). ``at_step``:
         the step the session is at before the prompt (default: its step now). When the
         call is cut it resumes wherever the session is served; each token is yielded
-        once. Raises InvalidArgument (bad parameters, ids outside the vocabulary; the
-        session is untouched), FailedPrecondition (a signal model, or a session not at
-        ``at_step``), StepFailed (a guard rejected or rolled back the next step, or
-        something else stepped the session: the tokens before it were yielded), NotFound."""
+        once, with ``text`` (a model with a tokenizer: the whole characters it completes).
+        Raises InvalidArgument (bad parameters, ids outside the vocabulary, prompt_text
+        for a model without a tokenizer; the session is untouched), FailedPrecondition (a
+        signal model, or a session not at ``at_step``), StepFailed (a guard rejected or
+        rolled back the next step, or something else stepped the session: the tokens before
+        it were yielded), NotFound."""
         return self._iterate(
             self._aio.generate(
                 session,
                 max_tokens,
                 prompt_ids=prompt_ids,
+                prompt_text=prompt_text,
                 at_step=at_step,
                 temperature=temperature,
                 top_k=top_k,
@@ -65,3 +71,11 @@ class GenerateCalls:
                 stop_token_ids=stop_token_ids,
             )
         )
+
+    def generate_text(
+        self, session: SessionRef, max_tokens: int, *, prompt_text: str = "", **options: Any
+    ) -> str:
+        """The text ``generate`` gives (its tokens' texts joined): a model served with a
+        tokenizer; ``options`` as ``generate``'s."""
+        tokens = self.generate(session, max_tokens, prompt_text=prompt_text, **options)
+        return "".join(t.text for t in tokens)

@@ -436,7 +436,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("key", "name", "version", "fingerprint", "input_dim", "output_dim", "token_input", "resident_sessions", "newest")
+    __slots__ = ("key", "name", "version", "fingerprint", "input_dim", "output_dim", "token_input", "resident_sessions", "newest", "tokenizer_fingerprint")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +446,7 @@ class ModelInfo(_message.Message):
     TOKEN_INPUT_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     key: str
     name: str
     version: str
@@ -455,7 +456,8 @@ class ModelInfo(_message.Message):
     token_input: bool
     resident_sessions: int
     newest: bool
-    def __init__(self, key: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., fingerprint: _Optional[str] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., resident_sessions: _Optional[int] = ..., newest: _Optional[bool] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, key: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., fingerprint: _Optional[str] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., resident_sessions: _Optional[int] = ..., newest: _Optional[bool] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("worker", "models")

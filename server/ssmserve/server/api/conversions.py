@@ -192,6 +192,7 @@ def model_to_pb(key: str, models: ServedModels, resident: int) -> pb.ModelInfo:
     model = models[key]
     c = model.config
     name, version = split_key(key)
+    tokenizer = models.tokenizer(key)
     return pb.ModelInfo(
         key=key,
         name=name,
@@ -202,6 +203,7 @@ def model_to_pb(key: str, models: ServedModels, resident: int) -> pb.ModelInfo:
         token_input=c.is_token_model,
         resident_sessions=resident,
         newest=models.newest(key),
+        tokenizer_fingerprint="" if tokenizer is None else tokenizer.fingerprint,
     )
 
 

@@ -107,6 +107,7 @@ def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
                 step=update.step,
                 token_id=update.token,
                 logprob=update.logprob,
+                text=update.text,
                 guard_events=[guard_event_to_pb(e) for e in update.guard_events],
             )
             response.session_step = update.step

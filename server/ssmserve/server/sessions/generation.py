@@ -17,6 +17,12 @@ its draws give) and answered again, and generation goes on from the session's st
 is queued: what is wrong with the request is raised there and the session is untouched.
 ``Generation.run`` then feeds the prompt (as runs of steps) and generates, putting each
 token and finally the end on ``Generation.updates`` as soon as it is known.
+
+A model served with a tokenizer has text in and out: ``prompt_text`` is encoded into the
+prompt's ids, and each token carries the text it completes (``engine.detokenizer``: the
+generated ids decoded on their own, whole characters only). A resumed generation rebuilds
+the detokenizer from the tokens it generated before (the session's log), so its texts
+are the ones an undisturbed call sends.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ssmserve.server.engine.detokenizer import IncrementalDetokenizer
+from ssmserve.server.engine.tokenizer import ModelTokenizer
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.guards import GuardEvent
 from ssmserve.server.sessions.intake import StepIntake
@@ -91,6 +99,9 @@ class GenerateSettings:
 
     max_tokens: int = 4096  # tokens per generation; more is INVALID_ARGUMENT
     max_prompt_ids: int = 65_536
+    # prompt_text longer than this is refused before it is encoded (its ids are then
+    # held to max_prompt_ids): the encoding's work stays bounded.
+    max_prompt_chars: int = 1_048_576
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,7 @@ class Token:
     token: int
     logprob: float
     guard_events: tuple[GuardEvent, ...] = ()
+    text: str = ""  # models with a tokenizer: the whole characters this token completes
 
 
 @dataclass(frozen=True)
@@ -144,12 +156,13 @@ class Generations:
         replay: Replay,
         residents: ResidentSessions,
         settings: GenerateSettings,
-        tokenizer_of: Callable[[str], object | None] = lambda model: None,
+        tokenizer_of: Callable[[str], ModelTokenizer | None] | None = None,
     ) -> None:
         self.loader, self.intake, self.replay, self.residents = loader, intake, replay, residents
         self.settings = settings
-        # The model's tokenizer (None: it has none, and prompt_text is refused).
-        self.tokenizer_of = tokenizer_of
+        # A model's tokenizer (None: it has none, and prompt_text is refused): by default
+        # the one served with it.
+        self.tokenizer_of = tokenizer_of or loader.models.tokenizer
 
     async def start(self, request: GenerateRequest) -> Generation:
         """A generation ready to run, or the error that refuses it (session untouched)."""
@@ -161,13 +174,9 @@ class Generations:
                 f"model {s.model_name!r} takes float vectors: Generate needs a token model "
                 f"(use Forecast to run a signal model ahead)"
             )
+        tokenizer = self.tokenizer_of(s.model_name)
         if request.prompt_text:
-            if self.tokenizer_of(s.model_name) is None:
-                raise BadGenerateRequestError(
-                    f"model {s.model_name!r} has no tokenizer, so prompt_text cannot be "
-                    f"encoded; send the prompt as prompt_ids"
-                )
-            raise BadGenerateRequestError("prompt_text is not supported yet; send prompt_ids")
+            request = await self._encoded(request, s.model_name, tokenizer)
         ids = np.concatenate([request.prompt, np.fromiter(request.stop_ids, np.int64)])
         outside = (ids < 0) | (ids >= c.vocab_size)
         if outside.any():
@@ -176,9 +185,28 @@ class Generations:
                 f"token id {bad} (prompt or stop ids) is outside [0, {c.vocab_size}) of model "
                 f"{s.model_name!r}"
             )
-        generation = Generation(self, s, request)
+        generation = Generation(self, s, request, tokenizer)
         await generation.resume()
         return generation
+
+    async def _encoded(
+        self, request: GenerateRequest, model: str, tokenizer: ModelTokenizer | None
+    ) -> GenerateRequest:
+        """``request`` with its prompt_text encoded into its prompt ids."""
+        if tokenizer is None:
+            raise BadGenerateRequestError(
+                f"model {model!r} has no tokenizer.json, so prompt_text cannot be encoded; "
+                f"send the prompt as prompt_ids (or serve the model from a directory that "
+                f"holds its tokenizer.json)"
+            )
+        # Off the event loop: a long text takes milliseconds to encode.
+        ids = await asyncio.to_thread(tokenizer.encode, request.prompt_text)
+        if len(ids) > self.settings.max_prompt_ids:
+            raise BadGenerateRequestError(
+                f"prompt_text encodes to {len(ids)} ids, over this server's limit of "
+                f"{self.settings.max_prompt_ids}; feed the rest with Stream first"
+            )
+        return replace(request, prompt=ids)
 
     def _check_request(self, r: GenerateRequest) -> None:
         limit = self.settings.max_tokens
@@ -198,6 +226,11 @@ class Generations:
             )
         if r.prompt_text and len(r.prompt):
             raise BadGenerateRequestError("give prompt_ids or prompt_text, not both")
+        if len(r.prompt_text) > self.settings.max_prompt_chars:
+            raise BadGenerateRequestError(
+                f"a prompt_text of {len(r.prompt_text)} characters is over this server's "
+                f"limit of {self.settings.max_prompt_chars}; feed the rest with Stream first"
+            )
         if len(r.stop_ids) > MAX_STOP_IDS:
             raise BadGenerateRequestError(f"at most {MAX_STOP_IDS} stop ids, got {len(r.stop_ids)}")
         r.sampling.check()
@@ -207,8 +240,16 @@ class Generation:
     """One Generate call on one session: ``resume`` (in ``Generations.start``) reads
     where the session is; ``run`` feeds and generates onto ``updates``."""
 
-    def __init__(self, parent: Generations, s: Session, request: GenerateRequest) -> None:
+    def __init__(
+        self,
+        parent: Generations,
+        s: Session,
+        request: GenerateRequest,
+        tokenizer: ModelTokenizer | None = None,
+    ) -> None:
         self.parent, self.session, self.request = parent, s, request
+        # The texts of this generation's tokens (None: the model has no tokenizer).
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer.decode)
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
         self.step = 0  # the step the session is at after what was fed so far
         self.output: np.ndarray | None = None  # the logits of ``step``, once known
@@ -245,12 +286,28 @@ class Generation:
             self.prompt_left = r.prompt[fed:]
             if ahead > n:
                 await self._resend(at + n, logged[n:])
+        if self.detokenizer is not None and r.generated_before:
+            await self._rebuild_texts(at, r.generated_before)
         if t == 0 and not len(self.prompt_left):
             raise GenerateAtStepError(
                 f"session {s.id!r} is at step 0 and has no logits to draw from yet; send a "
                 f"prompt (prompt_ids)",
                 0,
             )
+
+    async def _rebuild_texts(self, at: int, before: int) -> None:
+        """Feed the detokenizer this generation's tokens up to ``at`` (steps
+        ``at - before + 1 ..``, from the log) so it sends the texts an undisturbed call
+        would. A log that no longer reaches the generation's start gives what it keeps."""
+        assert self.detokenizer is not None
+        s = self.session
+        first = max(at - before, 0)
+        _count, oldest = await self.parent.replay.store.snapshot_count_and_oldest(s.id)
+        if oldest is None or at <= oldest:
+            return  # nothing logged to rebuild from: texts start afresh
+        first = max(first, oldest)
+        tokens = s.codec.decode_many(await self.parent.replay.inputs(s, first + 1, at))
+        self.detokenizer.skip([int(t) for t in tokens])
 
     async def _logged(self, at: int, t: int) -> np.ndarray:
         s = self.session
@@ -322,7 +379,7 @@ class Generation:
     async def _run(self) -> Finish:
         r = self.request
         for token in self.resent:
-            self.updates.put_nowait(token)
+            self.updates.put_nowait(self._with_text(token))
             self.count += 1
             if token.token in r.stop_ids:
                 return Finish("stop", token.step)
@@ -344,10 +401,16 @@ class Generation:
             self.step += 1
             self.count += 1
             self.output = outcome.output
-            self.updates.put_nowait(Token(self.step, d.token, d.logprob, outcome.guard_events))
+            token = Token(self.step, d.token, d.logprob, outcome.guard_events)
+            self.updates.put_nowait(self._with_text(token))
             if d.token in r.stop_ids:
                 return Finish("stop", self.step)
         return Finish("length", self.step)
+
+    def _with_text(self, token: Token) -> Token:
+        if self.detokenizer is None:
+            return token
+        return replace(token, text=self.detokenizer.add(token.token))
 
     def _stopped(self, error: SsmserveError) -> Finish:
         if isinstance(error, GuardRolledBackError):
