@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from ssmserve.server.engine.mamba import MambaModel
-from ssmserve.server.sessions.batch_plan import APPLY, GAP, RESEND, plan, plan_session
+from ssmserve.server.sessions.batch_plan import (
+    APPLY,
+    GAP,
+    RESEND,
+    PrefillLimits,
+    plan,
+    plan_session,
+)
 from ssmserve.server.sessions.config import Durability, SessionConfig, SessionDefaults
 from ssmserve.server.sessions.guards import GuardAction, GuardCheck, GuardRule
 from ssmserve.server.sessions.session import Session, StepRun, _Gate
@@ -131,3 +138,111 @@ def test_a_batch_plan_has_as_many_rounds_as_its_longest_session(demo_model):
     b.queue.append(run(demo_model, 1, 12))
     p = plan([a, b], MAX_TICKS)
     assert [sp.segments for sp in p.sessions] == [[1], [8, 4]] and p.rounds == 2
+
+
+# ---------------------------------------------------------------------------- prefill
+
+PREFILL = PrefillLimits(min_steps=8, batch_steps=64)
+
+
+def long_run(model: MambaModel, first: int, count: int, last_only: bool = False) -> StepRun:
+    values = np.zeros((count, model.config.input_dim), np.float32)
+    return StepRun(
+        "s",
+        first,
+        values,
+        values.tobytes(),
+        model.config.output_dim,
+        None,
+        last_only,  # type: ignore[arg-type]
+    )
+
+
+def test_a_long_run_alone_is_prefilled_in_chunks_of_the_batch_budget(demo_model):
+    """A run of 200 from step 1, snapshots every 32: the batch takes 64 steps (the whole
+    budget, not max_ticks), as two prefills ending where snapshots fall due, every output
+    computed; the rest stays queued."""
+    s = session(demo_model, 0, snapshot_every=32)
+    s.queue.append(long_run(demo_model, 1, 200))
+    (p,) = plan([s], MAX_TICKS, PREFILL).sessions
+    assert kinds(p) == [(APPLY, 1, 64)] and p.segments == [32, 32] and p.due == [32, 64]
+    assert p.prefilled(0) and p.prefilled(1)
+    assert [r.tolist() for r in p.rows] == [list(range(32))] * 2
+    assert p.computed is not None and p.computed.all()
+
+
+def test_a_last_only_run_computes_only_its_last_output_and_each_segment_end(demo_model):
+    """A last_only run of 40 at step 5, snapshots every 32: segments 6..32 (27 steps)
+    and 33..44; the first computes only its end (the snapshot's step), the second its
+    end, the run's last step."""
+    s = session(demo_model, 5, snapshot_every=32)
+    s.queue.append(long_run(demo_model, 6, 40, last_only=True))
+    (p,) = plan([s], MAX_TICKS, PREFILL).sessions
+    assert p.segments == [27, 13] and [r.tolist() for r in p.rows] == [[26], [12]]
+    computed = p.computed
+    assert computed is not None and np.flatnonzero(computed).tolist() == [26, 39]
+
+
+def test_a_resend_queued_behind_a_last_only_run_asks_for_its_output(demo_model):
+    """A step of the advance resent by a later entry (another stream asking for outputs)
+    is answered with its output, so the prefill computes it."""
+    s = session(demo_model, 0, snapshot_every=64)
+    s.queue.append(long_run(demo_model, 1, 20, last_only=True))
+    s.queue.append(job(demo_model, 7))
+    (p,) = plan([s], MAX_TICKS, PREFILL).sessions
+    assert kinds(p) == [(APPLY, 1, 20), (RESEND, 7, 1)]
+    assert [r.tolist() for r in p.rows] == [[6, 19]]
+
+
+@pytest.mark.parametrize(
+    ("count", "config", "why"),
+    [
+        (7, {}, "shorter than min_steps"),
+        (40, {"snapshot_every": 4}, "snapshots more often than every min_steps steps"),
+        (
+            40,
+            {"guards": (GuardRule(name="g", check=GuardCheck.FINITE, action=GuardAction.REPORT),)},
+            "guards read every output before the next step",
+        ),
+    ],
+)
+def test_runs_that_are_not_prefilled(demo_model, count, config, why):
+    s = session(demo_model, 0, **{"snapshot_every": 64, **config})
+    s.queue.append(long_run(demo_model, 1, count))
+    (p,) = plan([s], MAX_TICKS, PREFILL).sessions
+    assert not p.rows and p.computed is None, why
+    assert p.advance == min(count, MAX_TICKS)
+
+
+def test_a_prompt_among_decoding_sessions_is_prefilled_and_they_step(demo_model):
+    decoding = [session(demo_model, 10, snapshot_every=64) for _ in range(3)]
+    for d in decoding:
+        d.queue.append(job(demo_model, 11))
+    prompt = session(demo_model, 0, snapshot_every=64)
+    prompt.queue.append(long_run(demo_model, 1, 512, last_only=True))
+    p = plan([*decoding, prompt], MAX_TICKS, PREFILL)
+    assert [sp.segments for sp in p.sessions] == [[1], [1], [1], [64]]
+    assert [sp.prefilled(0) for sp in p.sessions] == [False, False, False, True]
+    assert p.sessions[3].rows[0].tolist() == [63] and p.rounds == 1
+
+
+def test_the_budget_is_shared_and_many_runs_step_batched_instead(demo_model):
+    """Four sessions with long runs share the 64 prefilled steps (16 each, prefilled);
+    nine would get 7 each, under min_steps: their runs step together, max_ticks each,
+    the weights read once per step for all of them."""
+
+    def sessions(n: int) -> list[Session]:
+        out = [session(demo_model, 0, snapshot_every=64) for _ in range(n)]
+        for s in out:
+            s.queue.append(long_run(demo_model, 1, 100))
+        return out
+
+    four = plan(sessions(4), MAX_TICKS, PrefillLimits(8, 64))
+    assert [sp.segments for sp in four.sessions] == [[16]] * 4
+    assert all(sp.prefilled(0) for sp in four.sessions)
+    wider = plan(sessions(4), MAX_TICKS, PrefillLimits(8, 128))
+    assert [sp.segments for sp in wider.sessions] == [[32]] * 4  # a share above max_ticks
+    nine = plan(sessions(9), MAX_TICKS, PrefillLimits(8, 64))
+    assert [sp.segments for sp in nine.sessions] == [[MAX_TICKS]] * 9
+    assert not any(sp.rows for sp in nine.sessions)
+    assert plan(sessions(1), MAX_TICKS).sessions[0].rows == []  # NO_PREFILL: never

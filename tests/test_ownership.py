@@ -422,10 +422,11 @@ def test_lease_renewals_keep_their_schedule_during_a_long_replay(model_dirs, red
     spec = DemoSpec(input_dim=8, output_dim=8, hidden=256, layers=8, state=16)
     model = write_model(directory, demo_config(spec))
     # A replay of about 2.5 s on this machine as it is now (a CPU hog may run beside us): a
-    # first guess from an offline probe, then longer until a replay spans four periods.
-    probe = random_inputs(model, 40, seed=4)
+    # first guess from an offline probe (a replay is a prefill), then longer until a
+    # replay spans four periods.
+    probe = random_inputs(model, 400, seed=4)
     started = time.monotonic()
-    model.run(probe)
+    model.prefill(probe, outputs="last")
     steps = min(20_000, max(400, int(2.5 / ((time.monotonic() - started) / len(probe)))))
     settings = OwnershipSettings(lease_ttl_s=1.5, worker_ttl_s=1.5)
     w = WorkerHarness({"wide": directory}, redis_url, ownership=settings)

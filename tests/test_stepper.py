@@ -55,7 +55,7 @@ class RecordingLane(EngineLane):
     def __init__(self, model: MambaModel) -> None:
         super().__init__(model, offload_min_flop=float("inf"))
         self.calls: list[tuple[int, int]] = []
-        self.replays: list[int] = []
+        self.replays: list[int] = []  # prefills (replays, and runs the plan prefills)
 
     async def step(
         self, states: Sequence[SessionState], values: Sequence[np.ndarray]
@@ -69,9 +69,11 @@ class RecordingLane(EngineLane):
         self.calls.append((inputs.shape[1], len(states)))
         return await super().step_many(states, inputs)
 
-    async def run(self, inputs: np.ndarray, state: SessionState) -> tuple[np.ndarray, SessionState]:
+    async def prefill(
+        self, inputs: np.ndarray, state: SessionState, outputs: object = "all"
+    ) -> tuple[np.ndarray, SessionState]:
         self.replays.append(len(inputs))
-        return await super().run(inputs, state)
+        return await super().prefill(inputs, state, outputs)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -42,6 +42,7 @@ import grpc
 from ssmserve.client.addresses import worker_address
 from ssmserve.client.aio_cluster import AsyncClusterCalls
 from ssmserve.client.generation import AsyncGenerateCalls, GeneratedToken
+from ssmserve.client.prompt_calls import AsyncPromptCalls
 from ssmserve.client.resumable_stream import ResumableStream
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.routing import WorkerRouter, WorkerStubs, session_metadata
@@ -71,7 +72,7 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE = 64 << 20
 
 
-class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls):
+class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls, AsyncPromptCalls):
     """A client of one ssmserve cluster: sessions, their steps, snapshots, rollbacks,
     forecasts, forks and checkpoints (here), and the cluster's workers and models
     (:class:`~ssmserve.client.aio_cluster.AsyncClusterCalls`).
@@ -249,6 +250,7 @@ class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls):
         first_step: int | None = None,
         steps_per_message: int = 1,
         raise_on_error: bool = True,
+        last_outputs_only: bool = False,
     ) -> AsyncIterator[StepOutput]:
         """Send ``inputs`` as the next steps of the session (an id or a SessionInfo);
         yields a StepOutput per input, in step order.
@@ -257,9 +259,14 @@ class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls):
         ``first_step``: the number of the first (default: the session's step + 1); steps
         it already took are answered from its record, not applied again.
         ``steps_per_message`` > 1 groups inputs into messages (throughput); the last group
-        is sent when ``inputs`` ends. The stream follows the session: when it is cut
-        (the session moved, its worker died, the store was briefly away), it reconnects
-        to the owner and resends every input not yet answered; each step is yielded once.
+        is sent when ``inputs`` ends. ``last_outputs_only``: only the last step of each
+        message is answered with its output, the others with an empty ``output`` (a
+        prompt whose next-token logits are all that is wanted: the worker prefills the
+        message's steps as one run and computes only the outputs it sends back, or that
+        guards read); the session steps exactly as without it. The stream follows the
+        session: when it is cut (the session moved, its worker died, the store was
+        briefly away), it reconnects to the owner and resends every input not yet
+        answered (with the same ``last_outputs_only``); each step is yielded once.
         Raises StepFailed (a step was answered with an error; with
         ``raise_on_error=False`` it is yielded, its ``error`` set), SessionRewound (the
         session came back behind steps this stream no longer holds), NotFound."""
@@ -269,8 +276,9 @@ class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls):
         if self.router.discover_pending:
             await self.router.discover()
         stream = ResumableStream(
-            self.router, session_id, inputs, first_step, steps_per_message, raise_on_error
-        )
+            self.router, session_id, inputs, first_step, steps_per_message, raise_on_error,
+            last_outputs_only,
+        )  # fmt: skip
         async for out in stream:
             yield out
 

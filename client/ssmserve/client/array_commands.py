@@ -39,24 +39,30 @@ def stream(client: Client, args: argparse.Namespace) -> None:
             f"its next step is {info.step + 1}; nothing was sent"
         )
     last = first + len(rows) - 1
-    outputs = np.empty((len(rows), info.output_dim), np.float32)
+    last_only = args.last_only
+    # --last-only: one row, the last step's output (the others are answered without one).
+    outputs = np.empty((1 if last_only else len(rows), info.output_dim), np.float32)
     done = 0
     try:
         for out in client.stream_steps(
-            sid, rows, first_step=first, steps_per_message=max(1, args.steps_per_message)
-        ):
-            outputs[done] = out.output
+            sid, rows, first_step=first, steps_per_message=max(1, args.steps_per_message),
+            last_outputs_only=last_only,
+        ):  # fmt: skip
+            if not last_only:
+                outputs[done] = out.output
+            elif out.step == last:
+                outputs[0] = out.output
             for event in out.guard_events:
                 print(f"step {out.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
             done += 1
     except KeyboardInterrupt:
-        print(f"ssmserve: interrupted; {_keep_answered(args, outputs[:done], first, last)}",
+        print(f"ssmserve: interrupted; {_keep_answered(args, outputs, done, first, last)}",
               file=sys.stderr)  # fmt: skip
         raise
     except SsmserveClientError as exc:
         where = f"step {exc.step}: " if isinstance(exc, StepFailed) else ""
         raise CliError(
-            f"{where}{rpc_failure(exc)}; {_keep_answered(args, outputs[:done], first, last)}"
+            f"{where}{rpc_failure(exc)}; {_keep_answered(args, outputs, done, first, last)}"
         ) from None
     where = write_or_keep(
         args.output, npy_writer(outputs), f"{sid}-steps-{first}-{last}", ".npy",
@@ -80,9 +86,21 @@ def _step_rows(inputs: np.ndarray, info: pb.SessionInfo, path: Path) -> list[Any
     return list(np.asarray(inputs, np.float32))
 
 
-def _keep_answered(args: argparse.Namespace, answered: np.ndarray, first: int, last: int) -> str:
-    """Save the outputs of the steps answered before a stream was cut; what was saved
-    where, and how to go on, as the end of the error's line."""
+def _keep_answered(
+    args: argparse.Namespace, outputs: np.ndarray, done: int, first: int, last: int
+) -> str:
+    """Save the outputs of the ``done`` steps answered before a stream was cut; what was
+    saved where, and how to go on, as the end of the error's line. (With --last-only
+    nothing is saved: only the last step's output is kept, and it was not answered.)"""
+    answered = outputs[:done]
+    if args.last_only and done:
+        upto = first + done - 1
+        return (
+            f"steps {first}..{upto} of {first}..{last} were answered (--last-only keeps only "
+            f"step {last}'s output, so nothing was written); to go on, run the same command "
+            f"with --first-step {first} (answered steps are sent back from the session's "
+            "record, not applied again)"
+        )
     if not len(answered):
         return f"no step of {first}..{last} was answered; nothing was written"
     upto = first + len(answered) - 1

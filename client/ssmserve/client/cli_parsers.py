@@ -9,6 +9,7 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
                    [--max-snapshots N] [--history-window N] [--durability log|snapshot|none]
                    [--idle-ttl S] [--label KEY=VALUE]... [--guard SPEC]...
     session stream SID --input IN.npy --output OUT.npy [--first-step S] [--steps-per-message N]
+                   [--last-only]
     session inspect SID [--json] | session list [--model NAME] [--json] | session close SID
     snapshot SID [--label L] | snapshots SID [--json]
     rollback SID (--to-step T | --to-snapshot ID | --to-label L | --back N)
@@ -220,6 +221,12 @@ def _add_session_commands(commands: Subparsers) -> None:
     stream.add_argument(
         "--steps-per-message", type=count, default=64, help="steps sent per message (64)"
     )
+    stream.add_argument(
+        "--last-only", action="store_true",
+        help="only the last step's output is wanted (a prompt's next-token logits): each "
+        "message asks for its last output only, the worker prefills its steps as one run, "
+        "and --output holds one row, the last step's",
+    )  # fmt: skip
     stream.set_defaults(handler=_on_worker("stream", "array_commands"))
 
     inspect = sc.add_parser("inspect", help="show a session")

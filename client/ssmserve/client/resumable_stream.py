@@ -53,6 +53,7 @@ class ResumableStream:
         first_step: int,
         steps_per_message: int = 1,
         raise_on_error: bool = True,
+        last_outputs_only: bool = False,
     ) -> None:
         self.router = router
         self.session_id = session_id
@@ -60,6 +61,7 @@ class ResumableStream:
         self.first_step = first_step
         self.steps_per_message = steps_per_message
         self.raise_on_error = raise_on_error
+        self.last_outputs_only = last_outputs_only  # every message, resent ones included
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         router, session_id = self.router, self.session_id
@@ -74,7 +76,8 @@ class ResumableStream:
         try:
             while True:
                 call = router.worker(address).sessions.Stream(
-                    feed.requests(steps_per_message), metadata=session_metadata(session_id)
+                    feed.requests(steps_per_message, self.last_outputs_only),
+                    metadata=session_metadata(session_id),
                 )
                 try:
                     async for result in self._answers(call, feed):
@@ -276,7 +279,11 @@ class _StepFeed:
                 self.hi += 1
         return self._values[step] if step < self.hi else _END
 
-    async def requests(self, per_message: int) -> AsyncIterator[pb.StreamRequest]:
+    async def requests(
+        self, per_message: int, last_outputs_only: bool = False
+    ) -> AsyncIterator[pb.StreamRequest]:
+        """This attempt's messages, from the first unanswered step; each asks for only its
+        last output when ``last_outputs_only`` (a resumed stream's too)."""
         step = self.lo
         while True:
             group: list[pb.StepInput] = []
@@ -288,7 +295,9 @@ class _StepFeed:
                 group.append(step_input(self.session_id, step, value))
                 step += 1
             if group:
-                yield pb.StreamRequest(steps=group, packed_outputs=True)
+                yield pb.StreamRequest(
+                    steps=group, packed_outputs=True, last_outputs_only=last_outputs_only
+                )
             if len(group) < per_message:
                 return
 

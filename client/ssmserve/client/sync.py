@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ssmserve.client.aio import DEFAULT_MAX_MESSAGE, AsyncClient
+from ssmserve.client.prompt_calls import PREFILL_STEPS_PER_MESSAGE
 from ssmserve.client.retry import RetryPolicy
 from ssmserve.client.step_values import Forecast, SessionHistory, SessionRef, StepOutput
 from ssmserve.client.sync_cluster import ClusterCalls
@@ -224,6 +225,7 @@ class Client(ClusterCalls, GenerateCalls):
         first_step: int | None = None,
         steps_per_message: int = 1,
         raise_on_error: bool = True,
+        last_outputs_only: bool = False,
     ) -> Iterator[StepOutput]:
         """Send ``inputs`` as the next steps of the session (an id or a SessionInfo);
         yields a StepOutput per input, in step order.
@@ -232,9 +234,14 @@ class Client(ClusterCalls, GenerateCalls):
         ``first_step``: the number of the first (default: the session's step + 1); steps
         it already took are answered from its record, not applied again.
         ``steps_per_message`` > 1 groups inputs into messages (throughput); the last group
-        is sent when ``inputs`` ends. The stream follows the session: when it is cut
-        (the session moved, its worker died, the store was briefly away), it reconnects
-        to the owner and resends every input not yet answered; each step is yielded once.
+        is sent when ``inputs`` ends. ``last_outputs_only``: only the last step of each
+        message is answered with its output, the others with an empty ``output`` (a
+        prompt whose next-token logits are all that is wanted: the worker prefills the
+        message's steps as one run and computes only the outputs it sends back, or that
+        guards read); the session steps exactly as without it. The stream follows the
+        session: when it is cut (the session moved, its worker died, the store was
+        briefly away), it reconnects to the owner and resends every input not yet
+        answered (with the same ``last_outputs_only``); each step is yielded once.
         Raises StepFailed (a step was answered with an error; with
         ``raise_on_error=False`` it is yielded, its ``error`` set), SessionRewound (the
         session came back behind steps this stream no longer holds), NotFound."""
@@ -245,6 +252,27 @@ class Client(ClusterCalls, GenerateCalls):
                 first_step=first_step,
                 steps_per_message=steps_per_message,
                 raise_on_error=raise_on_error,
+                last_outputs_only=last_outputs_only,
+            )
+        )
+
+    def prefill(
+        self,
+        session: SessionRef,
+        inputs: Sequence[Any],
+        *,
+        first_step: int | None = None,
+        steps_per_message: int = PREFILL_STEPS_PER_MESSAGE,
+    ) -> StepOutput:
+        """Send ``inputs`` (a prompt's token ids, or vectors) as the session's next steps
+        and return the last step's StepOutput: its output (next-token logits) is the only
+        one computed and sent back (``stream_steps`` with ``last_outputs_only``, whole
+        messages of ``steps_per_message`` steps, each prefilled by the worker at matrix
+        speed). ``first_step`` as in ``stream_steps``; a cut stream resumes the same way.
+        Raises ValueError for no inputs, and what ``stream_steps`` raises."""
+        return self._run(
+            self._aio.prefill(
+                session, inputs, first_step=first_step, steps_per_message=steps_per_message
             )
         )
 

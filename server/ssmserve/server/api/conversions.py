@@ -264,9 +264,14 @@ def result_to_pb(
 
 
 def fill_result(
-    result: pb.StepResult, outcome: StepOutcome, scope: TenantScope, packed: bool
+    result: pb.StepResult,
+    outcome: StepOutcome,
+    scope: TenantScope,
+    packed: bool,
+    with_output: bool = True,
 ) -> None:
-    """``result`` (empty) := ``outcome`` as the client sees it."""
+    """``result`` (empty) := ``outcome`` as the client sees it; without its output unless
+    ``with_output`` (``StreamRequest.last_outputs_only``: a step not last in its run)."""
     result.session_id = scope.shown(outcome.session_id)
     result.step = outcome.step
     if outcome.replayed:
@@ -275,7 +280,7 @@ def fill_result(
         result.guard_events.extend(guard_event_to_pb(e) for e in outcome.guard_events)
     if outcome.snapshot_events:
         result.snapshot_events.extend(_snapshot_event_to_pb(e) for e in outcome.snapshot_events)
-    if outcome.output is not None:
+    if outcome.output is not None and with_output:
         _set_vector(result.output, outcome.output, packed)
     if outcome.error is not None:
         result.error.CopyFrom(status.step_error(outcome.error, scope.clean))
@@ -286,21 +291,29 @@ def fill_run_results(
 ) -> None:
     """A result per step of ``run`` (``add`` makes each): from its row of ``run.outputs``
     while it has nothing else to say, else from its own outcome. (A lone step's run is
-    answered with its StepOutcome instead: :func:`fill_result`.)"""
+    answered with its StepOutcome instead: :func:`fill_result`.) Of a ``last_only`` run,
+    only the last step's result carries an output."""
     sid = scope.shown(run.session_id)
     outputs = run.outputs  # (T, o)
     assert outputs is not None, "a lone step's run is answered with its StepOutcome"
-    blob = outputs.astype("<f4", copy=False).tobytes() if packed else b""
-    width = len(blob) // len(outputs)
+    last = run.count - 1
+    every = not run.last_only  # else only row ``last`` is set (the others never written)
+    if packed:
+        shown = outputs if every else outputs[last:]
+        blob = shown.astype("<f4", copy=False).tobytes()
+        width, base = len(blob) // len(shown), 0 if every else last
     for t, outcome in enumerate(run.outcomes):
         result = add()
         if outcome is not None:
-            fill_result(result, outcome, scope, packed)
+            fill_result(result, outcome, scope, packed, every or t == last)
             continue
         result.session_id = sid
         result.step = run.first + t
+        if not every and t != last:
+            continue
         if packed:
-            result.output.packed = blob[t * width : (t + 1) * width]
+            k = t - base  # its row of ``shown``
+            result.output.packed = blob[k * width : (k + 1) * width]
         else:
             result.output.values.extend(outputs[t].tolist())
 

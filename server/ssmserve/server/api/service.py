@@ -194,9 +194,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
         try:
             latency = self.metrics.step_latency
             while (message := await reader.answers.get()) is not None:
-                received, futures, packed, steps = message
+                received, futures, packed, steps, silent = message
                 outcomes = [await f for f in futures]
-                for response in answer_responses(outcomes, scope, packed, budget):
+                for response in answer_responses(outcomes, scope, packed, budget, silent):
                     yield response
                 reader.slots.release()
                 answered = time.perf_counter() - received

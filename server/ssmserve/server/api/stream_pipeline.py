@@ -3,7 +3,11 @@
 :class:`StreamReader` reads one Stream's requests (up to ``max_inflight_messages`` ahead
 of their answers) and queues each message's steps: consecutive steps of one session as
 one run, answered as a whole, the others one by one (each a run of one, answered with its
-own StepOutcome). The handler awaits each message's futures in request
+own StepOutcome). A message with ``last_outputs_only`` answers only the last step of each
+such run with its output: its runs are queued ``last_only`` (a prefill then computes just
+that output), and the steps of a run that had to go one by one (its inputs did not fit the
+session's queue, or failed their checks) are answered without theirs but the last. The
+handler awaits each message's futures in request
 order and writes them with :func:`answer_responses`, split to stay below the message
 limit (:func:`split_results`). Every problem of a step, a redirect included, is answered
 in its StepResult: ending a bidi call while the client still writes can reach the client
@@ -60,8 +64,11 @@ class StreamReader:
         self.max_steps_per_message = max_steps_per_message
         self.refusal = refusal  # set: every step is answered with it, none is applied
         # Per message: when it arrived, the futures of its steps (one per step or run),
-        # whether it asked for packed outputs, how many steps it has.
-        self.answers: asyncio.Queue[tuple[float, list[_Answer], bool, int] | None] = asyncio.Queue()
+        # whether it asked for packed outputs, how many steps it has, and which futures
+        # (lone steps, by index) are answered without their output (last_outputs_only).
+        self.answers: asyncio.Queue[
+            tuple[float, list[_Answer], bool, int, frozenset[int]] | None
+        ] = asyncio.Queue()
         self.slots = asyncio.Semaphore(max_inflight_messages)
         self.failure: SsmserveError | None = None
 
@@ -75,17 +82,23 @@ class StreamReader:
                 except StopAsyncIteration:
                     return
                 received = time.perf_counter()
-                futures = await self._submit(request)
+                silent: set[int] = set()
+                futures = await self._submit(request, silent)
                 self.answers.put_nowait(
-                    (received, futures, request.packed_outputs, len(request.steps))
-                )
+                    (received, futures, request.packed_outputs, len(request.steps),
+                     frozenset(silent))
+                )  # fmt: skip
         except SsmserveError as exc:
             self.failure = exc
         finally:
             self.answers.put_nowait(None)
 
-    async def _submit(self, request: pb.StreamRequest) -> list[_Answer]:
+    async def _submit(self, request: pb.StreamRequest, silent: set[int]) -> list[_Answer]:
+        """The futures of ``request``'s steps; ``silent`` gets the indices of those
+        answered without their output (``last_outputs_only``: a lone step not last in its
+        run of the message)."""
         loop = asyncio.get_running_loop()
+        last_only = request.last_outputs_only
         futures: list[_Answer] = []
         if (refusal := self.refusal()) is not None:
             for step in request.steps:
@@ -102,12 +115,22 @@ class StreamReader:
         while i < len(steps):
             step = steps[i]
             if not too_many and i >= stepwise and (end := run_end(steps, i)) - i > 1:
-                run = self._submit_run(steps, packed, i, end)
+                try:
+                    run = await self._submit_run(steps, packed, i, end, last_only)
+                except SsmserveError as exc:  # the session cannot be loaded: each step says so
+                    for step in steps[i:end]:
+                        future = loop.create_future()
+                        future.set_result(StepOutcome(step.session_id, step.step, error=exc))
+                        futures.append(future)
+                    i = end
+                    continue
                 if run is not None:
                     futures.append(run)
                     i = end
                     continue
                 stepwise = end
+                if last_only:  # answered one by one: all but the run's last without output
+                    silent.update(range(len(futures), len(futures) + end - i - 1))
             try:
                 if too_many:
                     raise StreamLimitError(
@@ -139,11 +162,18 @@ class StreamReader:
             i += 1
         return futures
 
-    def _submit_run(
-        self, steps: Sequence[pb.StepInput], packed: PackedInputs | None, lo: int, hi: int
+    async def _submit_run(
+        self,
+        steps: Sequence[pb.StepInput],
+        packed: PackedInputs | None,
+        lo: int,
+        hi: int,
+        last_only: bool,
     ) -> asyncio.Future[StepRun] | None:
         """Steps ``lo:hi`` of a message (one session, consecutive step numbers) queued as
-        one run; None when they go step by step (then each step's checks answer it)."""
+        one run, the session loaded first if it is not in memory; None when they go step
+        by step (then each step's checks answer it). Raises what keeps the session from
+        loading."""
         values = run_values(steps, packed, lo, hi)
         if values is None:
             return None
@@ -151,7 +181,10 @@ class StreamReader:
             sid = self.scope.stored(steps[lo].session_id)
         except SsmserveError:
             return None
-        return self.intake.submit_run_resident(sid, steps[lo].step, values)
+        future = self.intake.submit_run_resident(sid, steps[lo].step, values, last_only)
+        if future is None:
+            future = await self.intake.submit_run(sid, steps[lo].step, values, last_only)
+        return future
 
 
 #: A step's answer to come: its own outcome, or a run of steps of one session.
@@ -199,18 +232,23 @@ def run_values(
 
 
 def answer_responses(
-    outcomes: Sequence[StepOutcome | StepRun], scope: TenantScope, packed: bool, budget: int
+    outcomes: Sequence[StepOutcome | StepRun],
+    scope: TenantScope,
+    packed: bool,
+    budget: int,
+    silent: frozenset[int] = frozenset(),
 ) -> Iterator[pb.StreamResponse]:
     """The answers to one request: built in place in one response (each StepResult added
     to it, its size computed once, in C), split by :func:`split_results` only when they
-    exceed ``budget``. Building each result alone and copying it in cost ~2x the CPU."""
+    exceed ``budget``. Building each result alone and copying it in cost ~2x the CPU.
+    ``silent``: indices of lone steps answered without their output."""
     response = pb.StreamResponse()
     add = response.results.add
-    for outcome in outcomes:
+    for i, outcome in enumerate(outcomes):
         if isinstance(outcome, StepRun):
             fill_run_results(add, outcome, scope, packed)
         else:
-            fill_result(add(), outcome, scope, packed)
+            fill_result(add(), outcome, scope, packed, i not in silent)
     if response.ByteSize() <= budget:
         yield response
     else:

@@ -7,6 +7,13 @@ of at least ``offload_min_flop`` FLOPs runs on that thread (BLAS and the numba k
 release the GIL, so the loop goes on serving streams meanwhile); a smaller one runs
 inline, where it costs less than the thread hop. Batch invariance makes the bits of a
 row the same either way, whatever else shares the call.
+
+A prefill (one session's run at matrix speed: a long run in a step batch, a replay) runs
+on the same engine thread; its further runners (``prefill.py`` spreads a long run's chunks
+over ``model.threads`` runners) run on the lane's own runner threads, one single-thread
+executor each, registered with the allocator like the engine thread, so the free top of
+their arenas goes back when idle too. One prefill at a time per lane (the engine thread
+runs it), so a runner thread never waits for another prefill's turns.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import numpy as np
 
 from ssmserve.server.engine.allocator import allocates_engine_arrays, trim_own_arena
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.prefill import OutputRows
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 
 
@@ -29,6 +37,9 @@ class EngineLane:
         self.offload_min_flop = offload_min_flop
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
         allocates_engine_arrays(self._thread)  # its arena's free top goes back when idle
+        # Prefill runners 1, 2, ...: made on first use (most lanes never prefill a run).
+        self._runners: list[ThreadPoolExecutor] | None = None
+        self.prefilled_steps = 0  # steps computed by prefill (runs in batches, replays)
 
     async def step(
         self, states: Sequence[SessionState], values: Sequence[np.ndarray]
@@ -57,6 +68,28 @@ class EngineLane:
             return await loop.run_in_executor(self._thread, self.model.run, inputs, state)
         return self.model.run(inputs, state)
 
+    async def prefill(
+        self, inputs: np.ndarray, state: SessionState, outputs: OutputRows = "all"
+    ) -> tuple[np.ndarray, SessionState]:
+        """One session through ``inputs`` at matrix speed (``MambaModel.prefill``, the bits
+        of :meth:`run`): (the outputs ``outputs`` names ``(m, o)``, the state after)."""
+        self.prefilled_steps += len(inputs)
+        if len(inputs) * self.model.flops_per_step >= self.offload_min_flop:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._prefill, inputs, state, outputs)
+        return self._prefill(inputs, state, outputs)
+
+    def _prefill(
+        self, inputs: np.ndarray, state: SessionState, outputs: OutputRows
+    ) -> tuple[np.ndarray, SessionState]:
+        if self._runners is None:
+            self._runners = []
+            for r in range(1, self.model.threads):
+                runner = ThreadPoolExecutor(1, thread_name_prefix=f"prefill-{self.model.name}-{r}")
+                allocates_engine_arrays(runner)
+                self._runners.append(runner)
+        return self.model.prefill(inputs, state, outputs, self._runners)
+
     def _call(
         self, states: Sequence[SessionState], values: Sequence[np.ndarray]
     ) -> tuple[BatchState, np.ndarray]:
@@ -78,6 +111,8 @@ class EngineLane:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+        for runner in self._runners or ():
+            runner.shutdown(wait=True)
 
     async def warm_up_on_thread(self) -> float:
         """:meth:`warm_up` on this lane's thread (whose arena the idle trim knows), then the
@@ -105,7 +140,8 @@ class EngineLane:
         state = self.model.new_state()
         self._call([state], [value])  # batch of one
         self._call([state, state], [value, value])  # a batch
-        self.model.run(np.stack([value, value]), state)  # a replay
+        self.model.run(np.stack([value, value]), state)  # stepped through a run
+        self._prefill(np.stack([value] * 2), state, "last")  # a run prefilled
         return time.perf_counter() - started
 
 

@@ -44,6 +44,8 @@ from ssmserve.server.engine.threads import (
 from ssmserve.server.errors import ModelInputError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from ssmserve.server.engine.prefill import OutputRows
 
 
@@ -451,6 +453,7 @@ class MambaModel:
         inputs: np.ndarray,
         state: SessionState | None = None,
         outputs: OutputRows = "all",
+        helpers: Sequence[Executor] | None = None,
     ) -> tuple[np.ndarray, SessionState]:
         """One session through a whole sequence at matrix speed, with the bits of
         :meth:`run` (``prefill.py``: each layer's products over all positions at once,
@@ -460,11 +463,13 @@ class MambaModel:
         :meth:`check_inputs` does. ``outputs``: ``"all"``, ``"last"``, ``"none"``, a
         boolean mask ``(T,)`` or strictly increasing indices. Returns the outputs of those
         positions ``(m, output_dim)`` float32, in order, and the state after the last
-        input (``state``, or a fresh one, is not modified).
+        input (``state``, or a fresh one, is not modified). ``helpers``: single-thread
+        executors for its runners beyond the first (an engine lane's); None: threads of
+        its own.
         """
         from ssmserve.server.engine.prefill import prefill  # imports this module
 
-        return prefill(self, inputs, state, outputs)
+        return prefill(self, inputs, state, outputs, helpers)
 
     # ------------------------------------------------------------------ conveniences
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -173,6 +174,7 @@ def prefill(
     inputs: np.ndarray,
     state: SessionState | None = None,
     outputs: OutputRows = "all",
+    helpers: Sequence[Executor] | None = None,
 ) -> tuple[np.ndarray, SessionState]:
     """``MambaModel.prefill``: see there.
 
@@ -183,6 +185,8 @@ def prefill(
     one runner walks a layer's scan (one core, position by position) the other computes
     products. Otherwise one runner takes the chunks in turn and cuts each product over
     the threads. The head runs at the end, on the positions asked for, over the threads.
+    ``helpers``: single-thread executors that run runners 1, 2, ... (an engine lane's,
+    whose arenas the allocator trims); None: a thread started per runner.
     """
     seq = model.check_inputs(inputs)  # (T,) ids or (T, i)
     start = state if state is not None else model.new_state()
@@ -192,6 +196,8 @@ def prefill(
     rows = output_rows(outputs, steps)  # (m,)
     carries = [LayerCarry.of(layer.conv, layer.ssm) for layer in start.layers]
     runners = max(1, min(model.threads, steps // MIN_ROWS_PER_RUNNER))
+    if helpers is not None:
+        runners = min(runners, 1 + len(helpers))
     size = CHUNK_ROWS  # positions per chunk: near T / runners when that is smaller
     if runners > 1:
         per_runner = -(-steps // runners)
@@ -212,7 +218,7 @@ def prefill(
             a, b = np.searchsorted(rows, (lo, hi))  # the outputs asked for in this chunk
             picked[a:b] = ws.xn[rows[a:b] - lo]  # (m', d)
 
-    _run_runners(runners, run, turns)
+    _run_runners(runners, run, turns, helpers)
     out = np.empty((rows.shape[0], c.output_dim), np.float32)  # (m, o)
     if rows.shape[0]:
         _product(model.head, picked, out, rows.shape[0], model.threads)  # (m, d) -> (m, v | o)
@@ -224,10 +230,16 @@ def prefill(
     return out, SessionState.of_buffer(final, layout)
 
 
-def _run_runners(runners: int, run: Callable[[int], None], turns: Turns) -> None:
-    """``run(r)`` for each runner r at once: r = 0 on this thread, the others on threads
-    started for this prefill (not the engine's helper pool: a runner waits for others'
-    turns, and the pool's helpers must never wait). Raises the first runner's error."""
+def _run_runners(
+    runners: int,
+    run: Callable[[int], None],
+    turns: Turns,
+    helpers: Sequence[Executor] | None = None,
+) -> None:
+    """``run(r)`` for each runner r at once: r = 0 on this thread, the others on
+    ``helpers[r - 1]`` or threads started for this prefill (not the engine's helper pool:
+    a runner waits for others' turns, and the pool's helpers must never wait). Raises the
+    first runner's error."""
     if runners == 1:
         run(0)
         return
@@ -242,15 +254,21 @@ def _run_runners(runners: int, run: Callable[[int], None], turns: Turns) -> None
             errors.append(exc)
             turns.abandon()
 
-    helpers = [
-        threading.Thread(target=guarded, args=(r,), name=f"ssmserve-prefill-{r}", daemon=True)
-        for r in range(1, runners)
-    ]
-    for helper in helpers:
-        helper.start()
-    guarded(0)
-    for helper in helpers:
-        helper.join()  # bounded: a runner that fails abandons the turns the others wait on
+    if helpers is not None:
+        futures = [helpers[r - 1].submit(guarded, r) for r in range(1, runners)]
+        guarded(0)
+        for future in futures:
+            future.result()  # bounded: a runner that fails abandons the turns others wait on
+    else:
+        threads = [
+            threading.Thread(target=guarded, args=(r,), name=f"ssmserve-prefill-{r}", daemon=True)
+            for r in range(1, runners)
+        ]
+        for thread in threads:
+            thread.start()
+        guarded(0)
+        for thread in threads:
+            thread.join()  # bounded: a runner that fails abandons the turns others wait on
     if errors:
         raise errors[0]
 

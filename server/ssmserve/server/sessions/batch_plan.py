@@ -16,10 +16,27 @@ It also says whether a session's advance goes to the log ahead of the engine cal
 (``log`` durability, no guards, nothing older waiting to be logged: then every step of
 the advance is surely applied once computed) or in the group commit after them.
 
-A session takes at most ``max_ticks`` steps per batch (resends and gaps count), so one
-session cannot hold the others' answers for long; a control operation queued behind its
-steps (a rollback, a snapshot) ends what the batch takes. The plan reads the sessions
-and changes nothing: the stepper takes what it says (``Stepper._take``).
+**Prefill.** A segment of at least ``PrefillLimits.min_steps`` steps of a session without
+guards runs as one prefill of that session (``MambaModel.prefill``: each layer's products
+over all its positions at once) instead of steps batched with other sessions; the plan
+then also says which of its outputs the prefill computes (``SessionPlan.rows``): those
+answered with an output, and the segment's last (a snapshot due there, and the session's
+newest output, keep it). Prefill reads each weight once per segment where batched steps
+read it once per step for all the sessions that step together, so it pays when the run is
+long and few sessions have one: the sessions whose queue starts with a run of at least
+``min_steps`` next steps (*candidates*) share ``PrefillLimits.batch_steps`` prefilled steps
+per batch, each taking up to its share (at least ``max_ticks``). When the share is under
+``min_steps`` (many sessions each sending runs: a multiplexed stream), batched steps
+already amortize the weights over the sessions, and nothing is prefilled. A session whose
+snapshots fall due more often than every ``min_steps`` steps is no candidate (its segments
+would be too short), so a candidate's segments that step instead (before its first due
+snapshot, after its last) are under ``min_steps`` each.
+
+A session takes at most ``max_ticks`` steps per batch (a prefill candidate its share;
+resends and gaps count), so one session cannot hold the others' answers for long; a
+control operation queued behind its steps (a rollback, a snapshot) ends what the batch
+takes. The plan reads the sessions
+and changes nothing: the stepper takes what it says (``SessionWork.take``).
 """
 
 from __future__ import annotations
@@ -27,10 +44,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ssmserve.server.sessions.config import Durability
 from ssmserve.server.sessions.session import Session, StepRun
 
 RESEND, APPLY, GAP = "resend", "apply", "gap"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLimits:
+    """When a session's run is prefilled (see the module's docstring)."""
+
+    min_steps: int  # the shortest segment prefilled; 0: never prefill
+    batch_steps: int  # prefilled steps per batch, shared by the candidates
+
+
+#: No prefill: every segment is stepped (``plan``'s default).
+NO_PREFILL = PrefillLimits(0, 0)
 
 
 @dataclass(slots=True)
@@ -57,6 +88,26 @@ class SessionPlan:
     segments: list[int] = field(default_factory=list)  # engine calls' lengths, in order
     log_ahead: bool = False  # the advance goes to the log before the engine calls
     guarded: bool = False  # one step per engine call, each output checked by the guards
+    # Per segment (empty: none is): the outputs a prefill computes, as indices into the
+    # segment (strictly increasing), or None for a segment stepped (every output).
+    rows: list[np.ndarray | None] = field(default_factory=list)
+
+    def prefilled(self, r: int) -> bool:
+        """Whether the session's ``r``-th engine call is a prefill."""
+        return bool(self.rows) and self.rows[r] is not None
+
+    @property
+    def computed(self) -> np.ndarray | None:
+        """Which steps of the advance get an output ``(advance,)`` bool; None: all."""
+        if not any(r is not None for r in self.rows):
+            return None
+        out, at = np.ones(self.advance, np.bool_), 0
+        for n, rows in zip(self.segments, self.rows, strict=True):
+            if rows is not None:
+                out[at : at + n] = False
+                out[at + rows] = True
+            at += n
+        return out
 
     @property
     def due(self) -> list[int]:
@@ -79,13 +130,47 @@ class BatchPlan:
         return max((len(p.segments) for p in self.sessions), default=0)
 
 
-def plan(sessions: Sequence[Session], max_ticks: int) -> BatchPlan:
+def plan(
+    sessions: Sequence[Session], max_ticks: int, prefill: PrefillLimits = NO_PREFILL
+) -> BatchPlan:
     """The plan of a batch of ``sessions`` (each with a step at the head of its queue)."""
-    return BatchPlan([plan_session(s, max_ticks) for s in sessions])
+    least = prefill.min_steps
+    if not least:
+        return BatchPlan([plan_session(s, max_ticks) for s in sessions])
+    candidates = {id(s) for s in sessions if prefill_candidate(s, least)}
+    share = prefill.batch_steps // len(candidates) if candidates else 0
+    if share < least:
+        return BatchPlan([plan_session(s, max_ticks) for s in sessions])
+    limit = max(max_ticks, share)
+    return BatchPlan(
+        [
+            plan_session(s, limit, least) if id(s) in candidates else plan_session(s, max_ticks)
+            for s in sessions
+        ]
+    )
 
 
-def plan_session(s: Session, max_ticks: int) -> SessionPlan:
-    """What a batch does with ``s``'s queued steps (see the module's docstring)."""
+def prefill_candidate(s: Session, min_steps: int) -> bool:
+    """Whether ``s`` may prefill this batch: no guards, its snapshots due no more often
+    than every ``min_steps`` steps, and its queue starting with a run of at least
+    ``min_steps`` steps, the first of them its next step."""
+    if s.config.guards or not s.queue:
+        return False
+    c = s.config
+    snapshots = c.durability != Durability.NONE and c.snapshot_phase is not None
+    if snapshots and c.snapshot_every < min_steps:
+        return False
+    head = s.queue[0]
+    return (
+        isinstance(head, StepRun)
+        and head.next_step == s.step + 1
+        and head.count - head.taken >= min_steps
+    )
+
+
+def plan_session(s: Session, max_ticks: int, prefill_min: int = 0) -> SessionPlan:
+    """What a batch does with ``s``'s queued steps (see the module's docstring); segments
+    of at least ``prefill_min`` steps are prefilled (0: none)."""
     p = SessionPlan(s, s.step, guarded=bool(s.config.guards))
     at, left = s.step, max_ticks  # the step the session will be at; steps still to take
     # A guarded session's pieces are single steps: a guard may stop it after any step,
@@ -111,6 +196,8 @@ def plan_session(s: Session, max_ticks: int) -> SessionPlan:
             break
     p.advance = at - s.step
     p.segments = [1] * p.advance if p.guarded else _segments(s, p.advance)
+    if prefill_min and not p.guarded and any(n >= prefill_min for n in p.segments):
+        p.rows = _prefill_rows(p, prefill_min)
     p.log_ahead = (
         p.advance > 0
         and s.config.durability == Durability.LOG
@@ -118,6 +205,38 @@ def plan_session(s: Session, max_ticks: int) -> SessionPlan:
         and not s.recent.unflushed
     )
     return p
+
+
+def _prefill_rows(p: SessionPlan, prefill_min: int) -> list[np.ndarray | None]:
+    """Per segment: the outputs its prefill computes (None: stepped). An output is
+    computed where a step of the advance is answered with one (every step of a run, or
+    only the last of a ``last_only`` run; a resend, later in the queue, of a step of the
+    advance), and at each segment's end."""
+    wanted = np.zeros(p.advance, np.bool_)
+    for piece in p.pieces:
+        run = piece.entry
+        if piece.kind == APPLY:
+            k = piece.first - p.start - 1  # the piece's first step, as an index of the advance
+            if not run.last_only:
+                wanted[k : k + piece.count] = True
+            elif piece.lo <= run.count - 1 < piece.lo + piece.count:
+                wanted[k + run.count - 1 - piece.lo] = True
+        elif piece.kind == RESEND:
+            for step in range(piece.first, piece.first + piece.count):
+                k = step - p.start - 1
+                if k >= 0 and (not run.last_only or step == run.first + run.count - 1):
+                    wanted[k] = True
+    rows: list[np.ndarray | None] = []
+    at = 0
+    for n in p.segments:
+        if n < prefill_min:
+            rows.append(None)
+        else:
+            picked = wanted[at : at + n].copy()
+            picked[-1] = True
+            rows.append(np.flatnonzero(picked))
+        at += n
+    return rows
 
 
 def _segments(s: Session, advance: int) -> list[int]:

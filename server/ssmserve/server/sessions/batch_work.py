@@ -76,6 +76,35 @@ class SessionWork:
         """Whether the batch took any step of the session."""
         return len(self.plan.pieces) > self.given_back
 
+    def take(self) -> None:
+        """Take every planned step off the session's queue; gather the advance's inputs
+        (values and log bytes) and read the recorded outputs of resends of older steps."""
+        s = self.session
+        values: list[np.ndarray] = []
+        raws: list[bytes] = []
+        for piece in self.plan.pieces:
+            run, lo, n = piece.entry, piece.lo, piece.count
+            run.taken = lo + n
+            if run.taken == run.count:
+                s.queue.popleft()  # the plan took runs from the head, in order
+            s.queued_steps -= n
+            if piece.kind == APPLY:
+                if n == run.count:  # the whole run (a step sent alone, most often)
+                    values.append(run.values)
+                    raws.append(run.raw)
+                else:
+                    values.append(run.values[lo : lo + n])
+                    raws.append(run.raw_of(lo, lo + n))
+            elif piece.kind == RESEND:
+                # A last_only run's steps but its last are answered without output.
+                answered = run.first + run.count - 1 if run.last_only else 0
+                for step in range(max(piece.first, answered), piece.first + n):
+                    if step <= self.start:
+                        self.resent[step] = s.recent.output_at(step)
+        if values:
+            self.values = values[0] if len(values) == 1 else np.concatenate(values)
+            self.raw = raws[0] if len(raws) == 1 else b"".join(raws)
+
     def raw_at(self, k: int, n: int = 1) -> bytes:
         """The log bytes of the advance's steps ``k .. k + n - 1`` (indices)."""
         width = len(self.raw) // self.plan.advance
@@ -118,7 +147,7 @@ class SessionWork:
             if run is last:  # a run's pieces are consecutive: its first one reset it
                 continue
             last = run
-            if run.taken == run.count:  # taken whole, so off the queue (``Stepper._take``)
+            if run.taken == run.count:  # taken whole, so off the queue (``SessionWork.take``)
                 back.append(run)
             run.taken = piece.lo  # its steps from this piece on are queued again
         if back:
@@ -152,11 +181,15 @@ class SessionWork:
             and self.fenced is None
         ):
             row = piece.first - self.start - 1  # applied whole: answered by its outputs
-            run.outputs[lo:hi] = self.outputs[row : row + piece.count]  # type: ignore[index]
+            if not run.last_only:
+                run.outputs[lo:hi] = self.outputs[row : row + piece.count]  # type: ignore[index]
+            elif hi == run.count:  # only the last row is answered (the others may be unset)
+                run.outputs[hi - 1] = self.outputs[row + piece.count - 1]  # type: ignore[index]
             if events:
+                answered = not run.last_only or hi == run.count
                 run.outcomes[hi - 1] = StepOutcome(
-                    run.session_id, run.first + hi - 1, output=run.outputs[hi - 1],
-                    snapshot_events=events,
+                    run.session_id, run.first + hi - 1,
+                    output=run.outputs[hi - 1] if answered else None, snapshot_events=events,
                 )  # fmt: skip
         else:  # a guarded step, a resend, a gap, an error: its own outcome
             for t in range(lo, hi):
@@ -175,8 +208,9 @@ class SessionWork:
                 output = self._output_of(step)  # applied earlier in this batch
             if output is not None:
                 outcome.output, outcome.replayed = output, True
-            else:
+            else:  # an error, or a last_only run's step answered without its output
                 outcome.error = self.resend_errors.get(step) or self.failed
+                outcome.replayed = outcome.error is None
         elif piece.kind == GAP:
             outcome.error = self._gap(step, piece.at)
         elif self.failed is not None:
@@ -190,8 +224,13 @@ class SessionWork:
         return outcome
 
     def _output_of(self, step: int) -> np.ndarray | None:
+        """The output of a step applied in this batch; None if not applied or not computed
+        (a prefill computes only the outputs somebody is answered with)."""
         k = step - self.start - 1
         if self.outputs is None or not 0 <= k < self.applied:
+            return None
+        computed = self.plan.computed
+        if computed is not None and not computed[k]:
             return None
         return self.outputs[k]
 

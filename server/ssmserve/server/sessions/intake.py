@@ -4,7 +4,8 @@ Every step a worker takes comes in here and is queued as a
 :class:`~ssmserve.server.sessions.session.StepRun`: one at a time, a run of one answered
 with its StepOutcome (:meth:`StepIntake.submit`, with the load of a session that is not
 in memory), or a message's consecutive steps of one resident session as one run
-(:meth:`StepIntake.submit_run_resident`). What is wrong with a step (its number, its
+(:meth:`StepIntake.submit_run_resident`, or :meth:`StepIntake.submit_run`, which loads
+the session first). What is wrong with a step (its number, its
 input, a full queue) is raised here, before anything is queued, so the session is
 untouched.
 """
@@ -65,14 +66,27 @@ class StepIntake:
         s = self.loader.residents.get(session_id)
         return None if s is None else self._submit(s, step, value, finite)
 
+    async def submit_run(
+        self, session_id: str, first: int, values: np.ndarray, last_only: bool = False
+    ) -> asyncio.Future[StepRun] | None:
+        """:meth:`submit_run_resident`, loading the session first if it is not in memory
+        (a prompt to a session that was evicted or whose worker died still goes as one
+        run, so it can be prefilled). None when the steps must go one by one."""
+        future = self.submit_run_resident(session_id, first, values, last_only)
+        if future is None and self.loader.residents.get(session_id) is None:
+            await self.loader.session(session_id)  # raises what keeps it from loading
+            future = self.submit_run_resident(session_id, first, values, last_only)
+        return future
+
     def submit_run_resident(
-        self, session_id: str, first: int, values: np.ndarray
+        self, session_id: str, first: int, values: np.ndarray, last_only: bool = False
     ) -> asyncio.Future[StepRun] | None:
         """Queue the steps ``first, first + 1, ...`` of a session in memory as one
         :class:`StepRun`: ``values`` token ids (T,) int64 or vectors (T, i) float32
         checked finite. None when they must go step by step instead (:meth:`submit`): the
         session is not in memory, the steps do not fit its queue, or the inputs are not
-        for its model (each step's own check then says which is wrong).
+        for its model (each step's own check then says which is wrong). ``last_only``:
+        only the last step is answered with its output (``StepRun.last_only``).
         """
         s = self.loader.residents.get(session_id)
         count = values.shape[0]
@@ -86,8 +100,9 @@ class StepIntake:
         loop = self.loop or asyncio.get_running_loop()
         future: asyncio.Future[StepRun] = loop.create_future()
         run = StepRun(
-            s.id, first, values, s.codec.encode(values), s.model.config.output_dim, future
-        )
+            s.id, first, values, s.codec.encode(values), s.model.config.output_dim, future,
+            last_only,
+        )  # fmt: skip
         self.steppers[s.model_name].submit(s, run)
         return future
 

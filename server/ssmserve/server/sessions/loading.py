@@ -272,11 +272,15 @@ class SessionLoader:
             session_id, model, model_name, config, model.new_state(), record.step,
             meta.created_at, lease,
         )  # fmt: skip
-        rebuilt = await self.replay.rebuild(s, meta.step, record)
+        # The outputs the session keeps to answer resends: a client resends what it was
+        # not answered when its stream is cut (a failover) and gets them from memory.
+        rebuilt = await self.replay.rebuild(s, meta.step, record, tail=self.output_window)
         remember_history(s, rebuilt.checkpoint.history)
-        if rebuilt.checkpoint.output is not None:
+        if rebuilt.checkpoint.output is not None and rebuilt.replayed <= self.output_window:
             s.recent.remember_output(record.step, rebuilt.checkpoint.output)
-        s.recent.remember(record.step + 1, rebuilt.inputs, rebuilt.outputs)
+        s.recent.remember_inputs(record.step + 1, rebuilt.inputs)
+        for i, output in enumerate(rebuilt.outputs):
+            s.recent.remember_output(rebuilt.outputs_from + i, output)
         s.rebuilt_at(rebuilt.state, meta.step, record.step, may_be_behind)
         self.residents.add(s, self.footprint(model, config))
         log.info(

@@ -3,8 +3,9 @@
 :meth:`Replay.rebuild` is the one primitive behind every way back to a past step: load
 (an evicted session, or one whose worker died), rollback (by a monitor or a guard), fork
 and forecast from a past step, and the output of a resent step that memory no longer
-holds. Batch invariance makes replay bit-exact: a row's bits do not depend on the other
-rows of an engine call, so the replayed state equals the state the session had.
+holds. Replays are prefills (``EngineLane.prefill``: each layer's products over all the
+replayed steps at once, the head only for the outputs asked for), which compute the bits
+of stepping by construction, so the replayed state equals the state the session had.
 Replays run on the model's engine lane, so a long one never stalls the event loop.
 """
 
@@ -45,12 +46,19 @@ class Rebuilt:
     record: SnapshotRecord
     checkpoint: Checkpoint  # the snapshot as read (its history window, its step's output)
     state: SessionState
-    outputs: list[np.ndarray]  # guarded outputs of the replayed steps record.step+1..step
-    inputs: list[bytes]  # their encoded inputs
+    # Guarded outputs of the last replayed steps, ``outputs_from .. step`` (all of
+    # record.step+1..step unless the rebuild asked for fewer: ``Replay.rebuild``'s tail).
+    outputs: list[np.ndarray]
+    inputs: list[bytes]  # the encoded inputs of every replayed step
 
     @property
     def replayed(self) -> int:
         return self.step - self.record.step
+
+    @property
+    def outputs_from(self) -> int:
+        """The step of ``outputs[0]``."""
+        return self.step - len(self.outputs) + 1
 
 
 class Replay:
@@ -66,9 +74,17 @@ class Replay:
         self.checkpoints = checkpoints
         self.engines = engines
 
-    async def rebuild(self, s: Session, step: int, record: SnapshotRecord | None = None) -> Rebuilt:
+    async def rebuild(
+        self,
+        s: Session,
+        step: int,
+        record: SnapshotRecord | None = None,
+        tail: int | None = None,
+    ) -> Rebuilt:
         """The state of ``s`` at ``step``: snapshot ``record`` (default: the newest at or
-        before ``step``) plus the logged inputs after it, replayed. Changes nothing."""
+        before ``step``) plus the logged inputs after it, replayed, with the outputs of the
+        last ``tail`` replayed steps (None: all; a prefill computes the head only for
+        those). Changes nothing."""
         if record is None:
             record = await self.store.snapshot_at_or_before(s.id, step)
             if record is None:
@@ -77,14 +93,27 @@ class Replay:
         raw = await self.inputs(s, record.step + 1, step)
         if not raw:
             return Rebuilt(step, record, ckpt, ckpt.state, [], [])
-        # A long replay (a 130m model replays ~20 steps/s) must not stall the event loop.
-        outputs, state = await self.engines[s.model_name].run(s.codec.decode_many(raw), ckpt.state)
-        self.store.metrics.replayed_steps.inc(len(raw))
+        skip = 0 if tail is None else max(0, len(raw) - tail)
+        guarded, state = await self._replay(s, raw, ckpt.state, record.step + 1, skip)
+        return Rebuilt(step, record, ckpt, state, guarded, raw)
+
+    async def _replay(
+        self, s: Session, raw: list[bytes], state: SessionState, first: int, skip: int
+    ) -> tuple[list[np.ndarray], SessionState]:
+        """Inputs ``raw`` of steps ``first ..`` from ``state``, as one prefill on the model's
+        lane (a long replay must not stall the event loop): the guarded outputs of the
+        steps from ``first + skip`` on, and the state after the last."""
+        count = len(raw)
+        rows = "all" if skip == 0 else "none" if skip >= count else np.arange(skip, count)
+        outputs, state = await self.engines[s.model_name].prefill(
+            s.codec.decode_many(raw), state, rows
+        )
+        self.store.metrics.replayed_steps.inc(count)
         guarded = [
-            check_output(s.config.guards, record.step + 1 + i, out).output
+            check_output(s.config.guards, first + skip + i, out).output
             for i, out in enumerate(outputs)
         ]
-        return Rebuilt(step, record, ckpt, state, guarded, raw)
+        return guarded, state
 
     async def restore_to(
         self, s: Session, target: int, record: SnapshotRecord | None = None
@@ -97,14 +126,16 @@ class Replay:
         await s.snapshots.settled(hurry=True)  # a guard rollback holds a batch, not the gate
         if record is None and target == s.step:
             return target, "", 0  # already there; nothing after the current step to cut
-        rebuilt = await self.rebuild(s, target, record)
+        rebuilt = await self.rebuild(s, target, record, tail=1)  # the output at the target
         await self.residents.write(
             s, lambda lease: self.store.cut_history(lease, target, s.step, time.time())
         )
         s.rebuilt_at(rebuilt.state, target, rebuilt.record.step)
         s.recent.cut_after(target)
         if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
-            s.recent.remember(rebuilt.record.step + 1, rebuilt.inputs, rebuilt.outputs)
+            s.recent.remember_inputs(rebuilt.record.step + 1, rebuilt.inputs)
+            for i, output in enumerate(rebuilt.outputs):
+                s.recent.remember_output(rebuilt.outputs_from + i, output)
         return target, rebuilt.record.snapshot_id, rebuilt.replayed
 
     async def resolve(
@@ -162,7 +193,7 @@ class Replay:
                 history = recent_history(s, t)
                 state, output, snapshot_id, replayed = s.state, s.recent.output_at(t), "", 0
             else:
-                rebuilt = await self.rebuild(s, t, record)
+                rebuilt = await self.rebuild(s, t, record, tail=1)
                 state = rebuilt.state
                 history = _history_at(s, rebuilt.checkpoint.history, rebuilt.inputs, t)
                 output = rebuilt.outputs[-1] if rebuilt.outputs else s.recent.output_at(t)
@@ -192,13 +223,8 @@ class Replay:
             raw = await self.inputs(s, record.step + 1, last)
         if not raw:
             return [], []
-        outputs, _state = await self.engines[s.model_name].run(s.codec.decode_many(raw), ckpt.state)
-        self.store.metrics.replayed_steps.inc(len(raw))
         skip = first - (record.step + 1)
-        guarded = [
-            check_output(s.config.guards, record.step + 1 + i, out).output
-            for i, out in enumerate(outputs[skip:], start=skip)
-        ]
+        guarded, _state = await self._replay(s, raw, ckpt.state, record.step + 1, skip)
         return raw[skip:], guarded
 
     async def output_at(self, s: Session, step: int) -> np.ndarray:
@@ -209,7 +235,7 @@ class Replay:
                 f"step {step} of session {s.id!r} is older than its kept history, so "
                 f"its output cannot be sent again"
             )
-        return (await self.rebuild(s, step, record)).outputs[-1]
+        return (await self.rebuild(s, step, record, tail=1)).outputs[-1]
 
     async def out_of_range(self, s: Session, step: int) -> RollbackRangeError:
         _count, oldest = await self.store.snapshot_count_and_oldest(s.id)

@@ -107,12 +107,17 @@ class StepRun:
     session's pieces are single steps, and the steps a guard keeps from running go back
     to the queue (``SessionWork.give_back``), so every outcome is exactly what separate
     steps would get.
+
+    ``last_only`` (``StreamRequest.last_outputs_only``): only the run's last step is
+    answered with its output, the others with none; a prefill then computes only the
+    outputs somebody is answered with (``batch_plan``). The session steps the same.
     """
 
     __slots__ = (
         "count",
         "first",
         "future",
+        "last_only",
         "outcomes",
         "outputs",
         "pending",
@@ -130,15 +135,18 @@ class StepRun:
         raw: bytes,
         output_dim: int,
         future: asyncio.Future[StepRun] | None,
+        last_only: bool = False,
     ) -> None:
         count = len(values)
+        self.last_only = last_only
         self.session_id = session_id  # as stored
         self.first = first
         self.values = values  # (T,) int64 token ids or (T, i) float32, checked finite
         self.raw = raw  # the T inputs as the log stores them, back to back
         self.future: asyncio.Future[StepRun] | asyncio.Future[StepOutcome] | None = future
         self.count = count
-        # (T, o), filled as batches answer; None for a step sent alone (:meth:`one`).
+        # (T, o), filled as batches answer (of a ``last_only`` run, only its last row:
+        # the rest stay unwritten, so untouched pages); None for a step sent alone.
         self.outputs: np.ndarray | None = np.empty((count, output_dim), np.float32)
         # Per step: None while it is answered by its row of ``outputs`` (applied, nothing
         # else to say), else its outcome (an error, a resend, a guarded step's verdict).
@@ -162,7 +170,7 @@ class StepRun:
         run = cls.__new__(cls)
         run.session_id, run.first, run.values, run.raw = session_id, step, value[None], raw
         run.future, run.count, run.outputs, run.outcomes = future, 1, None, [None]
-        run.taken, run.pending = 0, 1
+        run.taken, run.pending, run.last_only = 0, 1, False
         return run
 
     @property

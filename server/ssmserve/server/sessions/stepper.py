@@ -8,15 +8,17 @@ each one method of :meth:`Stepper._batch`:
    (at most ``max_ticks``), which are resends answered from memory, which are gaps, how
    many steps it advances and in which engine calls (cut where a snapshot falls due; one
    step per call for a session with guards), and whose advance goes to the log ahead.
-   The planned steps are then taken off the queues (``_take``).
+   The planned steps are then taken off the queues (``SessionWork.take``).
 2. **Log ahead**: one append of every advance the plan sends ahead, before the first
    engine call: a ``log``-durability step is answered only once its input is in Redis
    (durable before acknowledged), and the append needs the input, not the output, so the
    round trip and the computation overlap (``log_ahead``).
 3. **Execute**: engine rounds; in each, every session runs its next engine call, those of
    one length together (``EngineLane.step`` for one step, ``step_many`` for several:
-   the same bits). A guard's verdict on a step's output decides whether the session goes
-   on; a step it keeps from running, and what is queued behind it, go back to the queue.
+   the same bits), or, for a segment the plan prefills, that session alone
+   (``EngineLane.prefill``: the same bits again, only the outputs it needs). A guard's
+   verdict on a step's output decides whether the session goes on; a step it keeps from
+   running, and what is queued behind it, go back to the queue.
 4. **Settle**: the appends' replies and a group commit of the inputs still unlogged; if a
    session's log write fails, it is put back exactly where the batch found it (states
    are values) and its steps are answered with the error. Then each session is checked
@@ -45,7 +47,7 @@ from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError, being_cancelled
-from ssmserve.server.sessions.batch_plan import APPLY, RESEND, plan
+from ssmserve.server.sessions.batch_plan import PrefillLimits, plan
 from ssmserve.server.sessions.batch_work import GuardedStep, SessionWork
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability
@@ -78,6 +80,16 @@ class StepperSettings:
     # they cost less than the hop. 5 MFLOP is roughly half a millisecond of step here
     # (signal 256x4 at batch 2, the demo model at batch ~40; bench/bench_engine.py).
     offload_min_flop: float = 5e6
+    # A segment of at least this many steps of a session without guards runs as one
+    # prefill (``batch_plan``; 0: never). Measured alone on the engine (mamba-130m shapes,
+    # 2 threads): prefill beats stepping the session at batch 1 from 2 steps and stepping
+    # it inside a batch of 8 such runs from ~8; the demo model's prefill overtakes batch-1
+    # stepping at 6-8 steps (a prefill's fixed cost is ~0.25 ms).
+    prefill_min_steps: int = 8
+    # Prefilled steps per batch, shared by the sessions that prefill in it: bounds how long
+    # a long prompt holds the other sessions' answers. 64 steps of mamba-130m take ~130 ms
+    # on 2 threads; a prompt of 512 in chunks of 64 costs ~5% more than in one piece.
+    prefill_batch_steps: int = 64
 
 
 #: Every durability, once: iterating the enum class each batch cost more than its dict.
@@ -111,6 +123,9 @@ class Stepper:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.engine = engine  # the model's lane, shared with forecasts and replays
+        self._prefill_limits = PrefillLimits(
+            settings.prefill_min_steps, settings.prefill_batch_steps
+        )
         self.steps = 0
         # Metric children resolved once: a labelled lookup per step would cost more.
         m = store.metrics
@@ -181,11 +196,12 @@ class Stepper:
     async def _batch(self, sessions: list[Session]) -> None:
         work = [
             SessionWork(p, p.session.state)
-            for p in plan(sessions, self.settings.max_ticks).sessions
+            for p in plan(sessions, self.settings.max_ticks, self._prefill_limits).sessions
         ]
         ahead = LogAhead(self.store)
         try:
-            self._take(work)
+            for w in work:
+                w.take()
             await ahead.send(
                 [
                     (w.session, InputBlock(w.start + 1, w.plan.advance, w.raw))
@@ -202,36 +218,6 @@ class Stepper:
             for w in work:
                 w.answer()
 
-    # ------------------------------------------------------------------ take
-
-    def _take(self, work: list[SessionWork]) -> None:
-        """Take every planned step off its session's queue; gather each advance's inputs
-        (values and log bytes) and read the recorded outputs of resends of older steps."""
-        for w in work:
-            s = w.session
-            values: list[np.ndarray] = []
-            raws: list[bytes] = []
-            for piece in w.plan.pieces:
-                run, lo, n = piece.entry, piece.lo, piece.count
-                run.taken = lo + n
-                if run.taken == run.count:
-                    s.queue.popleft()  # the plan took runs from the head, in order
-                s.queued_steps -= n
-                if piece.kind == APPLY:
-                    if n == run.count:  # the whole run (a step sent alone, most often)
-                        values.append(run.values)
-                        raws.append(run.raw)
-                    else:
-                        values.append(run.values[lo : lo + n])
-                        raws.append(run.raw_of(lo, lo + n))
-                elif piece.kind == RESEND:
-                    for step in range(piece.first, piece.first + n):
-                        if step <= w.start:
-                            w.resent[step] = s.recent.output_at(step)
-            if values:
-                w.values = values[0] if len(values) == 1 else np.concatenate(values)
-                w.raw = raws[0] if len(raws) == 1 else b"".join(raws)
-
     # ------------------------------------------------------------------ execute
 
     async def _execute(self, work: list[SessionWork]) -> None:
@@ -241,9 +227,30 @@ class Stepper:
             by_length: dict[int, list[SessionWork]] = {}
             for w in work:
                 if n := w.segment(r):
-                    by_length.setdefault(n, []).append(w)
+                    if w.plan.prefilled(r):
+                        await self._prefill(w, r, n)
+                    else:
+                        by_length.setdefault(n, []).append(w)
             for n, group in by_length.items():
                 await self._engine_call(group, n)
+
+    async def _prefill(self, w: SessionWork, r: int, n: int) -> None:
+        """The session's ``r``-th engine call, ``n`` steps, as one prefill computing the
+        outputs the plan names (``SessionPlan.rows``), then applied."""
+        rows = w.plan.rows[r]
+        assert rows is not None
+        started = time.perf_counter()
+        attributes = {"ssmserve.model": self.model.name, "ssmserve.prefill_steps": n}
+        inputs = w.values[w.applied : w.applied + n]  # type: ignore[index]
+        every = len(rows) == n
+        with self.store.metrics.tracing.span("engine.prefill", attributes):
+            outputs, state = await self.engine.prefill(
+                inputs, w.session.state, "all" if every else rows
+            )  # (m, o)
+        self._batch_seconds.observe(time.perf_counter() - started)
+        self.steps += n
+        self._apply(w, state, outputs, None if every else rows, n)
+        self._steps_by[w.session.config.durability].inc(n)
 
     async def _engine_call(self, group: list[SessionWork], n: int) -> None:
         """``n`` steps of each session of ``group`` in one engine call, then applied."""
@@ -276,20 +283,33 @@ class Stepper:
             if count:
                 self._steps_by[durability].inc(count)
 
-    def _apply(self, w: SessionWork, state: SessionState, rows: np.ndarray) -> None:
-        """``rows`` ``(n, o)``: the outputs of the session's next ``n`` steps, applied."""
-        s, n = w.session, rows.shape[0]
+    def _apply(
+        self,
+        w: SessionWork,
+        state: SessionState,
+        rows: np.ndarray,
+        picked: np.ndarray | None = None,
+        steps: int = 0,
+    ) -> None:
+        """The session's next steps applied: ``rows`` ``(n, o)`` their outputs, or with
+        ``picked`` (a prefill's indices into its ``steps`` steps) the outputs of those only;
+        the others have none (``SessionPlan.computed``)."""
+        s, n = w.session, rows.shape[0] if picked is None else steps
         if w.outputs is None:
             w.outputs = (
                 rows
-                if n == w.plan.advance
+                if n == w.plan.advance and picked is None
                 else np.empty((w.plan.advance, rows.shape[1]), rows.dtype)
             )
-        if w.outputs is not rows:
+        if picked is not None:
+            w.outputs[w.applied + picked] = rows  # the other rows stay unwritten
+        elif w.outputs is not rows:
             w.outputs[w.applied : w.applied + n] = rows
         first = w.start + w.applied + 1
         logged = w.plan.log_ahead
-        if n == 1:
+        if picked is not None:
+            s.recent.record_picked(first, w.raw_at(w.applied, n), n, picked, rows, logged)
+        elif n == 1:
             s.recent.record(first, w.raw_at(w.applied), rows[0], logged)
         else:
             s.recent.record_run(first, w.raw_at(w.applied, n), rows, logged)

@@ -399,6 +399,27 @@ class RecentSteps:
         if not logged:
             self.unflushed.add(first, n, raw_inputs)
 
+    def record_picked(
+        self,
+        first: int,
+        raw_inputs: bytes,
+        count: int,
+        picked: np.ndarray,
+        outputs: np.ndarray,
+        logged: bool = False,
+    ) -> None:
+        """Steps ``first .. first + count - 1`` just applied, only some with outputs (a
+        prefill computes those it is asked for): their inputs as :meth:`record_run` takes
+        them, and ``outputs`` ``(m, o)`` of steps ``first + picked`` (increasing). The
+        output ring holds consecutive steps only, so it keeps the outputs after the last
+        step without one; a step it lacks is replayed if asked for again."""
+        width = len(raw_inputs) // count
+        self.inputs.extend(first, np.frombuffer(raw_inputs, np.uint8).reshape(count, width))
+        for k, output in zip(picked.tolist(), outputs, strict=True):
+            self.outputs.append(first + k, output)
+        if not logged:
+            self.unflushed.add(first, count, raw_inputs)
+
     def remember(self, first: int, raw: Sequence[bytes], outputs: Sequence[np.ndarray]) -> None:
         """Steps ``first, first + 1, ...`` recomputed by replay: already in the log."""
         for i, (raw_input, output) in enumerate(zip(raw, outputs, strict=True)):
