@@ -164,7 +164,8 @@ class OursChild:
             packed, c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape
         )
         at = len(ids["prompt"])  # the history: the prompt's last 64 inputs, up to ``at``
-        history = InputHistory(at - 63, ids["prompt"][-64:].astype(np.int64))
+        kept = ids["prompt"][-64:].astype(np.int64)
+        history = InputHistory(at - len(kept) + 1, kept)
         ckpt = Checkpoint("bench", at, model.name, "0" * 64, parked, history)
         saves, memcpys = [], []
         for _ in range(len(ids["saves"])):
