@@ -17,6 +17,7 @@ feeds back), drawn with probability 1 (logprob 0).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,17 +92,27 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
     1. temperature 0: the argmax (lowest id on ties), logprob 0;
     2. ``z = logits / temperature``; ids ordered by z descending, ties by id ascending;
     3. top-k: the first k of that order;
-    4. softmax over them (``exp(z - max)`` over its sum), ids of probability 0 dropped;
-    5. top-p: the shortest prefix whose cumulative probability reaches top_p, renormalized;
+    4. softmax over them, in that order (``exp(z - max)``, then each over their sum,
+       numpy's pairwise sum of the array in that order), ids of probability 0 dropped;
+    5. top-p: the shortest prefix whose cumulative probability (a running sum in that
+       order) reaches top_p, renormalized by it;
     6. min-p: those with probability >= min_p x the first one's, renormalized;
     7. the token whose cumulative interval holds ``u = uniform(seed, step)`` (the first
        with cumulative sum > u x total).
 
-    Raises LogitsNotFiniteError when a logit is NaN or +Inf (-Inf is probability 0), or
-    every one is -Inf.
+    Every step above depends on the values in that order, not on which id holds them, so
+    only the values are sorted (the float32 logits: dividing by the temperature keeps
+    their order), and an id is looked up for the one position drawn (:func:`_id_at`); the
+    running sum of top-p goes only as far as the cut (:func:`_top_p_head`). The vocabulary
+    -sized arrays live in per-thread buffers: fresh ones cost as much in page faults as
+    the arithmetic.
+
+    Raises LogitsNotFiniteError when a logit is NaN or +Inf (-Inf is probability 0), every
+    one is -Inf, or the largest over the temperature overflows float64.
     """
-    z = np.asarray(logits, np.float32).astype(np.float64)
-    if np.isnan(z).any() or np.isposinf(z).any() or np.isneginf(z).all():
+    z = np.asarray(logits, np.float32)
+    top = z.max()  # NaN if one is, else +Inf if one is, else -Inf only if all are
+    if not -np.inf < top < np.inf:
         step = seed_step[1]
         raise LogitsNotFiniteError(
             f"the logits of step {step} hold NaN or +Inf (or are all -Inf), so no token can "
@@ -109,33 +120,97 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
         )
     if params.greedy:
         return Draw(int(np.argmax(z)), 0.0)  # argmax: the lowest id among equal maxima
-    z /= params.temperature
-    order = _descending(z, params.top_k)
-    kept = z[order]
-    p = np.exp(kept - kept[0])  # kept[0] is the maximum
-    order, p = order[p > 0.0], p[p > 0.0]  # -Inf logits (and underflows) cannot be drawn
-    p /= p.sum()
+    ranked, p = _ranked(z, params.top_k)  # float32 descending; its float64 room
+    np.copyto(p, ranked)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        p /= params.temperature
+    largest = float(p[0])
+    if not math.isfinite(largest):
+        raise LogitsNotFiniteError(
+            f"the largest logit of step {seed_step[1]} over temperature "
+            f"{params.temperature!r} is {largest} in float64, so no token can be drawn; "
+            f"use a larger temperature (or 0: greedy)"
+        )
+    p -= largest
+    np.exp(p, out=p)
+    where: np.ndarray | None = None  # positions in `ranked` of p's entries; None: 0, 1, ...
+    live = p > 0.0  # -Inf logits (and underflows) cannot be drawn
+    if not live.all():
+        where, p = np.flatnonzero(live), p[live]
+    total = p.sum()
     if 0.0 < params.top_p < 1.0:
-        cumulative = np.cumsum(p)
-        n = min(int(np.searchsorted(cumulative, params.top_p, side="left")) + 1, len(p))
-        order, p = order[:n], p[:n] / cumulative[n - 1]
+        n, head_sum = _top_p_head(p, total, params.top_p)
+        p = p[:n] / total / head_sum
+        where = None if where is None else where[:n]
+    else:
+        p /= total
     if params.min_p > 0.0:
         keep = p >= params.min_p * p[0]
-        order, p = order[keep], p[keep]
+        if not keep.all():
+            where = np.flatnonzero(keep) if where is None else where[keep]
+        p = p[keep]
         p /= p.sum()
     cumulative = np.cumsum(p)
     u = uniform(*seed_step) * cumulative[-1]
     i = min(int(np.searchsorted(cumulative, u, side="right")), len(p) - 1)
-    return Draw(int(order[i]), float(np.log(p[i])))
+    position = i if where is None else int(where[i])
+    return Draw(_id_at(z, ranked, position), float(np.log(p[i])))
 
 
-def _descending(z: np.ndarray, top_k: int) -> np.ndarray:
-    """Ids by ``z`` descending, ties by id ascending; only the first ``top_k`` when
-    0 < top_k < len(z). A top-k of a large vocabulary sorts only the ids at or above the
-    k-th largest value (all of its ties, so the cut is the full sort's)."""
+class _Buffers(threading.local):
+    """Per thread, per vocabulary size (the few most recent): a float32 and a float64
+    array of that size."""
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        found = self.by_size.pop(size, None)
+        if found is None:
+            found = (np.empty(size, np.float32), np.empty(size, np.float64))
+            while len(self.by_size) >= _BUFFERED_SIZES:
+                del self.by_size[next(iter(self.by_size))]  # the least recently used
+        self.by_size[size] = found
+        return found
+
+
+_BUFFERED_SIZES = 4
+_BUFFERS = _Buffers()
+
+
+def _ranked(z: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The values of ``z`` descending (only the ``top_k`` largest when 0 < top_k < len(z)),
+    and a float64 buffer of their length; both views of this thread's buffers."""
+    values, wide = _BUFFERS.get(len(z))
+    np.copyto(values, z)
     if 0 < top_k < len(z):
-        kth = np.partition(z, len(z) - top_k)[len(z) - top_k]  # the k-th largest value
-        candidates = np.flatnonzero(z >= kth)  # ascending ids
-        order = candidates[np.argsort(-z[candidates], kind="stable")]
-        return order[:top_k]
-    return np.argsort(-z, kind="stable")  # stable: lower ids first among equal values
+        values.partition(len(z) - top_k)
+        values = values[len(z) - top_k :]
+    values.sort()
+    return values[::-1], wide[: len(values)]
+
+
+def _top_p_head(p: np.ndarray, total: float, top_p: float) -> tuple[int, float]:
+    """``(n, c)``: the length of the shortest prefix of ``p / total`` whose running sum
+    reaches ``top_p`` (all of it if none does), and that sum. The running sum is the one
+    ``np.cumsum`` gives over the whole array (a left-to-right loop: each chunk's starts
+    from the previous chunk's last value), computed in growing chunks up to the cut."""
+    start, size, carried = 0, 256, 0.0
+    while start < len(p):
+        chunk = p[start : start + size] / total
+        running = np.cumsum(np.concatenate(([carried], chunk)))[1:]
+        j = int(np.searchsorted(running, top_p, side="left"))
+        if j < len(running):
+            return start + j + 1, float(running[j])
+        start, size, carried = start + len(chunk), size * 4, float(running[-1])
+    return len(p), carried
+
+
+def _id_at(z: np.ndarray, ranked: np.ndarray, position: int) -> int:
+    """The id at ``position`` of the ids ordered by value descending, ties by id
+    ascending: among the ids holding ``ranked[position]``, the one of its rank among the
+    equal values before it. (Distinct float32 logits stay distinct over a temperature in
+    (0, 100] except where they overflow to -Inf, and those have probability 0.)"""
+    value = ranked[position]
+    first = int(np.count_nonzero(ranked[:position] > value))
+    return int(np.flatnonzero(z == value)[position - first])
