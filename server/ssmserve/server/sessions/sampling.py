@@ -120,7 +120,7 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
         )
     if params.greedy:
         return Draw(int(np.argmax(z)), 0.0)  # argmax: the lowest id among equal maxima
-    ranked, p = _ranked(z, params.top_k)  # float32 descending; its float64 room
+    ranked, p, running = _ranked(z, params.top_k)  # float32 descending; float64 room
     np.copyto(p, ranked)
     with np.errstate(over="ignore"):  # an overflow is refused just below
         p /= params.temperature
@@ -139,8 +139,9 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
         where, p = np.flatnonzero(live), p[live]
     total = p.sum()
     if 0.0 < params.top_p < 1.0:
-        n, head_sum = _top_p_head(p, total, params.top_p)
-        p = p[:n] / total / head_sum
+        n = _top_p_head(p, total, params.top_p, running)
+        p = p[:n]
+        p /= running[n - 1]
         where = None if where is None else where[:n]
     else:
         p /= total
@@ -150,7 +151,7 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
             where = np.flatnonzero(keep) if where is None else where[keep]
         p = p[keep]
         p /= p.sum()
-    cumulative = np.cumsum(p)
+    cumulative = np.cumsum(p, out=running[: len(p)])
     u = uniform(*seed_step) * cumulative[-1]
     i = min(int(np.searchsorted(cumulative, u, side="right")), len(p) - 1)
     position = i if where is None else int(where[i])
@@ -158,16 +159,16 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
 
 
 class _Buffers(threading.local):
-    """Per thread, per vocabulary size (the few most recent): a float32 and a float64
-    array of that size."""
+    """Per thread, per vocabulary size (the few most recent): a float32 and two float64
+    arrays of that size."""
 
     def __init__(self) -> None:
-        self.by_size: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.by_size: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def get(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         found = self.by_size.pop(size, None)
         if found is None:
-            found = (np.empty(size, np.float32), np.empty(size, np.float64))
+            found = (np.empty(size, np.float32), *np.empty((2, size), np.float64))
             while len(self.by_size) >= _BUFFERED_SIZES:
                 del self.by_size[next(iter(self.by_size))]  # the least recently used
         self.by_size[size] = found
@@ -178,32 +179,36 @@ _BUFFERED_SIZES = 4
 _BUFFERS = _Buffers()
 
 
-def _ranked(z: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def _ranked(z: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The values of ``z`` descending (only the ``top_k`` largest when 0 < top_k < len(z)),
-    and a float64 buffer of their length; both views of this thread's buffers."""
-    values, wide = _BUFFERS.get(len(z))
+    and two float64 buffers of their length; all views of this thread's buffers."""
+    values, wide, running = _BUFFERS.get(len(z))
     np.copyto(values, z)
     if 0 < top_k < len(z):
         values.partition(len(z) - top_k)
         values = values[len(z) - top_k :]
     values.sort()
-    return values[::-1], wide[: len(values)]
+    return values[::-1], wide[: len(values)], running[: len(values)]
 
 
-def _top_p_head(p: np.ndarray, total: float, top_p: float) -> tuple[int, float]:
-    """``(n, c)``: the length of the shortest prefix of ``p / total`` whose running sum
-    reaches ``top_p`` (all of it if none does), and that sum. The running sum is the one
-    ``np.cumsum`` gives over the whole array (a left-to-right loop: each chunk's starts
-    from the previous chunk's last value), computed in growing chunks up to the cut."""
-    start, size, carried = 0, 256, 0.0
+def _top_p_head(p: np.ndarray, total: float, top_p: float, running: np.ndarray) -> int:
+    """The length n of the shortest prefix of ``p / total`` whose running sum reaches
+    ``top_p`` (all of it if none does). Leaves ``p[:n]`` divided by ``total`` and
+    ``running[:n]`` its running sum, the one ``np.cumsum`` gives over the whole array (a
+    left-to-right loop), computed in growing chunks, each carried on from the last."""
+    start, size = 0, 256
     while start < len(p):
-        chunk = p[start : start + size] / total
-        running = np.cumsum(np.concatenate(([carried], chunk)))[1:]
-        j = int(np.searchsorted(running, top_p, side="left"))
-        if j < len(running):
-            return start + j + 1, float(running[j])
-        start, size, carried = start + len(chunk), size * 4, float(running[-1])
-    return len(p), carried
+        end = min(start + size, len(p))
+        chunk = p[start:end]
+        chunk /= total
+        running[start:end] = chunk
+        carried = max(start - 1, 0)  # the chunk's sums start from the one before it
+        np.add.accumulate(running[carried:end], out=running[carried:end])
+        j = int(np.searchsorted(running[start:end], top_p, side="left"))
+        if j < end - start:
+            return start + j + 1
+        start, size = end, size * 4
+    return len(p)
 
 
 def _id_at(z: np.ndarray, ranked: np.ndarray, position: int) -> int:
