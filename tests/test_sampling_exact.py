@@ -265,5 +265,5 @@ def test_logits_over_a_tiny_temperature_that_overflow_are_refused_by_name():
     logits = np.array([1.0, 2.0, -1.0], np.float32)
     with pytest.raises(LogitsNotFiniteError, match="temperature"):
         draw(SamplingParams(temperature=1e-310), (0, 0), logits)
-    with pytest.raises(IndexError):  # what the reference does with them
-        reference_draw(SamplingParams(temperature=1e-310), (0, 0), logits)
+    with pytest.raises(IndexError), np.errstate(over="ignore", invalid="ignore"):
+        reference_draw(SamplingParams(temperature=1e-310), (0, 0), logits)  # what it did
