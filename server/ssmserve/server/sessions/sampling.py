@@ -103,9 +103,9 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
     Every step above depends on the values in that order, not on which id holds them, so
     only the values are sorted (the float32 logits: dividing by the temperature keeps
     their order), and an id is looked up for the one position drawn (:func:`_id_at`); the
-    running sum of top-p goes only as far as the cut (:func:`_top_p_head`). The vocabulary
-    -sized arrays live in per-thread buffers: fresh ones cost as much in page faults as
-    the arithmetic.
+    running sum of top-p goes only as far as the cut (:func:`_top_p_head`). The arrays of
+    the vocabulary's size live in per-thread buffers: fresh ones cost as much in page
+    faults as the arithmetic.
 
     Raises LogitsNotFiniteError when a logit is NaN or +Inf (-Inf is probability 0), every
     one is -Inf, or the largest over the temperature overflows float64.
