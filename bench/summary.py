@@ -263,6 +263,23 @@ def _llama_save(d: dict[str, Any]) -> Cells:
     return fmt(ours["save"]), limit, fmt(ours["save"] / ours["memcpy"])
 
 
+def _accuracy(preset: str) -> Callable[[dict[str, Any]], Cells]:
+    """bench_accuracy's max abs logit error against float64, ssmserve beside transformers'
+    float32 step path, and the argmaxes that agree with the reference's."""
+
+    def cells(d: dict[str, Any]) -> Cells:
+        r = d["presets"][preset]
+        ours, peer = r["ours"], r["float32"]
+        return (
+            f"{ours['max_abs']:.3g} ({ours['argmax_agree']}/{ours['positions']} argmax)",
+            f"transformers float32: {peer['max_abs']:.3g} "
+            f"({peer['argmax_agree']}/{peer['positions']} argmax)",
+            fmt(ours["max_abs"] / peer["max_abs"]),
+        )
+
+    return cells
+
+
 def _forecast(d: dict[str, Any]) -> Cells:
     f = d["demo"]["forecast"]["128"]
     return (
@@ -332,6 +349,12 @@ FIGURES = [
            "`bench/bench_llama_cpp.py`", _llama_save),
     Figure("mamba2-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp_mamba2",
            "`bench/bench_llama_cpp.py --arch mamba2`", _llama_save),
+    Figure("mamba-130m-shaped max abs logit error vs float64, 16 tokens", "accuracy",
+           "`bench/bench_accuracy.py`", _accuracy("mamba-130m")),
+    Figure("mamba2-130m-shaped max abs logit error vs float64, 16 tokens", "accuracy",
+           "`bench/bench_accuracy.py`", _accuracy("mamba2-130m")),
+    Figure("mamba-790m-shaped max abs logit error vs float64, 16 tokens", "accuracy",
+           "`bench/bench_accuracy.py`", _accuracy("mamba-790m")),
     Figure("engine step, signal 256x4 model, batch 1, us", "engine",
            "`bench/bench_engine.py`", _engine_batch_1),
     Figure("engine steps/s, signal 256x4 model, batch 64", "engine",
