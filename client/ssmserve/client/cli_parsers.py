@@ -296,7 +296,8 @@ def _add_state_commands(commands: Subparsers) -> None:
         "generate", help="a token model's session fed a prompt, then its own seeded draws"
     )
     gen.add_argument("session_id", help="the session to generate with")
-    gen.add_argument("--max-tokens", required=True, type=positive_int, metavar="N")
+    gen.add_argument("--max-tokens", required=True, type=positive_int, metavar="N",
+                     help="tokens to generate at most (the prompt not counted)")  # fmt: skip
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="0 (default): greedy")  # fmt: skip
     gen.add_argument("--top-k", type=count, default=0, metavar="K", help="0 (default): all")

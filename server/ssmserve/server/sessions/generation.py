@@ -439,7 +439,11 @@ class Generation:
         for lo in range(0, len(prompt), PROMPT_CHUNK):
             chunk = prompt[lo : lo + PROMPT_CHUNK]
             first = self.step + 1
-            future = self.parent.intake.submit_run_resident(self.session.id, first, chunk)
+            # Only the last step's logits are read: the run computes no other output
+            # (a prefill at matrix speed computes the head for that row alone).
+            future = await self.parent.intake.submit_run(
+                self.session.id, first, chunk, last_only=True
+            )
             if future is not None:
                 run = await future
                 output = self._run_result(run, chunk)
