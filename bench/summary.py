@@ -324,6 +324,9 @@ def _path(trace: str, goals: tuple[int, ...]) -> Callable[[dict[str, Any]], Cell
         if "baseline" in d:
             base = d["baseline"]
             limit += f" ({base['commit']}: {base[trace]['crossings']} / {base[trace]['modules']})"
+        if "components" in d[trace]:
+            between = d[trace]["component_crossings"], len(d[trace]["components"])
+            limit += f"; between components: {between[0]} / {between[1]}"
         ratios = [m / g for m, g in zip(measured, goals, strict=False)]
         return " / ".join(str(m) for m in measured), limit, joined(ratios)
 
