@@ -10,7 +10,8 @@ The pieces (each swapped in with its inputs rounded to float32, its output kept 
 * ``scan``: ``kernels.selective_scan`` (softplus, exp(Δ A), the state update, the
   readout ``_dot_in_order``, the gate), with A = -exp(A_log) in float32 as the loader has it.
 * ``norms``: the residual stream stored in float32 and ``kernels.rms_norm_rows`` (the
-  sum of squares as one float32 chain).
+  sum of squares as one float32 chain); ``f64sum``: the float32 stream, normalised in
+  float64 and rounded once (what a float64 sum in the kernel would give).
 
 All pieces swapped in is the engine itself (checked: the same bits as ``MambaModel.run``).
 Two readings: each piece alone in float32 (the rest float64): the error it brings; the
@@ -209,7 +210,7 @@ def forward(w: Weights, ids: np.ndarray, cfg: dict[str, str]) -> np.ndarray:
         y = _scan(dt_raw, xs, x_dbl, xz[:, e:], lw, w, cfg)  # (T, e)
         delta = lw["out"](y, cfg["products"])  # (T, d)
         h = h + delta
-        if cfg["norms"] == "engine":
+        if cfg["norms"] != "f64":
             h = _f32(h)  # the residual stream is float32 in the engine
     xn = _norm_only(h, w.norm_f, w.eps, cfg["norms"])
     return w.head(xn, cfg["head"])
@@ -221,8 +222,11 @@ def _norm_only(h: np.ndarray, weight: np.ndarray, eps: float, how: str) -> np.nd
         out = np.empty_like(h32)
         kernels.rms_norm_rows(h32, weight, F32(eps), h32.shape[0], out)
         return out.astype(F64)
+    if how == "f64sum":  # the float32 stream, its norm in float64, rounded once
+        h = _f32(h)
     inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
-    return h * inv * weight
+    out = h * inv * weight
+    return _f32(out) if how == "f64sum" else out
 
 
 def _conv(x: np.ndarray, lw: dict[str, Any], how: str) -> np.ndarray:
@@ -331,6 +335,7 @@ def experiments() -> list[tuple[str, dict[str, str]]]:
     ]
     out += [(f"only {p} float32", _config({p})) for p in PIECES]
     out += [(f"engine, {p} float64", _config(all_engine - {p})) for p in PIECES]
+    out.append(("engine, norms summed in float64", _config(all_engine - {"norms"}, norms="f64sum")))
     for sub in ("softplus", "softplus_cr", "exp", "exp_cr", "state", "readout", "gate"):
         out.append((f"only scan's {sub} float32", _config(set(), scan_sub=sub)))
     for variant in ("blocked64", "lanes8", "f64acc"):
@@ -349,12 +354,16 @@ def diagnose(
     reference: np.ndarray,
     engine_logits: np.ndarray | None = None,
     log: Callable[[str], None] = print,
+    only: str = "",
 ) -> dict[str, Any]:
-    """Max abs logit error against ``reference`` of every experiment."""
+    """Max abs and rms logit error against ``reference`` of every experiment (of those
+    whose name contains one of the ``|``-separated words of ``only``, when given)."""
     w = Weights(model_dir)
     rows: list[tuple[str, float]] = []
     result: dict[str, Any] = {}
     for name, cfg in experiments():
+        if only and not any(word in name for word in only.split("|")):
+            continue
         logits = forward(w, ids, cfg)
         err = float(np.abs(logits - reference).max())
         rms = float(np.sqrt(np.mean((logits - reference) ** 2)))
@@ -374,5 +383,6 @@ if __name__ == "__main__":
 
     model_dir, ids_path, ref_path, engine_path, out_path = (Path(a) for a in sys.argv[1:6])
     ref = np.load(ref_path)
-    res = diagnose(model_dir, np.load(ids_path), ref, np.load(engine_path))
+    only = sys.argv[6] if len(sys.argv) > 6 else ""
+    res = diagnose(model_dir, np.load(ids_path), ref, np.load(engine_path), only=only)
     out_path.write_text(json.dumps(res) + "\n")
