@@ -340,8 +340,21 @@ class SentinelHarness:
         """``SENTINEL FAILOVER``: the replica becomes master; its port, once every
         sentinel says so and it accepts writes."""
         old = self.master()
-        with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
-            s.execute_command("SENTINEL", "FAILOVER", self.MASTER_NAME)
+        deadline = time.monotonic() + timeout_s
+        # Sentinel refuses a failover while the previous one settles (INPROG) or while no
+        # replica is in sync yet (NOGOODSLAVE: the old master still resyncing, which takes
+        # longer on a loaded machine): asked again until the deadline, the last refusal
+        # raised with what Sentinel said.
+        while True:
+            try:
+                with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
+                    s.execute_command("SENTINEL", "FAILOVER", self.MASTER_NAME)
+                break
+            except redis.ResponseError as exc:
+                settling = any(w in str(exc) for w in ("INPROG", "NOGOODSLAVE"))
+                if not settling or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
         def moved() -> bool:
             if self.master() == old:
