@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median_seconds, table
 
-from ssmserve.server.engine.config import Architecture, MambaConfig
+from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import build_model
 from ssmserve.server.engine.mamba import MambaBlockWeights, MambaModel
 from ssmserve.server.engine.numerics import RowStableLinear, blas_signature
+from ssmserve.server.engine.presets import preset_config
 from ssmserve.server.engine.recurrent_state import BatchState
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -71,21 +71,9 @@ def mamba_130m_model() -> MambaModel:
 
 
 def mamba_130m_config() -> MambaConfig:
-    """state-spaces/mamba-130m's dims (random weights stand in for the real ones)."""
-    return MambaConfig(
-        architecture=Architecture.LM,
-        hidden_size=768,
-        state_size=16,
-        num_hidden_layers=24,
-        intermediate_size=1536,
-        conv_kernel=4,
-        time_step_rank=math.ceil(768 / 16),
-        use_bias=False,
-        use_conv_bias=True,
-        layer_norm_epsilon=1e-5,
-        vocab_size=50280,
-        tie_word_embeddings=True,
-    )
+    """state-spaces/mamba-130m's dims (random weights stand in for the real ones): the
+    ``init-demo --preset mamba-130m`` config."""
+    return preset_config("mamba-130m")
 
 
 def inputs_for(model: MambaModel, batch: int, rng: np.random.Generator) -> np.ndarray:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -72,6 +73,7 @@ from common import median_seconds, peer_skipped, percentiles_ms, run_peer_child,
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.presets import preset_config
 from ssmserve.server.engine.recurrent_state import SessionState
 
 THREADS = 2
@@ -85,23 +87,26 @@ SMALL = {"warmup": 3, "tokens": 5, "batch": 4, "batch_steps": 3, "snapshots": 3}
 
 
 def mamba2_config(small: bool) -> MambaConfig:
-    """mamba2-130m's dims (``small``: a tiny model of the same kind, to check the script)."""
-    d, layers, n, p, vocab = (64, 2, 16, 16, 100) if small else (768, 24, 128, 64, 50280)
+    """mamba2-130m's dims (the ``init-demo --preset mamba2-130m`` config with the
+    tokenizer's unpadded vocabulary, 50280), or with ``small`` a tiny model of the same
+    kind, to check the script."""
+    if not small:
+        return dataclasses.replace(preset_config("mamba2-130m"), vocab_size=50280)
     return MambaConfig(
         architecture=Architecture.MAMBA2_LM,
-        hidden_size=d,
-        state_size=n,
-        num_hidden_layers=layers,
-        intermediate_size=2 * d,
+        hidden_size=64,
+        state_size=16,
+        num_hidden_layers=2,
+        intermediate_size=128,
         conv_kernel=4,
         time_step_rank=0,
         use_bias=False,
         use_conv_bias=True,
         layer_norm_epsilon=1e-5,
-        vocab_size=vocab,
+        vocab_size=100,
         tie_word_embeddings=True,
-        num_heads=2 * d // p,
-        head_dim=p,
+        num_heads=8,
+        head_dim=16,
         n_groups=1,
     )
 
