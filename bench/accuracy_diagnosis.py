@@ -117,8 +117,8 @@ class Product:
         wt = np.ascontiguousarray(w.T)
         if variant == "chain":
             _chain(x32, wt, x.shape[1], out32)
-        elif variant == "blocked64":
-            _chain(x32, wt, 64, out32)
+        elif variant.startswith("blocked"):  # blocked<B>: an fma chain per B of k
+            _chain(x32, wt, int(variant[len("blocked") :]), out32)
         elif variant == "lanes8":
             _lanes8(x32, wt, out32)
         elif variant == "f64acc":
@@ -210,7 +210,7 @@ def forward(w: Weights, ids: np.ndarray, cfg: dict[str, str]) -> np.ndarray:
         y = _scan(dt_raw, xs, x_dbl, xz[:, e:], lw, w, cfg)  # (T, e)
         delta = lw["out"](y, cfg["products"])  # (T, d)
         h = h + delta
-        if cfg["norms"] != "f64":
+        if cfg["norms"] not in ("f64", "stream64"):
             h = _f32(h)  # the residual stream is float32 in the engine
     xn = _norm_only(h, w.norm_f, w.eps, cfg["norms"])
     return w.head(xn, cfg["head"])
@@ -226,7 +226,8 @@ def _norm_only(h: np.ndarray, weight: np.ndarray, eps: float, how: str) -> np.nd
         h = _f32(h)
     inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
     out = h * inv * weight
-    return _f32(out) if how == "f64sum" else out
+    # stream64: a float64 residual stream, normed in float64, rounded once to float32
+    return _f32(out) if how in ("f64sum", "stream64") else out
 
 
 def _conv(x: np.ndarray, lw: dict[str, Any], how: str) -> np.ndarray:

@@ -106,21 +106,25 @@ def test_row_stable_linear_is_row_independent(shape: tuple[int, int]) -> None:
     np.testing.assert_allclose(solo, exact, rtol=1e-5, atol=1e-4 * np.sqrt(in_f))
 
 
-@pytest.mark.parametrize("shape", [(50, 7), (24, 64), (30, 256)])
+@pytest.mark.parametrize("shape", [(50, 7), (24, 64), (30, 65), (30, 256), (9, 300)])
 def test_row_stable_linear_is_the_fixed_order_fma_chain(shape: tuple[int, int]) -> None:
-    """Each element is ``acc = fma(x[k], w[k], acc)`` for k in order, then ``+ bias``: the
-    arithmetic ``products.py`` defines (no CPU- or batch-dependent order). The reference
-    emulates fma in float64, where a float32 product is exact."""
+    """Each element sums k in blocks of ``K_BLOCK``: per block ``acc = fma(x[k], w[k], acc)``
+    for k in order from 0.0, the block sums added in order, then ``+ bias``: the arithmetic
+    ``products.py`` defines (no CPU- or batch-dependent order). The reference emulates fma
+    in float64, where a float32 product is exact."""
     out_f, in_f = shape
     rng = np.random.default_rng(in_f)
     w = rng.standard_normal(shape).astype(np.float32)
     bias = rng.standard_normal(out_f).astype(np.float32)
     x = rng.standard_normal((11, in_f)).astype(np.float32)
-    acc = np.zeros((11, out_f), np.float32)
-    for k in range(in_f):
-        exact = x[:, k, None].astype(np.float64) * w[None, :, k] + acc  # (b, o), one rounding
-        acc = exact.astype(np.float32)
-    want = acc + bias
+    total = np.zeros((11, out_f), np.float32)
+    for k0 in range(0, in_f, products.K_BLOCK):
+        acc = np.zeros((11, out_f), np.float32)
+        for k in range(k0, min(k0 + products.K_BLOCK, in_f)):
+            exact = x[:, k, None].astype(np.float64) * w[None, :, k] + acc  # (b, o)
+            acc = exact.astype(np.float32)  # one rounding
+        total = acc if k0 == 0 else total + acc
+    want = total + bias
     got = RowStableLinear(w, bias)(x)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(RowStableLinear(w).weight, w)

@@ -254,25 +254,33 @@ def exp_f32(x: np.ndarray) -> np.ndarray:
 
 @njit(**_JIT, inline="always")
 def _scale_row(
-    hr: np.ndarray, ss: np.float32, weight: np.ndarray, eps: np.float32, o: np.ndarray
+    hr: np.ndarray, ss: np.float64, weight: np.ndarray, eps: np.float64, o: np.ndarray
 ) -> None:
-    """``o = w * hr / sqrt(ss / d + eps)``, ``ss`` being the row's sum of squares."""
-    inv = _ONE / np.sqrt(ss / np.float32(hr.shape[0]) + eps)
+    """``o = float32(w * hr / sqrt(ss / d + eps))`` computed in float64, ``ss`` being the
+    row's float64 sum of squares: the norm's output is rounded once."""
+    inv = 1.0 / np.sqrt(ss / np.float64(hr.shape[0]) + eps)
     for j in range(hr.shape[0]):
-        o[j] = hr[j] * inv * weight[j]
+        o[j] = np.float32(np.float64(hr[j]) * inv * np.float64(weight[j]))
 
 
 @njit(**_JIT)
 def rms_norm_rows(
-    h: np.ndarray, weight: np.ndarray, eps: np.float32, b: int, out: np.ndarray
+    h: np.ndarray, weight: np.ndarray, eps: np.float64, b: int, out: np.ndarray
 ) -> None:
-    """RMSNorm of rows ``h[:b]`` (b, d) into ``out[:b]``: ``w * h / sqrt(mean(h^2) + eps)``."""
+    """RMSNorm of rows ``h[:b]`` (b, d) float64 into ``out[:b]`` float32:
+    ``w * h / sqrt(mean(h^2) + eps)``, in float64 and rounded once.
+
+    Why float64: the residual stream ``h`` and its norm carry 11-12% of a float32 stream's
+    logit error variance against a float64 reference, and with the k-blocked products the
+    largest logit errors; a float64 stream costs d doubles per row and nothing measurable
+    per step (``bench/accuracy_diagnosis.py``, ``bench/bench_accuracy.py``)."""
     d = h.shape[1]
     for row in range(b):
         hr = h[row]
-        ss = _ZERO
+        ss = 0.0
         for j in range(d):
-            ss += hr[j] * hr[j]
+            v = np.float64(hr[j])
+            ss += v * v
         _scale_row(hr, ss, weight, eps, out[row])
 
 
@@ -281,18 +289,19 @@ def residual_rms_norm_rows(
     h: np.ndarray,
     delta: np.ndarray,
     weight: np.ndarray,
-    eps: np.float32,
+    eps: np.float64,
     b: int,
     out: np.ndarray,
 ) -> None:
-    """``h[:b] += delta[:b]`` (the residual around a block), then RMSNorm into ``out``."""
+    """``h[:b] += delta[:b]`` (the residual around a block; h float64, delta float32), then
+    RMSNorm into ``out`` (:func:`rms_norm_rows`)."""
     d = h.shape[1]
     for row in range(b):
         hr = h[row]
         dr = delta[row]
-        ss = _ZERO
+        ss = 0.0
         for j in range(d):
-            v = hr[j] + dr[j]
+            v = hr[j] + np.float64(dr[j])
             hr[j] = v
             ss += v * v
         _scale_row(hr, ss, weight, eps, out[row])

@@ -216,7 +216,7 @@ class StepWorkspace:
 
     rows: int
     signal: np.ndarray  # (rows, i) signal inputs
-    h: np.ndarray  # (rows, d) residual stream
+    h: np.ndarray  # (rows, d) residual stream, float64 (``kernels.rms_norm_rows`` says why)
     xn: np.ndarray  # (rows, d) normalised block input
     y: np.ndarray  # (rows, e) mixer output
     delta: np.ndarray  # (rows, d) out_proj output
@@ -231,7 +231,7 @@ class StepWorkspace:
         return cls(
             rows=rows,
             signal=_zeros(rows, max(c.input_dim, 1)),
-            h=_zeros(rows, d),
+            h=np.zeros((rows, d), np.float64),
             xn=_zeros(rows, d),
             y=_zeros(rows, e),
             delta=_zeros(rows, d),
@@ -409,7 +409,7 @@ class MambaModel:
         b = hi - lo
         ws = self._workspace(b)
         ws.column_threads = column_threads
-        eps = np.float32(c.layer_norm_epsilon)
+        eps = np.float64(c.layer_norm_epsilon)
         x = inputs[lo:hi]
         if self.embeddings is not None:
             ws.h[:b] = self.embeddings[x]  # (b, d)
@@ -417,7 +417,8 @@ class MambaModel:
             ws.h[:b] = self.head.weight_rows(x)  # (b, d): the tied head's rows
         else:
             ws.signal[:b] = x  # (b, i)
-            self.input_proj.into(ws.signal, ws.h, b, column_threads)  # (b, i) -> (b, d)
+            self.input_proj.into(ws.signal, ws.delta, b, column_threads)  # (b, i) -> (b, d)
+            ws.h[:b] = ws.delta[:b]  # (b, d) float32 -> the float64 stream
         blocks = self.blocks
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
         for i, block in enumerate(blocks):

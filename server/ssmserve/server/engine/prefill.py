@@ -286,14 +286,15 @@ def _chunk(
     the final norm's output in ``ws.xn[:t]`` (t, d), each layer's state advanced by t
     positions in ``carries`` (in its turn); products on ``threads`` threads."""
     t = x.shape[0]
-    eps = np.float32(model.config.layer_norm_epsilon)
+    eps = np.float64(model.config.layer_norm_epsilon)
     if model.embeddings is not None:
         ws.h[:t] = model.embeddings[x]  # (t, d)
     elif model.input_proj is None:
         ws.h[:t] = model.head.weight_rows(x)  # (t, d): the tied head's rows
     else:
         ws.signal[:t] = x  # (t, i)
-        _product(model.input_proj, ws.signal, ws.h, t, threads)  # (t, i) -> (t, d)
+        _product(model.input_proj, ws.signal, ws.delta, t, threads)  # (t, i) -> (t, d)
+        ws.h[:t] = ws.delta[:t]  # (t, d) float32 -> the float64 stream
     blocks = model.blocks
     kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, t, ws.xn)  # (t, d)
     for i, block in enumerate(blocks):

@@ -9,9 +9,11 @@ speed from a few rows up (``bench/bench_engine.py`` measures both).
 
 The exact arithmetic. For ``out = x @ w.T + bias`` with ``x`` (b, i) and ``w`` (o, i)::
 
-    acc = 0.0
-    for k in 0 .. i-1:  acc = fma(x[r, k], w[j, k], acc)     # one rounding per k
-    out[r, j] = acc + bias[j]
+    for each block [k0, k0 + K_BLOCK) of 0 .. i-1, in order:
+        acc = 0.0
+        for k in the block:  acc = fma(x[r, k], w[j, k], acc)   # one rounding per k
+        total = acc if k0 == 0 else total + acc                  # one rounding per block
+    out[r, j] = total + bias[j]
 
 Every element of every batch goes through exactly these operations in this order, whatever
 tile computes it, however many rows the batch has and wherever the row sits in it. The fma
@@ -20,16 +22,16 @@ CPU has it, a correctly rounded library routine where it does not), so the bits 
 depend on the CPU's vector width either.
 
 Speed. The micro-kernel (:func:`_tile_kernel`) keeps a ``ROWS`` x ``COLUMNS`` block of
-``out`` (4 x 24, or 4 x 48 where the CPU has AVX-512) in twelve vector registers of 8 (16)
-floats while it walks k: per k it loads three vectors of a packed weight panel, broadcasts
-four inputs and issues twelve fmas, so the fma units, not memory, set its pace (the
-classic GotoBLAS / BLIS register block). Weights are packed once at load into panels of
-``COLUMNS`` output columns, ``(o / COLUMNS, i, COLUMNS)``, so each k reads 3 contiguous
-vectors. A batch that is not a multiple of 4 rows ends with a 1..3-row tile: same
-per-element arithmetic, so the same bits. The vector width changes which elements share
-an instruction, never an element's arithmetic, so it changes no bits either
-(``test_the_vector_width_changes_no_bits``); it is part of the numerics signature through
-the CPU features anyway.
+``out`` (4 x 24, or 4 x 48 where the CPU has AVX-512) in twelve vector registers of 8
+(16) floats while it walks a block of k, then adds them to ``out`` (in L1): per k it
+loads three vectors of a packed weight panel, broadcasts four inputs and issues twelve
+fmas, so the fma units, not memory, set its pace (the classic GotoBLAS / BLIS register
+block). Weights are packed once at load into panels of ``COLUMNS`` output columns, ``(o /
+COLUMNS, i, COLUMNS)``, so each k reads 3 contiguous vectors. A batch that is not a
+multiple of 4 rows ends with a 1..3-row tile: same per-element arithmetic, so the same
+bits. The vector width changes which elements share an instruction, never an element's
+arithmetic, so it changes no bits either (``test_the_vector_width_changes_no_bits``); it
+is part of the numerics signature through the CPU features anyway.
 
 numba compiles the driver; the micro-kernel is written with llvmlite's IR builder inside a
 numba ``intrinsic`` because numba's own loops do not keep an accumulator block in
@@ -64,6 +66,13 @@ def _vector_lanes() -> int:
 
 #: Rows of ``out`` one micro-kernel call computes (a batch's last tile may have fewer).
 ROWS = 4
+#: Terms of k per fma chain: each element sums k in blocks of this many, each block a chain
+#: from 0.0, the block sums added in order. A constant of the numerics (never of the batch
+#: or the CPU). Why 64: a single chain over k = 768..1,536 carried 80-83% of the logit
+#: error's variance against float64; blocks of 64 bring it below transformers float32's
+#: at a cost of 12 loads, adds and stores per 64 x 12 fmas (``bench/accuracy_diagnosis.py``,
+#: ``bench/bench_accuracy.py``, ``bench/bench_engine.py``).
+K_BLOCK = 64
 _LANES = _vector_lanes()  # floats per vector register (narrower machines split it, same bits)
 #: Output columns per packed weight panel and micro-kernel call: 3 vectors.
 COLUMNS = 3 * _LANES
@@ -134,29 +143,55 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
         for r in range(rows)
     ]
     panel_base = builder.gep(p_arr.data, [builder.mul(panel, builder.mul(depth, const(COLUMNS)))])
-    with cgutils.for_range(builder, depth) as loop:
-        k = loop.index
-        w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k
-        w = [
-            builder.load(
-                builder.bitcast(builder.gep(w_row, [const(v * _LANES)]), vec.as_pointer()),
-                align=4,
-            )
-            for v in range(vectors)
-        ]
-        for r in range(rows):
-            xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
-            xk = builder.shuffle_vector(builder.insert_element(undef, xk, lane0), undef, broadcast)
-            for v in range(vectors):
-                total = builder.call(fma, [xk, w[v], builder.load(acc[r][v])])
-                builder.store(total, acc[r][v])
-    for r in range(rows):
-        o_row = builder.gep(
-            o_arr.data, [builder.add(builder.mul(builder.add(out_row, const(r)), o_pitch), out_col)]
+    out_rows = [
+        builder.gep(
+            o_arr.data,
+            [builder.add(builder.mul(builder.add(out_row, const(r)), o_pitch), out_col)],
         )
-        for v in range(vectors):
-            dst = builder.bitcast(builder.gep(o_row, [const(v * _LANES)]), vec.as_pointer())
-            builder.store(builder.load(acc[r][v]), dst, align=4)
+        for r in range(rows)
+    ]
+
+    def out_vector(r: int, v: int) -> Any:
+        return builder.bitcast(builder.gep(out_rows[r], [const(v * _LANES)]), vec.as_pointer())
+
+    blocks = builder.sdiv(builder.add(depth, const(K_BLOCK - 1)), const(K_BLOCK))
+    with cgutils.for_range(builder, blocks) as block_loop:
+        k0 = builder.mul(block_loop.index, const(K_BLOCK))
+        k_stop = builder.add(k0, const(K_BLOCK))
+        k_stop = builder.select(builder.icmp_signed("<", k_stop, depth), k_stop, depth)
+        for r in range(rows):  # each block's chain starts from 0.0
+            for v in range(vectors):
+                builder.store(zero, acc[r][v])
+        with cgutils.for_range_slice(builder, k0, k_stop, const(1)) as (k, _count):
+            w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k
+            w = [
+                builder.load(
+                    builder.bitcast(builder.gep(w_row, [const(v * _LANES)]), vec.as_pointer()),
+                    align=4,
+                )
+                for v in range(vectors)
+            ]
+            for r in range(rows):
+                xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
+                xk = builder.shuffle_vector(
+                    builder.insert_element(undef, xk, lane0), undef, broadcast
+                )
+                for v in range(vectors):
+                    total = builder.call(fma, [xk, w[v], builder.load(acc[r][v])])
+                    builder.store(total, acc[r][v])
+        # The block's sums into out: the first block stores, each later one adds in order.
+        first = builder.icmp_signed("==", block_loop.index, const(0))
+        with builder.if_else(first) as (then, otherwise):
+            with then:
+                for r in range(rows):
+                    for v in range(vectors):
+                        builder.store(builder.load(acc[r][v]), out_vector(r, v), align=4)
+            with otherwise:
+                for r in range(rows):
+                    for v in range(vectors):
+                        dst = out_vector(r, v)
+                        running = builder.load(dst, align=4)
+                        builder.store(builder.fadd(running, builder.load(acc[r][v])), dst, align=4)
     return context.get_dummy_value()
 
 
