@@ -5,13 +5,14 @@ kernels are swapped in one piece at a time (``bench_accuracy.py --diagnose`` cal
 The pieces (each swapped in with its inputs rounded to float32, its output kept float32):
 
 * ``products``: the block products (in_proj, x_proj, dt_proj, out_proj) through
-  ``products.product_rows`` (one fma chain over k per element); ``head``: the head's.
+  ``products.product_rows`` (fma chains over fixed blocks of 64 k, the block sums added
+  in order); ``head``: the head's.
 * ``conv``: ``kernels.conv_silu`` (window, sum, SiLU through the Cephes exp).
 * ``scan``: ``kernels.selective_scan`` (softplus, exp(Δ A), the state update, the
   readout ``_dot_in_order``, the gate), with A = -exp(A_log) in float32 as the loader has it.
-* ``norms``: the residual stream stored in float32 and ``kernels.rms_norm_rows`` (the
-  sum of squares as one float32 chain); ``f64sum``: the float32 stream, normalised in
-  float64 and rounded once (what a float64 sum in the kernel would give).
+* ``norms``: the residual stream (float64 in the engine) and ``kernels.rms_norm_rows``
+  (float64, its output rounded once to float32); ``f32stream``: the same with the stream
+  stored in float32 after each block.
 
 All pieces swapped in is the engine itself (checked: the same bits as ``MambaModel.run``).
 Two readings: each piece alone in float32 (the rest float64): the error it brings; the
@@ -22,11 +23,11 @@ Inside the scan, a numpy float64 scan with one sub-piece in float32 at a time:
 on the float32 argument, or correctly rounded), ``state`` (h kept in float32),
 ``readout`` (``_dot_in_order`` in float32), ``gate``.
 
-Candidate fixes of the product, each a fixed order per element (batch-invariant), swapped
-in for the products and the head of the otherwise unchanged engine: ``blocked64`` (an fma
-chain over each block of 64 k, the block sums added to the element's running sum in
-order), ``lanes8`` (8 chains over k mod 8, added in a fixed tree), ``f64acc`` (the chain
-in float64, rounded once).
+Other fixed orders per element (batch-invariant), swapped in for the products and the
+head of the otherwise unchanged engine: ``chain`` (one fma chain over all of k),
+``blocked<B>`` (fma chains over blocks of B k, the block sums added in order: the engine
+is ``blocked64``), ``lanes8`` (8 chains over k mod 8, added in a fixed tree), ``f64acc``
+(float64 accumulation, rounded once).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class Weights:
         t = load_file(model_dir / "model.safetensors")
         self.emb = t.pop("backbone.embeddings.weight")
         self.norm_f = t.pop("backbone.norm_f.weight")
-        self.head = Product(self.emb)
+        self.head = Product(t.pop("lm_head.weight", self.emb))  # tied unless it has its own
         self.t = t
 
     def layer(self, i: int) -> dict[str, Any]:
@@ -210,24 +211,20 @@ def forward(w: Weights, ids: np.ndarray, cfg: dict[str, str]) -> np.ndarray:
         y = _scan(dt_raw, xs, x_dbl, xz[:, e:], lw, w, cfg)  # (T, e)
         delta = lw["out"](y, cfg["products"])  # (T, d)
         h = h + delta
-        if cfg["norms"] not in ("f64", "stream64"):
-            h = _f32(h)  # the residual stream is float32 in the engine
+        if cfg["norms"] == "f32stream":
+            h = _f32(h)  # the residual stream stored in float32
     xn = _norm_only(h, w.norm_f, w.eps, cfg["norms"])
     return w.head(xn, cfg["head"])
 
 
 def _norm_only(h: np.ndarray, weight: np.ndarray, eps: float, how: str) -> np.ndarray:
-    if how == "engine":
-        h32 = np.ascontiguousarray(h, dtype=F32)
-        out = np.empty_like(h32)
-        kernels.rms_norm_rows(h32, weight, F32(eps), h32.shape[0], out)
+    if how in ("engine", "f32stream"):  # the kernel: float64, its output rounded once
+        h64 = np.ascontiguousarray(h, dtype=F64)
+        out = np.empty(h64.shape, F32)
+        kernels.rms_norm_rows(h64, weight, F64(eps), h64.shape[0], out)
         return out.astype(F64)
-    if how == "f64sum":  # the float32 stream, its norm in float64, rounded once
-        h = _f32(h)
     inv = 1.0 / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
-    out = h * inv * weight
-    # stream64: a float64 residual stream, normed in float64, rounded once to float32
-    return _f32(out) if how in ("f64sum", "stream64") else out
+    return h * inv * weight
 
 
 def _conv(x: np.ndarray, lw: dict[str, Any], how: str) -> np.ndarray:
@@ -336,10 +333,10 @@ def experiments() -> list[tuple[str, dict[str, str]]]:
     ]
     out += [(f"only {p} float32", _config({p})) for p in PIECES]
     out += [(f"engine, {p} float64", _config(all_engine - {p})) for p in PIECES]
-    out.append(("engine, norms summed in float64", _config(all_engine - {"norms"}, norms="f64sum")))
+    out.append(("engine, residual stream float32", _config(all_engine, norms="f32stream")))
     for sub in ("softplus", "softplus_cr", "exp", "exp_cr", "state", "readout", "gate"):
         out.append((f"only scan's {sub} float32", _config(set(), scan_sub=sub)))
-    for variant in ("blocked64", "lanes8", "f64acc"):
+    for variant in ("chain", "blocked32", "lanes8", "f64acc"):
         out.append(
             (
                 f"engine, products+head {variant}",
