@@ -38,6 +38,7 @@ LONG_MODULES: dict[str, int] = {}
 MAPPED_PACKAGES = [
     SERVER,
     *(SERVER / name for name in (*LAYERS, "observability")),
+    SERVER / "engine" / "gpu",
 ]
 
 

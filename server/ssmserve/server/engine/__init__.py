@@ -23,6 +23,9 @@
 ``threads``   the engine's helper threads: row ranges and column ranges of a step
 ``allocator``  freed heap pages kept for the next step, given back when idle
 ``environment``  the engine's knobs read from the environment, each checked
+``gpu``       the optional GPU engine (``--engine cuda``): the same models on fixed-order
+              Triton kernels, with the same bits at every batch size and for prefill vs
+              steps; needs the ``cuda`` extra and is imported by nothing else
 
 Imports: nothing else of the server (numpy, numba, safetensors; tokenizers for a
 model directory that has a ``tokenizer.json``).
