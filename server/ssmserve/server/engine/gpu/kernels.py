@@ -49,7 +49,7 @@ import triton.language as tl
 K_BLOCK = 64
 #: Rows and columns of one product tile: a fixed shape, never chosen by the problem.
 BLOCK_M = 16
-BLOCK_N = 64
+BLOCK_N = 128
 #: Rows and channels per program of the conv; channels per program of the scans (their
 #: tiles' shapes, hence their readout's reduction tree, are constants: never chosen by
 #: the batch).
