@@ -184,13 +184,14 @@ class GpuMambaModel:
         return xn, DeviceBatch(tuple(conv), tuple(ssm))
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The residual stream's first value per row (M, d) float64 (exact copies of
-        float32 rows, or the input projection's output)."""
+        """The residual stream's first value per row (M, d) float64, rows contiguous
+        (exact copies of float32 rows, or the input projection's output)."""
         if self.input_proj is not None:
             return launch.product(inputs, self.input_proj).to(torch.float64)
         if self.embeddings is not None:
             return self.embeddings.index_select(0, inputs).to(torch.float64)
-        return self.head.w_t.index_select(1, inputs).t().to(torch.float64)  # tied head's rows
+        # The tied head's rows: (d, M) columns, transposed into rows the kernels read.
+        return self.head.w_t.index_select(1, inputs).t().contiguous().to(torch.float64)
 
     # ------------------------------------------------------------------ prefill and run
 
