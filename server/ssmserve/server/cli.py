@@ -8,9 +8,9 @@ when the server is installed::
                                  [--layers N] [--state N] [--seed N] [--force]
     ssmserve model init-demo DIR --preset mamba-130m|mamba2-130m|mamba-790m [--seed N]
     ssmserve model inspect DIR [--json]
-    ssmserve model run DIR --input IN.npy --output OUT.npy [--prefill]
+    ssmserve model run DIR --input IN.npy --output OUT.npy [--prefill] [--engine cpu|cuda]
     ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--prefill T]
-                             [--rounds N] [--json]
+                             [--rounds N] [--json] [--engine cpu|cuda]
     ssmserve model bench DIR --checkpoint [--json]
     ssmserve auth token --tenant T --role client|operator|admin --file TOKENS.toml [--note N]
 
@@ -41,6 +41,17 @@ MAX_BATCH = 4096  # engine.bench.MAX_BATCH
 MAX_STEPS = 1_000_000  # engine.bench.MAX_STEPS
 MAX_PREFILL = 1 << 20  # engine.bench.MAX_PREFILL
 TOKEN_ROLES = ("client", "operator", "admin")  # api.auth.Role, less the workers' own
+ENGINES = ("cpu", "cuda")  # cpu: engine.mamba (numpy, numba); cuda: engine.gpu (Triton)
+
+
+def _engine_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="cpu",
+        help="cpu (default): the numba engine; cuda: the Triton engine on a GPU (needs "
+        "ssmserve[cuda]; without a GPU only under TRITON_INTERPRET=1, small models)",
+    )
 
 
 def _handler(name: str) -> Callable[[argparse.Namespace], None]:
@@ -123,6 +134,7 @@ def add_commands(commands: Subparsers) -> None:
         action="store_true",
         help="compute layer by layer over the whole sequence (faster; the same bits)",
     )
+    _engine_flag(run)
     run.set_defaults(handler=_handler("run"))
 
     bench = model_cmds.add_parser(
@@ -156,6 +168,7 @@ def add_commands(commands: Subparsers) -> None:
         action="store_true",
         help="print one JSON object (batch, step_us_median, ...; prefill_ms with --prefill)",
     )
+    _engine_flag(bench)
     bench.set_defaults(handler=_handler("bench"))
 
 

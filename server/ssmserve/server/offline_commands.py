@@ -8,11 +8,13 @@ Server errors become the CLI's one-line ``CliError`` here, at the boundary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,7 +23,12 @@ from ssmserve.client.cli_errors import CliError
 from ssmserve.client.npy_files import load_npy, save_npy
 from ssmserve.client.output_files import check_output
 from ssmserve.server.api.auth import TENANT_PATTERN, parse_token_file, token_entry, token_hash
-from ssmserve.server.engine.bench import bench_model, bench_prefill
+from ssmserve.server.engine.bench import (
+    BenchResult,
+    PrefillBenchResult,
+    bench_model,
+    bench_prefill,
+)
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import (
     CONFIG_FILE,
@@ -35,6 +42,8 @@ from ssmserve.server.engine.loader import (
 from ssmserve.server.engine.numerics import blas_signature
 from ssmserve.server.errors import ModelInputError, SsmserveError
 from ssmserve.server.state.checkpoint_bench import bench_checkpoint
+
+_Result = TypeVar("_Result", BenchResult, PrefillBenchResult)
 
 
 def make_token(args: argparse.Namespace) -> None:
@@ -176,10 +185,28 @@ def inspect(args: argparse.Namespace) -> None:
         print(f"{key.replace('_', ' '):<{width}}  {shown}")
 
 
+def load_for_engine(directory: Path, engine: str) -> Any:
+    """The model on ``--engine``: ``MambaModel`` (cpu) or ``GpuMambaModel`` (cuda), the
+    latter refused in one line where torch / triton are missing or no device runs it."""
+    if engine != "cuda":
+        return load_model(directory)
+    from ssmserve.server.engine.gpu.runtime import INSTALL_HINT, missing_packages
+
+    missing = missing_packages()
+    if missing:
+        raise CliError(f"--engine cuda needs {' and '.join(missing)}: {INSTALL_HINT}")
+    from ssmserve.server.engine.gpu.model import GpuMambaModel
+
+    try:
+        return GpuMambaModel.load(directory)
+    except RuntimeError as exc:  # no CUDA device and no interpreter
+        raise CliError(f"--engine cuda: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> None:
     inputs = load_npy(args.input)
     check_output(args.output)  # before the model runs: its work is not thrown away
-    model = load_model(args.dir)
+    model = load_for_engine(args.dir, args.engine)
     c = model.config
     if c.is_token_model:
         if inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
@@ -207,8 +234,8 @@ def bench(args: argparse.Namespace) -> None:
     if args.prefill is not None:
         bench_a_prefill(args)
         return
-    model = load_model(args.dir)
-    result = bench_model(model, args.batch, args.steps, args.warmup)
+    model = load_for_engine(args.dir, args.engine)
+    result = _engine_numerics(bench_model(model, args.batch, args.steps, args.warmup), model)
     if args.json:
         print(json.dumps(result.as_dict()))
         return
@@ -228,8 +255,9 @@ def bench(args: argparse.Namespace) -> None:
 def bench_a_prefill(args: argparse.Namespace) -> None:
     if args.batch != 1:
         raise ModelInputError("--prefill times one session: leave out --batch")
-    model = load_model(args.dir)
+    model = load_for_engine(args.dir, args.engine)
     result = bench_prefill(model, args.prefill, args.rounds, args.steps, args.warmup)
+    result = _engine_numerics(result, model)
     if args.json:
         print(json.dumps(result.as_dict()))
         return
@@ -244,6 +272,13 @@ def bench_a_prefill(args: argparse.Namespace) -> None:
         f"ratio        {result.prefill_per_input_over_step:.3f} (prefill per input / decode step)"
         f"\nnumerics     {result.numerics} (engine alone: no gRPC, no Redis)"
     )
+
+
+def _engine_numerics(result: _Result, model: Any) -> _Result:
+    """``result`` with the numerics signature of the engine that ran it (the GPU engine
+    has its own; ``bench`` fills in the CPU engine's)."""
+    signature = getattr(model, "numerics_signature", None)
+    return result if signature is None else dataclasses.replace(result, numerics=signature)
 
 
 def bench_a_checkpoint(args: argparse.Namespace) -> None:
