@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = run("-m", "ssmserve.client.cli", "model", "init-demo", directory, *flags)
     assert result.returncode == 0, result.stderr
     return directory
+
+
+def test_the_plain_install_does_not_pull_torch_or_triton() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~;\[ ]", r)[0] for r in project["dependencies"]]
+    assert "torch" not in names and "triton" not in names
+    extra = [re.split(r"[<>=!~;\[ ]", r)[0] for r in project["optional-dependencies"]["cuda"]]
+    assert extra == ["torch", "triton"]
 
 
 @needs_torch
