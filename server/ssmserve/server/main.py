@@ -52,6 +52,7 @@ from ssmserve.server.api.service import ServiceSettings
 from ssmserve.server.api.tls import TlsSettings
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
+from ssmserve.server.engine.interface import ENGINES
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.observability.garbage_collector import (
@@ -233,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("SSMSERVE_INSECURE", "") == "1",
         help="serve a non-loopback address without --auth-tokens (anyone who reaches it "
         "can call every RPC); refused otherwise",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=env("SSMSERVE_ENGINE", "cpu"),
+        help="what steps the models: cpu (default; numpy + numba) or cuda (Triton kernels "
+        "on a GPU: pip install 'ssmserve[cuda]'); refused at start where it cannot run. "
+        "Sessions never replay across engines (env SSMSERVE_ENGINE)",
     )
     parser.add_argument(
         "--allow-evicting-redis",
@@ -434,6 +443,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         redis_timeout_s=args.redis_timeout,
         redis_wait_replicas=args.redis_wait_replicas,
         allow_evicting_redis=args.allow_evicting_redis,
+        engine=args.engine,
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(

@@ -46,8 +46,8 @@ from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.data_dir_lock import DataDirLock, DataDirLockSettings
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.embedded_redis_keeper import EmbeddedRedisKeeper, KeeperSettings
+from ssmserve.server.engine.interface import ENGINES, Engine
 from ssmserve.server.engine.loader import load_model
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.numerics import (
     numerics_description,
     numerics_signature,
@@ -146,6 +146,10 @@ class WorkerSettings:
     # Serve from a Redis whose maxmemory-policy lets it delete keys (a warning instead of
     # a refusal; ``cluster.store_guard``): acknowledged steps may then vanish.
     allow_evicting_redis: bool = False
+    # The engine that steps every model of this worker (``engine.interface.ENGINES``): cpu
+    # (numpy + numba, the default) or cuda (Triton kernels on a GPU, ``ssmserve[cuda]``).
+    # Its numerics signature is the worker's, so sessions never replay across engines.
+    engine: str = "cpu"
     readiness: ReadinessSettings = field(default_factory=ReadinessSettings)
     embedded_redis: KeeperSettings = field(default_factory=KeeperSettings)
 
@@ -176,6 +180,30 @@ class WorkerStoppingError(SsmserveError):
 
 class ExposedWithoutAuthError(SsmserveError):
     """A listener beyond loopback with no authentication, and no --insecure."""
+
+
+class EngineUnavailableError(SsmserveError):
+    """``--engine cuda`` where its packages or a device are missing (refused at start)."""
+
+
+def check_engine(s: WorkerSettings) -> None:
+    """Refuse an engine this machine cannot run, before any model loads."""
+    if s.engine == "cpu":
+        return
+    if s.engine != "cuda":
+        raise EngineUnavailableError(f"--engine {clip(s.engine)}: expected one of {ENGINES}")
+    from ssmserve.server.engine.gpu.runtime import INSTALL_HINT, missing_packages
+
+    if missing := missing_packages():
+        raise EngineUnavailableError(
+            f"--engine cuda needs {' and '.join(missing)}, not installed: {INSTALL_HINT}"
+        )
+    from ssmserve.server.engine.gpu.runtime import default_device
+
+    try:
+        default_device()
+    except RuntimeError as exc:
+        raise EngineUnavailableError(f"--engine cuda: {exc}") from None
 
 
 def check_exposure(s: WorkerSettings) -> None:
@@ -244,11 +272,14 @@ class Worker:
         """Start everything; returns the address the server listens on (host:port)."""
         s = self.settings
         check_exposure(s)  # before anything starts: refuse, or warn
+        check_engine(s)
         pin_blas_threads(s.blas_threads)
-        models: dict[str, MambaModel] = {}
+        models: dict[str, Engine] = {}
         tokenizers: dict[str, ModelTokenizer | None] = {}
         for name, directory in s.models:
-            models[name], tokenizers[name] = await asyncio.to_thread(_load, directory, name)
+            models[name], tokenizers[name] = await asyncio.to_thread(
+                _load, directory, name, s.engine
+            )
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
             self._check_fits(name, model)
@@ -275,7 +306,7 @@ class Worker:
         )  # fmt: skip
         guard = self.guard = StoreGuard(self.store, s.allow_evicting_redis)
         await self._patiently("check the store's settings", guard.start)
-        self.numerics = numerics_description()
+        self.numerics = engine_numerics(s.engine)
         log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
 
         interceptors: list[grpc.aio.ServerInterceptor] = [
@@ -312,7 +343,7 @@ class Worker:
         )  # fmt: skip
         self.ownership.store_checks = self._store_checks
         manager = self.manager = SessionManager(
-            models, self.store, self.ownership, self.memory, s.manager, guard
+            models, self.store, self.ownership, self.memory, engine_manager_settings(s), guard
         )
         for name, tokenizer in tokenizers.items():
             manager.models.set_tokenizer(name, tokenizer)
@@ -458,7 +489,7 @@ class Worker:
                 log.debug("could not count stored sessions: %s", exc)
             await asyncio.sleep(self.settings.stored_count_every_s)
 
-    def _check_fits(self, key: str, model: MambaModel) -> None:
+    def _check_fits(self, key: str, model: Engine) -> None:
         """One step's answer (float32 outputs, packed) must fit in one message."""
         limit = self.settings.max_message_bytes
         if model.config.output_dim * 4 + 4096 > limit // 2:
@@ -475,7 +506,7 @@ class Worker:
                 f"model {clip(key)}: expected NAME or NAME@VERSION of letters, digits, '.', "
                 f"'_' or '-'"
             )
-        model, tokenizer = await asyncio.to_thread(_load, directory, key)
+        model, tokenizer = await asyncio.to_thread(_load, directory, key, self.settings.engine)
         self._check_fits(key, model)
         await self.manager.load_model(key, model, tokenizer)
         await self._models_changed()
@@ -599,10 +630,36 @@ class Worker:
             await self.store.aclose()
 
 
-def _load(directory: Path, key: str) -> tuple[MambaModel, ModelTokenizer | None]:
-    """A model directory's model and, for a token model with a ``tokenizer.json``, its
-    tokenizer (both checked: a bad one refuses the model)."""
-    model = load_model(directory, key)
+def engine_manager_settings(s: WorkerSettings) -> ManagerSettings:
+    """The manager's settings for the worker's engine: a GPU call always runs on the
+    engine thread (offload threshold 0), since it waits on the device and the event loop
+    must never do that; the CPU engine runs small calls inline, where the thread hop costs
+    more (``StepperSettings.offload_min_flop``)."""
+    if s.engine != "cuda":
+        return s.manager
+    return replace(s.manager, stepper=replace(s.manager.stepper, offload_min_flop=0.0))
+
+
+def engine_numerics(engine: str) -> str:
+    """What ``engine``'s bits depend on here, one line (the worker's numerics)."""
+    if engine == "cuda":
+        from ssmserve.server.engine.gpu.numerics import gpu_numerics_description
+        from ssmserve.server.engine.gpu.runtime import default_device
+
+        return gpu_numerics_description(default_device())
+    return numerics_description()
+
+
+def _load(directory: Path, key: str, engine: str = "cpu") -> tuple[Engine, ModelTokenizer | None]:
+    """A model directory's model on ``engine`` and, for a token model with a
+    ``tokenizer.json``, its tokenizer (both checked: a bad one refuses the model)."""
+    model: Engine
+    if engine == "cuda":
+        from ssmserve.server.engine.gpu.model import GpuMambaModel
+
+        model = GpuMambaModel.load(directory, key)
+    else:
+        model = load_model(directory, key)
     c = model.config
     tokenizer = load_tokenizer(directory, c.vocab_size) if c.is_token_model else None
     if tokenizer is not None:

@@ -1,5 +1,6 @@
 """The SSM engine: numpy only, no I/O beyond reading a model directory.
 
+``interface``  ``Engine``: what the serving code asks of an engine (both below implement it)
 ``config``    what a model is (dims, architecture), parsed from ``config.json``
 ``numerics``  the BLAS settings and the batch-invariant matrix product
 ``mamba``     the math: one recurrent step of a stack of Mamba blocks, batched, and the
@@ -25,7 +26,8 @@
 ``environment``  the engine's knobs read from the environment, each checked
 ``gpu``       the optional GPU engine (``--engine cuda``): the same models on fixed-order
               Triton kernels, with the same bits at every batch size and for prefill vs
-              steps; needs the ``cuda`` extra and is imported by nothing else
+              steps; needs the ``cuda`` extra and is imported only when a worker or a
+              command runs it
 
 Imports: nothing else of the server (numpy, numba, safetensors; tokenizers for a
 model directory that has a ``tokenizer.json``).

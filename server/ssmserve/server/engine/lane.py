@@ -26,13 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ssmserve.server.engine.allocator import allocates_engine_arrays, trim_own_arena
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.prefill import OutputRows
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 
 
 class EngineLane:
-    def __init__(self, model: MambaModel, offload_min_flop: float) -> None:
+    def __init__(self, model: Engine, offload_min_flop: float) -> None:
         self.model = model
         self.offload_min_flop = offload_min_flop
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{model.name}")
@@ -71,7 +71,7 @@ class EngineLane:
     async def prefill(
         self, inputs: np.ndarray, state: SessionState, outputs: OutputRows = "all"
     ) -> tuple[np.ndarray, SessionState]:
-        """One session through ``inputs`` at matrix speed (``MambaModel.prefill``, the bits
+        """One session through ``inputs`` at matrix speed (``Engine.prefill``, the bits
         of :meth:`run`): (the outputs ``outputs`` names ``(m, o)``, the state after)."""
         self.prefilled_steps += len(inputs)
         if len(inputs) * self.model.flops_per_step >= self.offload_min_flop:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import ErrorKind, SsmserveError, being_cancelled
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, GuardRule, check_output
@@ -85,7 +85,7 @@ class ForecastStep:
     guard_events: Sequence[GuardEvent] = ()
 
 
-def feedback(model: MambaModel, step: int, output: np.ndarray) -> np.ndarray:
+def feedback(model: Engine, step: int, output: np.ndarray) -> np.ndarray:
     """The input that follows ``output`` (of ``step``): its argmax token, or itself."""
     if model.config.is_token_model:
         return np.asarray(np.argmax(output), np.int64)  # () lowest id among equal maxima
@@ -156,7 +156,7 @@ class ForecastJob:
 class Forecaster:
     """The running forecasts of one model, stepped together."""
 
-    def __init__(self, model: MambaModel, engine: EngineLane, settings: ForecastSettings) -> None:
+    def __init__(self, model: Engine, engine: EngineLane, settings: ForecastSettings) -> None:
         self.model = model
         self.engine = engine
         self.settings = settings

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import clip
 from ssmserve.server.sessions.checkpoints import Checkpoints
@@ -82,7 +82,7 @@ class Lifecycle:
     async def _create(
         self,
         session_id: str,
-        model: MambaModel,
+        model: Engine,
         model_name: str,
         config: SessionConfig,
         state: SessionState,
@@ -311,7 +311,7 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ helpers
 
-    def _model(self, requested: str) -> tuple[str, MambaModel]:
+    def _model(self, requested: str) -> tuple[str, Engine]:
         """The key and model a request names (``ServedModels.resolve``: a bare name means
         its newest version here)."""
         key = self.models.resolve(requested)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ssmserve.server.engine.allocator import return_freed_memory
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.sessions.checkpoints import Checkpoints
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class SessionLoader:
     def __init__(
         self,
-        models: Mapping[str, MambaModel],
+        models: Mapping[str, Engine],
         residents: ResidentSessions,
         checkpoints: Checkpoints,
         replay: Replay,
@@ -117,7 +117,7 @@ class SessionLoader:
             )
         return meta
 
-    def footprint(self, model: MambaModel, config: SessionConfig) -> int:
+    def footprint(self, model: Engine, config: SessionConfig) -> int:
         """The most bytes a resident session of ``model`` may hold: its state, its input
         history and recorded outputs at their bounds, and (without ``log`` durability)
         the inputs it may hold before a flush."""
@@ -127,7 +127,7 @@ class SessionLoader:
         history = max(config.history_window, 1) + unflushed
         return c.state_bytes + history * input_bytes + self.output_window * 4 * c.output_dim
 
-    def check_capacity(self, model: MambaModel, config: SessionConfig) -> None:
+    def check_capacity(self, model: Engine, config: SessionConfig) -> None:
         """Room here for one more session like that: the session count and the memory."""
         count = len(self.residents.by_id)
         if count >= self.max_sessions:
@@ -148,7 +148,7 @@ class SessionLoader:
     def resident(
         self,
         session_id: str,
-        model: MambaModel,
+        model: Engine,
         model_name: str,
         config: SessionConfig,
         state: SessionState,
@@ -257,7 +257,7 @@ class SessionLoader:
     async def _restore(
         self,
         session_id: str,
-        model: MambaModel,
+        model: Engine,
         model_name: str,
         lease: SessionLease,
         may_be_behind: bool = False,

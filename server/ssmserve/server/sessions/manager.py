@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.cluster.store_guard import StoreGuard
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.tokenizer import ModelTokenizer
 from ssmserve.server.errors import SessionMovedError, SsmserveError, clip
 from ssmserve.server.observability.metrics import ResidentCounts
@@ -121,7 +121,7 @@ class SessionManager:
 
     def __init__(
         self,
-        models: Mapping[str, MambaModel],
+        models: Mapping[str, Engine],
         store: Store,
         ownership: Ownership,
         memory: WorkerMemory,
@@ -168,7 +168,7 @@ class SessionManager:
         await self.lanes.warm_up()
 
     async def load_model(
-        self, key: str, model: MambaModel, tokenizer: ModelTokenizer | None = None
+        self, key: str, model: Engine, tokenizer: ModelTokenizer | None = None
     ) -> None:
         """Serve another model (version) from now on (``ModelLanes.add``), with its
         tokenizer if it has one (in place before requests can see the model)."""

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 
 from ssmserve.server.engine.allocator import return_freed_memory
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.errors import UnknownModelError
@@ -66,7 +66,7 @@ class ModelLanes:
         for key, model in models.items():
             self._build(key, model)
 
-    def _build(self, key: str, model: MambaModel, engine: EngineLane | None = None) -> None:
+    def _build(self, key: str, model: Engine, engine: EngineLane | None = None) -> None:
         engine = engine or EngineLane(model, self.stepper_settings.offload_min_flop)
         stepper = Stepper(
             model, self.store, self.residents, self.checkpoints, self.replay,
@@ -96,7 +96,7 @@ class ModelLanes:
         for stepper in self.steppers.values():
             await stepper.stop()
 
-    async def add(self, key: str, model: MambaModel) -> None:
+    async def add(self, key: str, model: Engine) -> None:
         """Serve ``model`` as ``key`` from now on, its kernels compiled first."""
         if key in self.models:
             raise ModelExistsError(f"model {key!r} is served here already; unload it first")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.tokenizer import ModelTokenizer
 from ssmserve.server.errors import clip
 from ssmserve.server.sessions.errors import UnknownModelError
@@ -43,10 +43,10 @@ def version_order(version: str) -> tuple[tuple[int, int | str], ...]:
     )
 
 
-class ServedModels(Mapping[str, MambaModel]):
+class ServedModels(Mapping[str, Engine]):
     """The worker's models by key; a read-only mapping plus name resolution."""
 
-    def __init__(self, models: Mapping[str, MambaModel]) -> None:
+    def __init__(self, models: Mapping[str, Engine]) -> None:
         for key in models:
             if not KEY_PATTERN.fullmatch(key):
                 raise ValueError(
@@ -56,7 +56,7 @@ class ServedModels(Mapping[str, MambaModel]):
         self._models = dict(models)
         self._tokenizers: dict[str, ModelTokenizer] = {}
 
-    def __getitem__(self, key: str) -> MambaModel:
+    def __getitem__(self, key: str) -> Engine:
         return self._models[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -82,7 +82,7 @@ class ServedModels(Mapping[str, MambaModel]):
             f"model {clip(requested)} is not served here (models: {', '.join(sorted(self))})"
         )
 
-    def add(self, key: str, model: MambaModel) -> None:
+    def add(self, key: str, model: Engine) -> None:
         if not KEY_PATTERN.fullmatch(key):
             raise ValueError(f"model key {key!r}: expected NAME or NAME@VERSION")
         self._models[key] = model

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import CheckpointError, clip
 from ssmserve.server.sessions.checkpoints import Checkpoints, recent_history
@@ -245,7 +245,7 @@ class Replay:
         )
 
     async def _read_checkpoint(
-        self, session_id: str, record: SnapshotRecord, model: MambaModel
+        self, session_id: str, record: SnapshotRecord, model: Engine
     ) -> Checkpoint:
         blob = await self.store.read_blob(session_id, record)
         try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.config import SessionConfig
@@ -329,7 +329,7 @@ class Session:
     def __init__(
         self,
         session_id: str,
-        model: MambaModel,
+        model: Engine,
         model_name: str,
         config: SessionConfig,
         state: SessionState,

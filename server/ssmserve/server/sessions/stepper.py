@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError, being_cancelled
 from ssmserve.server.sessions.batch_plan import PrefillLimits, plan
@@ -105,7 +105,7 @@ class Stepper:
 
     def __init__(
         self,
-        model: MambaModel,
+        model: Engine,
         store: Store,
         residents: ResidentSessions,
         checkpoints: Checkpoints,

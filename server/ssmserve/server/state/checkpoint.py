@@ -55,7 +55,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import (
     CheckpointChecksumError,
@@ -120,7 +120,7 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ model checks
 
-    def check_model(self, model: MambaModel) -> None:
+    def check_model(self, model: Engine) -> None:
         """Raise :class:`CheckpointModelMismatchError` unless this fits ``model`` exactly."""
         if self.fingerprint != model.fingerprint:
             raise CheckpointModelMismatchError(

@@ -55,6 +55,10 @@ class Mamba1Layer:
             out_proj=DeviceLinear.of(t[p + "out_proj.weight"], t.get(p + "out_proj.bias"), device),
         )
 
+    @property
+    def linears(self) -> tuple[DeviceLinear, ...]:
+        return (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
+
     def mix(
         self, xn: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, positions: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,6 +117,10 @@ class Mamba2Layer:
             dt_bounds=(float(np.float32(low)), top),
             eps=float(np.float32(c.layer_norm_epsilon)),
         )
+
+    @property
+    def linears(self) -> tuple[DeviceLinear, ...]:
+        return (self.in_proj, self.out_proj)
 
     def mix(
         self, xn: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, positions: int

@@ -16,6 +16,8 @@ kept in float32 on the device, so every product accumulates in float32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -74,7 +76,11 @@ class DeviceBatch:
 
 class GpuMambaModel:
     """Read-only weights on a device plus the batched :meth:`step` and :meth:`prefill`,
-    each output row's bits independent of the batch and of prefill vs step."""
+    each output row's bits independent of the batch and of prefill vs step
+    (``engine.interface.Engine``)."""
+
+    #: A prefill runs on one host thread: the device does the parallel work.
+    threads = 1
 
     def __init__(
         self,
@@ -135,6 +141,13 @@ class GpuMambaModel:
     @cached_property
     def numerics_signature(self) -> str:
         return gpu_numerics_signature(self.device)
+
+    @cached_property
+    def flops_per_step(self) -> int:
+        """FLOPs of the products for one session-step (as ``MambaModel.flops_per_step``)."""
+        linears = [lin for layer in self.layers for lin in layer.linears]
+        linears += [self.head] + ([self.input_proj] if self.input_proj is not None else [])
+        return sum(2 * lin.in_features * lin.out_features for lin in linears)
 
     # ------------------------------------------------------------------ state and inputs
 
@@ -200,11 +213,13 @@ class GpuMambaModel:
         inputs: np.ndarray,
         state: SessionState | None = None,
         outputs: OutputRows = "all",
+        helpers: Sequence[Executor] | None = None,
     ) -> tuple[np.ndarray, SessionState]:
         """One session through ``inputs`` (T,) ids or (T, i) with the bits of T steps:
         products over all positions at once, the conv and the scan position by position
         (the step's kernels with T positions), the head only on the rows ``outputs``
-        names ("all", "last", "none", a mask or increasing indices)."""
+        names ("all", "last", "none", a mask or increasing indices). ``helpers`` is the
+        CPU engine's (its runner threads): unused, the device is the parallel part."""
         seq = self.check_inputs(inputs)
         start = state if state is not None else self.new_state()
         self.check_state(start)
