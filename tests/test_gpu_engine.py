@@ -172,3 +172,25 @@ def test_the_numerics_signature_names_the_engine_and_device(case: Case) -> None:
     assert len(case.gpu.numerics_signature) == 16
     assert case.gpu.numerics_signature != numerics_signature()
     assert case.gpu.fingerprint == case.cpu.fingerprint
+
+
+def test_a_step_in_its_bucket_has_the_bits_of_the_unpadded_eager_step(case: Case) -> None:
+    """``graphs.py``: a batch of b runs on the buffers of its size bucket, whose rows past
+    b still hold an earlier batch's states and inputs; its rows :b must be the unpadded
+    eager step's bits (on a GPU the bucket is a CUDA graph replay, the same operations)."""
+    from ssmserve.server.engine.gpu.graphs import bucket_for
+    from ssmserve.server.engine.gpu.model import DeviceBatch
+
+    model = case.gpu
+    states = [random_state(model, 200 + i) for i in range(7)]
+    inputs = random_inputs(model, 7, 8)
+    model.step(BatchState.stack(states), inputs)  # bucket 8: its rows 5 and 6 keep these
+    for b in (5, 3):
+        picked, x = states[b - 1 :: -1], inputs[b - 1 :: -1].copy()
+        assert bucket_for(b) > b
+        got, out = model.step(BatchState.stack(picked), x)
+        batch = DeviceBatch.from_host(BatchState.stack(picked), CPU)
+        eager, eager_out = model.step_device(batch, torch.from_numpy(np.asarray(x)))
+        assert out.tobytes() == eager_out.numpy().tobytes(), f"batch {b}"
+        want = eager.to_host()
+        assert all(_same(got.session(i), want.session(i)) for i in range(b))

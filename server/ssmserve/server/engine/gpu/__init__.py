@@ -13,6 +13,7 @@ on small models, which is how CI tests them.
 ``launch``    their Python side: grids, shapes, the device weight of a product
 ``layers``    one block's weights on the device and its mixer over sessions x positions
 ``model``     ``GpuMambaModel``: load, step, prefill, run; states as the CPU engine's
+``graphs``    decode steps replayed as CUDA graphs, one per batch-size bucket
 ``numerics``  the signature naming the engine, device, versions and this package's source
 
 Imports: torch and triton (every module but ``runtime``), and the engine's config,

@@ -16,6 +16,7 @@ kept in float32 on the device, so every product accumulates in float32.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.gpu import launch
+from ssmserve.server.engine.gpu.graphs import GraphBuffers, StepGraphs
 from ssmserve.server.engine.gpu.launch import DeviceLinear
 from ssmserve.server.engine.gpu.layers import Layer, Mamba1Layer, Mamba2Layer
 from ssmserve.server.engine.gpu.numerics import (
@@ -122,6 +124,7 @@ class GpuMambaModel:
         zeros = np.zeros(layout.size, np.float32)
         zeros.flags.writeable = False
         self._zero_state = (zeros, layout)
+        self._graphs_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -164,10 +167,27 @@ class GpuMambaModel:
 
     def step(self, state: BatchState, inputs: np.ndarray) -> tuple[BatchState, np.ndarray]:
         """Advance ``b`` sessions by one input each; returns (new state, outputs (b, o)),
-        as ``MambaModel.step`` (inputs already checked; ``state`` is not modified)."""
+        as ``MambaModel.step`` (inputs already checked; ``state`` is not modified). On a
+        GPU the step is replayed as the CUDA graph of the batch's size bucket
+        (``graphs.py``: the same bits as the eager step)."""
         batch = DeviceBatch.from_host(state, self.device)
-        new, out = self.step_device(batch, self._inputs(inputs))
-        return new.to_host(), out.cpu().numpy()
+        with self._graphs_lock:  # the buckets' buffers are shared
+            conv, ssm, out = self._graphs.step(batch.conv, batch.ssm, self._inputs(inputs))
+            return DeviceBatch(conv, ssm).to_host(), out.cpu().numpy()
+
+    @cached_property
+    def _graphs(self) -> StepGraphs:
+        def eager(
+            conv: tuple[torch.Tensor, ...], ssm: tuple[torch.Tensor, ...], x: torch.Tensor
+        ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+            new, out = self.step_device(DeviceBatch(conv, ssm), x)
+            return new.conv, new.ssm, out
+
+        one = DeviceBatch.from_host(BatchState.stack([self.new_state()]), self.device)
+        c = self.config
+        x = np.zeros(1, np.int64) if c.is_token_model else np.zeros((1, c.input_dim), np.float32)
+        template = GraphBuffers(1, self._inputs(x), one.conv, one.ssm)
+        return StepGraphs(eager, self.device, template)
 
     def step_device(
         self, batch: DeviceBatch, inputs: torch.Tensor
