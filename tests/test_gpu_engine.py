@@ -113,6 +113,26 @@ def test_a_product_has_the_cpu_engines_bits_by_either_launch() -> None:
     assert alone.tobytes() == one_pass[17:18].tobytes()
 
 
+@pytest.mark.parametrize("stored", ["bf16", "f16", "f32"])
+def test_weights_keep_their_stored_precision_and_give_the_float32_bits(stored: str) -> None:
+    """A model stored in BF16 or F16 keeps those weights 16-bit on the device (half the
+    bytes a step reads); the kernels widen them exactly, so the product has the bits of
+    the same weights in float32 (the CPU engine's micro-kernel here)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 150)).astype(np.float32)
+    w = rng.standard_normal((70, 150)).astype(np.float32)
+    if stored == "bf16":  # what the loader makes of a BF16 tensor: its high 16 bits
+        w = (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    elif stored == "f16":
+        w = w.astype(np.float16).astype(np.float32)
+    lin = launch.DeviceLinear.of(w, None, CPU)
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[stored]
+    assert lin.w_t.dtype == dtype
+    want = RowStableLinear(w)(x).tobytes()
+    for split in (False, True):
+        assert launch.product(torch.from_numpy(x), lin, split=split).numpy().tobytes() == want
+
+
 def test_rows_have_the_same_bits_at_every_batch_size_and_position(case: Case) -> None:
     model = case.gpu
     states = [random_state(model, 100 + i) for i in range(9)]

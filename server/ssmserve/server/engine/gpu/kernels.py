@@ -97,7 +97,7 @@ def _block_chain(  # noqa: ANN202
     w_cols = w_t + cols
     for k in range(k0, k_stop):
         xk = tl.load(x_rows + k, mask=row_ok, other=0.0)  # (BM,)
-        wk = tl.load(w_cols + k * N, mask=col_ok, other=0.0)  # (BN,)
+        wk = tl.load(w_cols + k * N, mask=col_ok, other=0.0).to(tl.float32)  # (BN,) exact
         acc = tl.fma(xk[:, None], wk[None, :], acc)
     return acc
 

@@ -27,12 +27,12 @@ class DeviceLinear:
     """``y = x @ w.T + bias`` with ``w`` stored transposed, ``w_t`` (K, N): a k step of a
     tile reads N-contiguous weights."""
 
-    w_t: torch.Tensor  # (K, N) float32
+    w_t: torch.Tensor  # (K, N) bfloat16, float16 or float32 (:func:`narrowest_exact`)
     bias: torch.Tensor | None  # (N,) float32
 
     @classmethod
     def of(cls, weight: np.ndarray, bias: np.ndarray | None, device: torch.device) -> DeviceLinear:
-        w_t = torch.from_numpy(np.ascontiguousarray(np.asarray(weight, np.float32).T))
+        w_t = narrowest_exact(np.ascontiguousarray(np.asarray(weight, np.float32).T))
         b = None if bias is None else torch.from_numpy(np.ascontiguousarray(bias, np.float32))
         return cls(w_t.to(device), None if b is None else b.to(device))
 
@@ -43,6 +43,20 @@ class DeviceLinear:
     @property
     def out_features(self) -> int:
         return self.w_t.shape[1]
+
+
+def narrowest_exact(w: np.ndarray) -> torch.Tensor:
+    """``w`` (float32) as bfloat16 or float16 where every value is exactly one of those
+    (a model stored in BF16 or F16: the loader widens it exactly), else float32. The
+    kernels widen each weight to float32 as they load it, so the storage changes no bit
+    and a 16-bit model reads half the bytes per step."""
+    if not (w.view(np.uint32) & np.uint32(0xFFFF)).any():  # bfloat16: float32's high half
+        return torch.from_numpy(w).to(torch.bfloat16)
+    with np.errstate(over="ignore"):
+        half = w.astype(np.float16)
+    if np.array_equal(half.astype(np.float32), w):
+        return torch.from_numpy(half)
+    return torch.from_numpy(w)
 
 
 def product(x: torch.Tensor, lin: DeviceLinear, split: bool | None = None) -> torch.Tensor:

@@ -9,9 +9,10 @@ without a host round trip: the seam for a device slot pool and CUDA-graph replay
 batch-size bucket (not built here: neither can run without a GPU).
 
 The residual stream is float64, normed in float64 and rounded once to float32, as the
-CPU engine's (``kernels.rms_norm_rows`` says why); everything else is float32. Weights
-stored in F16 / BF16 / F64 are read into float32 by the loader (``read_weights``) and
-kept in float32 on the device, so every product accumulates in float32.
+CPU engine's (``kernels.rms_norm_rows`` says why); everything else is float32. The
+products' weights stay in their stored precision on the device (BF16, F16 or float32:
+``launch.narrowest_exact``), widened exactly as the kernels load them, so every product
+accumulates in float32 and has the bits of float32 weights.
 """
 
 from __future__ import annotations
