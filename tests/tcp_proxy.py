@@ -33,8 +33,6 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections = 0  # accepted so far
         self.auth = ""  # ':password@' of the Redis behind it
-        self._down_limit: int | None = None  # bytes to the clients before a black hole
-        self._down_bytes = 0
 
     @classmethod
     def to_url(cls, redis_url: str) -> TcpProxy:
@@ -57,11 +55,6 @@ class TcpProxy:
 
     def black_hole(self) -> None:
         self._call(self._set(False))
-
-    def black_hole_after(self, limit_bytes: int) -> None:
-        """Move at most ``limit_bytes`` more from the server to its clients, then
-        black-hole: a stream stalls at a point set by bytes, not by timing."""
-        self._call(self._limit(limit_bytes))
 
     def heal(self, deliver: bool = True) -> None:
         if not deliver:
@@ -104,10 +97,6 @@ class TcpProxy:
         else:
             self._flowing.clear()
 
-    async def _limit(self, limit_bytes: int) -> None:
-        self._down_bytes = 0
-        self._down_limit = limit_bytes
-
     async def _retarget(self, target: tuple[str, int]) -> None:
         self.target = target
         await self._reset()
@@ -136,12 +125,12 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._conns.update((writer, up_writer))
-        for src, dst, down in ((reader, up_writer, False), (up_reader, writer, True)):
-            task = asyncio.ensure_future(self._pump(src, dst, down))
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.ensure_future(self._pump(src, dst))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, down: bool) -> None:
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         assert self._flowing is not None
         try:
             while True:
@@ -149,14 +138,6 @@ class TcpProxy:
                 data = await src.read(1 << 16)
                 if not data:
                     break
-                if down and self._down_limit is not None:
-                    room = self._down_limit - self._down_bytes
-                    if len(data) >= room:  # the limit reached: pass what fits, then hold
-                        dst.write(data[:room])
-                        data = data[room:]
-                        self._down_limit = None
-                        self._flowing.clear()
-                    self._down_bytes += len(data)
                 await self._flowing.wait()  # read just before an outage: hold it
                 dst.write(data)
                 await dst.drain()
