@@ -41,7 +41,7 @@ from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.numerics import RowStableLinear, numerics_signature
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
-from tests.conftest import MAMBA2_SPEC, token_config, write_model
+from tests.conftest import MAMBA2_SPEC, random_inputs, token_config, write_model
 
 CPU = torch.device("cpu")
 STEPS = 17  # the longest prefill checked: T in PREFILLS
@@ -54,14 +54,6 @@ def random_state(model: GpuMambaModel, seed: int) -> SessionState:
     rng = np.random.default_rng(seed)
     buffer = (rng.standard_normal(zeros.layout.size) * 0.5).astype(np.float32)
     return SessionState.of_buffer(buffer, zeros.layout)
-
-
-def random_inputs(model: GpuMambaModel, count: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    c = model.config
-    if c.is_token_model:
-        return rng.integers(0, c.vocab_size, count)
-    return rng.standard_normal((count, c.input_dim)).astype(np.float32)
 
 
 class Case:
