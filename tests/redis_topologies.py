@@ -7,11 +7,12 @@ a bound.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Collection, Sequence
-from contextlib import closing, suppress
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 
 import redis
@@ -187,6 +188,22 @@ class RedisClusterHarness:
     def node(self, port: int) -> redis.Redis:
         return redis.Redis(port=port, socket_timeout=10)
 
+    def replica_of(self, master: int) -> int:
+        """The port of the (first) replica of the master on port ``master``."""
+        with self.node(master) as m:
+            return int(m.info("replication")["slave0"]["port"])
+
+    @contextmanager
+    def stopped(self, port: int) -> Iterator[None]:
+        """The node on ``port`` frozen (SIGSTOP) inside the block: connected, answering
+        nothing (a replica that stops confirming writes); thawed (SIGCONT) after it."""
+        proc = self.processes.procs[port]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGCONT)
+
     def node_id(self, port: int) -> str:
         return self.node(port).cluster("myid").decode()
 
@@ -338,23 +355,15 @@ class SentinelHarness:
 
     def failover(self, timeout_s: float = 30.0) -> int:
         """``SENTINEL FAILOVER``: the replica becomes master; its port, once every
-        sentinel says so and it accepts writes."""
+        sentinel says so and it accepts writes.
+
+        Sentinel can accept the request and then abort it (``-failover-abort-*`` in its
+        log: the promoted replica not seen as master within ``failover-timeout``, on a
+        loaded machine); a manual failover is never retried by Sentinel itself, so the
+        harness asks again (the test is of the workers, not of Sentinel's timeouts). On
+        timeout the error quotes what the sentinels logged about failovers."""
         old = self.master()
         deadline = time.monotonic() + timeout_s
-        # Sentinel refuses a failover while the previous one settles (INPROG) or while no
-        # replica is in sync yet (NOGOODSLAVE: the old master still resyncing, which takes
-        # longer on a loaded machine): asked again until the deadline, the last refusal
-        # raised with what Sentinel said.
-        while True:
-            try:
-                with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
-                    s.execute_command("SENTINEL", "FAILOVER", self.MASTER_NAME)
-                break
-            except redis.ResponseError as exc:
-                settling = any(w in str(exc) for w in ("INPROG", "NOGOODSLAVE"))
-                if not settling or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
 
         def moved() -> bool:
             if self.master() == old:
@@ -362,8 +371,46 @@ class SentinelHarness:
             with redis.Redis(port=self.master(), socket_timeout=1) as m:
                 return m.info("replication")["role"] == "master"
 
-        _wait(moved, "the failover", timeout_s)
-        return self.master()
+        def in_progress() -> bool:
+            with redis.Redis(port=self.sentinel_ports[0], socket_timeout=1) as s:
+                return "failover_in_progress" in s.sentinel_master(self.MASTER_NAME)["flags"]
+
+        while True:
+            with suppress(redis.RedisError, OSError):
+                if moved():
+                    return self.master()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the failover: not within {timeout_s} s; the sentinels logged: "
+                    f"{self._failover_log()}"
+                )
+            # Sentinel refuses a failover while the previous one settles (INPROG) or while
+            # no replica is in sync yet (NOGOODSLAVE: the old master still resyncing, which
+            # takes longer on a loaded machine): asked again until the deadline.
+            try:
+                with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
+                    s.execute_command("SENTINEL", "FAILOVER", self.MASTER_NAME)
+            except redis.ResponseError as exc:
+                if not any(w in str(exc) for w in ("INPROG", "NOGOODSLAVE")):
+                    raise
+                time.sleep(0.2)
+                continue
+            # Accepted: it ends moved, or aborted (no longer in progress, not moved).
+            while time.monotonic() < deadline:
+                with suppress(redis.RedisError, OSError):
+                    if moved() or not in_progress():
+                        break
+                time.sleep(0.05)
+
+    def _failover_log(self, lines: int = 12) -> str:
+        """The sentinels' last log lines about failovers (bounded), for a failure message."""
+        said: list[str] = []
+        for port in self.sentinel_ports:
+            with suppress(OSError):
+                text = (self.root / str(port) / "log").read_text(errors="replace")
+                events = [ln for ln in text.splitlines() if "failover" in ln or "promot" in ln]
+                said += [f"{port}: {ln[-160:]}" for ln in events[-lines:]]
+        return "\n".join(said[-lines:]) or "(nothing)"
 
     def stop(self) -> None:
         self.processes.stop_all()

@@ -30,10 +30,18 @@ ALL_TOPOLOGIES = True
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis_url, tmp_path):
+def test_kill_9_at_random_moments_loses_nothing(
+    model_dirs, served_models, redis_url, redis_topology, tmp_path
+):
     """Three workers, four sessions streaming; 20 kill -9s of random workers at random
     moments (each restarted at once). Every acknowledged step survives, and every output
-    equals an uninterrupted single-process run, bit for bit."""
+    equals an uninterrupted single-process run, bit for bit.
+
+    On Cluster and Sentinel 10 kills: what happens at a kill is the workers' (the same
+    code on every topology); what the topology adds is where takeovers and reloads
+    write, which 10 kills (at least 3 takeovers) exercise at half of the ~90 s that 20
+    take, in a CI run that must stay under 30 minutes."""
+    total_kills, least_takeovers = (20, 5) if redis_topology == "single" else (10, 3)
     model = served_models["demo"]
     workers = start_workers(3, model_dirs, redis_url, tmp_path)
     addresses = [w.address for w in workers]
@@ -56,7 +64,7 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
         restarts: list[threading.Thread] = []
         kills = 0
         deadline = time.monotonic() + 300  # 20 kills, each after a restart: minutes with hogs
-        while kills < 20 and time.monotonic() < deadline:
+        while kills < total_kills and time.monotonic() < deadline:
             # A takeover needs a live worker to watch the lease stand a whole TTL (1 s,
             # ``cluster.takeover``): kills much closer than that would let few finish.
             time.sleep(rng.uniform(0.3, 1.5))
@@ -80,14 +88,14 @@ def test_kill_9_at_random_moments_loses_nothing(model_dirs, served_models, redis
         stop.set()
         thread.join(60)
         assert not errors, errors
-        assert kills >= 20
+        assert kills >= total_kills
         # (How many steps a stream answers meanwhile depends on the machine's load: not
         # asserted. That each moved on after the last kill is.)
         with Client(addresses) as client:
             check_exact(model, sids, xs, outs, client)
         with sync_client(redis_url) as r:  # the kills did hit owners: takeovers
             takeovers = sum(int(r.hget(f"ssm:{{{sid}}}:meta", "epoch")) - 1 for sid in sids)
-        assert takeovers >= 5, takeovers
+        assert takeovers >= least_takeovers, takeovers
     finally:
         for w in workers:
             w.kill()

@@ -14,6 +14,13 @@ EVALSHAs at once. How depends on where the keys live:
 A reply that says a call did not run (MOVED, ASK, TRYAGAIN, CLUSTERDOWN while slots move;
 NOSCRIPT) is safe to send again, writes included: :func:`until_run` does, within the
 command deadline. Which outcome a lost answer has is the caller's (``StoreCalls._call``).
+
+On a cluster each node's outcome is its own: a node whose answer is lost, or whose
+replicas do not confirm its writes (a master just failed over, with no replica yet),
+makes only its own calls' outcomes unknown (:class:`UnconfirmedWriteError` in their
+places); the calls other nodes answered and confirmed stand. Otherwise one master without
+a replica would stall every session of a batch, on every master, for as long as it lasts.
+Only when no call has a known outcome is the error raised for the whole batch.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ NOT_RUN = (
 
 #: Replies in a batch that say the call did not run: NOT_RUN, or NOSCRIPT (load, resend).
 _DID_NOT_RUN = (*NOT_RUN, redis_errors.NoScriptError)
+
+
+class UnconfirmedWriteError(redis_errors.RedisError):
+    """In a batch's replies: a call whose outcome is unknown because its node's answer was
+    lost or its replicas did not confirm it (``store_errors.unknown_outcome_of`` maps it
+    to StoreOutcomeUnknownError). It may have been applied; it is never sent again."""
 
 
 async def until_run(
@@ -154,11 +167,18 @@ class ScriptBatches:
             await self._held.aclose()
 
     def _check_replicas(self, acked: Any) -> None:
+        unconfirmed = self._unconfirmed(acked)
+        if unconfirmed is not None:
+            raise unconfirmed
+
+    def _unconfirmed(self, acked: Any) -> redis_errors.TimeoutError | None:
+        """A WAIT's reply as the error it stands for (fewer replicas than asked), or None."""
         if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
-            raise redis_errors.TimeoutError(
+            return redis_errors.TimeoutError(
                 f"{acked} of {self.wait_replicas} replicas confirmed the write "
                 f"within {self.wait_timeout_ms} ms"
             )
+        return None
 
     async def per_node(self, script: AsyncScript, calls: Sequence[ScriptCall]) -> list[Any]:
         """Redis Cluster: one pipeline per node on that node's own connection, for the
@@ -176,6 +196,8 @@ class ScriptBatches:
         replies: list[Any] = [None] * len(calls)
         todo: dict[int, Any] = dict.fromkeys(range(len(calls)))  # call -> ASK node or None
         delay, rounds = 0.01, 0
+        unknown_calls: list[int] = []  # calls whose outcome is unknown (never sent again)
+        first_unknown: Exception | None = None
         while True:
             rounds += 1
             if cluster._initialize:  # first use, or after a lost node: learn the slots
@@ -201,18 +223,23 @@ class ScriptBatches:
                     commands.append(
                         PipelineCommand(_WAIT, "WAIT", self.wait_replicas, self.wait_timeout_ms)
                     )
-            await asyncio.gather(
+            lost = await asyncio.gather(
                 *(_on_node(cluster, node, commands) for node, commands in by_node.values())
             )
             todo, refused, load, pause = {}, None, False, False
             for i, exc in unserved.items():
                 todo[i], refused, pause = None, exc, True
-            for _node, commands in by_node.values():
-                if self.wait_replicas and any(_ran(c) for c in commands):
-                    self._check_replicas(commands[-1].result)
+            for (_node, commands), answer_lost in zip(by_node.values(), lost, strict=True):
+                unknown = answer_lost
+                if unknown is None and self.wait_replicas and any(_ran(c) for c in commands):
+                    unknown = self._unconfirmed(commands[-1].result)
                 for command in commands:
                     i, reply = command.position, command.result
                     if i < 0:
+                        continue
+                    if unknown is not None and (answer_lost is not None or _ran(command)):
+                        replies[i] = UnconfirmedWriteError(str(unknown))
+                        unknown_calls.append(i)
                         continue
                     if not isinstance(reply, _DID_NOT_RUN):
                         replies[i] = reply
@@ -228,6 +255,10 @@ class ScriptBatches:
                         load = True
                     else:  # TRYAGAIN, CLUSTERDOWN, not covered: give the cluster a moment
                         pause = True
+                if unknown is not None and first_unknown is None:
+                    first_unknown = unknown
+            if first_unknown is not None and len(unknown_calls) == len(calls):
+                raise first_unknown  # no call has a known outcome: the batch's is unknown
             if refused is None:
                 return replies
             if time.perf_counter() - started + delay > self.deadline_s:
@@ -256,22 +287,27 @@ def _ran(command: PipelineCommand) -> bool:
     return command.position >= 0 and not isinstance(command.result, _DID_NOT_RUN)
 
 
-async def _on_node(cluster: RedisCluster, node: Any, commands: list[PipelineCommand]) -> None:
-    """One node's pipeline. A lost connection is handled as redis-py's cluster client
-    handles it for its own commands: the node's connections are renewed and the slot map
-    is learned again before the next use (a failover may have moved its slots).
+async def _on_node(
+    cluster: RedisCluster, node: Any, commands: list[PipelineCommand]
+) -> redis_errors.ConnectionError | redis_errors.TimeoutError | None:
+    """One node's pipeline; returns the error that lost its answer, or None. A lost
+    connection is handled as redis-py's cluster client handles it for its own commands:
+    the node's connections are renewed and the slot map is learned again before the next
+    use (a failover may have moved its slots).
 
     redis-py files an error met while reading the replies as that command's result; a
-    connection error there means every command sent may or may not have run, so it is
-    raised (an unknown outcome for the whole batch), never read as a refusal."""
+    connection error there means every command sent to this node may or may not have run,
+    so it is returned (an unknown outcome for each of this node's calls), never read as a
+    refusal."""
     try:
         await node.execute_pipeline(commands)
         for command in commands:
             if isinstance(command.result, redis_errors.ConnectionError | redis_errors.TimeoutError):
                 raise command.result
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
         node.update_active_connections_for_reconnect()
         await node.disconnect_free_connections()
         cluster.nodes_manager.move_node_to_end_of_cached_nodes(node.name)
         cluster._initialize = True
-        raise
+        return exc
+    return None

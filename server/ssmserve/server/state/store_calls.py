@@ -176,7 +176,9 @@ class StoreCalls:
     ) -> list[Any]:
         """Run one write script many times in one round trip (per Redis node); one reply
         per call, errors as exceptions in the list. A lost answer raises
-        StoreOutcomeUnknownError for all of them."""
+        StoreOutcomeUnknownError for all of them; on a cluster only when no call's outcome
+        is known (one node's lost or unconfirmed answer is an error in its calls' places:
+        ``script_batches``)."""
         if not calls:
             return []
         return await self._call(op, lambda: self.batches.run(script, calls), True)

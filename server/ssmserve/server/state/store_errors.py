@@ -14,7 +14,7 @@ from typing import Any
 from redis import exceptions as redis_errors
 
 from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
-from ssmserve.server.state.script_batches import NOT_RUN
+from ssmserve.server.state.script_batches import NOT_RUN, UnconfirmedWriteError
 
 
 class StoreError(SsmserveError):
@@ -201,9 +201,15 @@ _REFUSALS = ("NOREPLICAS", "MASTERDOWN", "LOADING", "BUSY", "MISCONF")
 
 
 def unknown_outcome_of(error: BaseException) -> StoreOutcomeUnknownError | None:
-    """The unknown outcome an error reply stands for (OOM, READONLY, the refusals above),
-    or None. Refused writes did not run; they still count as unknown, which is what a
-    session's memory is safe under (a refused script may have been one of a batch)."""
+    """The unknown outcome an error reply stands for (OOM, READONLY, the refusals above,
+    one cluster node's lost or unconfirmed part of a batch), or None. Refused writes did
+    not run; they still count as unknown, which is what a session's memory is safe under
+    (a refused script may have been one of a batch)."""
+    if isinstance(error, UnconfirmedWriteError):  # one node's part of a cluster batch
+        return StoreOutcomeUnknownError(
+            f"the session store (Redis Cluster) did not confirm a write, which may or may "
+            f"not have been applied: {str(error)[:200]}"
+        )
     if is_out_of_memory(error):
         return out_of_memory(error)
     if is_demoted(error):
