@@ -32,7 +32,12 @@ from redis.commands.core import AsyncScript
 from ssmserve.server.errors import SsmserveError, clip
 from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.state import redis_topology
-from ssmserve.server.state.script_batches import NOT_RUN, ScriptBatches, until_run
+from ssmserve.server.state.script_batches import (
+    NOT_RUN,
+    ScriptBatches,
+    UnconfirmedWriteError,
+    until_run,
+)
 from ssmserve.server.state.session_ids import check_session_id
 from ssmserve.server.state.store_errors import (
     SessionMissingError,
@@ -181,7 +186,11 @@ class StoreCalls:
         ``script_batches``)."""
         if not calls:
             return []
-        return await self._call(op, lambda: self.batches.run(script, calls), True)
+        replies = await self._call(op, lambda: self.batches.run(script, calls), True)
+        unknown = sum(isinstance(r, UnconfirmedWriteError) for r in replies)
+        if unknown:  # one count per call whose outcome is unknown
+            self.metrics.redis_errors.labels(op, "outcome_unknown").inc(unknown)
+        return replies
 
     async def _many(
         self,
