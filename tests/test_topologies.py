@@ -230,8 +230,8 @@ def test_a_master_whose_replica_is_silent_leaves_the_other_masters_writes_standi
     """With --redis-wait-replicas 1, one group commit for a session on every master while
     one master's replica is frozen: that master's session gets an unknown outcome (its
     write is not confirmed); the other two are recorded, and their logs hold the input.
-    (A WAIT short on one node once failed the whole batch: after a master's failover, every
-    session on every master stalled until the old master came back as a replica.)"""
+    (Were one node's short WAIT to fail the whole batch, every session on every master
+    would stall after a master's failover, until the old master rejoined as a replica.)"""
     from ssmserve.server.state.store_errors import StoreOutcomeUnknownError
     from tests.test_store import new
 
