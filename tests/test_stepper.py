@@ -19,6 +19,7 @@ from ssmserve.server.embedded_redis import EmbeddedRedis
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
+from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability, SessionConfig, SessionDefaults
 from ssmserve.server.sessions.guards import GuardAction, GuardCheck, GuardRule
@@ -37,7 +38,7 @@ from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease, lease_clock, new_incarnation
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_calls import StoreSettings
-from ssmserve.server.state.store_errors import StoreError
+from ssmserve.server.state.store_errors import StoreError, StoreUnavailableError
 from ssmserve.server.state.store_records import SessionMeta
 from tests.conftest import random_inputs
 from tests.test_service import assert_bit_equal, reference
@@ -307,5 +308,56 @@ def test_a_guarded_session_steps_once_per_engine_call_and_a_rejection_stops_its_
         assert await rig.logged(g, k - 1) == g.codec.encode(x[: k - 1])
         with pytest.raises(StoreError):  # the rejected step's input is not in the log
             await rig.store.read_log(g.id, k, k)
+
+    _with_rig(redis_server, demo_model, body)
+
+
+def test_a_session_to_be_proven_ours_first_is_proven_apart_and_holds_up_no_batch(
+    redis_server: EmbeddedRedis, demo_model: MambaModel
+) -> None:
+    """``u``'s lease lapsed by this worker's clock, so it must be proven this worker's
+    before it steps, and its proof is held up (as by a Cluster master whose replica cannot
+    confirm a write: the whole write deadline). ``a``'s run is answered meanwhile, in a
+    batch without ``u``; once the proof comes, ``u``'s run is applied. A proof that fails
+    answers ``u``'s queued steps with its error, none applied; proven later, it goes on."""
+    xa, xu = random_inputs(demo_model, 3, seed=7), random_inputs(demo_model, 4, seed=8)
+
+    async def body(rig: Rig) -> None:
+        a = await rig.session("a", durability=Durability.LOG)
+        u = await rig.session("u", durability=Durability.LOG)
+        real = rig.residents.revalidate
+        proof = asyncio.Event()
+        refusals: list[SsmserveError] = []
+
+        async def revalidate(sessions: list[Session]) -> dict[str, SsmserveError]:
+            if any(s is u for s in sessions):  # u's proof waits for the test's word
+                await proof.wait()
+                if refusals:
+                    return {u.id: refusals.pop()}
+            return await real(sessions)
+
+        rig.residents.revalidate = revalidate  # type: ignore[method-assign]
+        u.lease.expire()
+        run_u = rig.run(u, 1, xu[:2])
+        (run_a,) = await _answers(rig.run(a, 1, xa))  # while u's proof is held up
+        assert_bit_equal(_run_outputs(run_a), reference(demo_model, xa))
+        assert not run_u.done() and u.step == 0
+        proof.set()
+        (run_u,) = await _answers(run_u)
+        assert_bit_equal(_run_outputs(run_u), reference(demo_model, xu)[:2])
+        assert u.step == 2 and u.lease.valid()
+
+        proof.clear()
+        refusals.append(StoreUnavailableError("the session store is unavailable: test"))
+        u.lease.expire()
+        refused = rig.run(u, 3, xu[2:])
+        proof.set()
+        (refused,) = await _answers(refused)
+        for outcome in refused.outcomes:
+            assert outcome is not None and isinstance(outcome.error, StoreUnavailableError)
+        assert u.step == 2 and u.gone is None
+        (again,) = await _answers(rig.run(u, 3, xu[2:]))  # proven now: applied
+        assert_bit_equal(_run_outputs(again), reference(demo_model, xu)[2:])
+        assert await rig.logged(u, 4) == u.codec.encode(xu)
 
     _with_rig(redis_server, demo_model, body)

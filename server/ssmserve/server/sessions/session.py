@@ -452,14 +452,19 @@ class Session:
         self.open_gate()
         self._on_release(self)
 
-    def fail_queued(self, error: SsmserveError) -> None:
-        """The session is leaving memory: everything still queued gets ``error``."""
-        self.gone = error
-        self.snapshots.cancel()
+    def answer_queued(self, error: SsmserveError) -> None:
+        """Every queued step is answered with ``error``, none applied (control operations
+        stay queued, in order)."""
         for run in self.queue.take_steps():
             taken, run.taken = run.taken, run.count
             run.answer(taken, run.count, error)
         self.queued_steps = 0
+
+    def fail_queued(self, error: SsmserveError) -> None:
+        """The session is leaving memory: everything still queued gets ``error``."""
+        self.gone = error
+        self.snapshots.cancel()
+        self.answer_queued(error)
         # A control operation that waited behind those steps is at the head now: open its
         # gate so it sees ``gone`` and raises. Nothing else would (the session has left
         # the stepper and the residents), and it would wait forever.

@@ -28,7 +28,15 @@ each one method of :meth:`Stepper._batch`:
    recorded.
 
 Only then is every step answered (``SessionWork.answer``), so an answer always reports
-what happened to its step. Engine calls go through the model's
+what happened to its step.
+
+A session that must first be proven this worker's (its lease lapsed by this worker's
+clock, or a write's outcome is unknown: ``ResidentSessions.revalidate``) is kept out of
+the batches until it is, and proven in a task of its own (:meth:`Stepper._prove_apart`):
+its store may take a whole write deadline to answer (a Cluster master whose replica
+cannot confirm), which every other session of a batch would otherwise wait out, batch
+after batch. If it cannot be proven, its queued steps are answered with why (none
+applied; clients send them again). Engine calls go through the model's
 :class:`~ssmserve.server.engine.lane.EngineLane` (shared with forecasts): large ones on
 its engine thread, so the event loop keeps serving streams while a batch computes, small
 ones inline (``offload_min_flop``).
@@ -65,6 +73,7 @@ from ssmserve.server.sessions.session import (
     StepRun,
 )
 from ssmserve.server.state.input_log import InputBlock
+from ssmserve.server.state.lease import lease_clock
 from ssmserve.server.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -122,6 +131,7 @@ class Stepper:
         self._ready: dict[str, Session] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._proving: set[asyncio.Task[None]] = set()  # :meth:`_prove_apart`'s tasks
         self.engine = engine  # the model's lane, shared with forecasts and replays
         self._prefill_limits = PrefillLimits(
             settings.prefill_min_steps, settings.prefill_batch_steps
@@ -139,10 +149,11 @@ class Stepper:
         self._task = asyncio.create_task(self._run(), name=f"stepper[{self.model.name}]")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [*self._proving, *([self._task] if self._task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
         self.engine.shutdown()
 
     def submit(self, session: Session, run: StepRun) -> None:
@@ -169,6 +180,14 @@ class Stepper:
                 for s in take:
                     del self._ready[s.id]
                 sessions = [s for s in take if s.head_is_step and not s.busy and s.gone is None]
+                now = lease_clock()  # once per batch (Session.answerable reads it per call)
+                unproven = [
+                    s for s in sessions if s.unsettled is not None or not s.lease.valid(now)
+                ]
+                if unproven:
+                    for s in unproven:
+                        self._prove_apart(s)
+                    sessions = [s for s in sessions if not s.busy]
                 if not sessions:
                     continue
                 for s in sessions:
@@ -192,6 +211,31 @@ class Stepper:
                         s.touch(now)
                         s.open_gate()
                         self.notify(s)
+
+    def _prove_apart(self, s: Session) -> None:
+        """Prove ``s`` this worker's (``ResidentSessions.revalidate``) in a task of its own,
+        ``s`` held (busy) meanwhile; then it steps again, or, if it could not be proven
+        (the store unreachable, the session not ours), its queued steps are answered
+        with the error, none applied."""
+        s.busy = True
+
+        async def prove() -> None:
+            try:
+                error = (await self.residents.revalidate([s])).get(s.id)
+                if error is not None and s.gone is None:
+                    s.answer_queued(error)
+            except Exception:  # a bug must not leave the session held forever
+                log.exception("session %s: revalidation failed", s.id)
+                if s.gone is None:
+                    s.answer_queued(SessionGoneError(f"session {s.id!r}: revalidation failed"))
+            finally:
+                s.busy = False
+                s.open_gate()
+                self.notify(s)
+
+        task = asyncio.create_task(prove(), name=f"prove[{s.id}]")
+        self._proving.add(task)
+        task.add_done_callback(self._proving.discard)
 
     async def _batch(self, sessions: list[Session]) -> None:
         work = [
