@@ -32,7 +32,7 @@ what happened to its step.
 
 A session that must first be proven this worker's (its lease lapsed by this worker's
 clock, or a write's outcome is unknown: ``ResidentSessions.revalidate``) is kept out of
-the batches until it is, and proven in a task of its own (:meth:`Stepper._prove_apart`):
+the batches until it is, and proven in a task of its own (:class:`ApartProofs`):
 its store may take a whole write deadline to answer (a Cluster master whose replica
 cannot confirm), which every other session of a batch would otherwise wait out, batch
 after batch. If it cannot be proven, its queued steps are answered with why (none
@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +106,46 @@ class StepperSettings:
 _DURABILITIES = tuple(Durability)
 
 
+class ApartProofs:
+    """Sessions being proven this worker's (``ResidentSessions.revalidate``) each in a task
+    of its own, apart from the batches (the module's docstring tells why)."""
+
+    def __init__(self, residents: ResidentSessions, notify: Callable[[Session], None]) -> None:
+        self.residents = residents
+        self.notify = notify  # the stepper's: the session may step again
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, s: Session) -> None:
+        """Prove ``s``, held (busy) meanwhile; then it steps again, or, if it could not be
+        proven (the store unreachable, the session not ours), its queued steps are
+        answered with the error, none applied."""
+        s.busy = True
+
+        async def prove() -> None:
+            try:
+                error = (await self.residents.revalidate([s])).get(s.id)
+                if error is not None and s.gone is None:
+                    s.answer_queued(error)
+            except Exception:  # a bug must not leave the session held forever
+                log.exception("session %s: revalidation failed", s.id)
+                if s.gone is None:
+                    s.answer_queued(SessionGoneError(f"session {s.id!r}: revalidation failed"))
+            finally:
+                s.busy = False
+                s.open_gate()
+                self.notify(s)
+
+        task = asyncio.create_task(prove(), name=f"prove[{s.id}]")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Stepper:
     """Runs the batches of one model's sessions (the module's docstring tells how).
 
@@ -131,7 +172,7 @@ class Stepper:
         self._ready: dict[str, Session] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._proving: set[asyncio.Task[None]] = set()  # :meth:`_prove_apart`'s tasks
+        self._proofs = ApartProofs(residents, self.notify)
         self.engine = engine  # the model's lane, shared with forecasts and replays
         self._prefill_limits = PrefillLimits(
             settings.prefill_min_steps, settings.prefill_batch_steps
@@ -149,11 +190,11 @@ class Stepper:
         self._task = asyncio.create_task(self._run(), name=f"stepper[{self.model.name}]")
 
     async def stop(self) -> None:
-        tasks = [*self._proving, *([self._task] if self._task is not None else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = None
+        await self._proofs.stop()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
         self.engine.shutdown()
 
     def submit(self, session: Session, run: StepRun) -> None:
@@ -186,7 +227,7 @@ class Stepper:
                 ]
                 if unproven:
                     for s in unproven:
-                        self._prove_apart(s)
+                        self._proofs.start(s)
                     sessions = [s for s in sessions if not s.busy]
                 if not sessions:
                     continue
@@ -211,31 +252,6 @@ class Stepper:
                         s.touch(now)
                         s.open_gate()
                         self.notify(s)
-
-    def _prove_apart(self, s: Session) -> None:
-        """Prove ``s`` this worker's (``ResidentSessions.revalidate``) in a task of its own,
-        ``s`` held (busy) meanwhile; then it steps again, or, if it could not be proven
-        (the store unreachable, the session not ours), its queued steps are answered
-        with the error, none applied."""
-        s.busy = True
-
-        async def prove() -> None:
-            try:
-                error = (await self.residents.revalidate([s])).get(s.id)
-                if error is not None and s.gone is None:
-                    s.answer_queued(error)
-            except Exception:  # a bug must not leave the session held forever
-                log.exception("session %s: revalidation failed", s.id)
-                if s.gone is None:
-                    s.answer_queued(SessionGoneError(f"session {s.id!r}: revalidation failed"))
-            finally:
-                s.busy = False
-                s.open_gate()
-                self.notify(s)
-
-        task = asyncio.create_task(prove(), name=f"prove[{s.id}]")
-        self._proving.add(task)
-        task.add_done_callback(self._proving.discard)
 
     async def _batch(self, sessions: list[Session]) -> None:
         work = [
