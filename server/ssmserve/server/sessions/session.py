@@ -368,10 +368,11 @@ class Session:
         self.snapshot_events: tuple[SnapshotEvent, ...] = ()
         self._on_release = on_release  # tells the stepper the head of the queue moved
 
-    def answerable(self) -> bool:
-        """Whether memory may answer for this session now: its lease surely still runs by
-        this worker's clock, and the store agrees with memory as far as anyone knows."""
-        return self.unsettled is None and self.lease.valid()
+    def answerable(self, now: float | None = None) -> bool:
+        """Whether memory may answer for this session now (``now``: ``lease_clock()``, if
+        the caller read it once for many sessions): its lease surely still runs by this
+        worker's clock, and the store agrees with memory as far as anyone knows."""
+        return self.unsettled is None and self.lease.valid(now)
 
     def rebuilt_at(
         self, state: SessionState, step: int, snapshot_step: int, may_be_behind: bool = False

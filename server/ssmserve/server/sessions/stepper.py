@@ -221,10 +221,8 @@ class Stepper:
                 for s in take:
                     del self._ready[s.id]
                 sessions = [s for s in take if s.head_is_step and not s.busy and s.gone is None]
-                now = lease_clock()  # once per batch (Session.answerable reads it per call)
-                unproven = [
-                    s for s in sessions if s.unsettled is not None or not s.lease.valid(now)
-                ]
+                now = lease_clock()  # read once per batch, not once per session
+                unproven = [s for s in sessions if not s.answerable(now)]
                 if unproven:
                     for s in unproven:
                         self._proofs.start(s)
