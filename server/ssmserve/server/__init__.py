@@ -20,6 +20,7 @@
 ``parent_death``   child processes that end with their parent (Linux)
 ``cli``          the server-side commands of the ``ssmserve`` CLI (their flags)
 ``offline_commands``  what those commands do: the engine and the token file, offline
+``export``       a signal model trained in PyTorch -> a model directory (``ssmserve[torch]``)
 """
 
 __version__ = "0.1.0"

@@ -57,6 +57,8 @@ class Architecture(enum.StrEnum):
 #: Fields only Mamba-2 has (left out of a Mamba-1 model's canonical form, so its
 #: fingerprint does not depend on them and stays the one its stored sessions carry).
 _MAMBA2_FIELDS = ("num_heads", "head_dim", "n_groups", "time_step_limit")
+#: Signal-model normalisation flags: named in the canonical form only when on.
+_NORMALIZATION_FIELDS = ("input_normalization", "output_normalization")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class MambaConfig:
     head_dim: int = 0  # p (h p = e)
     n_groups: int = 0  # g: each group of h / g heads shares one B and C (h % g == 0)
     time_step_limit: tuple[float, float] = (0.0, math.inf)  # Δ clamped to this range
+    # Signal only: per-channel (x - mean) / std before the input projection, and
+    # y * std + mean after the head (tensors ``input_norm.*`` / ``output_norm.*``).
+    input_normalization: bool = False
+    output_normalization: bool = False
 
     @property
     def output_dim(self) -> int:
@@ -128,7 +134,11 @@ class MambaConfig:
             per_arch += _MAMBA2_FIELDS
         else:
             per_arch += ("time_step_rank",)
+        per_arch += _NORMALIZATION_FIELDS
         out = {k: v for k, v in asdict(self).items() if k not in per_arch}
+        for key in _NORMALIZATION_FIELDS:  # named only when on: older fingerprints stand
+            if getattr(self, key):
+                out[key] = True
         if self.mamba_version == 2:  # JSON has no infinity: name it
             out["time_step_limit"] = [_float_text(v) for v in self.time_step_limit]
         out["architecture"] = str(self.architecture)
@@ -169,8 +179,12 @@ class MambaConfig:
             "model_type": "ssmserve-signal-mamba",
             "input_dim": self.input_dim,
             "output_dim": self.signal_output_dim,
+            **self._normalization_json(),
             **common,
         }
+
+    def _normalization_json(self) -> dict[str, bool]:
+        return {key: True for key in _NORMALIZATION_FIELDS if getattr(self, key)}
 
     def _to_json_mamba2(self) -> dict[str, Any]:
         common = {
@@ -201,6 +215,7 @@ class MambaConfig:
             "model_type": "ssmserve-signal-mamba2",
             "input_dim": self.input_dim,
             "output_dim": self.signal_output_dim,
+            **self._normalization_json(),
             **common,
         }
 
@@ -257,6 +272,7 @@ class MambaConfig:
             tie_word_embeddings=_bool(raw, "tie_word_embeddings", default=True),
             input_dim=_int(raw, "input_dim") if architecture is Architecture.SIGNAL else 0,
             signal_output_dim=_int(raw, "output_dim") if architecture is Architecture.SIGNAL else 0,
+            **_normalization(raw, architecture),
         )
         return cfg
 
@@ -301,7 +317,19 @@ class MambaConfig:
             head_dim=head_dim,
             n_groups=groups,
             time_step_limit=_time_step_limit(raw.get("time_step_limit", [0.0, math.inf])),
+            **_normalization(raw, architecture),
         )
+
+
+def _normalization(raw: dict[str, Any], architecture: Architecture) -> dict[str, bool]:
+    """A signal model's normalisation flags (default off); a token model takes none."""
+    flags = {key: _bool(raw, key, default=False) for key in _NORMALIZATION_FIELDS}
+    if architecture.is_token_model and any(flags.values()):
+        raise ModelFormatError(
+            "config.json: input_normalization / output_normalization apply to signal "
+            "models only (a token model's inputs are ids)"
+        )
+    return flags
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:

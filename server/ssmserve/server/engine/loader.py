@@ -19,6 +19,8 @@ tensor                                          shape           when
 ``backbone.norm_f.weight``                      (d,)
 ``lm_head.weight``                              (v, d)          token models, unless tied
 ``output_head.weight`` / ``.bias``              (o, d) / (o,)   signal models
+``input_norm.mean`` / ``.std``                  (i,) / (i,)     ``input_normalization``
+``output_norm.mean`` / ``.std``                 (o,) / (o,)     ``output_normalization``
 =============================================  ==============  ===========================
 
 Mamba-2 (``Mamba2ForCausalLM``; c = e + 2 g n conv channels, h heads): the same
@@ -59,7 +61,12 @@ from safetensors.numpy import save_file
 from ssmserve.client.atomic_file import atomic_write
 from ssmserve.server.engine.allocator import keep_freed_pages
 from ssmserve.server.engine.config import MambaConfig
-from ssmserve.server.engine.mamba import BlockWeights, MambaBlockWeights, MambaModel
+from ssmserve.server.engine.mamba import (
+    BlockWeights,
+    ChannelScaling,
+    MambaBlockWeights,
+    MambaModel,
+)
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
 from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads
 from ssmserve.server.errors import ModelFormatError, clip
@@ -92,6 +99,12 @@ def expected_shapes(config: MambaConfig) -> dict[str, tuple[int, ...]]:
         shapes["input_proj.bias"] = (d,)
         shapes["output_head.weight"] = (c.output_dim, d)
         shapes["output_head.bias"] = (c.output_dim,)
+        if c.input_normalization:
+            shapes["input_norm.mean"] = (c.input_dim,)
+            shapes["input_norm.std"] = (c.input_dim,)
+        if c.output_normalization:
+            shapes["output_norm.mean"] = (c.output_dim,)
+            shapes["output_norm.std"] = (c.output_dim,)
     for layer in range(c.num_hidden_layers):
         p = f"backbone.layers.{layer}."
         shapes[p + "norm.weight"] = (d,)
@@ -346,9 +359,23 @@ def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) 
         t["backbone.norm_f.weight"],
         RowStableLinear(t["output_head.weight"], t["output_head.bias"]),
         input_proj=RowStableLinear(t["input_proj.weight"], t["input_proj.bias"]),
+        input_norm=_scaling(t, "input_norm") if config.input_normalization else None,
+        output_norm=_scaling(t, "output_norm") if config.output_normalization else None,
         fingerprint=fingerprint(config, t),
         name=name,
     )
+
+
+def _scaling(t: dict[str, np.ndarray], prefix: str) -> ChannelScaling:
+    """``{prefix}.mean`` / ``.std`` as a :class:`ChannelScaling`; a std that is not a
+    positive number would divide by zero or flip a channel: refused, named."""
+    std = t[f"{prefix}.std"]
+    if not (std > 0).all():
+        bad = int(np.flatnonzero(~(std > 0))[0])
+        raise ModelFormatError(
+            f"tensor {prefix}.std: channel {bad} is {std[bad]!r}; every std must be > 0"
+        )
+    return ChannelScaling(mean=t[f"{prefix}.mean"], std=std)
 
 
 def _mamba2_block(c: MambaConfig, t: dict[str, np.ndarray], layer: int) -> Mamba2BlockWeights:

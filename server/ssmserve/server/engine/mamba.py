@@ -239,6 +239,27 @@ class StepWorkspace:
         )
 
 
+@dataclass(frozen=True)
+class ChannelScaling:
+    """A signal model's per-channel normalisation: ``(x - mean) / std`` of the inputs
+    before the input projection, ``y * std + mean`` of the outputs after the head, each
+    one float32 operation per element, as a PyTorch module computes them
+    (``ssmserve.server.export.SignalMamba``)."""
+
+    mean: np.ndarray  # (i,) | (o,)
+    std: np.ndarray  # (i,) | (o,), every value > 0
+
+    def normalize_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        """``out = (x - mean) / std``: (b, i) -> (b, i)."""
+        np.subtract(x, self.mean, out=out)
+        np.divide(out, self.std, out=out)
+
+    def denormalize(self, y: np.ndarray) -> None:
+        """``y = y * std + mean`` in place: (b, o)."""
+        np.multiply(y, self.std, out=y)
+        np.add(y, self.mean, out=y)
+
+
 def _zeros(*shape: int) -> np.ndarray:
     return np.zeros(shape, np.float32)
 
@@ -260,6 +281,8 @@ class MambaModel:
         *,
         embeddings: np.ndarray | None = None,
         input_proj: RowStableLinear | None = None,
+        input_norm: ChannelScaling | None = None,
+        output_norm: ChannelScaling | None = None,
         fingerprint: str = "",
         name: str = "",
     ) -> None:
@@ -273,6 +296,8 @@ class MambaModel:
         self.head = head  # d -> v | o
         self.embeddings = embeddings  # (v, d), or None: tied to the head
         self.input_proj = input_proj  # i -> d
+        self.input_norm = input_norm  # signal inputs, before input_proj
+        self.output_norm = output_norm  # signal outputs, after the head
         self.fingerprint = fingerprint
         self.name = name
         #: Threads one step may use (row ranges; see :meth:`step`). Changes no bits.
@@ -416,7 +441,10 @@ class MambaModel:
         elif self.input_proj is None:
             ws.h[:b] = self.head.weight_rows(x)  # (b, d): the tied head's rows
         else:
-            ws.signal[:b] = x  # (b, i)
+            if self.input_norm is None:
+                ws.signal[:b] = x  # (b, i)
+            else:
+                self.input_norm.normalize_into(x, ws.signal[:b])  # (b, i)
             self.input_proj.into(ws.signal, ws.delta, b, column_threads)  # (b, i) -> (b, d)
             ws.h[:b] = ws.delta[:b]  # (b, d) float32 -> the float64 stream
         blocks = self.blocks
@@ -435,6 +463,8 @@ class MambaModel:
             norm = blocks[i + 1].norm if i + 1 < len(blocks) else self.norm_f
             kernels.residual_rms_norm_rows(ws.h, ws.delta, norm, eps, b, ws.xn)  # (b, d)
         self.head.into(ws.xn, out[lo:hi], b, column_threads)  # (b, d) -> (b, v | o)
+        if self.output_norm is not None:
+            self.output_norm.denormalize(out[lo:hi])  # (b, o)
 
     def _workspace(self, batch: int) -> StepWorkspace:
         """This thread's buffers for ``batch`` sessions (rows rounded up, ``padded``)."""

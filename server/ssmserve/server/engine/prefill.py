@@ -222,6 +222,8 @@ def prefill(
     out = np.empty((rows.shape[0], c.output_dim), np.float32)  # (m, o)
     if rows.shape[0]:
         _product(model.head, picked, out, rows.shape[0], model.threads)  # (m, d) -> (m, v | o)
+        if model.output_norm is not None:
+            model.output_norm.denormalize(out)  # (m, o)
     layout = state_layout(len(carries), c.conv_state_shape, c.ssm_state_shape)
     final = np.empty(layout.size, np.float32)
     for layer, carry in zip(layout.views(final), carries, strict=True):
@@ -292,7 +294,10 @@ def _chunk(
     elif model.input_proj is None:
         ws.h[:t] = model.head.weight_rows(x)  # (t, d): the tied head's rows
     else:
-        ws.signal[:t] = x  # (t, i)
+        if model.input_norm is None:
+            ws.signal[:t] = x  # (t, i)
+        else:
+            model.input_norm.normalize_into(x, ws.signal[:t])  # (t, i)
         _product(model.input_proj, ws.signal, ws.delta, t, threads)  # (t, i) -> (t, d)
         ws.h[:t] = ws.delta[:t]  # (t, d) float32 -> the float64 stream
     blocks = model.blocks

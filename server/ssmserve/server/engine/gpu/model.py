@@ -41,6 +41,7 @@ from ssmserve.server.engine.loader import fingerprint, read_config, read_weights
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.prefill import OutputRows, output_rows
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState, state_layout
+from ssmserve.server.errors import ModelFormatError
 
 #: Positions of a prefill computed per pass: bounds its activations' memory (the state
 #: carries from one pass to the next, so the size changes no bits).
@@ -93,6 +94,12 @@ class GpuMambaModel:
         name: str = "",
         device: torch.device | None = None,
     ) -> None:
+        if config.input_normalization or config.output_normalization:
+            raise ModelFormatError(
+                f"model {name!r} normalises its signal (input_normalization / "
+                f"output_normalization), which the GPU engine does not apply: serve it "
+                f"with --engine cpu"
+            )
         self.config = config
         self.name = name
         self.fingerprint = fingerprint(config, tensors)
