@@ -109,15 +109,19 @@ class UpgradeResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., from_model: _Optional[str] = ..., replayed_from_step: _Optional[int] = ..., replayed_steps: _Optional[int] = ...) -> None: ...
 
 class GuardRule(_message.Message):
-    __slots__ = ("name", "check", "min", "max", "dims", "action")
+    __slots__ = ("name", "check", "min", "max", "dims", "action", "side", "max_rate", "tolerance", "decay", "scale_floor", "sustained")
     class Check(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CHECK_UNSPECIFIED: _ClassVar[GuardRule.Check]
         CHECK_FINITE: _ClassVar[GuardRule.Check]
         CHECK_RANGE: _ClassVar[GuardRule.Check]
+        CHECK_RATE: _ClassVar[GuardRule.Check]
+        CHECK_PREDICTION_ERROR: _ClassVar[GuardRule.Check]
     CHECK_UNSPECIFIED: GuardRule.Check
     CHECK_FINITE: GuardRule.Check
     CHECK_RANGE: GuardRule.Check
+    CHECK_RATE: GuardRule.Check
+    CHECK_PREDICTION_ERROR: GuardRule.Check
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ACTION_UNSPECIFIED: _ClassVar[GuardRule.Action]
@@ -125,24 +129,46 @@ class GuardRule(_message.Message):
         ACTION_CLAMP: _ClassVar[GuardRule.Action]
         ACTION_REJECT: _ClassVar[GuardRule.Action]
         ACTION_ROLLBACK: _ClassVar[GuardRule.Action]
+        ACTION_IMPUTE: _ClassVar[GuardRule.Action]
     ACTION_UNSPECIFIED: GuardRule.Action
     ACTION_REPORT: GuardRule.Action
     ACTION_CLAMP: GuardRule.Action
     ACTION_REJECT: GuardRule.Action
     ACTION_ROLLBACK: GuardRule.Action
+    ACTION_IMPUTE: GuardRule.Action
+    class Side(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SIDE_UNSPECIFIED: _ClassVar[GuardRule.Side]
+        SIDE_OUTPUT: _ClassVar[GuardRule.Side]
+        SIDE_INPUT: _ClassVar[GuardRule.Side]
+    SIDE_UNSPECIFIED: GuardRule.Side
+    SIDE_OUTPUT: GuardRule.Side
+    SIDE_INPUT: GuardRule.Side
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHECK_FIELD_NUMBER: _ClassVar[int]
     MIN_FIELD_NUMBER: _ClassVar[int]
     MAX_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RATE_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    SUSTAINED_FIELD_NUMBER: _ClassVar[int]
     name: str
     check: GuardRule.Check
     min: float
     max: float
     dims: _containers.RepeatedScalarFieldContainer[int]
     action: GuardRule.Action
-    def __init__(self, name: _Optional[str] = ..., check: _Optional[_Union[GuardRule.Check, str]] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., dims: _Optional[_Iterable[int]] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ...) -> None: ...
+    side: GuardRule.Side
+    max_rate: float
+    tolerance: float
+    decay: float
+    scale_floor: float
+    sustained: int
+    def __init__(self, name: _Optional[str] = ..., check: _Optional[_Union[GuardRule.Check, str]] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., dims: _Optional[_Iterable[int]] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ..., side: _Optional[_Union[GuardRule.Side, str]] = ..., max_rate: _Optional[float] = ..., tolerance: _Optional[float] = ..., decay: _Optional[float] = ..., scale_floor: _Optional[float] = ..., sustained: _Optional[int] = ...) -> None: ...
 
 class SessionConfig(_message.Message):
     __slots__ = ("snapshot_every", "max_snapshots", "history_window", "guards", "durability", "idle_ttl_s", "labels", "snapshot_phase")
@@ -288,20 +314,22 @@ class StreamRequest(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepInput, _Mapping]]] = ..., packed_outputs: _Optional[bool] = ..., last_outputs_only: _Optional[bool] = ...) -> None: ...
 
 class GuardEvent(_message.Message):
-    __slots__ = ("guard", "action", "step", "dims", "detail", "rolled_back_to")
+    __slots__ = ("guard", "action", "step", "dims", "detail", "rolled_back_to", "imputed")
     GUARD_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_TO_FIELD_NUMBER: _ClassVar[int]
+    IMPUTED_FIELD_NUMBER: _ClassVar[int]
     guard: str
     action: GuardRule.Action
     step: int
     dims: _containers.RepeatedScalarFieldContainer[int]
     detail: str
     rolled_back_to: int
-    def __init__(self, guard: _Optional[str] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ..., step: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ..., rolled_back_to: _Optional[int] = ...) -> None: ...
+    imputed: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, guard: _Optional[str] = ..., action: _Optional[_Union[GuardRule.Action, str]] = ..., step: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ..., rolled_back_to: _Optional[int] = ..., imputed: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SnapshotEvent(_message.Message):
     __slots__ = ("snapshot_id", "step", "reason")

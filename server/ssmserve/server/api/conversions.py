@@ -17,11 +17,13 @@ from ssmserve.server.sessions.config import Durability, SessionConfig
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.forecaster import ForecastStep
 from ssmserve.server.sessions.guards import (
+    DEFAULT_DECAY,
     GuardAction,
     GuardCheck,
     GuardEvent,
     GuardRule,
     GuardRuleError,
+    GuardSide,
 )
 from ssmserve.server.sessions.models import ServedModels, split_key
 from ssmserve.server.sessions.records import SessionView
@@ -99,8 +101,15 @@ _ACTIONS = {
     pb.GuardRule.ACTION_CLAMP: GuardAction.CLAMP,
     pb.GuardRule.ACTION_REJECT: GuardAction.REJECT,
     pb.GuardRule.ACTION_ROLLBACK: GuardAction.ROLLBACK,
+    pb.GuardRule.ACTION_IMPUTE: GuardAction.IMPUTE,
 }
-_CHECKS = {pb.GuardRule.CHECK_FINITE: GuardCheck.FINITE, pb.GuardRule.CHECK_RANGE: GuardCheck.RANGE}
+_CHECKS = {
+    pb.GuardRule.CHECK_FINITE: GuardCheck.FINITE,
+    pb.GuardRule.CHECK_RANGE: GuardCheck.RANGE,
+    pb.GuardRule.CHECK_RATE: GuardCheck.RATE,
+    pb.GuardRule.CHECK_PREDICTION_ERROR: GuardCheck.PREDICTION_ERROR,
+}
+_SIDES = {pb.GuardRule.SIDE_OUTPUT: GuardSide.OUTPUT, pb.GuardRule.SIDE_INPUT: GuardSide.INPUT}
 _DURABILITY = {
     pb.DURABILITY_UNSPECIFIED: Durability.LOG,
     pb.DURABILITY_LOG: Durability.LOG,
@@ -110,24 +119,7 @@ _DURABILITY = {
 
 
 def config_from_pb(config: pb.SessionConfig) -> SessionConfig:
-    guards = []
-    for rule in config.guards:
-        if rule.check not in _CHECKS:
-            raise GuardRuleError(
-                f"guard {clip(rule.name)}: check must be CHECK_FINITE or CHECK_RANGE"
-            )
-        if rule.action not in _ACTIONS:
-            raise GuardRuleError(f"guard {clip(rule.name)}: unknown action {rule.action}")
-        guards.append(
-            GuardRule(
-                name=rule.name,
-                check=_CHECKS[rule.check],
-                action=_ACTIONS[rule.action],
-                min=rule.min if rule.HasField("min") else None,
-                max=rule.max if rule.HasField("max") else None,
-                dims=tuple(rule.dims),
-            )
-        )
+    guards = [guard_from_pb(rule) for rule in config.guards]
     if config.durability not in _DURABILITY:
         raise RequestError(f"unknown durability mode {config.durability}")
     return SessionConfig(
@@ -142,22 +134,69 @@ def config_from_pb(config: pb.SessionConfig) -> SessionConfig:
     )
 
 
+def guard_from_pb(rule: pb.GuardRule) -> GuardRule:
+    """A rule as the wire has it; unset fields take their defaults (the side a check
+    looks at by default, decay 0.9, sustained 1), so the stored rule says every value."""
+    where = f"guard {clip(rule.name)}"
+    if rule.check not in _CHECKS:
+        raise GuardRuleError(
+            f"{where}: check must be CHECK_FINITE, CHECK_RANGE, CHECK_RATE or "
+            f"CHECK_PREDICTION_ERROR"
+        )
+    if rule.action not in _ACTIONS:
+        raise GuardRuleError(f"{where}: unknown action {rule.action}")
+    if rule.side not in _SIDES and rule.side != pb.GuardRule.SIDE_UNSPECIFIED:
+        raise GuardRuleError(f"{where}: unknown side {rule.side}")
+    check = _CHECKS[rule.check]
+    default = GuardSide.INPUT if check == GuardCheck.PREDICTION_ERROR else GuardSide.OUTPUT
+    decay = rule.decay if rule.HasField("decay") else None
+    if decay is None and check == GuardCheck.PREDICTION_ERROR:
+        decay = DEFAULT_DECAY
+
+    def given(name: str) -> float | None:
+        return getattr(rule, name) if rule.HasField(name) else None
+
+    return GuardRule(
+        name=rule.name,
+        check=check,
+        action=_ACTIONS[rule.action],
+        min=given("min"),
+        max=given("max"),
+        dims=tuple(rule.dims),
+        side=_SIDES.get(rule.side, default),
+        max_rate=given("max_rate"),
+        tolerance=given("tolerance"),
+        decay=decay,
+        scale_floor=given("scale_floor"),
+        sustained=rule.sustained if rule.HasField("sustained") else 1,
+    )
+
+
+def guard_to_pb(g: GuardRule) -> pb.GuardRule:
+    out = pb.GuardRule(
+        name=g.name,
+        check=int(g.check),
+        action=int(g.action),
+        min=g.min,
+        max=g.max,
+        dims=list(g.dims),
+        side=int(g.side),
+        max_rate=g.max_rate,
+        tolerance=g.tolerance,
+        decay=g.decay,
+        scale_floor=g.scale_floor,
+    )
+    if g.sustained != 1:
+        out.sustained = g.sustained
+    return out
+
+
 def config_to_pb(config: SessionConfig) -> pb.SessionConfig:
     out = pb.SessionConfig(
         snapshot_every=config.snapshot_every,
         max_snapshots=config.max_snapshots,
         history_window=config.history_window,
-        guards=[
-            pb.GuardRule(
-                name=g.name,
-                check=int(g.check),
-                action=int(g.action),
-                min=g.min,
-                max=g.max,
-                dims=list(g.dims),
-            )
-            for g in config.guards
-        ],
+        guards=[guard_to_pb(g) for g in config.guards],
         durability=int(config.durability),
         idle_ttl_s=config.idle_ttl_s,
         labels=dict(config.labels),
@@ -237,6 +276,7 @@ def guard_event_to_pb(event: GuardEvent) -> pb.GuardEvent:
         dims=list(event.dims),
         detail=event.detail,
         rolled_back_to=event.rolled_back_to or 0,
+        imputed=list(event.imputed),
     )
 
 

@@ -22,7 +22,11 @@ and moving them to other workers.
 ``generation``       Generate: a prompt fed, then seeded draws fed back, through the intake
 ``sampling``         a token drawn from logits: greedy, or keyed by (seed, step) with filters
 ``history``          ``HistoryReader``: what a session did over a range of steps
-``guards``           rules on every output (FINITE, RANGE) and their actions
+``guards``           guard rules (FINITE, RANGE, RATE, PREDICTION_ERROR; sustained) and
+                     their actions; the checks of one output row
+``stateful_guards``  guards that carry state from step to step (input checks, RATE,
+                     sustained): one step judged, and the guard state after it
+``guarded_replay``   a replay that judges every logged step again (imputes as live)
 ``events``           ``SessionEvent``: rollbacks and guard events kept in the store
 ``config``           per-session settings (durability, snapshot period, guards, idle TTL)
 ``records``          what session operations take and give back (values only)

@@ -27,13 +27,15 @@ from ssmserve.server.sessions.session import (
     StepOutcome,
     StepRun,
 )
+from ssmserve.server.sessions.stateful_guards import InputVerdict
+from ssmserve.server.state.checkpoint import GuardState
 
 
 @dataclass(slots=True)
 class GuardedStep:
     """A guarded step's verdict: what to answer for it."""
 
-    output: np.ndarray
+    output: np.ndarray | None  # None: its input was refused before the model ran
     events: tuple[GuardEvent, ...]
     error: SsmserveError | None = None
 
@@ -44,18 +46,23 @@ class SessionWork:
 
     plan: SessionPlan
     start_state: SessionState
+    start_guards: GuardState | None = None  # the session's guard state when it began
     # The inputs of the advance: values (advance, ...) and their log bytes, back to back.
     values: np.ndarray | None = None
     raw: bytes = b""
     outputs: np.ndarray | None = None  # (advance, o): row k is step start + 1 + k
     applied: int = 0  # steps of the advance applied so far
     stopped: bool = False  # a guard stopped the advance
+    # The input rules' verdict on the session's next step (a session whose guards carry
+    # state), made before the engine call that runs it with ``before.applied``.
+    before: InputVerdict | None = None
     guarded: dict[int, GuardedStep] = field(default_factory=dict)  # by step
     # Resends of steps before the batch: step -> the recorded output (None: not in
     # memory, recomputed by replay after the engine calls, or its error there).
     resent: dict[int, np.ndarray | None] = field(default_factory=dict)
     resend_errors: dict[int, SsmserveError] = field(default_factory=dict)
-    snapshots_due: list[tuple[int, SessionState]] = field(default_factory=list)
+    # (step, state, guard state) of each periodic snapshot due in the batch
+    snapshots_due: list[tuple[int, SessionState, GuardState | None]] = field(default_factory=list)
     guard_rollback: int = 0  # the step whose output a ROLLBACK guard refused (0: none)
     appended: bool = False  # steps of this batch are (or may be) in the log
     failed: SsmserveError | None = None  # the batch's steps of it were taken back
@@ -110,6 +117,13 @@ class SessionWork:
         width = len(self.raw) // self.plan.advance
         return self.raw[k * width : (k + n) * width]
 
+    def next_input(self) -> np.ndarray:
+        """The input the engine runs the session's next step with: as sent, or as the
+        input rules made it (imputed dims)."""
+        if self.before is not None:
+            return self.before.applied
+        return self.values[self.applied]  # type: ignore[index]
+
     def segment(self, r: int) -> int:
         """The length of the session's ``r``-th engine call (0: none this round)."""
         if self.stopped or r >= len(self.plan.segments):
@@ -122,6 +136,7 @@ class SessionWork:
         s = self.session
         if s.step != self.start:
             s.state, s.step = self.start_state, self.start
+            s.guard_state = self.start_guards
             s.recent.cut_after(self.start)
         self.snapshots_due.clear()
         self.guard_rollback = 0

@@ -24,7 +24,12 @@ from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SnapshotEvent
 from ssmserve.server.sessions.snapshot_commits import SnapshotCommits
 from ssmserve.server.sessions.snapshot_writer import SnapshotWrites
-from ssmserve.server.state.checkpoint import Checkpoint, CheckpointMeta, InputHistory
+from ssmserve.server.state.checkpoint import (
+    Checkpoint,
+    CheckpointMeta,
+    GuardState,
+    InputHistory,
+)
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_records import SnapshotCommit, SnapshotRecord
 
@@ -71,15 +76,18 @@ class Checkpoints:
         """
         return await self.commit(s, self.checkpoint(s, step, state, reason, label))
 
-    def schedule(self, s: Session, step: int, state: SessionState) -> None:
-        """A periodic snapshot is due: copy what it needs now, write it in the background.
+    def schedule(
+        self, s: Session, step: int, state: SessionState, guards: GuardState | None = None
+    ) -> None:
+        """A periodic snapshot is due: copy what it needs now, write it in the background
+        (``guards``: the session's guard state at ``step``).
 
         Called by the stepper while it holds the session; the write itself runs after the
         steps are answered (see ``snapshot_writer``).
         """
         if s.gone is not None:  # left memory meanwhile (a lost lease): nothing to write
             return
-        due = DueSnapshot(self, s, step, state.packed(), recent_history(s, step))
+        due = DueSnapshot(self, s, step, state.packed(), recent_history(s, step), guards)
         if s.snapshots.schedule(due, self.writes):
             self.store.metrics.snapshots_dropped.inc()
 
@@ -129,10 +137,10 @@ class Checkpoints:
     def checkpoint(
         s: Session, step: int, state: SessionState, reason: str, label: str = ""
     ) -> Checkpoint:
-        """A checkpoint of ``s`` at ``step`` with ``state``; its history window and output
-        come from what the session holds in memory."""
+        """A checkpoint of ``s`` at ``step`` (its current step) with ``state``; its
+        history window, output and guard state come from what the session holds."""
         history, output = recent_history(s, step), s.recent.output_at(step)
-        return checkpoint_of(s, step, state, history, output, reason, label)
+        return checkpoint_of(s, step, state, history, output, reason, label, guards=s.guard_state)
 
 
 class DueSnapshot:
@@ -143,7 +151,16 @@ class DueSnapshot:
     served process: ``bench/bench_served_memory.py``); the checkpoint is made when the
     write starts."""
 
-    __slots__ = ("checkpoints", "created_at", "history", "output", "session", "state", "step")
+    __slots__ = (
+        "checkpoints",
+        "created_at",
+        "guards",
+        "history",
+        "output",
+        "session",
+        "state",
+        "step",
+    )
 
     def __init__(
         self,
@@ -152,8 +169,10 @@ class DueSnapshot:
         step: int,
         state: np.ndarray,
         history: InputHistory,
+        guards: GuardState | None = None,
     ) -> None:
         self.checkpoints = checkpoints
+        self.guards = guards  # a value: the session replaces it as it steps
         self.session = s
         self.step = step
         self.state = state  # SessionState.packed
@@ -167,8 +186,9 @@ class DueSnapshot:
             self.state, c.num_hidden_layers, c.conv_state_shape, c.ssm_state_shape
         )
         ckpt = checkpoint_of(
-            s, self.step, state, self.history, self.output, "periodic", created_at=self.created_at
-        )
+            s, self.step, state, self.history, self.output, "periodic",
+            created_at=self.created_at, guards=self.guards,
+        )  # fmt: skip
         try:
             record = await self.checkpoints.commit(s, ckpt)
         except SsmserveError as exc:  # the log still holds every input: only speed is lost
@@ -186,6 +206,7 @@ def checkpoint_of(
     reason: str,
     label: str = "",
     created_at: float | None = None,
+    guards: GuardState | None = None,
 ) -> Checkpoint:
     """A checkpoint of ``s`` at ``step`` from the parts given (``created_at``: now)."""
     meta = CheckpointMeta(
@@ -202,6 +223,7 @@ def checkpoint_of(
         history=history,
         meta=meta,
         output=output,
+        guards=guards,
     )
 
 

@@ -70,8 +70,12 @@ class SessionConfig:
         """Whether a periodic snapshot is due after ``step`` (a resolved config)."""
         return step % self.snapshot_every == self.snapshot_phase
 
-    def resolve(self, defaults: SessionDefaults, output_dim: int) -> SessionConfig:
-        """Fill defaults in for zeros; raise SessionConfigError on anything out of range."""
+    def resolve(
+        self, defaults: SessionDefaults, output_dim: int, input_dim: int | None = None
+    ) -> SessionConfig:
+        """Fill defaults in for zeros; raise SessionConfigError on anything out of range
+        (a guard rule that does not fit a model of these widths: GuardRuleError;
+        ``input_dim`` 0: a token model)."""
         d = defaults
         out = replace(
             self,
@@ -106,7 +110,7 @@ class SessionConfig:
         if len(set(names)) != len(names):
             raise SessionConfigError("guard names must be unique within a session")
         for rule in out.guards:
-            rule.validate(output_dim)
+            rule.validate(output_dim, input_dim)
         return out
 
     def to_bytes(self) -> bytes:

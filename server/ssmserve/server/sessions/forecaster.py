@@ -15,7 +15,10 @@ stepping a copy of the session with its own answers:
   models (output_dim == input_dim), the argmax token for token models;
 - the session's guards judge each output as they would a step's: CLAMP clips what is
   returned and fed back, REPORT adds events, REJECT and ROLLBACK end the forecast there
-  (the step would not have been applied);
+  (the step would not have been applied); guards that carry state (``stateful_guards``)
+  start from the session's guard state at the forecast's first step, judge each fed-back
+  input before its step (IMPUTE puts the previous output in, which is that input
+  already) and advance as the session's would;
 - an output with NaN or Inf ends the forecast after that step when another step needs it
   as input, as a client sending it would get INVALID_ARGUMENT.
 """
@@ -33,13 +36,21 @@ from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import ErrorKind, SsmserveError, being_cancelled
-from ssmserve.server.sessions.guards import GuardAction, GuardEvent, GuardRule, check_output
+from ssmserve.server.sessions.guards import (
+    GuardAction,
+    GuardEvent,
+    GuardRule,
+    GuardVerdict,
+    check_output,
+)
 from ssmserve.server.sessions.memory import MemoryReservation
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
     GuardRolledBackError,
     SessionGoneError,
 )
+from ssmserve.server.sessions.stateful_guards import InputVerdict, judge_input, judge_step
+from ssmserve.server.state.checkpoint import GuardState
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +125,7 @@ class ForecastJob:
     cancelled: bool = False  # nobody reads it any more
     memory: MemoryReservation | None = None  # its bytes in the worker's memory budget
     message_bytes: int = 1 << 20  # output bytes per answer message (``ForecastSettings``)
+    guard_state: GuardState | None = None  # at ``step``, when its guards carry state
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -217,16 +229,37 @@ class Forecaster:
                 await asyncio.sleep(0)
 
     async def _tick(self, batch: list[ForecastJob]) -> None:
+        judged: dict[int, InputVerdict] = {}  # by job id: its input rules' verdict
+        running = []
+        for job in batch:
+            if job.guard_state is not None:
+                before = judge_input(job.guards, job.guard_state, job.step + 1, job.next_input)
+                if not before.applies_step:
+                    assert before.action is not None
+                    job.emit(ForecastStep(job.step + 1, None, None, before.events))
+                    job.finish(_guard_stop(job.step + 1, before.action, before.events))
+                    continue
+                judged[id(job)] = before
+            running.append(job)
+        if not running:
+            return
         new_batch, outputs = await self.engine.step(
-            [j.state for j in batch], [j.next_input for j in batch]
+            [j.state for j in running],
+            [judged[id(j)].applied if id(j) in judged else j.next_input for j in running],
         )  # (b, o)
         self.ticks += 1
-        self.steps += len(batch)
-        for row, job in enumerate(batch):
+        self.steps += len(running)
+        for row, job in enumerate(running):
             if job.cancelled:
                 continue
             step = job.step + 1
-            verdict = check_output(job.guards, step, outputs[row].copy())  # (o,) own copy
+            if job.guard_state is not None:
+                both = judge_step(job.guards, job.guard_state, step, judged[id(job)], outputs[row])
+                verdict = GuardVerdict(both.output.copy(), both.events, both.action)
+                if both.applies_step:
+                    job.guard_state = both.state
+            else:
+                verdict = check_output(job.guards, step, outputs[row].copy())  # (o,) own copy
             if not verdict.applies_step:
                 job.emit(ForecastStep(step, None, None, verdict.events))
                 job.finish(_guard_stop(step, verdict.action, verdict.events))

@@ -29,6 +29,7 @@ from ssmserve.server.sessions.errors import (
     SnapshotMissingError,
     StepRangeError,
 )
+from ssmserve.server.sessions.guarded_replay import replay_guarded
 from ssmserve.server.sessions.guards import check_output
 from ssmserve.server.sessions.loading import SessionLoader
 from ssmserve.server.sessions.models import ServedModels, split_key
@@ -36,7 +37,8 @@ from ssmserve.server.sessions.records import RollbackTarget, StatePoint, Upgrade
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session, SessionGoneError
-from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
+from ssmserve.server.sessions.stateful_guards import initial_state, state_of_checkpoint
+from ssmserve.server.state.checkpoint import Checkpoint, GuardState, InputHistory
 from ssmserve.server.state.lease import SessionLease, lease_clock, new_incarnation
 from ssmserve.server.state.session_ids import check_session_id
 from ssmserve.server.state.store_errors import SessionClosedError
@@ -72,7 +74,7 @@ class Lifecycle:
         here), pinned to that version; returns its id."""
         model_name, model = self._model(model_name)
         session_id = self._new_id(session_id)
-        config = config.resolve(self.defaults, model.config.output_dim)
+        config = config.resolve(self.defaults, model.config.output_dim, _input_dim(model))
         self.loader.check_capacity(model, config)
         if self.ownership.draining:
             raise await self.loader.elsewhere(model_name, "create sessions")
@@ -90,9 +92,11 @@ class Lifecycle:
         reason: str,
         history: InputHistory | None = None,
         output: np.ndarray | None = None,
+        guards: GuardState | None = None,
     ) -> Session:
         """A new session at ``step``, owned here: its metadata, lease and first snapshot
-        (``state``, the ``history`` window, the ``output`` of ``step``) written at once.
+        (``state``, the ``history`` window, the ``output`` of ``step``, the guard state
+        there: ``guards``, or its guards' first if they carry state) written at once.
 
         The fencing token starts a new incarnation, so nothing a worker did with an
         earlier session of the same id can touch this one.
@@ -104,6 +108,9 @@ class Lifecycle:
         )
         if output is not None:  # a resend of ``step`` is answered, as by the source
             s.recent.remember_output(step, output)
+        if guards is None:
+            guards = initial_state(config.guards, _input_dim(model), model.config.output_dim)
+        s.guard_state = guards
         blob, record = await self.checkpoints.encode(
             self.checkpoints.checkpoint(s, step, state, reason)
         )
@@ -145,7 +152,7 @@ class Lifecycle:
         point = await self.replay.point(s, target, "fork", need_output=False)
         await self._create(
             new_id, s.model, s.model_name, s.config, point.state, point.step, "fork",
-            point.history, point.output,
+            point.history, point.output, point.guards,
         )  # fmt: skip
         log.info(
             "session %s forked from %s at step %d (snapshot %s + %d replayed)",
@@ -225,7 +232,7 @@ class Lifecycle:
                 f"take ({MAX_STEP})"
             )
         session_id = self._new_id(session_id or adopt_id(ckpt.session_id))
-        config = config.resolve(self.defaults, model.config.output_dim)
+        config = config.resolve(self.defaults, model.config.output_dim, _input_dim(model))
         self.loader.check_capacity(model, config)
         if replace:
             await self._drop_for_replace(session_id)
@@ -234,9 +241,12 @@ class Lifecycle:
         # Copies: the decoded arrays are views into ``blob``, which must not stay alive
         # (or stay counted) for the session's life.
         output = None if ckpt.output is None else ckpt.output.copy()
+        guards = state_of_checkpoint(
+            ckpt, config.guards, _input_dim(model), model.config.output_dim
+        )  # its own copies
         await self._create(
             session_id, model, model_name, config, ckpt.state.copy(), ckpt.step, "import",
-            ckpt.history, output,
+            ckpt.history, output, guards,
         )  # fmt: skip
         return session_id
 
@@ -274,10 +284,17 @@ class Lifecycle:
             first, step = (oldest or 0) + 1, s.step
             raw = await self.replay.inputs(s, first, step)
             inputs = s.codec.decode_many(raw) if raw else s.codec.empty()
-            outputs, state = await self.engines[key].run(inputs, model.new_state())
+            guards = initial_state(config.guards, _input_dim(model), c.output_dim)
             output = None
-            if len(outputs):
-                output = check_output(config.guards, step, outputs[-1].copy()).output
+            if guards is not None:  # judged again, step by step, from a fresh guard state
+                answers, state, guards = await replay_guarded(
+                    self.engines[key], config.guards, guards, inputs, model.new_state(), first
+                )
+                output = answers[-1] if answers else None
+            else:
+                outputs, state = await self.engines[key].run(inputs, model.new_state())
+                if len(outputs):
+                    output = check_output(config.guards, step, outputs[-1].copy()).output
             await self.residents.write(s, lambda lease: self.store.close_session(lease))
             s.fail_queued(
                 ReloadingError(f"session {session_id!r} moved to model {key!r}; send again")
@@ -287,7 +304,7 @@ class Lifecycle:
         kept = inputs[max(0, len(inputs) - window) :] if window else inputs[:0]
         history = InputHistory(step - len(kept) + 1, kept)  # empty: first_step = step + 1
         await self._create(
-            session_id, model, key, config, state, step, "upgrade", history, output
+            session_id, model, key, config, state, step, "upgrade", history, output, guards
         )  # fmt: skip
         log.info(
             "session %s upgraded from %s to %s at step %d (%d inputs replayed from step %d)",
@@ -320,3 +337,8 @@ class Lifecycle:
     @staticmethod
     def _new_id(session_id: str) -> str:
         return check_session_id(session_id, stored=True) if session_id else secrets.token_hex(8)
+
+
+def _input_dim(model: Engine) -> int:
+    """The model's input width as guard rules see it (0: it takes token ids)."""
+    return 0 if model.config.is_token_model else model.config.input_dim

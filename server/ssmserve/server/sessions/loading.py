@@ -281,7 +281,7 @@ class SessionLoader:
         s.recent.remember_inputs(record.step + 1, rebuilt.inputs)
         for i, output in enumerate(rebuilt.outputs):
             s.recent.remember_output(rebuilt.outputs_from + i, output)
-        s.rebuilt_at(rebuilt.state, meta.step, record.step, may_be_behind)
+        s.rebuilt_at(rebuilt.state, meta.step, record.step, may_be_behind, rebuilt.guards)
         self.residents.add(s, self.footprint(model, config))
         log.info(
             "session %s restored at step %d, token %s (snapshot %d + %d replayed)",

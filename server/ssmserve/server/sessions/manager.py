@@ -453,6 +453,7 @@ class SessionManager:
             state=point.state,
             next_input=feedback(s.model, point.step, point.output),
             message_bytes=self.settings.forecast.message_bytes,
+            guard_state=point.guards,
         )
 
     async def upgrade(self, session_id: str, model: str) -> tuple[SessionView, UpgradeResult]:

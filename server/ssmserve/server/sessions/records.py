@@ -9,7 +9,7 @@ import numpy as np
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.sessions.config import SessionConfig
 from ssmserve.server.sessions.events import SessionEvent
-from ssmserve.server.state.checkpoint import InputHistory
+from ssmserve.server.state.checkpoint import GuardState, InputHistory
 from ssmserve.server.state.store_records import SnapshotRecord
 
 
@@ -61,6 +61,7 @@ class StatePoint:
     history: InputHistory  # the inputs up to ``step`` (the session's history window)
     from_snapshot_id: str  # "" when the session was at ``step`` (its live state)
     replayed_steps: int
+    guards: GuardState | None = None  # what its stateful guards carry at ``step``
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ and forecast from a past step, and the output of a resent step that memory no lo
 holds. Replays are prefills (``EngineLane.prefill``: each layer's products over all the
 replayed steps at once, the head only for the outputs asked for), which compute the bits
 of stepping by construction, so the replayed state equals the state the session had.
-Replays run on the model's engine lane, so a long one never stalls the event loop.
+Replays run on the model's engine lane, so a long one never stalls the event loop. A
+session whose guards carry state replays from the guard state its snapshot holds and
+judges every step again (``guarded_replay``), so it takes the decisions it took live.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from ssmserve.server.sessions.errors import (
     RollbackRangeError,
     SnapshotMissingError,
 )
+from ssmserve.server.sessions.guarded_replay import replay_guarded
 from ssmserve.server.sessions.guards import check_output
 from ssmserve.server.sessions.records import RollbackTarget, StatePoint
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session
-from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
+from ssmserve.server.sessions.stateful_guards import state_of_checkpoint
+from ssmserve.server.state.checkpoint import Checkpoint, GuardState, InputHistory
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_records import SnapshotRecord
 
@@ -50,6 +54,7 @@ class Rebuilt:
     # record.step+1..step unless the rebuild asked for fewer: ``Replay.rebuild``'s tail).
     outputs: list[np.ndarray]
     inputs: list[bytes]  # the encoded inputs of every replayed step
+    guards: GuardState | None = None  # what the session's guards carry at ``step``
 
     @property
     def replayed(self) -> int:
@@ -91,19 +96,43 @@ class Replay:
                 raise await self.out_of_range(s, step)
         ckpt = await self._read_checkpoint(s.id, record, s.model)
         raw = await self.inputs(s, record.step + 1, step)
+        guards = self.guards_at(s, ckpt)
         if not raw:
-            return Rebuilt(step, record, ckpt, ckpt.state, [], [])
+            return Rebuilt(step, record, ckpt, ckpt.state, [], [], guards)
         skip = 0 if tail is None else max(0, len(raw) - tail)
-        guarded, state = await self._replay(s, raw, ckpt.state, record.step + 1, skip)
-        return Rebuilt(step, record, ckpt, state, guarded, raw)
+        guarded, state, guards = await self._replay(
+            s, raw, ckpt.state, record.step + 1, skip, guards
+        )
+        return Rebuilt(step, record, ckpt, state, guarded, raw, guards)
+
+    @staticmethod
+    def guards_at(s: Session, ckpt: Checkpoint) -> GuardState | None:
+        """The guard state ``s`` has at ``ckpt``'s step (``stateful_guards``)."""
+        c = s.model.config
+        input_dim = 0 if c.is_token_model else c.input_dim
+        return state_of_checkpoint(ckpt, s.config.guards, input_dim, c.output_dim)
 
     async def _replay(
-        self, s: Session, raw: list[bytes], state: SessionState, first: int, skip: int
-    ) -> tuple[list[np.ndarray], SessionState]:
+        self,
+        s: Session,
+        raw: list[bytes],
+        state: SessionState,
+        first: int,
+        skip: int,
+        guards: GuardState | None = None,
+    ) -> tuple[list[np.ndarray], SessionState, GuardState | None]:
         """Inputs ``raw`` of steps ``first ..`` from ``state``, as one prefill on the model's
         lane (a long replay must not stall the event loop): the guarded outputs of the
-        steps from ``first + skip`` on, and the state after the last."""
+        steps from ``first + skip`` on, the state after the last, and with ``guards`` (the
+        guard state at ``first - 1``) every step judged again and the guard state after."""
         count = len(raw)
+        if guards is not None:
+            lane = self.engines[s.model_name]
+            outputs, state, guards = await replay_guarded(
+                lane, s.config.guards, guards, s.codec.decode_many(raw), state, first
+            )
+            self.store.metrics.replayed_steps.inc(count)
+            return outputs[skip:], state, guards
         rows = "all" if skip == 0 else "none" if skip >= count else np.arange(skip, count)
         outputs, state = await self.engines[s.model_name].prefill(
             s.codec.decode_many(raw), state, rows
@@ -113,7 +142,7 @@ class Replay:
             check_output(s.config.guards, first + skip + i, out).output
             for i, out in enumerate(outputs)
         ]
-        return guarded, state
+        return guarded, state, None
 
     async def restore_to(
         self, s: Session, target: int, record: SnapshotRecord | None = None
@@ -130,7 +159,7 @@ class Replay:
         await self.residents.write(
             s, lambda lease: self.store.cut_history(lease, target, s.step, time.time())
         )
-        s.rebuilt_at(rebuilt.state, target, rebuilt.record.step)
+        s.rebuilt_at(rebuilt.state, target, rebuilt.record.step, guards=rebuilt.guards)
         s.recent.cut_after(target)
         if s.recent.input_at(target) is None:  # memory had none of it: keep what replay made
             s.recent.remember_inputs(rebuilt.record.step + 1, rebuilt.inputs)
@@ -190,11 +219,11 @@ class Replay:
             else:
                 t, record = await self.resolve(s, target, what)
             if record is None and t == s.step:
-                history = recent_history(s, t)
+                history, guards = recent_history(s, t), s.guard_state
                 state, output, snapshot_id, replayed = s.state, s.recent.output_at(t), "", 0
             else:
                 rebuilt = await self.rebuild(s, t, record, tail=1)
-                state = rebuilt.state
+                state, guards = rebuilt.state, rebuilt.guards
                 history = _history_at(s, rebuilt.checkpoint.history, rebuilt.inputs, t)
                 output = rebuilt.outputs[-1] if rebuilt.outputs else s.recent.output_at(t)
                 if output is None:
@@ -203,7 +232,7 @@ class Replay:
             if output is None and need_output and t > 0:
                 with contextlib.suppress(RollbackRangeError):  # the caller says what is missing
                     output = await self.output_at(s, t)
-            return StatePoint(t, state, output, history, snapshot_id, replayed)
+            return StatePoint(t, state, output, history, snapshot_id, replayed, guards)
 
     async def series(
         self, s: Session, first: int, last: int
@@ -224,7 +253,10 @@ class Replay:
         if not raw:
             return [], []
         skip = first - (record.step + 1)
-        guarded, _state = await self._replay(s, raw, ckpt.state, record.step + 1, skip)
+        guards = self.guards_at(s, ckpt)
+        guarded, _state, _guards = await self._replay(
+            s, raw, ckpt.state, record.step + 1, skip, guards
+        )
         return raw[skip:], guarded
 
     async def output_at(self, s: Session, step: int) -> np.ndarray:

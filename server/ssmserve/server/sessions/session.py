@@ -24,6 +24,7 @@ from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.sessions.config import SessionConfig
 from ssmserve.server.sessions.guards import GuardEvent
 from ssmserve.server.sessions.snapshot_writer import SnapshotWriter
+from ssmserve.server.state.checkpoint import GuardState
 from ssmserve.server.state.input_log import RecentSteps, input_codec
 from ssmserve.server.state.lease import SessionLease
 
@@ -308,6 +309,7 @@ class Session:
         "config",
         "created_at",
         "gone",
+        "guard_state",
         "id",
         "last_active",
         "last_snapshot_step",
@@ -350,6 +352,9 @@ class Session:
         self.updated_at = time.time()
         self.last_active = time.monotonic()
         self.recent = recent
+        # What its stateful guards carry from its step to the next (``stateful_guards``;
+        # None: it has none). A value, replaced as the session steps or rolls back.
+        self.guard_state: GuardState | None = None
         self.queue = SessionQueue()
         self.queued_steps = 0  # steps in ``queue`` (a run counts each of its steps)
         self.busy = False  # a stepper batch or a control operation holds the session
@@ -375,12 +380,19 @@ class Session:
         return self.unsettled is None and self.lease.valid(now)
 
     def rebuilt_at(
-        self, state: SessionState, step: int, snapshot_step: int, may_be_behind: bool = False
+        self,
+        state: SessionState,
+        step: int,
+        snapshot_step: int,
+        may_be_behind: bool = False,
+        guards: GuardState | None = None,
     ) -> None:
         """Memory rebuilt at ``step`` from the snapshot at ``snapshot_step`` plus replay (a
-        load, a rollback). ``may_be_behind``: from a store that may hold less than was
-        answered (a takeover, a reload after a drop: SESSION_REWOUND)."""
+        load, a rollback), ``guards`` its guard state there. ``may_be_behind``: from a
+        store that may hold less than was answered (a takeover, a reload after a drop:
+        SESSION_REWOUND)."""
         self.state, self.step, self.last_snapshot_step = state, step, snapshot_step
+        self.guard_state = guards
         if may_be_behind:
             self.restored_step = step
 

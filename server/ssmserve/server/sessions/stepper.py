@@ -17,8 +17,10 @@ each one method of :meth:`Stepper._batch`:
    one length together (``EngineLane.step`` for one step, ``step_many`` for several:
    the same bits), or, for a segment the plan prefills, that session alone
    (``EngineLane.prefill``: the same bits again, only the outputs it needs). A guard's
-   verdict on a step's output decides whether the session goes on; a step it keeps from
-   running, and what is queued behind it, go back to the queue.
+   verdict on a step decides whether the session goes on (input rules judge its input
+   before the call, which runs it with the input they made: ``stateful_guards``; output
+   rules judge its output after); a step it keeps from running, and what is queued
+   behind it, go back to the queue.
 4. **Settle**: the appends' replies and a group commit of the inputs still unlogged; if a
    session's log write fails, it is put back exactly where the batch found it (states
    are values) and its steps are answered with the error. Then each session is checked
@@ -49,6 +51,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +65,7 @@ from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.events import record as record_events
-from ssmserve.server.sessions.guards import GuardAction, GuardEvent, check_output
+from ssmserve.server.sessions.guards import GuardAction, GuardEvent, GuardVerdict, check_output
 from ssmserve.server.sessions.log_ahead import LogAhead
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
@@ -73,6 +76,7 @@ from ssmserve.server.sessions.session import (
     SessionGoneError,
     StepRun,
 )
+from ssmserve.server.sessions.stateful_guards import judge_input, judge_step
 from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import lease_clock
 from ssmserve.server.state.store import Store
@@ -253,7 +257,7 @@ class Stepper:
 
     async def _batch(self, sessions: list[Session]) -> None:
         work = [
-            SessionWork(p, p.session.state)
+            SessionWork(p, p.session.state, p.session.guard_state)
             for p in plan(sessions, self.settings.max_ticks, self._prefill_limits).sessions
         ]
         ahead = LogAhead(self.store)
@@ -287,7 +291,7 @@ class Stepper:
                 if n := w.segment(r):
                     if w.plan.prefilled(r):
                         await self._prefill(w, r, n)
-                    else:
+                    elif w.session.guard_state is None or self._judge_input(w):
                         by_length.setdefault(n, []).append(w)
             for n, group in by_length.items():
                 await self._engine_call(group, n)
@@ -318,8 +322,7 @@ class Stepper:
         with self.store.metrics.tracing.span("engine.batch", attributes):
             if n == 1:
                 batch, outputs = await self.engine.step(
-                    states,
-                    [w.values[w.applied] for w in group],  # type: ignore[index]
+                    states, [w.next_input() for w in group]
                 )  # outputs (b, o)
             else:
                 inputs = np.array([w.values[w.applied : w.applied + n] for w in group])
@@ -374,30 +377,69 @@ class Stepper:
         w.applied += n
         s.state, s.step = state, first + n - 1
         if s.config.durability != Durability.NONE and s.config.snapshot_due(s.step):
-            w.snapshots_due.append((s.step, state))
+            w.snapshots_due.append((s.step, state, s.guard_state))
+
+    def _judge_input(self, w: SessionWork) -> bool:
+        """The input rules on a guarded session's next step (its guards carry state),
+        before the engine call: whether it runs (with ``w.before.applied``); if not, the
+        session stops there, as for a refused output."""
+        s, step = w.session, w.start + w.applied + 1
+        assert s.guard_state is not None
+        w.before = judge_input(s.config.guards, s.guard_state, step, w.values[w.applied])  # type: ignore[index]
+        if w.before.applies_step:
+            return True
+        self._refused(w, step, None, w.before.events, w.before.action, "input")
+        return False
 
     def _guarded(self, w: SessionWork, state: SessionState, output: np.ndarray) -> int:
         """A guarded session's next step: its output checked, then applied (1) or not (0:
         the session stops, and what it took after the step goes back to its queue)."""
         s = w.session
         step = w.start + w.applied + 1
-        verdict = check_output(s.config.guards, step, output)
-        for event in verdict.events:
-            self._guard_events.labels(event.action.name.lower()).inc()
-        w.guarded[step] = GuardedStep(verdict.output, verdict.events)
+        if s.guard_state is not None and w.before is not None:
+            judged = judge_step(s.config.guards, s.guard_state, step, w.before, output)
+            w.before = None
+            verdict = GuardVerdict(judged.output, judged.events, judged.action)
+            if judged.applies_step:
+                s.guard_state = judged.state  # before _apply: a snapshot due there takes it
+        else:
+            verdict = check_output(s.config.guards, step, output)
         if verdict.applies_step:
+            self._count(verdict.events)
+            w.guarded[step] = GuardedStep(verdict.output, verdict.events)
             self._apply(w, state, verdict.output[None])
             return 1
+        assert verdict.action is not None
+        self._refused(w, step, verdict.output, verdict.events, verdict.action, "output")
+        return 0
+
+    def _refused(
+        self,
+        w: SessionWork,
+        step: int,
+        output: np.ndarray | None,
+        events: tuple[GuardEvent, ...],
+        action: GuardAction,
+        what: str,
+    ) -> None:
+        """A guard refused step ``step`` (its ``what``, the input or the output): the
+        session stops, and what it took after the step goes back to its queue."""
+        self._count(events)
+        w.guarded[step] = GuardedStep(output, events)
         w.stopped = True
         w.give_back(step)
-        if verdict.action == GuardAction.REJECT:
+        if action == GuardAction.REJECT:
+            broken = next(e for e in events if e.action == action)
             w.guarded[step].error = GuardRejectedError(
-                f"step {step} was not applied: guard {verdict.events[0].guard!r} rejected "
-                f"its output ({verdict.events[0].detail}); the session stays at step {s.step}"
+                f"step {step} was not applied: guard {broken.guard!r} rejected its {what} "
+                f"({broken.detail}); the session stays at step {w.session.step}"
             )
         else:
             w.guard_rollback = step
-        return 0
+
+    def _count(self, events: tuple[GuardEvent, ...]) -> None:
+        for event in events:
+            self._guard_events.labels(event.action.name.lower()).inc()
 
     # ------------------------------------------------------------------ settle
 
@@ -407,9 +449,9 @@ class Stepper:
         await self._check_leases(work)
         for w in work:  # due periodic snapshots, to the sessions' background writers
             if w.fenced is None:
-                for step, state in w.snapshots_due:
-                    self.checkpoints.schedule(w.session, step, state)
-        await self._guard_rollbacks(work)
+                for step, state, guards in w.snapshots_due:
+                    self.checkpoints.schedule(w.session, step, state, guards)
+        await _guard_rollbacks(work, self.checkpoints, self.replay, self._rolled_back_by_guards)
         await _recompute(work, self.replay)
         await _record_events(work, self.store)
 
@@ -500,47 +542,50 @@ class Stepper:
             elif s.id not in dropped:
                 self.residents.drop(s, error)
 
-    # ------------------------------------------------------------------ guard rollbacks and events
 
-    async def _guard_rollbacks(self, work: list[SessionWork]) -> None:
-        for w in work:
-            if not w.guard_rollback or w.fenced is not None or w.failed is not None:
-                continue
-            step_refused, s = w.guard_rollback, w.session
-            outcome = w.guarded[step_refused]
-            events = [e for e in outcome.events if e.action == GuardAction.ROLLBACK]
-            try:
-                record = await self.checkpoints.newest(s, step_refused - 1)
-                if record is None:
-                    raise GuardRolledBackError("no snapshot before the violation to return to")
-                step, _snapshot_id, replayed = await self.replay.restore_to(s, record.step, record)
-                self._rolled_back_by_guards.inc()
-                w.rollbacks.append(
-                    SessionEvent.rollback(step_refused, step, "guard", f"guard {events[0].guard}")
-                )
-                log.info(
-                    "session %s rolled back to step %d by guard %r (%d replayed)",
-                    s.id, step, events[0].guard, replayed,
-                    extra={"session_id": s.id, "step": step, "token": s.lease.token,
-                           "event": "rolled_back", "cause": "guard"},
-                )  # fmt: skip
-            except SsmserveError as exc:
-                outcome.error = GuardRolledBackError(
-                    f"step {step_refused} was not applied: guard {events[0].guard!r} asked for a "
-                    f"rollback that failed ({exc}); the session stays at step {s.step}"
-                )
-                continue
-            outcome.events = tuple(
-                GuardEvent(e.guard, e.action, e.step, e.dims, e.detail, step)
-                if e.action == GuardAction.ROLLBACK
-                else e
-                for e in outcome.events
+async def _guard_rollbacks(
+    work: list[SessionWork], checkpoints: Checkpoints, replay: Replay, counted: Any
+) -> None:
+    """The rollbacks ROLLBACK rules asked for in this batch: each session back to its
+    newest snapshot before the step refused (``Replay.restore_to``)."""
+    for w in work:
+        if not w.guard_rollback or w.fenced is not None or w.failed is not None:
+            continue
+        step_refused, s = w.guard_rollback, w.session
+        outcome = w.guarded[step_refused]
+        events = [e for e in outcome.events if e.action == GuardAction.ROLLBACK]
+        try:
+            record = await checkpoints.newest(s, step_refused - 1)
+            if record is None:
+                raise GuardRolledBackError("no snapshot before the violation to return to")
+            step, _snapshot_id, replayed = await replay.restore_to(s, record.step, record)
+            counted.inc()
+            w.rollbacks.append(
+                SessionEvent.rollback(step_refused, step, "guard", f"guard {events[0].guard}")
             )
+            log.info(
+                "session %s rolled back to step %d by guard %r (%d replayed)",
+                s.id, step, events[0].guard, replayed,
+                extra={"session_id": s.id, "step": step, "token": s.lease.token,
+                       "event": "rolled_back", "cause": "guard"},
+            )  # fmt: skip
+        except SsmserveError as exc:
             outcome.error = GuardRolledBackError(
-                f"step {step_refused} was not applied: guard {events[0].guard!r} found its output "
-                f"{events[0].detail}; the session returned to step {step}, so the next input "
-                f"is step {step + 1}"
+                f"step {step_refused} was not applied: guard {events[0].guard!r} asked for a "
+                f"rollback that failed ({exc}); the session stays at step {s.step}"
             )
+            continue
+        outcome.events = tuple(
+            GuardEvent(e.guard, e.action, e.step, e.dims, e.detail, step)
+            if e.action == GuardAction.ROLLBACK
+            else e
+            for e in outcome.events
+        )
+        outcome.error = GuardRolledBackError(
+            f"step {step_refused} was not applied: guard {events[0].guard!r} was broken "
+            f"({events[0].detail}); the session returned to step {step}, so the next "
+            f"input is step {step + 1}"
+        )
 
 
 async def _recompute(work: list[SessionWork], replay: Replay) -> None:

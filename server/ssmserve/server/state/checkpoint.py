@@ -20,9 +20,16 @@ state's bytes once, into the blob, and decoding is one view (``SessionState.unpa
 ``history`` is ``[first_step, dtype, shape, offset, nbytes]`` and the optional ``output``
 (the guarded output of step s, float32 ``(o,)``, so a session restored at s can answer a
 resend of s and start a forecast there without a replay) is ``[dtype, shape, offset,
-nbytes]``. The checksum is xxh3_128 (xxHash, ~27 GB/s here against sha256's ~1.4 GB/s):
-it detects damage, as sha256 did; neither authenticates (anyone can recompute either),
-exports that must prove their origin carry an HMAC (``checkpoint_signing``).
+nbytes]``. The optional ``guards`` (a session whose guard rules carry state from step to
+step: ``sessions.stateful_guards``) is ``{"input": desc | None, "output": desc | None,
+"rules": [[name, scale desc | None, count desc | None], ...]}``, each desc ``[dtype,
+shape, offset, nbytes]``: the input applied at step s (float32 ``(i,)``, finite), its
+output as answered (float32 ``(o,)``), and per stateful rule its running scale (float64,
+finite, > 0) and its sustained counts (int64, 0 to 65,536). A checkpoint without it
+(older, or of a session without such rules) still loads. The checksum is xxh3_128
+(xxHash, ~27 GB/s here against sha256's ~1.4 GB/s): it detects damage, as sha256 did;
+neither authenticates (anyone can recompute either), exports that must prove their
+origin carry an HMAC (``checkpoint_signing``).
 
 Format 1 (still read; ``encode(format_version=1)`` still writes it): the same prefix with
 version 1, the header right after it with an ``arrays`` table of ``[name, dtype, shape,
@@ -85,6 +92,10 @@ _MAX_DIMS = 4
 #: dtype codes allowed in a checkpoint: state arrays are float32; token history is int64.
 STATE_DTYPE = "<f4"
 HISTORY_DTYPES = ("<f4", "<i8")
+SCALE_DTYPE = "<f8"
+COUNT_DTYPE = "<i8"
+_MAX_GUARD_RULES = 64
+_MAX_GUARD_COUNT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,25 @@ class InputHistory:
 
 
 @dataclass(frozen=True)
+class RuleState:
+    """What one stateful guard rule carries from a step to the next."""
+
+    name: str
+    scale: np.ndarray | None = None  # (d,) float64, finite, > 0: a running scale
+    count: np.ndarray | None = None  # (d,) int64 >= 0: consecutive broken steps
+
+
+@dataclass(frozen=True)
+class GuardState:
+    """What a session's stateful guards carry from a step to the next (its meaning is
+    ``sessions.stateful_guards``'); values, never changed in place."""
+
+    last_input: np.ndarray | None = None  # (i,) float32: the input applied at the step
+    last_output: np.ndarray | None = None  # (o,) float32: the step's output as answered
+    rules: tuple[RuleState, ...] = ()
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     session_id: str
     step: int
@@ -117,6 +147,7 @@ class Checkpoint:
     history: InputHistory
     meta: CheckpointMeta = field(default_factory=CheckpointMeta)
     output: np.ndarray | None = None  # (o,) float32, the output of ``step``, if known
+    guards: GuardState | None = None  # what its stateful guards carry, if it has any
 
     # ------------------------------------------------------------------ model checks
 
@@ -149,6 +180,20 @@ class Checkpoint:
                 f"checkpoint output has shape {list(self.output.shape)}, model outputs "
                 f"{c.output_dim} values"
             )
+        g = self.guards
+        if g is not None:
+            if g.last_input is not None and (
+                c.is_token_model or g.last_input.shape != (c.input_dim,)
+            ):
+                raise CheckpointModelMismatchError(
+                    f"checkpoint guard state holds an input of shape {list(g.last_input.shape)}, "
+                    f"model takes {'token ids' if c.is_token_model else c.input_dim} values"
+                )
+            if g.last_output is not None and g.last_output.shape != (c.output_dim,):
+                raise CheckpointModelMismatchError(
+                    f"checkpoint guard state holds an output of shape "
+                    f"{list(g.last_output.shape)}, model outputs {c.output_dim} values"
+                )
 
     # ------------------------------------------------------------------ encode
 
@@ -184,6 +229,8 @@ class Checkpoint:
         }
         if self.output is not None:
             fields["output"] = payload.place(self.output, STATE_DTYPE)
+        if self.guards is not None:
+            fields["guards"] = _guards_entry(self.guards, payload)
         header = msgpack.packb(fields, use_bin_type=True)
         prefix = _PREFIX.pack(MAGIC, format_version, 0, len(header), payload.size)
         pad = b"\0" * (-(len(prefix) + len(header)) % _PAYLOAD_ALIGN[format_version])
@@ -225,6 +272,58 @@ def _state_entry(state: SessionState, payload: _PayloadWriter) -> dict[str, Any]
         "ssm": list(layout.ssm_shape),
         "array": payload.place_all(arrays, STATE_DTYPE),
     }
+
+
+def _guards_entry(g: GuardState, payload: _PayloadWriter) -> dict[str, Any]:
+    def place(arr: np.ndarray | None, dtype: str) -> list[Any] | None:
+        return None if arr is None else payload.place(arr, dtype)
+
+    return {
+        "input": place(g.last_input, STATE_DTYPE),
+        "output": place(g.last_output, STATE_DTYPE),
+        "rules": [
+            [r.name, place(r.scale, SCALE_DTYPE), place(r.count, COUNT_DTYPE)] for r in g.rules
+        ],
+    }
+
+
+def _guards(raw: Any, payload: _Payload) -> GuardState:
+    """The ``guards`` entry read back: every array 1-D of its dtype, and in range."""
+    g = _Fields(raw, "guards")
+
+    def vector(what: str, desc: Any, dtype: str) -> np.ndarray | None:
+        if desc is None:
+            return None
+        if not isinstance(desc, list):
+            raise CheckpointLayoutError(f"guards {what} must be [dtype, shape, offset, nbytes]")
+        arr = payload.array(f"guards {what}", desc, (dtype,))
+        if arr.ndim != 1 or len(arr) > 1 << 20:
+            raise CheckpointLayoutError(f"guards {what} must be 1-D, got shape {arr.shape}")
+        return arr
+
+    last_input = vector("input", g.get("input", (list, type(None))), STATE_DTYPE)
+    if last_input is not None and not np.isfinite(last_input).all():
+        raise CheckpointLayoutError("guards input holds NaN or Inf")
+    last_output = vector("output", g.get("output", (list, type(None))), STATE_DTYPE)
+    rules = g.get("rules", list)
+    if len(rules) > _MAX_GUARD_RULES:
+        raise CheckpointLayoutError(f"guards hold more than {_MAX_GUARD_RULES} rules")
+    out = []
+    for i, entry in enumerate(rules):
+        if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str):
+            raise CheckpointLayoutError(f"guards rules[{i}] must be [name, scale, count]")
+        if not 1 <= len(entry[0]) <= 64:
+            raise CheckpointLayoutError(f"guards rules[{i}] needs a name of 1 to 64 characters")
+        scale = vector(f"rule {clip(entry[0])} scale", entry[1], SCALE_DTYPE)
+        if scale is not None and not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise CheckpointLayoutError(f"guards rule {clip(entry[0])}: scales must be finite, > 0")
+        count = vector(f"rule {clip(entry[0])} count", entry[2], COUNT_DTYPE)
+        if count is not None and not ((count >= 0).all() and (count <= _MAX_GUARD_COUNT).all()):
+            raise CheckpointLayoutError(
+                f"guards rule {clip(entry[0])}: counts must be 0 to {_MAX_GUARD_COUNT}"
+            )
+        out.append(RuleState(entry[0], scale, count))
+    return GuardState(last_input, last_output, tuple(out))
 
 
 class _PayloadWriter:
@@ -321,8 +420,9 @@ def _decode(blob: bytes | memoryview) -> Checkpoint:
         output = payload.array("output", h.get("output", list), (STATE_DTYPE,))
         if output.ndim != 1:
             raise CheckpointLayoutError(f"output must be 1-D, got shape {output.shape}")
+    guards = _guards(header["guards"], payload) if "guards" in header else None
     payload.check_disjoint()
-    ckpt = Checkpoint(session_id, step, model_id, fp, state, history, meta, output)
+    ckpt = Checkpoint(session_id, step, model_id, fp, state, history, meta, output, guards)
     _check_fields(ckpt, error=CheckpointLayoutError)
     return ckpt
 
