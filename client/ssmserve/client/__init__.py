@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         SsmserveClientError,
         StepFailed,
     )
+    from ssmserve.client.guards import guard_rule
     from ssmserve.client.retry import RetryPolicy
     from ssmserve.client.sync import Client
 
@@ -43,6 +44,7 @@ _HOMES = {
     "SsmserveClientError": "ssmserve.client.errors",
     "StepFailed": "ssmserve.client.errors",
     "RetryPolicy": "ssmserve.client.retry",
+    "guard_rule": "ssmserve.client.guards",
     "Client": "ssmserve.client.sync",
 }
 
@@ -57,6 +59,7 @@ __all__ = [
     "SsmserveClientError",
     "StepFailed",
     "StepOutput",
+    "guard_rule",
 ]
 
 

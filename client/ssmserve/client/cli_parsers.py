@@ -25,9 +25,13 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
 Every file a command writes is given with ``--output`` (``export --out`` and ``import
 --in`` are kept, hidden, for old scripts).
 
-A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range), ``action``
-(report | clamp | reject | rollback), and optionally ``min``, ``max``, ``dims`` (``0+2``)
-and ``name``. Example: ``check=range,min=-3,max=3,action=rollback``.
+A guard SPEC is comma-separated ``key=value``: ``check`` (finite | range | rate |
+prediction-error), ``action`` (report | clamp | impute | reject | rollback), and
+optionally ``side`` (input | output), ``min``, ``max``, ``max-rate``, ``tolerance``,
+``decay``, ``scale-floor``, ``sustained``, ``dims`` (``0+2``) and ``name``
+(``ssmserve.client.guards.guard_rule``'s fields). Examples:
+``check=range,min=-3,max=3,action=rollback``,
+``check=prediction-error,tolerance=6,scale-floor=0.05,action=impute``.
 """
 
 from __future__ import annotations
@@ -197,7 +201,8 @@ def _add_session_commands(commands: Subparsers) -> None:
     )  # fmt: skip
     create.add_argument(
         "--guard", action="append", default=[], metavar="SPEC",
-        help="an output guard, e.g. check=range,min=-3,max=3,action=rollback (repeatable)",
+        help="a guard rule, e.g. check=range,min=-3,max=3,action=rollback or "
+        "check=prediction-error,tolerance=6,scale-floor=0.05,action=impute (repeatable)",
     )  # fmt: skip
     create.set_defaults(handler=_on_worker("create"))
 

@@ -21,6 +21,7 @@ from google.protobuf import json_format
 
 from ssmserve.client.addresses import worker_address
 from ssmserve.client.cli_errors import CliError
+from ssmserve.client.guards import guard_rule
 from ssmserve.client.output_files import check_output, write_or_keep
 from ssmserve.client.progress import ProgressBar
 from ssmserve.client.sync import Client
@@ -30,13 +31,6 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 #: What a service command is: it gets a client of ``--server`` and the parsed flags.
 Command = Callable[[Client, argparse.Namespace], None]
 
-_CHECKS = {"finite": pb.GuardRule.CHECK_FINITE, "range": pb.GuardRule.CHECK_RANGE}
-_ACTIONS = {
-    "report": pb.GuardRule.ACTION_REPORT,
-    "clamp": pb.GuardRule.ACTION_CLAMP,
-    "reject": pb.GuardRule.ACTION_REJECT,
-    "rollback": pb.GuardRule.ACTION_ROLLBACK,
-}
 _DURABILITY = {
     "log": pb.DURABILITY_LOG,
     "snapshot": pb.DURABILITY_SNAPSHOT,
@@ -44,37 +38,48 @@ _DURABILITY = {
 }
 
 
+#: What a guard SPEC may say: ``guard_rule``'s fields (``-`` or ``_`` in their names).
+_GUARD_NUMBERS = ("min", "max", "max_rate", "tolerance", "decay", "scale_floor")
+_GUARD_KEYS = {"check", "action", "side", "dims", "name", "sustained", *_GUARD_NUMBERS}
+
+
 def parse_guard(spec: str, index: int = 0) -> pb.GuardRule:
+    """A guard SPEC (``check=range,min=-3,max=3,action=rollback``) as a GuardRule."""
     fields: dict[str, str] = {}
     for part in spec.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
             raise CliError(f"guard {spec!r}: expected key=value, got {part!r}")
-        fields[key.strip()] = value.strip()
-    unknown = set(fields) - {"check", "action", "min", "max", "dims", "name"}
+        fields[key.strip().replace("-", "_")] = value.strip()
+    unknown = set(fields) - _GUARD_KEYS
     if unknown:
         raise CliError(f"guard {spec!r}: unknown key {sorted(unknown)[0]!r}")
     check = fields.get("check", "")
-    action = fields.get("action", "report")
-    if check not in _CHECKS:
-        raise CliError(f"guard {spec!r}: check must be finite or range")
-    if action not in _ACTIONS:
-        raise CliError(f"guard {spec!r}: action must be one of {', '.join(_ACTIONS)}")
-    rule = pb.GuardRule(
-        name=fields.get("name", f"{check}-{index}"), check=_CHECKS[check], action=_ACTIONS[action]
-    )
+    numbers: dict[str, float] = {}
     try:
-        for bound in ("min", "max"):
-            if bound in fields:
-                value = float(fields[bound])
-                if not math.isfinite(value):
-                    raise ValueError(bound)
-                setattr(rule, bound, value)
-        if fields.get("dims"):
-            rule.dims.extend(int(d) for d in fields["dims"].split("+"))
+        for key in _GUARD_NUMBERS:
+            if key in fields:
+                numbers[key] = float(fields[key])
+                if not math.isfinite(numbers[key]):
+                    raise ValueError(key)
+        dims = [int(d) for d in fields["dims"].split("+")] if fields.get("dims") else []
+        sustained = int(fields["sustained"]) if "sustained" in fields else None
     except ValueError:
-        raise CliError(f"guard {spec!r}: min, max, dims must be numbers") from None
-    return rule
+        raise CliError(
+            f"guard {spec!r}: {', '.join(_GUARD_NUMBERS)}, sustained and dims must be numbers"
+        ) from None
+    try:
+        return guard_rule(
+            fields.get("name", f"{check.replace('_', '-')}-{index}"),
+            check,
+            fields.get("action", "report"),
+            side=fields.get("side"),
+            dims=dims,
+            sustained=sustained,
+            **numbers,  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        raise CliError(f"guard {spec!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace, command: Command) -> None:
@@ -142,9 +147,11 @@ def inspect(client: Client, args: argparse.Namespace) -> None:
         f"{' (closed)' if info.closed else ''}"
     )
     for rule in c.guards:
+        side = pb.GuardRule.Side.Name(rule.side).removeprefix("SIDE_").lower()
+        held = f", {rule.sustained} steps in a row" if rule.sustained > 1 else ""
         print(
-            f"guard     {rule.name}: {pb.GuardRule.Check.Name(rule.check)} -> "
-            f"{pb.GuardRule.Action.Name(rule.action)}"
+            f"guard     {rule.name}: {pb.GuardRule.Check.Name(rule.check)} on the {side}"
+            f"{held} -> {pb.GuardRule.Action.Name(rule.action)}"
         )
 
 
