@@ -149,7 +149,7 @@ def test_cli_errors_are_one_line(worker, tmp_path, capsys):
     code, _, err = cli(
         capsys, "--server", a, "session", "create", "--model", "demo", "--guard", "check=odd"
     )
-    assert code == 2 and "check must be finite or range" in err
+    assert code == 2 and "check must be one of finite, range, rate, prediction_error" in err
 
 
 def test_server_process_starts_serves_and_stops_on_sigterm(tmp_path):
