@@ -31,7 +31,9 @@ from ssmserve.server.state.checkpoint import (
     MAGIC,
     Checkpoint,
     CheckpointMeta,
+    GuardState,
     InputHistory,
+    RuleState,
 )
 from tests.conftest import random_inputs, write_model
 
@@ -465,3 +467,77 @@ def test_a_checkpoint_written_before_mamba2_still_loads_and_continues_exactly() 
         assert np.array_equal(got.view(np.uint32), expected[12:].view(np.uint32))
     else:
         np.testing.assert_allclose(got, expected[12:], atol=1e-6)
+
+
+def _with_guards(ckpt: Checkpoint, guards: GuardState) -> Checkpoint:
+    return replace(ckpt, guards=guards)
+
+
+def test_guard_state_round_trips_and_is_optional(signal_model: MambaModel) -> None:
+    """The state of a session's stateful guards (``sessions.stateful_guards``) goes with
+    its checkpoint bit for bit; a checkpoint without it (older ones) decodes to None."""
+    ckpt, _inputs = make_checkpoint(signal_model)
+    assert Checkpoint.decode(ckpt.encode()).guards is None
+    guards = GuardState(
+        np.arange(5, dtype=np.float32),
+        np.array([np.nan, 1.5, -2.0], np.float32),  # an output a REPORT rule let through
+        (
+            RuleState("spike", np.array([0.1, 0.2, 0.3, 0.4, 0.5]), None),
+            RuleState("stuck", None, np.array([0, 3], np.int64)),
+            RuleState("plain"),
+        ),
+    )
+    for version in (1, 2):
+        decoded = Checkpoint.decode(_with_guards(ckpt, guards).encode(version))
+        decoded.check_model(signal_model)
+        g = decoded.guards
+        assert g is not None and g.last_input is not None and g.last_output is not None
+        assert g.last_input.tobytes() == guards.last_input.tobytes()  # type: ignore[union-attr]
+        assert g.last_output.tobytes() == guards.last_output.tobytes()  # type: ignore[union-attr]
+        assert [r.name for r in g.rules] == ["spike", "stuck", "plain"]
+        assert g.rules[0].scale is not None and g.rules[0].scale.dtype == np.float64
+        assert g.rules[0].scale.tobytes() == guards.rules[0].scale.tobytes()  # type: ignore[union-attr]
+        assert g.rules[1].count is not None and g.rules[1].count.tolist() == [0, 3]
+        assert g.rules[2].scale is None and g.rules[2].count is None
+    empty = Checkpoint.decode(_with_guards(ckpt, GuardState()).encode()).guards
+    assert empty == GuardState(None, None, ())
+
+
+@pytest.mark.parametrize(
+    ("guards", "words"),
+    [
+        (GuardState(np.array([np.nan] * 5, np.float32)), "guards input holds NaN"),
+        (GuardState(None, None, (RuleState("r", np.array([np.nan])),)), "finite, > 0"),
+        (GuardState(None, None, (RuleState("r", np.array([0.0])),)), "finite, > 0"),
+        (GuardState(None, None, (RuleState("r", None, np.array([-1])),)), "counts must be"),
+        (GuardState(None, None, (RuleState("r", None, np.array([1 << 20])),)), "counts must be"),
+        (GuardState(None, None, (RuleState("", None, None),)), "name of 1 to 64"),
+        (GuardState(None, None, (RuleState("r", np.zeros((2, 2)) + 1),)), "must be 1-D"),
+    ],
+)
+def test_malformed_guard_state_is_a_layout_error(
+    signal_model: MambaModel, guards: GuardState, words: str
+) -> None:
+    """Checkpoints are untrusted: a guard state with NaN where values must be finite, a
+    scale that is not positive, counts out of range, a bad name or shape is refused."""
+    ckpt, _inputs = make_checkpoint(signal_model)
+    with pytest.raises(CheckpointLayoutError, match=words):
+        Checkpoint.decode(_with_guards(ckpt, guards).encode())
+
+
+def test_guard_state_of_another_shape_or_dtype_is_refused(signal_model: MambaModel) -> None:
+    ckpt, _inputs = make_checkpoint(signal_model)
+    wrong_input = _with_guards(ckpt, GuardState(np.zeros(4, np.float32)))
+    with pytest.raises(CheckpointModelMismatchError, match="takes 5 values"):
+        Checkpoint.decode(wrong_input.encode()).check_model(signal_model)
+    wrong_output = _with_guards(ckpt, GuardState(None, np.zeros(7, np.float32)))
+    with pytest.raises(CheckpointModelMismatchError, match="model outputs 3 values"):
+        Checkpoint.decode(wrong_output.encode()).check_model(signal_model)
+    blob = _with_guards(ckpt, GuardState(None, None, (RuleState("r", np.ones(2)),))).encode()
+    header = header_of(blob)
+    header["guards"]["rules"][0][1][0] = "<f4"  # a scale must be float64
+    with pytest.raises(CheckpointLayoutError, match="scale has dtype '<f4'"):
+        Checkpoint.decode(reseal(blob, header))
+    header["guards"]["rules"] = "x"
+    with pytest.raises(CheckpointLayoutError, match="rules has the wrong type"):
+        Checkpoint.decode(reseal(blob, header))
