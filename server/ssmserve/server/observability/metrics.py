@@ -90,7 +90,9 @@ class Metrics:
             LATENCY_BUCKETS,
         )
         self.guard_events = counter(
-            "ssmserve_guard_events_total", "Guard events on step outputs, by action.", ["action"]
+            "ssmserve_guard_events_total",
+            "Guard events on steps (their inputs and outputs), by action.",
+            ["action"],
         )
         # Snapshots, rollbacks, replay, forks, forecasts
         self.snapshots = counter(
