@@ -38,8 +38,8 @@ from ssmserve.client.step_values import SessionHistory
 from ssmserve.client.sync import Client
 from ssmserve.v1 import ssmserve_pb2 as pb
 
-ACTION_COLOURS = {"report": "tab:blue", "clamp": "tab:orange", "reject": "tab:purple",
-                  "rollback": "tab:red"}  # fmt: skip
+ACTION_COLOURS = {"report": "tab:blue", "clamp": "tab:orange", "impute": "tab:green",
+                  "reject": "tab:purple", "rollback": "tab:red"}  # fmt: skip
 
 
 def run(client: Client, args: argparse.Namespace) -> None:
@@ -161,8 +161,9 @@ def draw(
 
 
 def _watched(rule: pb.GuardRule, shown: int) -> list[int]:
-    """The drawn outputs a range rule watches (none for other checks)."""
-    if rule.check != pb.GuardRule.CHECK_RANGE:
+    """The drawn outputs a range rule on outputs watches (none for other checks, and for
+    rules on the inputs: their limits are not the outputs')."""
+    if rule.check != pb.GuardRule.CHECK_RANGE or rule.side == pb.GuardRule.SIDE_INPUT:
         return []
     return [d for d in (rule.dims or range(shown)) if d < shown]
 
