@@ -16,12 +16,15 @@ import pytest
 
 from ssmserve.client.errors import InvalidArgument, StepFailed
 from ssmserve.client.guards import guard_rule
+from ssmserve.client.sync import Client
 from ssmserve.server.api.conversions import guard_from_pb
 from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.sessions.stateful_guards import initial_state, judge_input, judge_step
 from ssmserve.v1 import ssmserve_pb2 as pb
+from tests.conftest import random_inputs
 from tests.test_observability import scrape, value
 from tests.test_service import assert_bit_equal, stream
+from tests.worker_process import WorkerProcess
 
 
 def guarded_reference(model, rules, inputs):
@@ -297,3 +300,81 @@ def test_stateful_rules_round_trip_through_session_info(worker):
     assert (got[1].side, got[1].max_rate, got[1].sustained, list(got[1].dims)) == (
         pb.GuardRule.SIDE_INPUT, 2.0, 4, [1],
     )  # fmt: skip
+
+
+def test_kill_9_of_the_worker_process_loses_no_decision(
+    model_dirs, served_models, redis_url, tmp_path
+):
+    """A real ``ssmserve-server`` process killed with SIGKILL after an imputed step that
+    no snapshot holds: started again, it loads the session from Redis (the snapshot's
+    guard state and the logged inputs as sent) and goes on with the same bits and events."""
+    model = served_models["demo"]
+    x = calm_signal(model, 20, seed=7)
+    floor = floor_for(model, x)
+    x[9, 0] += 40 * floor  # step 10: imputed, after the snapshot at 8
+    x[14:17, 2] -= 40 * floor  # steps 15..17: imputed each, and held for the report
+    rules = [
+        guard_rule("spike", "prediction_error", "impute", tolerance=4, scale_floor=floor),
+        guard_rule("held", "prediction_error", "report", tolerance=4, scale_floor=floor,
+                   sustained=2),
+    ]  # fmt: skip
+    want, events, _ = guarded_reference(model, rules, x)
+    w = WorkerProcess({"demo": model_dirs["demo"]}, redis_url, tmp_path / "w", lease_ttl_s=0.5)
+    w.start()
+    try:
+        with Client(w.address) as client:
+            sid = client.create_session("demo", snapshot_every=8, guards=rules).session_id
+            outs = list(client.stream_steps(sid, list(x[:11])))
+        w.kill()
+        w.start()
+        with Client(w.address) as client:
+            outs += list(client.stream_steps(sid, list(x[11:]), first_step=12))
+            resent = client.step(sid, x[9], step=10)
+        assert_bit_equal(np.stack([o.output for o in outs]), want)
+        assert served_events(outs) == events
+        assert resent.replayed and resent.output.tobytes() == want[9].tobytes()
+    finally:
+        w.kill()
+
+
+def test_a_token_sessions_sustained_output_rule_replays_exactly(worker, served_models):
+    """Stateful rules on a token model's logits (a sustained range): rolled back and fed
+    again, the same logits and the same events."""
+    model = served_models["lm"]
+    ids = random_inputs(model, 16, seed=8)
+    logits = model.run(ids)[0]
+    top = float(np.median(logits.max(axis=1)))  # about half the steps break it
+    rule = guard_rule("hot", "range", "report", max=top, sustained=2)
+    sid = worker.client.create_session("lm", snapshot_every=4, guards=[rule]).session_id
+    outs = list(worker.client.stream_steps(sid, [int(t) for t in ids]))
+    assert_bit_equal(np.stack([o.output for o in outs]), logits)  # REPORT changes nothing
+    fired = [o.step for o in outs if o.guard_events]
+    # a dim above ``top`` at two steps in a row (the counts are per dim)
+    held = [t for t in range(2, 17) if (logits[t - 2 : t] > top).all(axis=0).any()]
+    assert fired == held and fired
+    worker.client.rollback(sid, to_step=6)
+    again = list(worker.client.stream_steps(sid, [int(t) for t in ids[6:]], first_step=7))
+    assert_bit_equal(np.stack([o.output for o in again]), logits[6:])
+    assert served_events(again) == served_events(outs[6:])
+
+
+def test_an_exported_session_imported_goes_on_with_its_guard_state(worker, served_models):
+    model = served_models["demo"]
+    x = calm_signal(model, 16, seed=9)
+    floor = floor_for(model, x)
+    x[11, 1] += 40 * floor  # step 12: imputed after the import at 8
+    rules = [
+        guard_rule("spike", "prediction_error", "impute", tolerance=4, scale_floor=floor),
+        guard_rule("slew", "rate", "report", side="input", max_rate=floor, sustained=2),
+    ]
+    want, events, _ = guarded_reference(model, rules, x)
+    sid = worker.client.create_session("demo", guards=rules).session_id
+    stream(worker, sid, x[:8])
+    blob = worker.client.export_checkpoint(sid)
+    worker.client.close_session(sid)
+    copy = worker.client.import_checkpoint(
+        blob, session_id="copy", config=pb.SessionConfig(guards=rules)
+    ).session_id
+    got, outs = stream(worker, copy, x[8:], first_step=9)
+    assert_bit_equal(got, want[8:])
+    assert served_events(outs) == events[8:]
