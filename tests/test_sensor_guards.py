@@ -19,9 +19,10 @@ from ssmserve.client.guards import guard_rule
 from ssmserve.client.sync import Client
 from ssmserve.server.api.conversions import guard_from_pb
 from ssmserve.server.cluster.ownership import OwnershipSettings
+from ssmserve.server.engine.demo import DemoSpec, demo_config
 from ssmserve.server.sessions.stateful_guards import initial_state, judge_input, judge_step
 from ssmserve.v1 import ssmserve_pb2 as pb
-from tests.conftest import random_inputs
+from tests.conftest import random_inputs, write_model
 from tests.test_observability import scrape, value
 from tests.test_service import assert_bit_equal, stream
 from tests.worker_process import WorkerProcess
@@ -378,3 +379,40 @@ def test_an_exported_session_imported_goes_on_with_its_guard_state(worker, serve
     got, outs = stream(worker, copy, x[8:], first_step=9)
     assert_bit_equal(got, want[8:])
     assert served_events(outs) == events[8:]
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """Two versions of "sig": the demo model's shapes, other weights."""
+    root = tmp_path_factory.mktemp("sig-versions")
+    return {
+        f"sig@{v}": (root / v, write_model(root / v, demo_config(DemoSpec()), seed))
+        for v, seed in (("1", 101), ("2", 102))
+    }
+
+
+def test_an_upgrade_judges_the_kept_inputs_again_through_the_new_version(redis_url, versions):
+    """Upgrade replays the kept inputs through the new version from a fresh guard state:
+    the session is then what the new version, guarded from its first step, makes of them."""
+    from tests.harness import WorkerHarness
+
+    v1, v2 = versions["sig@1"][1], versions["sig@2"][1]
+    x = calm_signal(v1, 24, seed=10)
+    floor = floor_for(v1, x)
+    x[11, 2] += 60 * floor  # step 12: imputed by both versions
+    rules = [guard_rule("spike", "prediction_error", "impute", tolerance=4, scale_floor=floor)]
+    w = WorkerHarness({k: versions[k][0] for k in ("sig@1", "sig@2")}, redis_url)
+    try:
+        sid = w.client.create_session(
+            "sig@1", snapshot_every=8, max_snapshots=64, guards=rules
+        ).session_id
+        stream(w, sid, x[:16])
+        assert w.client.upgrade(sid).replayed_steps == 16
+        got, outs = stream(w, sid, x[16:], first_step=17)
+        want, events, _ = guarded_reference(v2, rules, x)
+        assert_bit_equal(got, want[16:])
+        assert served_events(outs) == events[16:]
+        assert any(e[0] == "spike" for e in events[11])
+        assert_bit_equal(w.client.step(sid, x[15], step=16).output, want[15])
+    finally:
+        w.stop()
