@@ -37,7 +37,7 @@ class SessionEvent:
     to_step: int = -1  # a rollback: the step the session returned to
     cause: str = ""  # a rollback: "monitor" (the Rollback RPC) or "guard"
     guard: str = ""  # a guard event: the rule's name
-    action: str = ""  # a guard event: report, clamp, reject or rollback
+    action: str = ""  # a guard event: report, clamp, impute, reject or rollback
     detail: str = ""
 
     def encode(self) -> bytes:
