@@ -163,11 +163,13 @@ class Client(ClusterCalls, GenerateCalls):
         Takes its id (default: generated) and settings, 0 or None meaning the worker's
         default: a periodic snapshot every ``snapshot_every`` steps, at steps s with
         s % snapshot_every == ``snapshot_phase``; ``max_snapshots`` kept;
-        ``history_window`` inputs per checkpoint; output ``guards``; ``durability`` (a
-        ``pb.Durability``); ``idle_ttl_s`` without steps before it leaves memory;
-        ``labels``. Returns its SessionInfo, which every other method takes as the
-        session. Raises AlreadyExists (the id is taken), NotFound (no such model),
-        InvalidArgument (a bad setting), ResourceExhausted (a session budget is full)."""
+        ``history_window`` inputs per checkpoint; ``guards``, rules on every step's
+        input or output (``pb.GuardRule``s; ``ssmserve.client.guard_rule`` builds one
+        by name); ``durability`` (a ``pb.Durability``); ``idle_ttl_s`` without steps
+        before it leaves memory; ``labels``. Returns its SessionInfo, which every
+        other method takes as the session. Raises AlreadyExists (the id is taken),
+        NotFound (no such model), InvalidArgument (a bad setting), ResourceExhausted (a
+        session budget is full)."""
         return self._run(
             self._aio.create_session(
                 model,
