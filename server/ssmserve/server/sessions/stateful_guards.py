@@ -33,7 +33,7 @@ One step ``t`` with input ``x`` (as sent), from the state after step ``t - 1``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,9 +207,8 @@ def judge_input(
                 imputed = np.zeros(sent.shape[0], np.bool_) if imputed is None else imputed
                 imputed[hit] = True
                 put = tuple(float(forecast[d]) for d in hit)
-                detail += "; imputed " + ", ".join(
-                    f"{d}={v:.6g}" for d, v in zip(hit, put, strict=True)
-                )
+                shown_put = list(zip(hit, put, strict=True))[:4]
+                detail += "; imputed " + ", ".join(f"{d}={v:.6g}" for d, v in shown_put)
             else:
                 action = GuardAction.REJECT
                 detail += "; no finite forecast to impute, so the step is rejected"
@@ -228,7 +227,7 @@ def judge_input(
 
 def _input_broken(
     rule: GuardRule, g: GuardState, j: int, dims: np.ndarray, values: np.ndarray
-) -> tuple[np.ndarray, str, object]:
+) -> tuple[np.ndarray, str, Callable[[np.ndarray], str]]:
     """Which of ``values`` (an input's ``dims``) break ``rule``; the event's words; and
     a function of the fired mask that shows the values."""
 
