@@ -303,6 +303,7 @@ def test_stateful_rules_round_trip_through_session_info(worker):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_worker_process_loses_no_decision(
     model_dirs, served_models, redis_url, tmp_path
 ):
