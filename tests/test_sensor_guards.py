@@ -222,6 +222,8 @@ def test_a_crashed_workers_guarded_session_continues_with_the_same_bits_and_deci
     # The outputs of the steps replayed on load are the ones answered before the crash.
     assert_bit_equal(second.client.step(sid, x[12], step=13).output, want[12])
     assert_bit_equal(second.client.history(sid, from_step=11, to_step=17).outputs, want[10:17])
+    # Imputed at three steps in a row, replayed (from the snapshot at 15) step by step.
+    assert_bit_equal(second.client.history(sid, from_step=16, to_step=24).outputs, want[15:])
 
 
 def test_forecasts_and_forks_judge_as_the_session_would(worker, served_models):
