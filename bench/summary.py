@@ -60,6 +60,19 @@ class Figure:
 # ---------------------------------------------------------------------------- the rows
 
 
+def _signal_model(kind: str) -> Callable[[dict[str, Any]], Cells]:
+    """The trained model's error beside the best linear AR and the last value."""
+
+    def cells(d: dict[str, Any]) -> Cells:
+        errors = d["errors_over_std"]
+        ours = errors[d["model"]][kind]["mean"]
+        ar_name = f"linear AR({d['ar_order']})"
+        ar, last = errors[ar_name][kind]["mean"], errors["last value"][kind]["mean"]
+        return fmt(ours), f"{ar_name}: {fmt(ar)}; last value: {fmt(last)}", fmt(ours / ar)
+
+    return cells
+
+
 def _hf_peer(d: dict[str, Any]) -> Cells:
     peer = min(d["torch_p50_ms"], d["torch_flush_denormal_p50_ms"])
     return fmt(d["ours_p50_ms"]), f"transformers: {fmt(peer)}", fmt(d["ours_p50_ms"] / peer)
@@ -403,6 +416,10 @@ FIGURES = [
            "`bench/bench_scale.py`", _workers),
     Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale",
            "`bench/bench_scale.py`", _group_commit),
+    Figure("trained CGM model (examples/), one-step MAE on held-out readings, training stds",
+           "signal_model", "`bench/bench_signal_model.py`", _signal_model("mae")),
+    Figure("trained CGM model (examples/), one-step RMSE on held-out readings, training stds",
+           "signal_model", "`bench/bench_signal_model.py`", _signal_model("rmse")),
     Figure("`ssmserve --help` / `ssmserve session list` start-up, median ms", "cli_start",
            "`bench/bench_cli_start.py`", _cli_start),
     Figure("one Stream step, server side: ssmserve module crossings / modules", "trace_path",

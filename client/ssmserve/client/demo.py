@@ -56,9 +56,13 @@ def synthetic_signal(steps: int, channels: int, seed: int = 0) -> np.ndarray:
 SERVER_START_TIMEOUT_S = 300.0
 
 
-def start_server(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    data_dir: Path, serve: Sequence[str] = ("--demo",)
+) -> tuple[subprocess.Popen[str], str]:
+    """``ssmserve-server`` with ``serve`` (what to serve: ``--demo``, or ``--model
+    NAME=DIR``) on a free loopback port; returns it and its address once it is ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ssmserve.server.main", "--demo", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "ssmserve.server.main", *serve, "--listen", "127.0.0.1:0",
          "--data-dir", str(data_dir)],
         stdout=subprocess.PIPE, text=True,
         env={**os.environ, "SSMSERVE_LOG_LEVEL": os.environ.get("SSMSERVE_LOG_LEVEL", "WARNING")},
