@@ -191,6 +191,11 @@ def run_and_draw(client: Client, day: np.ndarray, picture: Path) -> int:
             f"{MINUTES_PER_READING} min; faults injected: a spike at reading {SPIKE_AT}, the "
             f"sensor stuck for readings {STUCK_FROM}..{STUCK_FROM + STUCK_FOR - 1}"
         )
+        print(
+            f"three sessions of model {MODEL!r}: clean (the true readings), plain (the faulty "
+            f"readings, nothing done) and guarded (the faulty readings, a prediction-error "
+            f"guard and a monitor that roll back)"
+        )
         made = {
             name: sessions.add(
                 client.create_session(MODEL, snapshot_every=32, guards=guards).session_id
@@ -204,10 +209,12 @@ def run_and_draw(client: Client, day: np.ndarray, picture: Path) -> int:
             [o.output for o in client.stream_steps(made["plain"], faulty, steps_per_message=32)]
         )
         run = stream_guarded(client, made["guarded"], faulty)
+        injected = {t for _, first, last in faults for t in range(first, last + 1)}
         for at, to, why in run.rollbacks:
+            real = "" if at in injected else " (a jump in the real readings, not injected)"
             print(
                 f"  reading {at}: {why} -> rollback to step {to}, the model's forecast in "
-                f"place of readings {to + 1}..{at}"
+                f"place of readings {to + 1}..{at}{real}"
             )
         report = []
         for name, first, last in faults:
