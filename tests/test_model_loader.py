@@ -204,3 +204,56 @@ def test_check_state(signal_model: MambaModel, token_model: MambaModel) -> None:
     signal_model.check_state(signal_model.new_state())
     with pytest.raises(ModelInputError, match="layers"):
         signal_model.check_state(token_model.new_state())
+
+
+def _too_big_for_this_machine(directory: Path) -> int:
+    """A config.json (no weights) of a Mamba LM needing twice the memory available here;
+    returns the bytes it needs."""
+    from ssmserve.server.engine import loader
+
+    have = loader.available_memory()
+    if have is None:
+        pytest.skip("no MemAvailable to read here (not Linux)")
+    per_layer = loader.load_bytes(token_config(hidden_size=4096, intermediate_size=8192,
+                                               num_hidden_layers=2, time_step_rank=256,
+                                               vocab_size=8))  # fmt: skip
+    layers = min(4096, 2 * (2 * have // per_layer + 1))
+    config = token_config(hidden_size=4096, intermediate_size=8192, num_hidden_layers=layers,
+                          time_step_rank=256, vocab_size=8)  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_json()))
+    need = loader.load_bytes(config)
+    assert need > have
+    return need
+
+
+def test_a_model_bigger_than_the_available_memory_is_refused_before_it_is_read(tmp_path):
+    from ssmserve.server.errors import ModelTooLargeError
+
+    need = _too_big_for_this_machine(tmp_path / "big")
+    # no model.safetensors at all: the refusal comes before any file of weights is opened
+    with pytest.raises(
+        ModelTooLargeError, match=r"'big' needs about [\d.]+ GiB of memory to load"
+    ) as err:
+        load_model(tmp_path / "big")
+    assert f"{need / 2**30:.1f} GiB" in str(err.value) and "GiB is available here" in str(err.value)
+    assert err.value.reason == "MODEL_TOO_LARGE"
+
+
+def test_the_server_refuses_at_start_a_model_bigger_than_the_available_memory(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    _too_big_for_this_machine(tmp_path / "big")
+    result = subprocess.run(
+        [sys.executable, "-m", "ssmserve.server.main", "--model", f"big={tmp_path / 'big'}",
+         "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "needs about" in result.stderr and "GiB is available here" in result.stderr, (
+        result.stderr
+    )
+    assert "listening" not in result.stdout

@@ -60,6 +60,13 @@ class ModelFormatError(SsmserveError):
     """A model directory is missing files, or its config or tensors are invalid."""
 
 
+class ModelTooLargeError(SsmserveError):
+    """Loading a model would need more memory than the machine has available: refused
+    before a byte of it is read, never an out-of-memory kill half-way."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
 class ModelInputError(SsmserveError):
     """Inputs given to a model have the wrong dtype, shape, or values (NaN, bad token id)."""
 

@@ -47,6 +47,7 @@ float32, so a 16-bit shift; F64 rounds to nearest) and the engine computes in fl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -69,7 +70,7 @@ from ssmserve.server.engine.mamba import (
 )
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
 from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads
-from ssmserve.server.errors import ModelFormatError, clip
+from ssmserve.server.errors import ModelFormatError, ModelTooLargeError, clip
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -213,9 +214,49 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / name for name in sorted(names)]
 
 
+def load_bytes(config: MambaConfig) -> int:
+    """Memory a load of ``config``'s model takes at its peak: every weight as float32
+    (packed into panels: held once), and the largest tensor a second time (it is read,
+    then packed, before the read copy is freed)."""
+    sizes = [math.prod(shape) * 4 for shape in expected_shapes(config).values()]
+    return sum(sizes) + max(sizes)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the kernel's MemAvailable, or less where a
+    cgroup (v2) limit leaves less; None where neither can be read (not Linux)."""
+    have: int | None = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                have = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((cgroup / "memory.current").read_text())
+            have = left if have is None else min(have, left)
+    return have
+
+
+def check_memory(config: MambaConfig, name: str) -> None:
+    """Refuse (:class:`ModelTooLargeError`, naming the figures) a model whose load would
+    need more memory than is available, before any of it is read."""
+    need, have = load_bytes(config), available_memory()
+    if have is not None and need > have:
+        params = sum(math.prod(s) for s in expected_shapes(config).values())
+        raise ModelTooLargeError(
+            f"model {name!r} needs about {need / 2**30:.1f} GiB of memory to load "
+            f"({params:,} parameters as float32, its largest tensor twice while it is "
+            f"packed) and {have / 2**30:.1f} GiB is available here: free memory, or serve "
+            f"it on a machine with more"
+        )
+
+
 def read_weights(directory: Path, config: MambaConfig) -> dict[str, np.ndarray]:
     """Read the tensors ``config`` needs from the model's safetensors file(s), checked and
-    as float32."""
+    as float32; a model that would not fit in the available memory is refused first."""
+    check_memory(config, directory.name)
     want = expected_shapes(config)
     files = weight_files(directory)
     where: dict[str, Path] = {}  # stored name -> its file
