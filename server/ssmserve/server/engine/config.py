@@ -31,6 +31,7 @@ SIGNAL_ARCHITECTURE_NAME = "SsmserveSignalMamba"
 HF_ARCHITECTURE_NAME = "MambaForCausalLM"
 SIGNAL2_ARCHITECTURE_NAME = "SsmserveSignalMamba2"
 HF2_ARCHITECTURE_NAME = "Mamba2ForCausalLM"
+FALCON_ARCHITECTURE_NAME = "FalconMambaForCausalLM"
 
 # Guards against configs that would allocate absurd amounts of memory before the
 # tensor shapes could even be checked.
@@ -88,6 +89,9 @@ class MambaConfig:
     # y * std + mean after the head (tensors ``input_norm.*`` / ``output_norm.*``).
     input_normalization: bool = False
     output_normalization: bool = False
+    # FalconMamba (a Mamba-1 LM): weightless RMS norms of Δ's low rank, B and C inside
+    # the mixer, with this epsilon (HF ``mixer_rms_eps``); 0: none, as in Mamba.
+    mixer_rms_eps: float = 0.0
 
     @property
     def output_dim(self) -> int:
@@ -135,6 +139,8 @@ class MambaConfig:
         else:
             per_arch += ("time_step_rank",)
         per_arch += _NORMALIZATION_FIELDS
+        if not self.mixer_rms_eps:  # named only for FalconMamba: older fingerprints stand
+            per_arch += ("mixer_rms_eps",)
         out = {k: v for k, v in asdict(self).items() if k not in per_arch}
         for key in _NORMALIZATION_FIELDS:  # named only when on: older fingerprints stand
             if getattr(self, key):
@@ -166,6 +172,15 @@ class MambaConfig:
             "use_conv_bias": self.use_conv_bias,
             "layer_norm_epsilon": self.layer_norm_epsilon,
         }
+        if self.is_token_model and self.mixer_rms_eps:
+            return {
+                "architectures": [FALCON_ARCHITECTURE_NAME],
+                "model_type": "falcon_mamba",
+                "vocab_size": self.vocab_size,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "mixer_rms_eps": self.mixer_rms_eps,
+                **common,
+            }
         if self.is_token_model:
             return {
                 "architectures": [HF_ARCHITECTURE_NAME],
@@ -228,7 +243,10 @@ class MambaConfig:
         if not isinstance(archs, list):
             raise ModelFormatError("config.json: 'architectures' must be a list")
         model_type = raw.get("model_type")
-        if SIGNAL_ARCHITECTURE_NAME in archs:
+        falcon = FALCON_ARCHITECTURE_NAME in archs or model_type == "falcon_mamba"
+        if falcon:
+            architecture = Architecture.LM
+        elif SIGNAL_ARCHITECTURE_NAME in archs:
             architecture = Architecture.SIGNAL
         elif SIGNAL2_ARCHITECTURE_NAME in archs:
             architecture = Architecture.MAMBA2_SIGNAL
@@ -240,8 +258,9 @@ class MambaConfig:
             raise ModelFormatError(
                 f"config.json: unsupported architecture {clip(str(archs or model_type))}; "
                 f"expected one of {HF_ARCHITECTURE_NAME!r}, {HF2_ARCHITECTURE_NAME!r}, "
-                f"{SIGNAL_ARCHITECTURE_NAME!r}, {SIGNAL2_ARCHITECTURE_NAME!r} (or model_type "
-                f"'mamba' or 'mamba2')"
+                f"{FALCON_ARCHITECTURE_NAME!r}, {SIGNAL_ARCHITECTURE_NAME!r}, "
+                f"{SIGNAL2_ARCHITECTURE_NAME!r} (or model_type 'mamba', 'mamba2' or "
+                f"'falcon_mamba')"
             )
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -273,6 +292,7 @@ class MambaConfig:
             input_dim=_int(raw, "input_dim") if architecture is Architecture.SIGNAL else 0,
             signal_output_dim=_int(raw, "output_dim") if architecture is Architecture.SIGNAL else 0,
             **_normalization(raw, architecture),
+            mixer_rms_eps=_float(raw, "mixer_rms_eps", default=1e-6) if falcon else 0.0,
         )
         return cfg
 

@@ -285,6 +285,23 @@ def rms_norm_rows(
 
 
 @njit(**_JIT)
+def mixer_rms_norms(x_dbl: np.ndarray, b: int, r: int, n: int, eps: np.float64) -> None:
+    """FalconMamba's weightless RMS norms inside the mixer, in place on rows ``x_dbl[:b]``
+    (b, r + 2n): each of Δ's low rank ``[:r]``, B ``[r:r+n]`` and C ``[r+n:]`` becomes
+    ``v / sqrt(mean(v^2) + eps)``, in float64 and rounded once (transformers'
+    ``FalconMambaWeightlessRMSNorm``, which computes in float32)."""
+    for row in range(b):
+        v = x_dbl[row]
+        for lo, hi in ((0, r), (r, r + n), (r + n, r + 2 * n)):
+            ss = 0.0
+            for j in range(lo, hi):
+                ss += np.float64(v[j]) * np.float64(v[j])
+            inv = 1.0 / np.sqrt(ss / np.float64(hi - lo) + eps)
+            for j in range(lo, hi):
+                v[j] = np.float32(np.float64(v[j]) * inv)
+
+
+@njit(**_JIT)
 def residual_rms_norm_rows(
     h: np.ndarray,
     delta: np.ndarray,

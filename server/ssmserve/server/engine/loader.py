@@ -380,6 +380,7 @@ def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) 
                 A=-np.exp(t[p + "A_log"]),  # (e, n)
                 D=t[p + "D"],
                 out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
+                mixer_rms_eps=config.mixer_rms_eps,
             )
         )
     if config.is_token_model:

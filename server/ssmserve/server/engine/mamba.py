@@ -62,6 +62,7 @@ class MambaBlockWeights:
     A: np.ndarray  # (e, n) = -exp(A_log), precomputed once
     D: np.ndarray  # (e,) skip connection
     out_proj: RowStableLinear  # e -> d
+    mixer_rms_eps: float = 0.0  # FalconMamba: norms of Δ low rank, B, C; 0: none
 
     @cached_property
     def conv_bias_or_zero(self) -> np.ndarray:
@@ -117,7 +118,11 @@ class MambaBlockWeights:
         ``conv_next``, h_t to ``ssm_next``, y (before out_proj) to ``ws.y`` (rows, e) and
         out_proj(y) to ``ws.delta`` (rows, d).
         """
-        if not self.fused or (ws.column_threads > 1 and self.has_column_ranges):
+        if (
+            not self.fused
+            or self.mixer_rms_eps  # FalconMamba: the fused kernel has no mixer norms
+            or (ws.column_threads > 1 and self.has_column_ranges)
+        ):
             self.mix_in_steps(ws, conv, ssm, conv_next, ssm_next)
             return
         m: MixerBuffers = ws.mixer
@@ -153,7 +158,10 @@ class MambaBlockWeights:
         )  # fmt: skip
         # Selection: Δ, B, C depend on the input ([1] Algorithm 2, lines 3-5).
         self.x_proj.into(m.xs, m.x_dbl, b, threads)  # (b, e) -> (b, r + 2n)
-        dt_low = m.x_dbl[:, : self.dt_proj.in_features]  # (rows, r) view, rows contiguous
+        r, n = self.dt_proj.in_features, self.A.shape[1]
+        if self.mixer_rms_eps:  # FalconMamba: RMS norms of Δ low rank, B and C
+            kernels.mixer_rms_norms(m.x_dbl, b, r, n, np.float64(self.mixer_rms_eps))
+        dt_low = m.x_dbl[:, :r]  # (rows, r) view, rows contiguous
         self.dt_proj.into(dt_low, m.dt_raw, b, threads)  # (b, r) -> (b, e), with bias
         # Discretize, update h, read out, gate: one pass over the (b, e, n) state.
         kernels.selective_scan(

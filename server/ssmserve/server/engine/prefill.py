@@ -361,6 +361,8 @@ def _mamba_mix(
     turn.done(Turns.CONV)
     # Selection: Δ, B, C of every position ([1] Algorithm 2, lines 3-5).
     _product(block.x_proj, m.xs, m.x_dbl, t, threads)  # (t, e) -> (t, r + 2n)
+    if block.mixer_rms_eps:  # FalconMamba: RMS norms of Δ low rank, B and C
+        kernels.mixer_rms_norms(m.x_dbl, t, r, block.A.shape[1], np.float64(block.mixer_rms_eps))
     _product(block.dt_proj, m.x_dbl[:, :r], m.dt_raw, t, threads)  # (t, r) -> (t, e)
     # The recurrence h_t = Ā h_{t-1} + B̄ x_t and the gated readout, position by position.
     width = m.x_dbl.shape[1]

@@ -94,6 +94,11 @@ class GpuMambaModel:
         name: str = "",
         device: torch.device | None = None,
     ) -> None:
+        if config.mixer_rms_eps:
+            raise ModelFormatError(
+                f"model {name!r} is a FalconMamba (norms inside the mixer), which the GPU "
+                f"engine does not compute: serve it with --engine cpu"
+            )
         if config.input_normalization or config.output_normalization:
             raise ModelFormatError(
                 f"model {name!r} normalises its signal (input_normalization / "
