@@ -477,7 +477,7 @@ async def main():
         f for f in {id(f): f for f in [*vars(kernels).values(), *vars(products).values()]}.values()
         if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline") != "always"
         # the tests' handles on the inlined exp, log1p and readout; steps never call them;
-        # and FalconMamba's mixer norms, which only its steps call (test_falcon_mamba.py)
+        # and FalconMamba's mixer norms, which only its steps call (test_hf_architectures.py)
         and f.__name__ not in ("exp_f32", "log1p_f32", "dot_in_order_f32", "mixer_rms_norms")
     ]
     cold_before = [f.__name__ for f in dispatchers if not f.signatures]

@@ -1,7 +1,8 @@
-"""FalconMamba (``FalconMambaForCausalLM``): a Mamba-1 LM with weightless RMS norms of Δ's
-low rank, B and C inside the mixer. Random-weight models built with transformers' own
-classes, saved as it saves them, loaded by ssmserve: the per-step logits match
-transformers' forward within 1e-5, and prefill, stepping and any batch agree bit for bit."""
+"""The architectures people have, against transformers' own classes (random weights saved
+by ``save_pretrained``, loaded by ssmserve): FalconMamba (``FalconMambaForCausalLM``, a
+Mamba-1 LM with weightless RMS norms of Δ's low rank, B and C inside the mixer) and a
+Codestral-shaped Mamba-2 (8 groups). Per-step logits match transformers' forward within
+1e-5; prefill, stepping and any batch agree bit for bit."""
 
 from __future__ import annotations
 
@@ -89,3 +90,23 @@ def test_a_worker_serves_falcon_mamba_with_the_engine_bits(tmp_path, redis_serve
         assert got.tobytes() == want.tobytes()
     finally:
         harness.stop()
+
+
+def test_codestral_shaped_mamba2_with_8_groups_matches_transformers(tmp_path):
+    """Codestral Mamba's Mamba-2 layout (n_groups 8, untied head), small: per-step logits
+    within 1e-5 of transformers' own Mamba2ForCausalLM."""
+    torch.manual_seed(8)
+    config = transformers.Mamba2Config(
+        hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, num_heads=16,
+        head_dim=8, n_groups=8, vocab_size=50, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    reference = transformers.Mamba2ForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "codestral")
+    ids = np.random.default_rng(8).integers(0, 50, 16)
+    with torch.no_grad():
+        want = reference(torch.from_numpy(ids)[None]).logits[0].numpy()  # (t, v)
+    model = load_model(tmp_path / "codestral")
+    assert model.config.n_groups == 8
+    got, _ = model.run(ids)
+    assert np.abs(got - want).max() <= 1e-5
