@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+# The GPU engine's tests run its Triton kernels on the CPU, under Triton's interpreter,
+# which Triton chooses when it is first imported; transformers (the export's and the
+# architectures' references) imports Triton too, and a test module that ran first would
+# leave it compiling for a GPU there is none of. So the whole session decides it here.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import pytest

@@ -55,13 +55,13 @@ def installs(lines: list[str]) -> list[str]:
 
 def test_the_demo_installs_no_test_tools_and_says_what_it_does(tmp_path):
     repo = checkout(tmp_path)
-    run = dev(repo, "demo", "--steps", "8")
+    run = dev(repo, "demo", "--plot", "day.png")
     assert run.returncode == 0, run.stderr
     done = calls(repo)
     assert installs(done) == [
         "-m pip install --no-compile --no-build-isolation -e ./client[plot] -e ."
     ]
-    assert done[-1] == "-m ssmserve.client.demo --steps 8"
+    assert done[-1] == "-m ssmserve.client.sensor_demo --plot day.png"
     said = run.stdout.splitlines()
     assert said[0].startswith("dev: upgrading pip")
     assert said[1].startswith("dev: installing ssmserve and ssmserve-client")

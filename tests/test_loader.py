@@ -72,6 +72,10 @@ def test_a_crashed_owners_session_is_rebuilt_at_its_step_bit_equal(
 ) -> None:
     x = random_inputs(demo_model, STEPS, seed=4101)
     _, expected = demo_model.run(x)
+    # The rebuild replays the logged steps as a prefill: its kernels are compiled here, so
+    # a cold numba cache (tens of seconds on a loaded machine) is not spent inside the
+    # takeover's bound below.
+    demo_model.prefill(x, outputs="none")
 
     async def body() -> None:
         a = await session_parts(redis_url, {"demo": demo_model}, A_ADDRESS, LEASE_TTL_S)
