@@ -60,6 +60,23 @@ class Figure:
 # ---------------------------------------------------------------------------- the rows
 
 
+def _bf16_memory(d: dict[str, Any]) -> Cells:
+    ratio = d["resident_over_stored"]
+    return (
+        fmt(ratio["bf16"]),
+        f"goal <= 1.15; float32 model: {fmt(ratio['f32'])}",
+        fmt(ratio["bf16"] / 1.15),
+    )
+
+
+def _bf16_decode(d: dict[str, Any]) -> Cells:
+    ms = d["decode_ms"]
+    ours = [ms[b]["bf16"] for b in ("1", "8")]
+    peer = [ms[b]["f32"] for b in ("1", "8")]
+    ratio = [d["decode_bf16_over_f32"][b] for b in ("1", "8")]
+    return joined(ours), f"the same model in float32: {joined(peer)} (goal <= 0.6x)", joined(ratio)
+
+
 def _signal_model(kind: str) -> Callable[[dict[str, Any]], Cells]:
     """The trained model's error beside the best linear AR and the last value."""
 
@@ -416,6 +433,10 @@ FIGURES = [
            "`bench/bench_scale.py`", _workers),
     Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale",
            "`bench/bench_scale.py`", _group_commit),
+    Figure("mamba-130m-shaped BF16 model kept 16-bit: resident memory / stored bytes", "bf16",
+           "`bench/bench_bf16.py`", _bf16_memory),
+    Figure("mamba-130m-shaped BF16 decode, batch 1 / 8, ms per token", "bf16",
+           "`bench/bench_bf16.py`", _bf16_decode),
     Figure("trained CGM model (examples/), one-step MAE on held-out readings, training stds",
            "signal_model", "`bench/bench_signal_model.py`", _signal_model("mae")),
     Figure("trained CGM model (examples/), one-step RMSE on held-out readings, training stds",

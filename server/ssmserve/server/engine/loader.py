@@ -53,6 +53,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ssmserve.client.atomic_file import atomic_write
-from ssmserve.server.engine.allocator import keep_freed_pages
+from ssmserve.server.engine.allocator import keep_freed_pages, return_freed_memory, trim_own_arena
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.mamba import (
     BlockWeights,
@@ -69,7 +70,7 @@ from ssmserve.server.engine.mamba import (
     MambaModel,
 )
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
-from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads
+from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads, widened
 from ssmserve.server.errors import ModelFormatError, ModelTooLargeError, clip
 
 CONFIG_FILE = "config.json"
@@ -154,7 +155,7 @@ def fingerprint(config: MambaConfig, tensors: dict[str, np.ndarray]) -> str:
     h.update(b"ssmserve-model-v1\0")
     h.update(json.dumps(config.canonical(), sort_keys=True).encode())
     for name in sorted(expected_shapes(config)):
-        arr = np.ascontiguousarray(tensors[name], dtype="<f4")
+        arr = np.ascontiguousarray(widened(tensors[name]), dtype="<f4")  # BF16 kept: widened
         h.update(f"\0{name}\0{arr.shape}\0".encode())
         h.update(memoryview(arr).cast("B"))
     return h.hexdigest()
@@ -164,8 +165,14 @@ def load_model(directory: str | os.PathLike[str], name: str | None = None) -> Ma
     """Load and validate a model directory. ``name`` defaults to the directory's name."""
     path = Path(directory)
     config = read_config(path)
-    tensors = read_weights(path, config)
-    return build_model(config, tensors, name=name or path.resolve().name)
+    tensors = read_weights(path, config, keep_bf16=True)
+    model = build_model(config, tensors, name=name or path.resolve().name)
+    del tensors
+    # The read copies are freed now, but the heap keeps freed pages for the steps
+    # (``allocator``): give them back, so a loaded model holds about its weights' bytes.
+    return_freed_memory()
+    trim_own_arena()
+    return model
 
 
 def read_config(directory: Path) -> MambaConfig:
@@ -214,11 +221,19 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / name for name in sorted(names)]
 
 
-def load_bytes(config: MambaConfig) -> int:
-    """Memory a load of ``config``'s model takes at its peak: every weight as float32
-    (packed into panels: held once), and the largest tensor a second time (it is read,
-    then packed, before the read copy is freed)."""
-    sizes = [math.prod(shape) * 4 for shape in expected_shapes(config).values()]
+def load_bytes(
+    config: MambaConfig, stored: Mapping[str, str] | None = None, keep_bf16: bool = False
+) -> int:
+    """Memory a load of ``config``'s model takes at its peak: each tensor at its width in
+    memory (2 bytes a value for a BF16 weight kept 16-bit, else 4; packed into panels,
+    held once), and the largest tensor a second time (it is read, then packed, before
+    the read copy is freed). ``stored``: each tensor's stored dtype; None (not read yet):
+    every tensor that may stay 16-bit counts as BF16, the least the load can take."""
+    sizes = []
+    for name, shape in expected_shapes(config).items():
+        bf16 = stored is None or stored.get(name) == "BF16"
+        width = 2 if keep_bf16 and kept_16bit(name) and bf16 else 4
+        sizes.append(math.prod(shape) * width)
     return sum(sizes) + max(sizes)
 
 
@@ -239,36 +254,48 @@ def available_memory() -> int | None:
     return have
 
 
-def check_memory(config: MambaConfig, name: str) -> None:
+def check_memory(
+    config: MambaConfig,
+    name: str,
+    stored: Mapping[str, str] | None = None,
+    keep_bf16: bool = False,
+) -> None:
     """Refuse (:class:`ModelTooLargeError`, naming the figures) a model whose load would
-    need more memory than is available, before any of it is read."""
-    need, have = load_bytes(config), available_memory()
+    need more memory than is available (:func:`load_bytes`), before its data is read."""
+    need, have = load_bytes(config, stored, keep_bf16), available_memory()
     if have is not None and need > have:
         params = sum(math.prod(s) for s in expected_shapes(config).values())
         raise ModelTooLargeError(
             f"model {name!r} needs about {need / 2**30:.1f} GiB of memory to load "
-            f"({params:,} parameters as float32, its largest tensor twice while it is "
-            f"packed) and {have / 2**30:.1f} GiB is available here: free memory, or serve "
-            f"it on a machine with more"
+            f"({params:,} parameters, its largest tensor twice while it is packed) and "
+            f"{have / 2**30:.1f} GiB is available here: free memory, or serve it on a "
+            f"machine with more"
         )
 
 
-def read_weights(directory: Path, config: MambaConfig) -> dict[str, np.ndarray]:
+def read_weights(
+    directory: Path, config: MambaConfig, keep_bf16: bool = False
+) -> dict[str, np.ndarray]:
     """Read the tensors ``config`` needs from the model's safetensors file(s), checked and
-    as float32; a model that would not fit in the available memory is refused first."""
-    check_memory(config, directory.name)
+    as float32; a model that would not fit in the available memory is refused first.
+
+    ``keep_bf16``: the weights of the products and the embedding table
+    (:func:`kept_16bit`) stored as BF16 stay 16-bit, as uint16 arrays of their bits
+    (``numerics.widened`` gives their float32 values); everything else is float32."""
+    check_memory(config, directory.name, None, keep_bf16)  # the least it can take: no I/O
     want = expected_shapes(config)
     files = weight_files(directory)
     where: dict[str, Path] = {}  # stored name -> its file
+    dtypes: dict[str, str] = {}  # stored name -> its dtype
     for path in files:
         if not path.is_file():
             raise ModelFormatError(f"shard {path.name!r} is missing")
-        for stored in _keys(path):
+        for stored, dtype in _keys(path).items():
             if stored in where:
                 raise ModelFormatError(
                     f"tensor {clip(stored)} is stored twice ({where[stored].name}, {path.name})"
                 )
-            where[stored] = path
+            where[stored], dtypes[stored] = path, dtype
     # Checkpoints converted from mamba_ssm say "embedding", transformers "embeddings".
     names = {_ALIASES.get(stored, stored): stored for stored in where}
     # A tied LM head stored anyway is ignored, as transformers does.
@@ -286,28 +313,50 @@ def read_weights(directory: Path, config: MambaConfig) -> dict[str, np.ndarray]:
             f"unexpected tensor(s) {', '.join(unexpected[:5])} "
             f"for a {config.architecture} model with this config"
         )
+    stored_dtypes = {name: dtypes[stored] for name, stored in names.items()}
+    check_memory(config, directory.name, stored_dtypes, keep_bf16)  # as stored
     tensors: dict[str, np.ndarray] = {}
+    keep = frozenset(n for n in want if kept_16bit(n)) if keep_bf16 else frozenset()
     for path in files:
         mine = {name: shape for name, shape in want.items() if where[names[name]] == path}
-        tensors.update(_read_file(path, {names[n]: (n, shape) for n, shape in mine.items()}))
+        wanted = {names[n]: (n, shape) for n, shape in mine.items()}
+        tensors.update(_read_file(path, wanted, keep))
     return tensors
+
+
+def kept_16bit(name: str) -> bool:
+    """Whether a tensor may stay at its stored 16 bits in memory: the weight of a product
+    (RowStableLinear, whose kernel widens it as it loads) or the embedding table (whose
+    looked-up rows are widened). Together they are all but ~1% of a model's bytes."""
+    return name == "backbone.embeddings.weight" or (
+        name.endswith(".weight") and name.rsplit(".", 2)[-2] in _PRODUCTS
+    )
+
+
+_PRODUCTS = frozenset(
+    {"in_proj", "x_proj", "dt_proj", "out_proj", "lm_head", "input_proj", "output_head"}
+)
 
 
 _ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
 
 
-def _keys(path: Path) -> list[str]:
+def _keys(path: Path) -> dict[str, str]:
+    """Each tensor of a safetensors file with its dtype, from its header."""
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return list(f.keys())
+            return {key: f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
     except SafetensorError as exc:
         raise ModelFormatError(f"{path.name}: not a valid safetensors file: {exc}") from None
     except OSError as exc:
         raise ModelFormatError(f"{path.name}: cannot read: {exc}") from None
 
 
-def _read_file(path: Path, wanted: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray]:
-    """``wanted``: stored name -> (name, shape). Returns name -> float32 array."""
+def _read_file(
+    path: Path, wanted: dict[str, tuple[str, tuple[int, ...]]], keep: frozenset[str]
+) -> dict[str, np.ndarray]:
+    """``wanted``: stored name -> (name, shape). Returns name -> float32 array, or the
+    uint16 bits of a BF16 tensor whose name is in ``keep``."""
     tensors: dict[str, np.ndarray] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -325,11 +374,14 @@ def _read_file(path: Path, wanted: dict[str, tuple[str, tuple[int, ...]]]) -> di
                         f"{path.name}: tensor {stored!r} has shape {list(stored_shape)}, "
                         f"config needs {list(shape)}"
                     )
-                if dtype == "BF16":  # numpy has no bfloat16: widen the raw bits
-                    arr = _bf16_as_f32(path, stored, shape)
+                if dtype == "BF16":  # numpy has no bfloat16: its raw bits
+                    bits = _bf16_bits(path, stored, shape)
+                    finite = not ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()
+                    arr = bits if name in keep else widened(bits)
                 else:
                     arr = np.ascontiguousarray(f.get_tensor(stored), dtype=np.float32)
-                if not np.isfinite(arr).all():
+                    finite = bool(np.isfinite(arr).all())
+                if not finite:
                     raise ModelFormatError(f"{path.name}: tensor {stored!r} contains NaN or Inf")
                 tensors[name] = arr
     except SafetensorError as exc:
@@ -339,8 +391,9 @@ def _read_file(path: Path, wanted: dict[str, tuple[str, tuple[int, ...]]]) -> di
     return tensors
 
 
-def _bf16_as_f32(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A BF16 tensor as float32, exactly: bfloat16 is the high 16 bits of a float32.
+def _bf16_bits(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A BF16 tensor's raw bits (uint16, ``shape``): bfloat16 is the high 16 bits of a
+    float32, so ``numerics.widened`` gives its values exactly.
 
     The file was opened and checked by safetensors already (header, offsets in range);
     here only this tensor's offsets are read from its header to reach the raw bytes.
@@ -353,9 +406,8 @@ def _bf16_as_f32(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if end - begin != 2 * count:
             raise ModelFormatError(f"{path.name}: tensor {name!r} has {end - begin} bytes")
         fh.seek(8 + header_len + begin)
-        bits = np.frombuffer(fh.read(end - begin), dtype="<u2")
-    wide = bits.astype(np.uint32) << np.uint32(16)  # (count,)
-    return wide.view(np.float32).reshape(shape)
+        bits = np.frombuffer(bytearray(fh.read(end - begin)), dtype="<u2")
+    return bits.astype(np.uint16, copy=False).reshape(shape)
 
 
 def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) -> MambaModel:

@@ -33,7 +33,7 @@ import numpy as np
 
 from ssmserve.server.engine import kernels
 from ssmserve.server.engine.config import MambaConfig
-from ssmserve.server.engine.numerics import RowStableLinear, padded
+from ssmserve.server.engine.numerics import RowStableLinear, padded, widened
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState, state_layout
 from ssmserve.server.engine.threads import (
     column_ranges,
@@ -445,7 +445,7 @@ class MambaModel:
         eps = np.float64(c.layer_norm_epsilon)
         x = inputs[lo:hi]
         if self.embeddings is not None:
-            ws.h[:b] = self.embeddings[x]  # (b, d)
+            ws.h[:b] = widened(self.embeddings[x])  # (b, d)
         elif self.input_proj is None:
             ws.h[:b] = self.head.weight_rows(x)  # (b, d): the tied head's rows
         else:

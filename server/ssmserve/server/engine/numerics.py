@@ -71,6 +71,15 @@ def blas_signature() -> str:
     return "; ".join(parts) or "no BLAS found"
 
 
+def widened(arr: np.ndarray) -> np.ndarray:
+    """float32 values of a weight: ``arr`` itself, or, where it holds bfloat16 bits
+    (uint16, how a BF16 weight stays 16-bit in memory), those bits as the high half of
+    float32s: the exact value, a new array."""
+    if arr.dtype != np.uint16:
+        return arr
+    return (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 class RowStableLinear:
     """``y = x @ weight.T + bias`` whose every row is independent of the other rows.
 
@@ -82,7 +91,9 @@ class RowStableLinear:
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.panels = products.pack_panels(np.asarray(weight, dtype=np.float32))  # (o/C, i, C)
+        if weight.dtype != np.uint16:  # uint16: bfloat16 bits, kept 16-bit (``widened``)
+            weight = np.asarray(weight, dtype=np.float32)
+        self.panels = products.pack_panels(weight)  # (o/C, i, C) float32 | uint16
         self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
 
     @property
@@ -94,7 +105,7 @@ class RowStableLinear:
         """``weight[rows]`` (len(rows), i), read from the panels: a tied head's matrix
         doubles as the embedding table without a second copy."""
         rows = np.asarray(rows)
-        return self.panels[rows // products.COLUMNS, :, rows % products.COLUMNS]
+        return widened(self.panels[rows // products.COLUMNS, :, rows % products.COLUMNS])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x``: (b, i) float32 -> (b, o) float32, freshly allocated."""

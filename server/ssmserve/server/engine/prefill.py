@@ -54,7 +54,7 @@ from numba import njit
 from ssmserve.server.engine import kernels, products
 from ssmserve.server.engine.mamba import BlockWeights, MambaBlockWeights, StepWorkspace
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
-from ssmserve.server.engine.numerics import RowStableLinear, padded
+from ssmserve.server.engine.numerics import RowStableLinear, padded, widened
 from ssmserve.server.engine.recurrent_state import SessionState, state_layout
 from ssmserve.server.engine.threads import run_ranges
 from ssmserve.server.errors import ModelInputError
@@ -290,7 +290,7 @@ def _chunk(
     t = x.shape[0]
     eps = np.float64(model.config.layer_norm_epsilon)
     if model.embeddings is not None:
-        ws.h[:t] = model.embeddings[x]  # (t, d)
+        ws.h[:t] = widened(model.embeddings[x])  # (t, d)
     elif model.input_proj is None:
         ws.h[:t] = model.head.weight_rows(x)  # (t, d): the tied head's rows
     else:

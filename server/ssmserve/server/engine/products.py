@@ -81,11 +81,16 @@ _JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "nump
 
 
 def pack_panels(weight: np.ndarray) -> np.ndarray:
-    """``weight`` (o, i) -> panels (ceil(o / C), i, C) float32, C = ``COLUMNS``, columns
-    zero-padded: panel p, row k holds ``weight[C p : C p + C, k]``."""
+    """``weight`` (o, i) -> panels (ceil(o / C), i, C), C = ``COLUMNS``, columns
+    zero-padded: panel p, row k holds ``weight[C p : C p + C, k]``.
+
+    float32 panels, or uint16 panels of bfloat16 bits where ``weight`` is uint16 (a BF16
+    weight kept at its stored width: the micro-kernel widens each value as it loads it,
+    ``bits << 16``, which is exact, so the products keep the bits of the widened weight)."""
     o, i = weight.shape
+    dtype = np.uint16 if weight.dtype == np.uint16 else np.float32
     padded_o = -(-o // COLUMNS) * COLUMNS
-    w = np.zeros((padded_o, i), np.float32)  # (o', i)
+    w = np.zeros((padded_o, i), dtype)  # (o', i); a zero's bits are zero in both
     w[:o] = weight
     # (o', i) -> (o' / C, C, i) -> (o' / C, i, C)
     return np.ascontiguousarray(w.reshape(padded_o // COLUMNS, COLUMNS, i).transpose(0, 2, 1))
@@ -128,6 +133,23 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     o_pitch = builder.sdiv(cgutils.unpack_tuple(builder, o_arr.strides)[0], const(4))
     depth = cgutils.unpack_tuple(builder, p_arr.shape)[1]  # i
     vec = ir.VectorType(ir.FloatType(), _LANES)
+    bf16 = signature.args[2].dtype == types.uint16  # panels of bfloat16 bits
+    bits_vec = ir.VectorType(ir.IntType(16), _LANES)
+    no_bits = ir.Constant(bits_vec, [0] * _LANES)
+    # (0, b0, 0, b1, ...): each bfloat16 as the high half of a little-endian float32
+    interleave = ir.Constant(
+        ir.VectorType(ir.IntType(32), 2 * _LANES),
+        [lane for j in range(_LANES) for lane in (j, _LANES + j)],
+    )
+
+    def load_weights(ptr: Any) -> Any:
+        """One vector of a panel row as floats: float32 as it is; bfloat16 bits widened
+        exactly (each placed in a float32's high half, zeros below: one shuffle)."""
+        if not bf16:
+            return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+        bits = builder.load(builder.bitcast(ptr, bits_vec.as_pointer()), align=2)
+        return builder.bitcast(builder.shuffle_vector(no_bits, bits, interleave), vec)
+
     fma = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{_LANES}f32"
     )
@@ -164,13 +186,7 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
                 builder.store(zero, acc[r][v])
         with cgutils.for_range_slice(builder, k0, k_stop, const(1)) as (k, _count):
             w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k
-            w = [
-                builder.load(
-                    builder.bitcast(builder.gep(w_row, [const(v * _LANES)]), vec.as_pointer()),
-                    align=4,
-                )
-                for v in range(vectors)
-            ]
+            w = [load_weights(builder.gep(w_row, [const(v * _LANES)])) for v in range(vectors)]
             for r in range(rows):
                 xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
                 xk = builder.shuffle_vector(

@@ -1,0 +1,125 @@
+"""BF16 weights kept 16-bit against the same weights held as float32, side by side.
+
+Writes a mamba-130m-shaped model (random weights, ``--preset``) stored in BF16, and the
+same values stored as float32, then measures in one run:
+
+- resident memory of each loaded model, in a fresh process each (RSS after the load minus
+  RSS after the imports), against its ``model.safetensors``;
+- decode at batch 1 and 8: median ms per step over ``--rounds`` interleaved rounds of
+  ``--steps`` steps (the two models alternate, so drift on a shared machine hits both).
+
+    python bench/bench_bf16.py --json bench/results/bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from safetensors.numpy import load_file  # noqa: E402
+
+from ssmserve.server.engine.loader import load_model, read_config, save_model  # noqa: E402
+from ssmserve.server.engine.recurrent_state import BatchState  # noqa: E402
+from tests.test_bf16_weights import to_bf16_bits, widened, write_bf16  # noqa: E402
+
+RSS_PROBE = """
+import os, sys
+from ssmserve.server.engine import kernels, products, loader
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+model = loader.load_model(sys.argv[1])
+print(rss() - before)
+"""
+
+
+def write_pair(root: Path, preset: str) -> tuple[Path, Path]:
+    source = root / "source"
+    subprocess.run(
+        [sys.executable, "-m", "ssmserve.client.cli", "model", "init-demo", str(source),
+         "--preset", preset],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    config = read_config(source)
+    tensors = load_file(source / "model.safetensors")
+    write_bf16(root / "bf16", config, tensors)
+    save_model(root / "f32", config, {k: widened(to_bf16_bits(v)) for k, v in tensors.items()})
+    return root / "bf16", root / "f32"
+
+
+def resident(directory: Path) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(directory)], check=True, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def decode_ms(models: dict[str, object], batch: int, steps: int, rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in models}
+    order = list(models)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            model = models[name]
+            state = BatchState.stack([model.new_state() for _ in range(batch)])  # type: ignore[attr-defined]
+            ids = np.arange(batch) % 100
+            for _ in range(2):
+                state, _ = model.step(state, ids)  # type: ignore[attr-defined]
+            started = time.perf_counter()
+            for _ in range(steps):
+                state, _ = model.step(state, ids)  # type: ignore[attr-defined]
+            times[name].append((time.perf_counter() - started) / steps * 1e3)
+    return {name: float(np.median(v)) for name, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="mamba-130m")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        bf16_dir, f32_dir = write_pair(Path(tmp), args.preset)
+        stored = {
+            name: (d / "model.safetensors").stat().st_size
+            for name, d in (("bf16", bf16_dir), ("f32", f32_dir))
+        }
+        held = {"bf16": resident(bf16_dir), "f32": resident(f32_dir)}
+        models = {"bf16": load_model(bf16_dir), "f32": load_model(f32_dir)}
+        decode = {b: decode_ms(models, b, args.steps, args.rounds) for b in (1, 8)}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "preset": args.preset,
+        "stored_bytes": stored,
+        "resident_bytes": held,
+        "resident_over_stored": {k: held[k] / stored[k] for k in held},
+        "decode_ms": {str(b): d for b, d in decode.items()},
+        "decode_bf16_over_f32": {str(b): d["bf16"] / d["f32"] for b, d in decode.items()},
+    }
+    for name in ("bf16", "f32"):
+        print(
+            f"{name}: stored {stored[name] / 2**20:.0f} MiB, resident "
+            f"{held[name] / 2**20:.0f} MiB ({held[name] / stored[name]:.3f}x); decode "
+            f"batch 1 {decode[1][name]:.2f} ms, batch 8 {decode[8][name]:.2f} ms"
+        )
+    print(f"bf16 / f32 decode time: batch 1 {result['decode_bf16_over_f32']['1']:.3f}, "
+          f"batch 8 {result['decode_bf16_over_f32']['8']:.3f}")  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
