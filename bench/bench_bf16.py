@@ -23,15 +23,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from safetensors.numpy import load_file  # noqa: E402
-
-from ssmserve.server.engine.loader import load_model, read_config, save_model  # noqa: E402
-from ssmserve.server.engine.recurrent_state import BatchState  # noqa: E402
-from tests.test_bf16_weights import to_bf16_bits, widened, write_bf16  # noqa: E402
+from ssmserve.server.engine.loader import (
+    bf16_bits,
+    load_model,
+    read_config,
+    save_model,
+)
+from ssmserve.server.engine.numerics import widened
+from ssmserve.server.engine.recurrent_state import BatchState
 
 RSS_PROBE = """
 import os, sys
@@ -53,8 +54,8 @@ def write_pair(root: Path, preset: str) -> tuple[Path, Path]:
     )  # fmt: skip
     config = read_config(source)
     tensors = load_file(source / "model.safetensors")
-    write_bf16(root / "bf16", config, tensors)
-    save_model(root / "f32", config, {k: widened(to_bf16_bits(v)) for k, v in tensors.items()})
+    save_model(root / "bf16", config, tensors, dtype="BF16")
+    save_model(root / "f32", config, {k: widened(bf16_bits(v)) for k, v in tensors.items()})
     return root / "bf16", root / "f32"
 
 

@@ -8,49 +8,18 @@ batch 1, 8 and 64, stepping and prefill, Mamba and Mamba-2, signal and token mod
 from __future__ import annotations
 
 import json
-import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ssmserve.server.engine import products
-from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-from ssmserve.server.engine.loader import load_model, save_model
+from ssmserve.server.engine.loader import bf16_bits, load_bytes, load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState
 from tests.conftest import token_config
-
-
-def to_bf16_bits(arr: np.ndarray) -> np.ndarray:
-    """float32 -> the bits of the nearest bfloat16 (round to nearest even)."""
-    bits = np.ascontiguousarray(arr, np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def write_bf16(directory: Path, config: MambaConfig, tensors: dict[str, np.ndarray]) -> None:
-    """A model directory whose every tensor is stored as BF16 (safetensors, as torch and
-    transformers write it; numpy has no bfloat16, so the file is written by hand)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    header: dict[str, object] = {}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        bits = to_bf16_bits(tensors[name]).tobytes()
-        header[name] = {
-            "dtype": "BF16",
-            "shape": list(tensors[name].shape),
-            "data_offsets": [offset, offset + len(bits)],
-        }
-        blobs.append(bits)
-        offset += len(bits)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    (directory / "model.safetensors").write_bytes(
-        struct.pack("<Q", len(text)) + text + b"".join(blobs)
-    )
-    (directory / "config.json").write_text(json.dumps(config.to_json()))
 
 
 def widened(bits: np.ndarray) -> np.ndarray:
@@ -94,8 +63,8 @@ def pairs(
     out = {}
     for i, (name, config) in enumerate(CONFIGS.items()):
         tensors = random_tensors(config, seed=i)
-        write_bf16(root / name, config, tensors)
-        wide = {k: widened(to_bf16_bits(v)) for k, v in tensors.items()}
+        save_model(root / name, config, tensors, dtype="BF16")
+        wide = {k: widened(bf16_bits(v)) for k, v in tensors.items()}
         save_model(root / f"{name}-f32", config, wide)
         out[name] = (load_model(root / name), load_model(root / f"{name}-f32"), root / name)
     return out
@@ -171,3 +140,37 @@ def test_a_bf16_model_holds_about_its_stored_bytes(pairs, name):
     )
     fixed += 2 * products.COLUMNS * (c.vocab_size + 4 * c.intermediate_size + c.hidden_size)
     assert held <= 1.15 * stored + fixed, (held, stored, fixed)
+
+
+def test_a_bf16_file_is_what_torch_writes(tmp_path):
+    """``save_model(dtype="BF16")`` rounds to nearest even, as torch does, and the file
+    reads back through safetensors' own reader (header, offsets)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    config = CONFIGS["signal"]
+    tensors = random_tensors(config, seed=9)
+    save_model(tmp_path / "m", config, tensors, dtype="BF16")
+    back = load_file(tmp_path / "m" / "model.safetensors")
+    for name, values in tensors.items():
+        want = torch.from_numpy(values).to(torch.bfloat16)
+        assert back[name].dtype == torch.bfloat16
+        assert torch.equal(back[name], want), name
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["input_dim"] == 5
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_a_load_stays_within_the_memory_it_was_checked_for(tmp_path, dtype):
+    """tracemalloc's peak over a whole load (numpy reports its arrays to it) against the
+    figure the memory check compares with what is available (``load_bytes``)."""
+    config = token_config(hidden_size=96, intermediate_size=192, vocab_size=4096,
+                          time_step_rank=6, num_hidden_layers=3)  # fmt: skip
+    save_model(tmp_path / "m", config, random_tensors(config, seed=1), dtype=dtype)
+    stored = dict.fromkeys(random_tensors(config, seed=1), dtype)
+    tracemalloc.start()
+    try:
+        load_model(tmp_path / "m")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= load_bytes(config, stored, keep_bf16=True)

@@ -257,3 +257,11 @@ def test_the_plain_install_does_not_pull_torch_or_transformers():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_normalised_module_round_trips_through_its_state_dict():
+    trained = _module("mamba2", True, 5)
+    fresh = _module("mamba2", False, 6)
+    fresh.load_state_dict(trained.state_dict())
+    x = _inputs(True)
+    assert np.array_equal(stream_reference(fresh, x), stream_reference(trained, x))

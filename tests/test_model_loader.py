@@ -229,16 +229,16 @@ def _too_big_for_this_machine(directory: Path) -> int:
 
 
 def test_a_model_bigger_than_the_available_memory_is_refused_before_it_is_read(tmp_path):
-    from ssmserve.server.errors import ModelTooLargeError
+    from ssmserve.server.errors import InsufficientMemoryError
 
     need = _too_big_for_this_machine(tmp_path / "big")
     # no model.safetensors at all: the refusal comes before any file of weights is opened
     with pytest.raises(
-        ModelTooLargeError, match=r"'big' needs about [\d.]+ GiB of memory to load"
+        InsufficientMemoryError, match=r"'big' needs about [\d.]+ GiB of memory to load"
     ) as err:
         load_model(tmp_path / "big")
     assert f"{need / 2**30:.1f} GiB" in str(err.value) and "GiB is available here" in str(err.value)
-    assert err.value.reason == "MODEL_TOO_LARGE"
+    assert err.value.reason == "INSUFFICIENT_MEMORY"
 
 
 def test_the_server_refuses_at_start_a_model_bigger_than_the_available_memory(tmp_path):

@@ -60,7 +60,7 @@ class ModelFormatError(SsmserveError):
     """A model directory is missing files, or its config or tensors are invalid."""
 
 
-class ModelTooLargeError(SsmserveError):
+class InsufficientMemoryError(SsmserveError):
     """Loading a model would need more memory than the machine has available: refused
     before a byte of it is read, never an out-of-memory kill half-way."""
 

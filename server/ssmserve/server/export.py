@@ -41,7 +41,7 @@ from ssmserve.server.engine.config import (
     SIGNAL_ARCHITECTURE_NAME,
     MambaConfig,
 )
-from ssmserve.server.engine.loader import load_model, save_model
+from ssmserve.server.engine.loader import build_model, load_model, save_model
 from ssmserve.server.errors import ModelFormatError
 
 #: Config fields the engine reads (beyond the architecture), per backbone.
@@ -77,6 +77,10 @@ _NO_EFFECT = frozenset(
 _NO_EFFECT_MAMBA2 = frozenset({"time_step_rank"})
 
 
+#: SignalMamba's optional normalisation buffers.
+_STATISTICS = ("input_mean", "input_std", "output_mean", "output_std")
+
+
 class ExportError(ValueError):
     """The module cannot be written as a model directory that computes the same thing."""
 
@@ -105,7 +109,7 @@ class SignalMamba(nn.Module):
         else:
             self.backbone = HfMambaModel(config)
         self.output_head = nn.Linear(hidden, output_dim)  # d -> o
-        for name in ("input_mean", "input_std", "output_mean", "output_std"):
+        for name in _STATISTICS:
             self.register_buffer(name, None)
 
     @classmethod
@@ -153,6 +157,17 @@ class SignalMamba(nn.Module):
             stats = (None, None) if pair is None else (torch.from_numpy(a) for a in pair)
             for suffix, value in zip(("mean", "std"), stats, strict=True):
                 setattr(self, f"{side}_{suffix}", value)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        """A checkpoint's statistics load into a module that has none yet (they are
+        optional buffers, None until set), so ``load_state_dict`` round-trips."""
+        for name in _STATISTICS:
+            key = prefix + name
+            if key in state_dict and getattr(self, name) is None:
+                setattr(self, name, torch.empty_like(state_dict[key]))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(b, t, i) -> (b, t, o): the whole sequence from a fresh state."""
@@ -216,6 +231,12 @@ def save_signal_model(
             tensors[f"{side}_norm.mean"], tensors[f"{side}_norm.std"] = pair
     try:
         parsed = MambaConfig.from_json(config)
+        if MambaConfig.from_json(parsed.to_json()) != parsed:  # e.g. a fractional expand
+            raise ExportError(
+                f"backbone config does not survive config.json: {parsed.to_json()} reads "
+                f"back as another model"
+            )
+        build_model(parsed, dict(tensors), name="export")  # checks everything, in memory
         save_model(out_dir, parsed, tensors)
         return load_model(out_dir).fingerprint
     except ModelFormatError as exc:

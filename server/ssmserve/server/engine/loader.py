@@ -71,7 +71,7 @@ from ssmserve.server.engine.mamba import (
 )
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
 from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads, widened
-from ssmserve.server.errors import ModelFormatError, ModelTooLargeError, clip
+from ssmserve.server.errors import InsufficientMemoryError, ModelFormatError, clip
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -166,7 +166,7 @@ def load_model(directory: str | os.PathLike[str], name: str | None = None) -> Ma
     path = Path(directory)
     config = read_config(path)
     tensors = read_weights(path, config, keep_bf16=True)
-    model = build_model(config, tensors, name=name or path.resolve().name)
+    model = build_model(config, tensors, name=name or path.resolve().name, consume=True)
     del tensors
     # The read copies are freed now, but the heap keeps freed pages for the steps
     # (``allocator``): give them back, so a loaded model holds about its weights' bytes.
@@ -225,33 +225,59 @@ def load_bytes(
     config: MambaConfig, stored: Mapping[str, str] | None = None, keep_bf16: bool = False
 ) -> int:
     """Memory a load of ``config``'s model takes at its peak: each tensor at its width in
-    memory (2 bytes a value for a BF16 weight kept 16-bit, else 4; packed into panels,
-    held once), and the largest tensor a second time (it is read, then packed, before
-    the read copy is freed). ``stored``: each tensor's stored dtype; None (not read yet):
-    every tensor that may stay 16-bit counts as BF16, the least the load can take."""
+    memory (2 bytes a value for a BF16 weight kept 16-bit, else 4), and three times the
+    largest tensor on top: packing a weight into panels holds a padded copy and the panels
+    beside the tensor read (:func:`build_model` lets each read tensor go once packed), the
+    fingerprint widens a BF16 tensor to float32 for a moment, and a margin for the panels'
+    padding and the rest (measured: 2.1x the largest above the total). ``stored``: each tensor's
+    stored dtype; None (not read yet): every tensor that may stay 16-bit counts as BF16,
+    the least the load can take. ``tests/test_bf16_weights.py`` holds it against
+    tracemalloc's peak."""
     sizes = []
     for name, shape in expected_shapes(config).items():
         bf16 = stored is None or stored.get(name) == "BF16"
         width = 2 if keep_bf16 and kept_16bit(name) and bf16 else 4
         sizes.append(math.prod(shape) * width)
-    return sum(sizes) + max(sizes)
+    return sum(sizes) + 3 * max(sizes)
 
 
 def available_memory() -> int | None:
     """Bytes this process may still take: the kernel's MemAvailable, or less where a
-    cgroup (v2) limit leaves less; None where neither can be read (not Linux)."""
+    cgroup v2 limit on this process's cgroup or any above it leaves less (its usage less
+    the inactive page cache, which the kernel reclaims before it kills); None where
+    neither can be read (not Linux)."""
     have: int | None = None
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 have = int(line.split()[1]) * 1024
-    with contextlib.suppress(OSError, ValueError):
-        cgroup = Path("/sys/fs/cgroup")
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            left = int(limit) - int((cgroup / "memory.current").read_text())
-            have = left if have is None else min(have, left)
+    for left in _cgroup_room():
+        have = left if have is None else min(have, left)
     return have
+
+
+def _cgroup_room() -> list[int]:
+    """Room under each cgroup v2 memory limit from this process's cgroup up to the root
+    (``/proc/self/cgroup``'s ``0::PATH``; in a cgroup namespace that is ``/``)."""
+    room: list[int] = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        line = next(ln for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                    if ln.startswith("0::"))  # fmt: skip
+        root = Path("/sys/fs/cgroup")
+        here = (root / line[3:].lstrip("/")).resolve()
+        for group in (here, *here.parents):
+            if not group.is_relative_to(root):
+                break
+            with contextlib.suppress(OSError, ValueError):
+                limit = (group / "memory.max").read_text().strip()
+                if limit != "max":
+                    used = int((group / "memory.current").read_text())
+                    stat = dict(
+                        ln.split() for ln in (group / "memory.stat").read_text().splitlines()
+                    )
+                    used -= int(stat.get("inactive_file", 0))
+                    room.append(max(0, int(limit) - used))
+    return room
 
 
 def check_memory(
@@ -260,14 +286,14 @@ def check_memory(
     stored: Mapping[str, str] | None = None,
     keep_bf16: bool = False,
 ) -> None:
-    """Refuse (:class:`ModelTooLargeError`, naming the figures) a model whose load would
+    """Refuse (:class:`InsufficientMemoryError`, naming the figures) a model whose load would
     need more memory than is available (:func:`load_bytes`), before its data is read."""
     need, have = load_bytes(config, stored, keep_bf16), available_memory()
     if have is not None and need > have:
         params = sum(math.prod(s) for s in expected_shapes(config).values())
-        raise ModelTooLargeError(
+        raise InsufficientMemoryError(
             f"model {name!r} needs about {need / 2**30:.1f} GiB of memory to load "
-            f"({params:,} parameters, its largest tensor twice while it is packed) and "
+            f"({params:,} parameters, its largest tensor thrice while it is packed) and "
             f"{have / 2**30:.1f} GiB is available here: free memory, or serve it on a "
             f"machine with more"
         )
@@ -398,43 +424,70 @@ def _bf16_bits(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
     The file was opened and checked by safetensors already (header, offsets in range);
     here only this tensor's offsets are read from its header to reach the raw bytes.
     """
+    count = math.prod(shape)
     with path.open("rb") as fh:
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(header_len))
-        begin, end = header[name]["data_offsets"]
-        count = math.prod(shape)
+        try:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            begin, end = json.loads(fh.read(header_len))[name]["data_offsets"]
+        except (struct.error, ValueError, KeyError, TypeError):  # changed since it was checked
+            raise ModelFormatError(f"{path.name}: cannot read tensor {name!r}'s header") from None
         if end - begin != 2 * count:
             raise ModelFormatError(f"{path.name}: tensor {name!r} has {end - begin} bytes")
         fh.seek(8 + header_len + begin)
-        bits = np.frombuffer(bytearray(fh.read(end - begin)), dtype="<u2")
+        bits = np.fromfile(fh, dtype="<u2", count=count)  # one copy: the array itself
+    if bits.size != count:
+        raise ModelFormatError(f"{path.name}: tensor {name!r} is cut short")
     return bits.astype(np.uint16, copy=False).reshape(shape)
 
 
-def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) -> MambaModel:
-    """Assemble a :class:`MambaModel` from checked float32 tensors."""
+def build_model(
+    config: MambaConfig, tensors: dict[str, np.ndarray], name: str, consume: bool = False
+) -> MambaModel:
+    """Assemble a :class:`MambaModel` from checked tensors (float32, or the uint16 bits of
+    BF16 weights kept 16-bit: ``read_weights``). ``consume``: each layer's tensors leave
+    ``tensors`` once packed, so the raw copy of a weight and its panels are not both held
+    for the whole load (:func:`load_bytes`)."""
     pin_blas_threads()
     keep_freed_pages()  # each step's new state arrays reuse the last step's pages
     t = tensors
+    model_fingerprint = fingerprint(config, t)  # before any tensor leaves
     blocks: list[BlockWeights] = []
     for layer in range(config.num_hidden_layers):
-        p = f"backbone.layers.{layer}.mixer."
         if config.mamba_version == 2:
             blocks.append(_mamba2_block(config, t, layer))
-            continue
-        blocks.append(
-            MambaBlockWeights(
-                norm=t[f"backbone.layers.{layer}.norm.weight"],
-                in_proj=RowStableLinear(t[p + "in_proj.weight"], t.get(p + "in_proj.bias")),
-                conv_weight=np.ascontiguousarray(t[p + "conv1d.weight"][:, 0, :]),  # (e, k)
-                conv_bias=t.get(p + "conv1d.bias"),
-                x_proj=RowStableLinear(t[p + "x_proj.weight"]),
-                dt_proj=RowStableLinear(t[p + "dt_proj.weight"], t[p + "dt_proj.bias"]),
-                A=-np.exp(t[p + "A_log"]),  # (e, n)
-                D=t[p + "D"],
-                out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
-                mixer_rms_eps=config.mixer_rms_eps,
-            )
-        )
+        else:
+            blocks.append(_mamba1_block(config, t, layer))
+        if consume:
+            for key in [k for k in t if k.startswith(f"backbone.layers.{layer}.")]:
+                del t[key]
+    return _assemble(config, t, blocks, model_fingerprint, name)
+
+
+def _mamba1_block(config: MambaConfig, t: dict[str, np.ndarray], layer: int) -> MambaBlockWeights:
+    p = f"backbone.layers.{layer}.mixer."
+    return MambaBlockWeights(
+        norm=t[f"backbone.layers.{layer}.norm.weight"],
+        in_proj=RowStableLinear(t[p + "in_proj.weight"], t.get(p + "in_proj.bias")),
+        conv_weight=np.ascontiguousarray(t[p + "conv1d.weight"][:, 0, :]),  # (e, k)
+        conv_bias=t.get(p + "conv1d.bias"),
+        x_proj=RowStableLinear(t[p + "x_proj.weight"]),
+        dt_proj=RowStableLinear(t[p + "dt_proj.weight"], t[p + "dt_proj.bias"]),
+        A=-np.exp(t[p + "A_log"]),  # (e, n)
+        D=t[p + "D"],
+        out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
+        mixer_rms_eps=config.mixer_rms_eps,
+    )
+
+
+def _assemble(
+    config: MambaConfig,
+    t: dict[str, np.ndarray],
+    blocks: list[BlockWeights],
+    model_fingerprint: str,
+    name: str,
+) -> MambaModel:
+    """The model around its blocks: the ends (embeddings or input projection, final norm,
+    head, normalisation)."""
     if config.is_token_model:
         embeddings = t["backbone.embeddings.weight"]
         tied = config.tie_word_embeddings
@@ -444,7 +497,7 @@ def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) 
             t["backbone.norm_f.weight"],
             RowStableLinear(embeddings if tied else t["lm_head.weight"]),
             embeddings=None if tied else embeddings,  # tied: looked up in the head's panels
-            fingerprint=fingerprint(config, t),
+            fingerprint=model_fingerprint,
             name=name,
         )
     return MambaModel(
@@ -455,7 +508,7 @@ def build_model(config: MambaConfig, tensors: dict[str, np.ndarray], name: str) 
         input_proj=RowStableLinear(t["input_proj.weight"], t["input_proj.bias"]),
         input_norm=_scaling(t, "input_norm") if config.input_normalization else None,
         output_norm=_scaling(t, "output_norm") if config.output_normalization else None,
-        fingerprint=fingerprint(config, t),
+        fingerprint=model_fingerprint,
         name=name,
     )
 
@@ -491,17 +544,60 @@ def _mamba2_block(c: MambaConfig, t: dict[str, np.ndarray], layer: int) -> Mamba
 
 
 def save_model(
-    directory: str | os.PathLike[str], config: MambaConfig, tensors: dict[str, np.ndarray]
+    directory: str | os.PathLike[str],
+    config: MambaConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "F32",
 ) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (each atomically) into ``directory``."""
+    """Write ``config.json`` + ``model.safetensors`` (each atomically) into ``directory``.
+
+    ``tensors``: float32 values (uint16 arrays are BF16 bits, as ``read_weights`` keeps
+    them: widened). ``dtype``: ``"F32"``, or ``"BF16"`` (each value rounded to the nearest
+    bfloat16, ties to even, as torch rounds; numpy has no bfloat16, so the file is written
+    here, in the safetensors layout)."""
     want = expected_shapes(config)
     if set(want) != set(tensors):
         raise ModelFormatError(
             f"tensors do not match the config: {sorted(set(want) ^ set(tensors))}"
         )
+    if dtype not in ("F32", "BF16"):
+        raise ValueError(f"dtype must be 'F32' or 'BF16', got {dtype!r}")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
-    atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"}))
+    arrays = {k: np.ascontiguousarray(widened(v), dtype=np.float32) for k, v in tensors.items()}
+    if dtype == "BF16":
+        atomic_write(path / WEIGHTS_FILE, lambda tmp: _save_bf16(arrays, Path(tmp)))
+    else:
+        atomic_write(
+            path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"})
+        )
     text = json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n"
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values -> the bits of the nearest bfloat16 (ties to even), uint16."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def _save_bf16(arrays: dict[str, np.ndarray], out: Path) -> None:
+    """A safetensors file of ``arrays`` as BF16: an 8-byte header length, the JSON header
+    (padded to 8 bytes), then each tensor's bytes in name order."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(arrays):
+        size = 2 * arrays[name].size
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(arrays[name].shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with out.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        for name in sorted(arrays):  # one tensor's bits at a time
+            fh.write(bf16_bits(arrays[name]).tobytes())

@@ -94,17 +94,7 @@ class GpuMambaModel:
         name: str = "",
         device: torch.device | None = None,
     ) -> None:
-        if config.mixer_rms_eps:
-            raise ModelFormatError(
-                f"model {name!r} is a FalconMamba (norms inside the mixer), which the GPU "
-                f"engine does not compute: serve it with --engine cpu"
-            )
-        if config.input_normalization or config.output_normalization:
-            raise ModelFormatError(
-                f"model {name!r} normalises its signal (input_normalization / "
-                f"output_normalization), which the GPU engine does not apply: serve it "
-                f"with --engine cpu"
-            )
+        _check_supported(config, name)
         self.config = config
         self.name = name
         self.fingerprint = fingerprint(config, tensors)
@@ -146,6 +136,7 @@ class GpuMambaModel:
         """Read and check a model directory as ``load_model`` does, onto ``device``."""
         path = Path(directory)
         config = read_config(path)
+        _check_supported(config, name or path.resolve().name)  # before reading the weights
         tensors = read_weights(path, config)
         return cls(config, tensors, name=name or path.resolve().name, device=device)
 
@@ -283,3 +274,18 @@ class GpuMambaModel:
             batch, out = self.step(batch, seq[t : t + 1])
             outputs[t] = out[0]
         return outputs, batch.session(0)
+
+
+def _check_supported(config: MambaConfig, name: str) -> None:
+    """Refuse a model whose math the GPU engine does not compute (ModelFormatError)."""
+    if config.mixer_rms_eps:
+        raise ModelFormatError(
+            f"model {name!r} is a FalconMamba (norms inside the mixer), which the GPU "
+            f"engine does not compute: serve it with --engine cpu"
+        )
+    if config.input_normalization or config.output_normalization:
+        raise ModelFormatError(
+            f"model {name!r} normalises its signal (input_normalization / "
+            f"output_normalization), which the GPU engine does not apply: serve it "
+            f"with --engine cpu"
+        )
