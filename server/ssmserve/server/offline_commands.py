@@ -164,9 +164,12 @@ def describe(directory: Path) -> dict[str, object]:
             if c.mamba_version == 2
             else {"time_step_rank": c.time_step_rank}
         ),
+        **({"mixer_rms_eps": c.mixer_rms_eps} if c.mixer_rms_eps else {}),  # FalconMamba
+        **{key: True for key in ("input_normalization", "output_normalization") if getattr(c, key)},
         "input": "token id" if c.is_token_model else f"float32[{c.input_dim}]",
         "output": f"logits[{c.vocab_size}]" if c.is_token_model else f"float32[{c.output_dim}]",
         "parameters": params,
+        "weights_bytes": model.weight_bytes,
         "state_bytes_per_session": c.state_bytes,
         "fingerprint": model.fingerprint,
         "blas": blas_signature(),

@@ -251,8 +251,8 @@ class StepWorkspace:
 class ChannelScaling:
     """A signal model's per-channel normalisation: ``(x - mean) / std`` of the inputs
     before the input projection, ``y * std + mean`` of the outputs after the head, each
-    one float32 operation per element, as a PyTorch module computes them
-    (``ssmserve.server.export.SignalMamba``)."""
+    two float32 operations per element, each rounded, in the order a PyTorch module
+    computes them (``ssmserve.server.export.SignalMamba``)."""
 
     mean: np.ndarray  # (i,) | (o,)
     std: np.ndarray  # (i,) | (o,), every value > 0
@@ -328,6 +328,13 @@ class MambaModel:
         if self.input_proj is not None:
             out.append(self.input_proj)
         return out
+
+    @cached_property
+    def weight_bytes(self) -> int:
+        """Bytes of the products' packed weights (BF16 ones at 2 a value) and the
+        embedding table: what a step reads, and nearly all the model holds."""
+        held = sum(lin.panels.nbytes for lin in self.linears)
+        return held + (self.embeddings.nbytes if self.embeddings is not None else 0)
 
     @cached_property
     def flops_per_step(self) -> int:
