@@ -132,7 +132,7 @@ def stream_guarded(client: Client, sid: str, readings: np.ndarray) -> Run:
                 impute(t - STUCK, t, "stuck")
             continue
         out = client.step(sid, reading, step=t)
-        if t <= WARM or not out.guard_events or imputed[t - 2]:
+        if t <= WARM or not out.guard_events or (t > 1 and imputed[t - 2]):
             answers.append(out.output)
             continue
         client.rollback(sid, to_step=t - 1)  # the spike is undone, bit for bit
@@ -227,14 +227,14 @@ def run_and_draw(client: Client, day: np.ndarray, picture: Path) -> int:
                 f"rollback, {guarded_for * MINUTES_PER_READING} min with rollback, in it and "
                 f"the {AFTER * MINUTES_PER_READING // 60} h after"
             )
-        trusted = ~run.imputed
         same = np.array_equal(
             run.predictions[: SPIKE_AT - 1].view(np.uint32), clean[: SPIKE_AT - 1].view(np.uint32)
         )
         print(
             f"  before the first fault the guarded session answered the clean one's bits: "
             f"{'yes' if same else 'NO'}; imputed steps answered the forecast bit for bit: "
-            f"{'yes' if run.forecast_exact else 'NO'} ({int((~trusted).sum())} imputed)"
+            f"{'yes' if run.forecast_exact else 'NO'} ({int(run.imputed.sum())} readings "
+            f"imputed in all, the stuck sensor's later repeats each by the last answer)"
         )
         draw(picture, day, faulty, clean, plain, run, report)
         return 0 if same and run.forecast_exact else 1

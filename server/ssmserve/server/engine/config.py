@@ -93,6 +93,15 @@ class MambaConfig:
     # the mixer, with this epsilon (HF ``mixer_rms_eps``); 0: none, as in Mamba.
     mixer_rms_eps: float = 0.0
 
+    def __post_init__(self) -> None:
+        # FalconMamba's mixer norms exist in Mamba-1 language models only: set elsewhere,
+        # config.json would drop them while the fingerprint kept them.
+        if self.mixer_rms_eps and self.architecture is not Architecture.LM:
+            raise ModelFormatError(
+                f"mixer_rms_eps is FalconMamba's (a Mamba-1 language model); a "
+                f"{self.architecture} model has none"
+            )
+
     @property
     def output_dim(self) -> int:
         """Width of one step's output: vocab size (logits) or the signal head's width."""
