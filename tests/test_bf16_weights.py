@@ -18,13 +18,9 @@ from ssmserve.server.engine import products
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import bf16_bits, load_bytes, load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.numerics import widened
 from ssmserve.server.engine.recurrent_state import BatchState
 from tests.conftest import token_config
-
-
-def widened(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
 
 CONFIGS = {
     "signal": demo_config(DemoSpec(input_dim=5, output_dim=7, hidden=48, layers=2, state=8)),
