@@ -524,6 +524,7 @@ def mamba_mixer(
     xn: np.ndarray,
     b: int,
     in_panels: np.ndarray,
+    in_scales: np.ndarray,
     in_bias: np.ndarray,
     in_has_bias: bool,
     conv: np.ndarray,
@@ -532,9 +533,11 @@ def mamba_mixer(
     conv_has_bias: bool,
     conv_next: np.ndarray,
     x_panels: np.ndarray,
+    x_scales: np.ndarray,
     x_bias: np.ndarray,
     x_has_bias: bool,
     dt_panels: np.ndarray,
+    dt_scales: np.ndarray,
     dt_bias: np.ndarray,
     rank: int,
     A: np.ndarray,
@@ -542,6 +545,7 @@ def mamba_mixer(
     ssm: np.ndarray,
     ssm_next: np.ndarray,
     out_panels: np.ndarray,
+    out_scales: np.ndarray,
     out_bias: np.ndarray,
     out_has_bias: bool,
     xz: np.ndarray,
@@ -562,9 +566,11 @@ def mamba_mixer(
     Reads ``xn`` (rows, d); writes ``delta[:b]`` (b, d) = out_proj(y), the new conv window
     and h_t (``conv_next``, ``ssm_next``), and the activations in between.
     """
-    product_rows(xn, in_panels, in_bias, in_has_bias, 0, b, xz)  # (b, d) -> (b, 2e)
+    product_rows(xn, in_panels, in_scales, in_bias, in_has_bias, 0, b, xz)  # (b, d) -> (b, 2e)
     conv_silu(conv, xz, conv_weight, conv_bias, conv_has_bias, conv_next, xs, scratch)  # (b, e)
-    product_rows(xs, x_panels, x_bias, x_has_bias, 0, b, x_dbl)  # (b, e) -> (b, r + 2n)
-    product_rows(x_dbl[:, :rank], dt_panels, dt_bias, True, 0, b, dt_raw)  # (b, r) -> (b, e)
+    product_rows(xs, x_panels, x_scales, x_bias, x_has_bias, 0, b, x_dbl)  # (b, e) -> (b, r + 2n)
+    product_rows(
+        x_dbl[:, :rank], dt_panels, dt_scales, dt_bias, True, 0, b, dt_raw
+    )  # (b, r) -> (b, e)
     selective_scan(dt_raw, xs, x_dbl, xz, A, D, ssm, ssm_next, y, scratch, scratch_bits)
-    product_rows(y, out_panels, out_bias, out_has_bias, 0, b, delta)  # (b, e) -> (b, d)
+    product_rows(y, out_panels, out_scales, out_bias, out_has_bias, 0, b, delta)  # (b, e) -> (b, d)

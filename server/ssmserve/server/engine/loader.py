@@ -71,6 +71,13 @@ from ssmserve.server.engine.mamba import (
 )
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
 from ssmserve.server.engine.numerics import RowStableLinear, pin_blas_threads, widened
+from ssmserve.server.engine.quantize import (
+    QUANTIZATIONS,
+    QUANTIZE_TRANSIENT_BYTES,
+    Q8Weight,
+    quantizable,
+    quantize_q8_0,
+)
 from ssmserve.server.errors import InsufficientMemoryError, ModelFormatError, clip
 
 CONFIG_FILE = "config.json"
@@ -149,23 +156,40 @@ def _mamba2_layer_shapes(c: MambaConfig, p: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def fingerprint(config: MambaConfig, tensors: dict[str, np.ndarray]) -> str:
-    """sha256 over the canonical config and every tensor (name, shape, float32 bytes)."""
+#: Values widened at a time while hashing: a 16-bit or Q8_0 weight is never widened whole.
+_HASH_CHUNK_VALUES = 1 << 20
+
+
+def fingerprint(config: MambaConfig, tensors: Mapping[str, np.ndarray | Q8Weight]) -> str:
+    """sha256 over the canonical config and every tensor (name, shape, float32 bytes). A
+    Q8_0 weight's entry also names its format: a quantised model is never taken for a
+    float32 one (a checkpoint of one is refused by the other), even where the values
+    agree. BF16 kept 16-bit is not named: its values and every output are the F32 copy's."""
     h = hashlib.sha256()
     h.update(b"ssmserve-model-v1\0")
     h.update(json.dumps(config.canonical(), sort_keys=True).encode())
     for name in sorted(expected_shapes(config)):
-        arr = np.ascontiguousarray(widened(tensors[name]), dtype="<f4")  # BF16 kept: widened
-        h.update(f"\0{name}\0{arr.shape}\0".encode())
-        h.update(memoryview(arr).cast("B"))
+        tensor = tensors[name]
+        tag = "\0q8_0" if isinstance(tensor, Q8Weight) else ""
+        h.update(f"\0{name}{tag}\0{tuple(tensor.shape)}\0".encode())
+        rows = max(1, _HASH_CHUNK_VALUES // max(1, math.prod(tensor.shape[1:])))
+        for r0 in range(0, max(1, tensor.shape[0]), rows):  # widened a chunk at a time
+            part = np.ascontiguousarray(widened(tensor[r0 : r0 + rows]), dtype="<f4")
+            h.update(memoryview(part).cast("B"))
     return h.hexdigest()
 
 
-def load_model(directory: str | os.PathLike[str], name: str | None = None) -> MambaModel:
-    """Load and validate a model directory. ``name`` defaults to the directory's name."""
+def load_model(
+    directory: str | os.PathLike[str], name: str | None = None, quantize: str = "none"
+) -> MambaModel:
+    """Load and validate a model directory. ``name`` defaults to the directory's name.
+    ``quantize``: ``"none"`` (each weight at its stored precision: BF16 stays 16-bit, the
+    rest float32) or ``"q8_0"`` (the products' weights and the embedding table in
+    llama.cpp's Q8_0, as each is read: ``quantize.py``)."""
     path = Path(directory)
+    check_quantization(quantize)
     config = read_config(path)
-    tensors = read_weights(path, config, keep_bf16=True)
+    tensors = read_weights(path, config, keep_bf16=True, quantize=quantize)
     model = build_model(config, tensors, name=name or path.resolve().name, consume=True)
     del tensors
     # The read copies are freed now, but the heap keeps freed pages for the steps
@@ -221,8 +245,17 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / name for name in sorted(names)]
 
 
+def check_quantization(quantize: str) -> None:
+    """``ValueError`` naming the formats for a ``quantize`` the engine has not."""
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+
+
 def load_bytes(
-    config: MambaConfig, stored: Mapping[str, str] | None = None, keep_bf16: bool = False
+    config: MambaConfig,
+    stored: Mapping[str, str] | None = None,
+    keep_bf16: bool = False,
+    quantize: str = "none",
 ) -> int:
     """Memory a load of ``config``'s model takes at its peak: each tensor at its width in
     memory (2 bytes a value for a BF16 weight kept 16-bit, else 4), and three times the
@@ -231,14 +264,21 @@ def load_bytes(
     fingerprint widens a BF16 tensor to float32 for a moment, and a margin for the panels'
     padding and the rest (measured: 2.1x the largest above the total). ``stored``: each tensor's
     stored dtype; None (not read yet): every tensor that may stay 16-bit counts as BF16,
-    the least the load can take. ``tests/test_bf16_weights.py`` holds it against
-    tracemalloc's peak."""
-    sizes = []
+    the least the load can take. ``quantize="q8_0"``: each weight that becomes Q8_0 counts
+    1.125 bytes a value (its int8 and its scales, widened to float32), the three copies
+    count at the width read, and quantising takes a fixed few MiB more (``quantize.QUANTIZE_TRANSIENT_BYTES``). ``tests/test_bf16_weights.py``
+    and ``tests/test_q8_weights.py`` hold it against tracemalloc's peak."""
+    sizes, read = [], []  # bytes held once loaded; bytes of the copy read
     for name, shape in expected_shapes(config).items():
         bf16 = stored is None or stored.get(name) == "BF16"
         width = 2 if keep_bf16 and kept_16bit(name) and bf16 else 4
-        sizes.append(math.prod(shape) * width)
-    return sum(sizes) + 3 * max(sizes)
+        read.append(math.prod(shape) * width)
+        if quantize == "q8_0" and kept_16bit(name) and quantizable(shape):
+            sizes.append(math.prod(shape) * 9 // 8)
+        else:
+            sizes.append(read[-1])
+    transient = QUANTIZE_TRANSIENT_BYTES if quantize == "q8_0" else 0
+    return sum(sizes) + 3 * max(read) + transient
 
 
 def available_memory() -> int | None:
@@ -285,10 +325,11 @@ def check_memory(
     name: str,
     stored: Mapping[str, str] | None = None,
     keep_bf16: bool = False,
+    quantize: str = "none",
 ) -> None:
     """Refuse (:class:`InsufficientMemoryError`, naming the figures) a model whose load would
     need more memory than is available (:func:`load_bytes`), before its data is read."""
-    need, have = load_bytes(config, stored, keep_bf16), available_memory()
+    need, have = load_bytes(config, stored, keep_bf16, quantize), available_memory()
     if have is not None and need > have:
         params = sum(math.prod(s) for s in expected_shapes(config).values())
         raise InsufficientMemoryError(
@@ -300,15 +341,19 @@ def check_memory(
 
 
 def read_weights(
-    directory: Path, config: MambaConfig, keep_bf16: bool = False
-) -> dict[str, np.ndarray]:
+    directory: Path, config: MambaConfig, keep_bf16: bool = False, quantize: str = "none"
+) -> dict[str, np.ndarray | Q8Weight]:
     """Read the tensors ``config`` needs from the model's safetensors file(s), checked and
     as float32; a model that would not fit in the available memory is refused first.
 
     ``keep_bf16``: the weights of the products and the embedding table
     (:func:`kept_16bit`) stored as BF16 stay 16-bit, as uint16 arrays of their bits
-    (``numerics.widened`` gives their float32 values); everything else is float32."""
-    check_memory(config, directory.name, None, keep_bf16)  # the least it can take: no I/O
+    (``numerics.widened`` gives their float32 values); everything else is float32.
+    ``quantize="q8_0"``: those weights whose rows are whole 32-blocks become
+    :class:`~ssmserve.server.engine.quantize.Q8Weight` as each is read, so the model is
+    never held at its stored width in full."""
+    check_quantization(quantize)
+    check_memory(config, directory.name, None, keep_bf16, quantize)  # the least: no I/O
     want = expected_shapes(config)
     files = weight_files(directory)
     where: dict[str, Path] = {}  # stored name -> its file
@@ -340,13 +385,18 @@ def read_weights(
             f"for a {config.architecture} model with this config"
         )
     stored_dtypes = {name: dtypes[stored] for name, stored in names.items()}
-    check_memory(config, directory.name, stored_dtypes, keep_bf16)  # as stored
-    tensors: dict[str, np.ndarray] = {}
+    check_memory(config, directory.name, stored_dtypes, keep_bf16, quantize)  # as stored
+    tensors: dict[str, np.ndarray | Q8Weight] = {}
     keep = frozenset(n for n in want if kept_16bit(n)) if keep_bf16 else frozenset()
+    q8 = (
+        frozenset(n for n in want if kept_16bit(n) and quantizable(want[n]))
+        if quantize == "q8_0"
+        else frozenset()
+    )
     for path in files:
         mine = {name: shape for name, shape in want.items() if where[names[name]] == path}
         wanted = {names[n]: (n, shape) for n, shape in mine.items()}
-        tensors.update(_read_file(path, wanted, keep))
+        tensors.update(_read_file(path, wanted, keep, q8))
     return tensors
 
 
@@ -379,11 +429,15 @@ def _keys(path: Path) -> dict[str, str]:
 
 
 def _read_file(
-    path: Path, wanted: dict[str, tuple[str, tuple[int, ...]]], keep: frozenset[str]
-) -> dict[str, np.ndarray]:
-    """``wanted``: stored name -> (name, shape). Returns name -> float32 array, or the
-    uint16 bits of a BF16 tensor whose name is in ``keep``."""
-    tensors: dict[str, np.ndarray] = {}
+    path: Path,
+    wanted: dict[str, tuple[str, tuple[int, ...]]],
+    keep: frozenset[str],
+    q8: frozenset[str] = frozenset(),
+) -> dict[str, np.ndarray | Q8Weight]:
+    """``wanted``: stored name -> (name, shape). Returns name -> float32 array, the
+    uint16 bits of a BF16 tensor whose name is in ``keep``, or the Q8_0 form of one whose
+    name is in ``q8``."""
+    tensors: dict[str, np.ndarray | Q8Weight] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
             for stored, (name, shape) in wanted.items():
@@ -409,12 +463,20 @@ def _read_file(
                     finite = bool(np.isfinite(arr).all())
                 if not finite:
                     raise ModelFormatError(f"{path.name}: tensor {stored!r} contains NaN or Inf")
-                tensors[name] = arr
+                tensors[name] = _quantized(path, stored, arr) if name in q8 else arr
     except SafetensorError as exc:
         raise ModelFormatError(f"{path.name}: not a valid safetensors file: {exc}") from None
     except OSError as exc:
         raise ModelFormatError(f"{path.name}: cannot read: {exc}") from None
     return tensors
+
+
+def _quantized(path: Path, stored: str, arr: np.ndarray) -> Q8Weight:
+    """``arr`` (float32, or bfloat16 bits) in Q8_0; a value too big for it is named."""
+    try:
+        return quantize_q8_0(arr)
+    except ValueError as exc:
+        raise ModelFormatError(f"{path.name}: tensor {stored!r}: {exc}") from None
 
 
 def _bf16_bits(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:

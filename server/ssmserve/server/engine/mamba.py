@@ -128,13 +128,13 @@ class MambaBlockWeights:
         m: MixerBuffers = ws.mixer
         kernels.mamba_mixer(
             ws.xn, conv.shape[0],
-            self.in_proj.panels, *_bias(self.in_proj),
+            self.in_proj.panels, self.in_proj.scales, *_bias(self.in_proj),
             conv, self.conv_weight, self.conv_bias_or_zero, self.conv_bias is not None,
             conv_next,
-            self.x_proj.panels, *_bias(self.x_proj),
-            self.dt_proj.panels, self.dt_proj.bias, self.dt_proj.in_features,
+            self.x_proj.panels, self.x_proj.scales, *_bias(self.x_proj),
+            self.dt_proj.panels, self.dt_proj.scales, self.dt_proj.bias, self.dt_proj.in_features,
             self.A, self.D, ssm, ssm_next,
-            self.out_proj.panels, *_bias(self.out_proj),
+            self.out_proj.panels, self.out_proj.scales, *_bias(self.out_proj),
             m.xz, m.xs, m.x_dbl, m.dt_raw, ws.y, m.scratch, m.scratch_bits, ws.delta,
         )  # fmt: skip
 
@@ -331,9 +331,9 @@ class MambaModel:
 
     @cached_property
     def weight_bytes(self) -> int:
-        """Bytes of the products' packed weights (BF16 ones at 2 a value) and the
-        embedding table: what a step reads, and nearly all the model holds."""
-        held = sum(lin.panels.nbytes for lin in self.linears)
+        """Bytes of the products' packed weights (BF16 ones at 2 a value, Q8_0 at 1.125)
+        and the embedding table: what a step reads, and nearly all the model holds."""
+        held = sum(lin.nbytes for lin in self.linears)
         return held + (self.embeddings.nbytes if self.embeddings is not None else 0)
 
     @cached_property

@@ -33,6 +33,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from ssmserve.server.engine import products
 from ssmserve.server.engine.compile_cache import engine_source_digest
 from ssmserve.server.engine.environment import env_int
+from ssmserve.server.engine.quantize import Q8Weight
 from ssmserve.server.engine.threads import column_ranges, run_ranges
 
 #: BLAS threads used unless ``SSMSERVE_BLAS_THREADS`` says otherwise.
@@ -71,10 +72,12 @@ def blas_signature() -> str:
     return "; ".join(parts) or "no BLAS found"
 
 
-def widened(arr: np.ndarray) -> np.ndarray:
+def widened(arr: np.ndarray | Q8Weight) -> np.ndarray:
     """float32 values of a weight: ``arr`` itself, or, where it holds bfloat16 bits
     (uint16, how a BF16 weight stays 16-bit in memory), those bits as the high half of
-    float32s: the exact value, a new array."""
+    float32s, or a Q8_0 weight's ``scale * q``: the exact value, a new array."""
+    if isinstance(arr, Q8Weight):
+        return arr.dequantized()
     if arr.dtype != np.uint16:
         return arr
     return (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
@@ -87,14 +90,31 @@ class RowStableLinear:
     only as packed panels (``products.pack_panels``), so a model holds its weights once.
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "panels")
+    __slots__ = ("bias", "in_features", "out_features", "panels", "scales")
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
+    def __init__(self, weight: np.ndarray | Q8Weight, bias: np.ndarray | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        if weight.dtype != np.uint16:  # uint16: bfloat16 bits, kept 16-bit (``widened``)
+        self.scales = products.NO_SCALES
+        if isinstance(weight, Q8Weight):  # 8-bit: int8 panels, their scales beside
+            self.scales = products.pack_scales(weight)  # (o/C, i/32, C) float32
+        elif weight.dtype != np.uint16:  # uint16: bfloat16 bits, kept 16-bit (``widened``)
             weight = np.asarray(weight, dtype=np.float32)
-        self.panels = products.pack_panels(weight)  # (o/C, i, C) float32 | uint16
+        self.panels = products.pack_panels(weight)  # (o/C, i, C) float32 | uint16 | int8
         self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+
+    @property
+    def format(self) -> str:
+        """How the weight is held: ``f32``, ``bf16`` (kept 16-bit) or ``q8_0``."""
+        return {np.dtype(np.uint16): "bf16", np.dtype(np.int8): "q8_0"}.get(
+            self.panels.dtype, "f32"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed weight holds (panels, and a Q8_0 weight's scales)."""
+        return self.panels.nbytes + (
+            self.scales.nbytes if self.scales is not products.NO_SCALES else 0
+        )
 
     @property
     def weight(self) -> np.ndarray:
@@ -105,7 +125,12 @@ class RowStableLinear:
         """``weight[rows]`` (len(rows), i), read from the panels: a tied head's matrix
         doubles as the embedding table without a second copy."""
         rows = np.asarray(rows)
-        return widened(self.panels[rows // products.COLUMNS, :, rows % products.COLUMNS])
+        panel, column = rows // products.COLUMNS, rows % products.COLUMNS
+        if self.panels.dtype == np.int8:  # Q8_0: quants times their block's scale
+            quants = self.panels[panel, :, column]  # (len, i) int8
+            scales = self.scales[panel, :, column]  # (len, i/32) float32
+            return Q8Weight(quants, scales).dequantized()
+        return widened(self.panels[panel, :, column])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x``: (b, i) float32 -> (b, o) float32, freshly allocated."""
@@ -127,10 +152,12 @@ class RowStableLinear:
             raise ValueError(f"product needs row-contiguous float32 with >= {n} rows")
         bias = self.bias if self.bias is not None else _NO_BIAS
         has_bias = self.bias is not None
-        panels = self.panels
+        panels, scales = self.panels, self.scales
         run_ranges(
             column_ranges(panels.shape[0], panels[0].nbytes, threads),
-            lambda lo, hi: products.product_panels(x, panels, bias, has_bias, 0, n, lo, hi, out),
+            lambda lo, hi: products.product_panels(
+                x, panels, scales, bias, has_bias, 0, n, lo, hi, out
+            ),
         )
         return out
 

@@ -431,13 +431,13 @@ def _product(
         return
     tile = products.ROWS
     bounds = [rows * k // parts // tile * tile for k in range(parts)] + [rows]
-    panels = linear.panels
+    panels, scales = linear.panels, linear.scales
     bias = linear.bias if linear.bias is not None else _NO_BIAS
     has_bias = linear.bias is not None
     run_ranges(
         list(itertools.pairwise(bounds)),
         lambda lo, hi: products.product_panels(
-            x, panels, bias, has_bias, lo, hi, 0, panels.shape[0], out
+            x, panels, scales, bias, has_bias, lo, hi, 0, panels.shape[0], out
         ),
     )
 

@@ -51,6 +51,8 @@ from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
+from ssmserve.server.engine.quantize import Q8_BLOCK, Q8Weight
+
 
 def _vector_lanes() -> int:
     """Floats per vector of the micro-kernel: 16 when the CPU numba compiles for has
@@ -80,35 +82,57 @@ COLUMNS = 3 * _LANES
 _JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 
 
-def pack_panels(weight: np.ndarray) -> np.ndarray:
+def pack_panels(weight: np.ndarray | Q8Weight) -> np.ndarray:
     """``weight`` (o, i) -> panels (ceil(o / C), i, C), C = ``COLUMNS``, columns
     zero-padded: panel p, row k holds ``weight[C p : C p + C, k]``.
 
-    float32 panels, or uint16 panels of bfloat16 bits where ``weight`` is uint16 (a BF16
+    float32 panels; uint16 panels of bfloat16 bits where ``weight`` is uint16 (a BF16
     weight kept at its stored width: the micro-kernel widens each value as it loads it,
-    ``bits << 16``, which is exact, so the products keep the bits of the widened weight)."""
+    ``bits << 16``, which is exact, so the products keep the bits of the widened weight);
+    int8 panels of a :class:`~ssmserve.server.engine.quantize.Q8Weight`'s quants (their
+    scales: :func:`pack_scales`; the kernel widens ``scale * q``, also exact)."""
+    if isinstance(weight, Q8Weight):
+        weight = weight.quants
+    dtype = weight.dtype if weight.dtype in (np.uint16, np.int8) else np.dtype(np.float32)
+    return _panels(weight, dtype)
+
+
+def pack_scales(weight: Q8Weight) -> np.ndarray:
+    """A Q8_0 weight's scales (o, nb) -> (ceil(o / C), nb, C) float32 (widened: exact),
+    laid out as its quants' panels: panel p, row k // 32 holds the scales of columns
+    ``C p : C p + C`` for k."""
+    return _panels(weight.scales.astype(np.float32), np.dtype(np.float32))
+
+
+def _panels(weight: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``weight`` (o, i) as ``dtype`` panels (ceil(o / C), i, C), columns zero-padded."""
     o, i = weight.shape
-    dtype = np.uint16 if weight.dtype == np.uint16 else np.float32
     padded_o = -(-o // COLUMNS) * COLUMNS
-    w = np.zeros((padded_o, i), dtype)  # (o', i); a zero's bits are zero in both
+    w = np.zeros((padded_o, i), dtype)  # (o', i); a zero's bits are zero in every dtype
     w[:o] = weight
     # (o', i) -> (o' / C, C, i) -> (o' / C, i, C)
     return np.ascontiguousarray(w.reshape(padded_o // COLUMNS, COLUMNS, i).transpose(0, 2, 1))
 
 
+#: The scales argument of a product whose panels are not Q8_0 (never read).
+NO_SCALES = np.zeros((1, 1, 1), np.float32)
+
+
 def _tile_kernel(rows: int) -> Any:
     """The micro-kernel for a ``rows`` x ``COLUMNS`` block (``rows`` <= 4), as a numba intrinsic:
 
-    ``tile(x, x_row, panels, p, out, out_row, out_col)`` sets
-    ``out[out_row + r, out_col + j] = sum_k x[x_row + r, k] * panels[p, k, j]`` (fma chain
-    over k in order) for r < rows, j < COLUMNS. Rows of ``x`` and ``out`` must be contiguous.
+    ``tile(x, x_row, panels, scales, p, out, out_row, out_col)`` sets
+    ``out[out_row + r, out_col + j] = sum_k x[x_row + r, k] * w[p, k, j]`` (fma chain
+    over k in order) for r < rows, j < COLUMNS, where ``w`` is ``panels`` widened to
+    float32 (times ``scales[p, k // 32, j]`` for int8 panels). Rows of ``x`` and ``out``
+    must be contiguous.
     """
 
     def typer(
-        typingctx: Any, x: Any, x_row: Any, panels: Any, p: Any, out: Any, out_row: Any,
-        out_col: Any,
+        typingctx: Any, x: Any, x_row: Any, panels: Any, scales: Any, p: Any, out: Any,
+        out_row: Any, out_col: Any,
     ) -> tuple[Any, Any]:  # fmt: skip
-        sig = types.void(x, types.intp, panels, types.intp, out, types.intp, types.intp)
+        sig = types.void(x, types.intp, panels, scales, types.intp, out, types.intp, types.intp)
         return sig, lambda context, builder, signature, args: _emit_tile(
             rows, context, builder, signature, args
         )
@@ -121,8 +145,9 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     vectors = COLUMNS // _LANES
     x_arr = context.make_array(signature.args[0])(context, builder, args[0])
     p_arr = context.make_array(signature.args[2])(context, builder, args[2])
-    o_arr = context.make_array(signature.args[4])(context, builder, args[4])
-    x_row, panel, out_row, out_col = args[1], args[3], args[5], args[6]
+    s_arr = context.make_array(signature.args[3])(context, builder, args[3])
+    o_arr = context.make_array(signature.args[5])(context, builder, args[5])
+    x_row, panel, out_row, out_col = args[1], args[4], args[6], args[7]
     intp = context.get_value_type(types.intp)
 
     def const(v: int) -> ir.Constant:
@@ -134,6 +159,8 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     depth = cgutils.unpack_tuple(builder, p_arr.shape)[1]  # i
     vec = ir.VectorType(ir.FloatType(), _LANES)
     bf16 = signature.args[2].dtype == types.uint16  # panels of bfloat16 bits
+    q8 = signature.args[2].dtype == types.int8  # panels of Q8_0 quants, scales beside
+    quant_vec = ir.VectorType(ir.IntType(8), _LANES)
     bits_vec = ir.VectorType(ir.IntType(16), _LANES)
     no_bits = ir.Constant(bits_vec, [0] * _LANES)
     # (0, b0, 0, b1, ...): each bfloat16 as the high half of a little-endian float32
@@ -142,9 +169,14 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
         [lane for j in range(_LANES) for lane in (j, _LANES + j)],
     )
 
-    def load_weights(ptr: Any) -> Any:
+    def load_weights(ptr: Any, scale_ptr: Any) -> Any:
         """One vector of a panel row as floats: float32 as it is; bfloat16 bits widened
-        exactly (each placed in a float32's high half, zeros below: one shuffle)."""
+        exactly (each placed in a float32's high half, zeros below: one shuffle); int8
+        quants converted (exact) and times their scales (exact: ``quantize.py``)."""
+        if q8:
+            quants = builder.load(builder.bitcast(ptr, quant_vec.as_pointer()), align=1)
+            scale = builder.load(builder.bitcast(scale_ptr, vec.as_pointer()), align=4)
+            return builder.fmul(builder.sitofp(quants, vec), scale)
         if not bf16:
             return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
         bits = builder.load(builder.bitcast(ptr, bits_vec.as_pointer()), align=2)
@@ -165,6 +197,11 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
         for r in range(rows)
     ]
     panel_base = builder.gep(p_arr.data, [builder.mul(panel, builder.mul(depth, const(COLUMNS)))])
+    # Q8_0: the panel's scales, (depth / 32, COLUMNS) floats (unused otherwise).
+    scale_base = builder.gep(
+        s_arr.data,
+        [builder.mul(panel, builder.mul(builder.sdiv(depth, const(Q8_BLOCK)), const(COLUMNS)))],
+    )
     out_rows = [
         builder.gep(
             o_arr.data,
@@ -186,7 +223,15 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
                 builder.store(zero, acc[r][v])
         with cgutils.for_range_slice(builder, k0, k_stop, const(1)) as (k, _count):
             w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k
-            w = [load_weights(builder.gep(w_row, [const(v * _LANES)])) for v in range(vectors)]
+            s_row = builder.gep(  # scales row k // 32 (read for Q8_0 only)
+                scale_base, [builder.mul(builder.sdiv(k, const(Q8_BLOCK)), const(COLUMNS))]
+            )
+            w = [
+                load_weights(
+                    builder.gep(w_row, [const(v * _LANES)]), builder.gep(s_row, [const(v * _LANES)])
+                )
+                for v in range(vectors)
+            ]
             for r in range(rows):
                 xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
                 xk = builder.shuffle_vector(
@@ -222,6 +267,7 @@ def _tile(
     x: np.ndarray,
     x_row: int,
     panels: np.ndarray,
+    scales: np.ndarray,
     p: int,
     out: np.ndarray,
     out_row: int,
@@ -230,37 +276,40 @@ def _tile(
 ) -> None:
     """One micro-kernel call for ``rows`` (1..4) rows."""
     if rows == 4:
-        _tile4(x, x_row, panels, p, out, out_row, out_col)
+        _tile4(x, x_row, panels, scales, p, out, out_row, out_col)
     elif rows == 3:
-        _tile3(x, x_row, panels, p, out, out_row, out_col)
+        _tile3(x, x_row, panels, scales, p, out, out_row, out_col)
     elif rows == 2:
-        _tile2(x, x_row, panels, p, out, out_row, out_col)
+        _tile2(x, x_row, panels, scales, p, out, out_row, out_col)
     else:
-        _tile1(x, x_row, panels, p, out, out_row, out_col)
+        _tile1(x, x_row, panels, scales, p, out, out_row, out_col)
 
 
 @njit(**_JIT)
 def product_rows(
     x: np.ndarray,
     panels: np.ndarray,
+    scales: np.ndarray,
     bias: np.ndarray,
     has_bias: bool,
     first: int,
     stop: int,
     out: np.ndarray,
 ) -> None:
-    """``out[first:stop] = x[first:stop] @ w.T (+ bias)``, w packed by :func:`pack_panels`.
+    """``out[first:stop] = x[first:stop] @ w.T (+ bias)``, w packed by :func:`pack_panels`
+    (``scales``: :func:`pack_scales` for int8 panels, else :data:`NO_SCALES`).
 
     x (>= stop, i) and out (>= stop, o): rows contiguous. Rows outside ``first:stop`` are
     neither read nor written.
     """
-    product_panels(x, panels, bias, has_bias, first, stop, 0, panels.shape[0], out)
+    product_panels(x, panels, scales, bias, has_bias, first, stop, 0, panels.shape[0], out)
 
 
 @njit(**_JIT)
 def product_panels(
     x: np.ndarray,
     panels: np.ndarray,
+    scales: np.ndarray,
     bias: np.ndarray,
     has_bias: bool,
     first: int,
@@ -282,9 +331,9 @@ def product_panels(
         while r < stop:
             rows = min(ROWS, stop - r)
             if whole:
-                _tile(x, r, panels, p, out, r, col, rows)
+                _tile(x, r, panels, scales, p, out, r, col, rows)
             else:  # the last, partial panel: through ``edge``, then the valid columns
-                _tile(x, r, panels, p, edge, 0, 0, rows)
+                _tile(x, r, panels, scales, p, edge, 0, 0, rows)
                 for rr in range(rows):
                     for j in range(o - col):
                         out[r + rr, col + j] = edge[rr, j]
