@@ -243,10 +243,11 @@ def test_server_commands_show_the_engines_own_defaults_and_limits() -> None:
 
     from ssmserve.server import cli
     from ssmserve.server.api.auth import Role
-    from ssmserve.server.engine import bench, demo, interface
+    from ssmserve.server.engine import bench, demo, interface, quantize
 
     spec = asdict(demo.DemoSpec())
     assert cli.ENGINES == interface.ENGINES
+    assert cli.QUANTIZATIONS == quantize.QUANTIZATIONS
     assert {key: spec[key] for key in cli.DEMO_DEFAULTS} == cli.DEMO_DEFAULTS
     assert (cli.ARCHS, cli.MAX_BATCH, cli.MAX_STEPS) == (demo.ARCHS, bench.MAX_BATCH,
                                                          bench.MAX_STEPS)  # fmt: skip

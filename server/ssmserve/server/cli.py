@@ -42,6 +42,7 @@ MAX_STEPS = 1_000_000  # engine.bench.MAX_STEPS
 MAX_PREFILL = 1 << 20  # engine.bench.MAX_PREFILL
 TOKEN_ROLES = ("client", "operator", "admin")  # api.auth.Role, less the workers' own
 ENGINES = ("cpu", "cuda")  # cpu: engine.mamba (numpy, numba); cuda: engine.gpu (Triton)
+QUANTIZATIONS = ("none", "q8_0")  # engine.quantize.QUANTIZATIONS (not imported: CLI start)
 
 
 def _engine_flag(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,13 @@ def _engine_flag(parser: argparse.ArgumentParser) -> None:
         default="cpu",
         help="cpu (default): the numba engine; cuda: the Triton engine on a GPU (needs "
         "ssmserve[cuda]; without a GPU only under TRITON_INTERPRET=1, small models)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="none (default): each weight at its stored precision (BF16 stays 16-bit); "
+        "q8_0: the products' weights in llama.cpp's Q8_0 (cpu engine)",
     )
 
 

@@ -54,6 +54,7 @@ from ssmserve.server.cluster.ownership import OwnershipSettings
 from ssmserve.server.engine.demo import ARCHS, DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.interface import ENGINES
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
+from ssmserve.server.engine.quantize import QUANTIZATIONS
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.observability.garbage_collector import (
     PYTHON_DEFAULT_YOUNG,
@@ -242,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="what steps the models: cpu (default; numpy + numba) or cuda (Triton kernels "
         "on a GPU: pip install 'ssmserve[cuda]'); refused at start where it cannot run. "
         "Sessions never replay across engines (env SSMSERVE_ENGINE)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=env("SSMSERVE_QUANTIZE", "none"),
+        help="how the cpu engine holds the models' product weights: none (default; at "
+        "their stored precision, BF16 kept 16-bit) or q8_0 (llama.cpp's blocks of 32 int8 "
+        "with a float16 scale, quantised at load: ~1.1 bytes a parameter). A Q8_0 model "
+        "has its own fingerprint: sessions never replay across formats (env SSMSERVE_QUANTIZE)",
     )
     parser.add_argument(
         "--allow-evicting-redis",
@@ -444,6 +454,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         redis_wait_replicas=args.redis_wait_replicas,
         allow_evicting_redis=args.allow_evicting_redis,
         engine=args.engine,
+        quantize=args.quantize,
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(

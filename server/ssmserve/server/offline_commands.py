@@ -188,11 +188,14 @@ def inspect(args: argparse.Namespace) -> None:
         print(f"{key.replace('_', ' '):<{width}}  {shown}")
 
 
-def load_for_engine(directory: Path, engine: str) -> Any:
+def load_for_engine(directory: Path, engine: str, quantize: str = "none") -> Any:
     """The model on ``--engine``: ``MambaModel`` (cpu) or ``GpuMambaModel`` (cuda), the
-    latter refused in one line where torch / triton are missing or no device runs it."""
+    latter refused in one line where torch / triton are missing or no device runs it.
+    ``quantize``: ``--quantize`` (Q8_0 on the cpu engine only)."""
     if engine != "cuda":
-        return load_model(directory)
+        return load_model(directory, quantize=quantize)
+    if quantize != "none":
+        raise CliError(f"--quantize {quantize} runs on the cpu engine only; drop --engine cuda")
     from ssmserve.server.engine.gpu.runtime import INSTALL_HINT, missing_packages
 
     missing = missing_packages()
@@ -209,7 +212,7 @@ def load_for_engine(directory: Path, engine: str) -> Any:
 def run(args: argparse.Namespace) -> None:
     inputs = load_npy(args.input)
     check_output(args.output)  # before the model runs: its work is not thrown away
-    model = load_for_engine(args.dir, args.engine)
+    model = load_for_engine(args.dir, args.engine, args.quantize)
     c = model.config
     if c.is_token_model:
         if inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
@@ -237,7 +240,7 @@ def bench(args: argparse.Namespace) -> None:
     if args.prefill is not None:
         bench_a_prefill(args)
         return
-    model = load_for_engine(args.dir, args.engine)
+    model = load_for_engine(args.dir, args.engine, args.quantize)
     result = _engine_numerics(bench_model(model, args.batch, args.steps, args.warmup), model)
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -246,6 +249,7 @@ def bench(args: argparse.Namespace) -> None:
     print(
         f"model       {args.dir} ({c.architecture}, hidden {c.hidden_size}, "
         f"{c.num_hidden_layers} layers, state {c.state_size})\n"
+        f"weights     {weights_held(model)}\n"
         f"batch       {result.batch} sessions, {result.steps} timed steps "
         f"after {result.warmup} warm-up\n"
         f"step        median {result.step_us_median:,.1f} us   p10 {result.step_us_p10:,.1f} us"
@@ -258,7 +262,7 @@ def bench(args: argparse.Namespace) -> None:
 def bench_a_prefill(args: argparse.Namespace) -> None:
     if args.batch != 1:
         raise ModelInputError("--prefill times one session: leave out --batch")
-    model = load_for_engine(args.dir, args.engine)
+    model = load_for_engine(args.dir, args.engine, args.quantize)
     result = bench_prefill(model, args.prefill, args.rounds, args.steps, args.warmup)
     result = _engine_numerics(result, model)
     if args.json:
@@ -267,6 +271,7 @@ def bench_a_prefill(args: argparse.Namespace) -> None:
     print(
         f"model        {args.dir} ({model.config.architecture}, "
         f"hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers)\n"
+        f"weights      {weights_held(model)}\n"
         f"prefill      {result.prefill_steps} inputs, last outputs: median "
         f"{result.prefill_ms:,.1f} ms (min {result.prefill_ms_min:,.1f}) over {result.rounds}"
         f" rounds, {result.prefill_us_per_input:,.1f} us an input\n"
@@ -275,6 +280,15 @@ def bench_a_prefill(args: argparse.Namespace) -> None:
         f"ratio        {result.prefill_per_input_over_step:.3f} (prefill per input / decode step)"
         f"\nnumerics     {result.numerics} (engine alone: no gRPC, no Redis)"
     )
+
+
+def weights_held(model: Any) -> str:
+    """How the products' weights are held and their bytes: ``bf16 + f32, 312.4 MiB``."""
+    linears = getattr(model, "linears", None)
+    if linears is None:  # the GPU engine
+        return "on the device"
+    formats = sorted({lin.format for lin in linears}, key=("q8_0", "bf16", "f32").index)
+    return f"{' + '.join(formats)}, {model.weight_bytes / 2**20:,.1f} MiB"
 
 
 def _engine_numerics(result: _Result, model: Any) -> _Result:

@@ -53,6 +53,7 @@ from ssmserve.server.engine.numerics import (
     numerics_signature,
     pin_blas_threads,
 )
+from ssmserve.server.engine.quantize import QUANTIZATIONS
 from ssmserve.server.engine.tokenizer import ModelTokenizer, load_tokenizer
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
@@ -150,6 +151,10 @@ class WorkerSettings:
     # (numpy + numba, the default) or cuda (Triton kernels on a GPU, ``ssmserve[cuda]``).
     # Its numerics signature is the worker's, so sessions never replay across engines.
     engine: str = "cpu"
+    # How the cpu engine holds the products' weights (``engine.quantize.QUANTIZATIONS``):
+    # none (at the stored precision; BF16 stays 16-bit) or q8_0 (llama.cpp's 8-bit blocks).
+    # Q8_0 models have fingerprints of their own, so sessions never replay across formats.
+    quantize: str = "none"
     readiness: ReadinessSettings = field(default_factory=ReadinessSettings)
     embedded_redis: KeeperSettings = field(default_factory=KeeperSettings)
 
@@ -188,6 +193,15 @@ class EngineUnavailableError(SsmserveError):
 
 def check_engine(s: WorkerSettings) -> None:
     """Refuse an engine this machine cannot run, before any model loads."""
+    if s.quantize not in QUANTIZATIONS:
+        raise EngineUnavailableError(
+            f"--quantize {clip(s.quantize)}: expected one of {', '.join(QUANTIZATIONS)}"
+        )
+    if s.quantize != "none" and s.engine != "cpu":
+        raise EngineUnavailableError(
+            f"--quantize {s.quantize} runs on the cpu engine only; drop --engine {s.engine} "
+            f"or --quantize"
+        )
     if s.engine == "cpu":
         return
     if s.engine != "cuda":
@@ -278,7 +292,7 @@ class Worker:
         tokenizers: dict[str, ModelTokenizer | None] = {}
         for name, directory in s.models:
             models[name], tokenizers[name] = await asyncio.to_thread(
-                _load, directory, name, s.engine
+                _load, directory, name, s.engine, s.quantize
             )
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
@@ -306,7 +320,7 @@ class Worker:
         )  # fmt: skip
         guard = self.guard = StoreGuard(self.store, s.allow_evicting_redis)
         await self._patiently("check the store's settings", guard.start)
-        self.numerics = engine_numerics(s.engine)
+        self.numerics = engine_numerics(s.engine, s.quantize)
         log.info("numerics %s: %s", numerics_signature(self.numerics), self.numerics)
 
         interceptors: list[grpc.aio.ServerInterceptor] = [
@@ -506,7 +520,9 @@ class Worker:
                 f"model {clip(key)}: expected NAME or NAME@VERSION of letters, digits, '.', "
                 f"'_' or '-'"
             )
-        model, tokenizer = await asyncio.to_thread(_load, directory, key, self.settings.engine)
+        model, tokenizer = await asyncio.to_thread(
+            _load, directory, key, self.settings.engine, self.settings.quantize
+        )
         self._check_fits(key, model)
         await self.manager.load_model(key, model, tokenizer)
         await self._models_changed()
@@ -640,26 +656,31 @@ def engine_manager_settings(s: WorkerSettings) -> ManagerSettings:
     return replace(s.manager, stepper=replace(s.manager.stepper, offload_min_flop=0.0))
 
 
-def engine_numerics(engine: str) -> str:
-    """What ``engine``'s bits depend on here, one line (the worker's numerics)."""
+def engine_numerics(engine: str, quantize: str = "none") -> str:
+    """What ``engine``'s bits depend on here, one line (the worker's numerics): its
+    description, and the weights' format where ``--quantize`` sets one."""
     if engine == "cuda":
         from ssmserve.server.engine.gpu.numerics import gpu_numerics_description
         from ssmserve.server.engine.gpu.runtime import default_device
 
         return gpu_numerics_description(default_device())
-    return numerics_description()
+    weights = f" | weights {quantize}" if quantize != "none" else ""
+    return numerics_description() + weights
 
 
-def _load(directory: Path, key: str, engine: str = "cpu") -> tuple[Engine, ModelTokenizer | None]:
-    """A model directory's model on ``engine`` and, for a token model with a
-    ``tokenizer.json``, its tokenizer (both checked: a bad one refuses the model)."""
+def _load(
+    directory: Path, key: str, engine: str = "cpu", quantize: str = "none"
+) -> tuple[Engine, ModelTokenizer | None]:
+    """A model directory's model on ``engine`` (its weights as ``quantize`` says) and,
+    for a token model with a ``tokenizer.json``, its tokenizer (both checked: a bad one
+    refuses the model)."""
     model: Engine
     if engine == "cuda":
         from ssmserve.server.engine.gpu.model import GpuMambaModel
 
         model = GpuMambaModel.load(directory, key)
     else:
-        model = load_model(directory, key)
+        model = load_model(directory, key, quantize)
     c = model.config
     tokenizer = load_tokenizer(directory, c.vocab_size) if c.is_token_model else None
     if tokenizer is not None:

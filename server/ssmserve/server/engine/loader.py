@@ -260,13 +260,13 @@ def load_bytes(
     """Memory a load of ``config``'s model takes at its peak: each tensor at its width in
     memory (2 bytes a value for a BF16 weight kept 16-bit, else 4), and three times the
     largest tensor on top: packing a weight into panels holds a padded copy and the panels
-    beside the tensor read (:func:`build_model` lets each read tensor go once packed), the
-    fingerprint widens a BF16 tensor to float32 for a moment, and a margin for the panels'
-    padding and the rest (measured: 2.1x the largest above the total). ``stored``: each tensor's
-    stored dtype; None (not read yet): every tensor that may stay 16-bit counts as BF16,
-    the least the load can take. ``quantize="q8_0"``: each weight that becomes Q8_0 counts
-    1.125 bytes a value (its int8 and its scales, widened to float32), the three copies
-    count at the width read, and quantising takes a fixed few MiB more (``quantize.QUANTIZE_TRANSIENT_BYTES``). ``tests/test_bf16_weights.py``
+    beside the tensor read (:func:`build_model` lets each read tensor go once packed), and
+    a margin for the panels' padding and the rest (measured: 2.1x the largest above the
+    total). ``stored``: each tensor's stored dtype; None (not read yet): every tensor that
+    may stay 16-bit counts as BF16, the least the load can take. ``quantize="q8_0"``: each
+    weight that becomes Q8_0 counts 1.125 bytes a value (its int8 and its scales, widened
+    to float32), the three copies count at the width read, and quantising takes a fixed
+    few MiB more (``quantize.QUANTIZE_TRANSIENT_BYTES``). ``tests/test_bf16_weights.py``
     and ``tests/test_q8_weights.py`` hold it against tracemalloc's peak."""
     sizes, read = [], []  # bytes held once loaded; bytes of the copy read
     for name, shape in expected_shapes(config).items():
