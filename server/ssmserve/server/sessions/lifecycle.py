@@ -222,7 +222,9 @@ class Lifecycle:
                 raise ModelMismatchError(
                     f"no model on this worker has the checkpoint's fingerprint "
                     f"{ckpt.fingerprint[:16]} (model {ckpt.model_id!r}); loaded: "
-                    f"{', '.join(sorted(self.models))}"
+                    f"{', '.join(sorted(self.models))} (the weights' format is part of a "
+                    f"fingerprint: import it where the worker's --quantize is the one it "
+                    f"was made with)"
                 )
             model_name, model = found[0], self.models[found[0]]
         ckpt.check_model(model)

@@ -185,7 +185,8 @@ class SessionLoader:
         if model.fingerprint != meta.fingerprint:
             raise ModelMismatchError(
                 f"session {session_id!r} was made with other weights of model {meta.model!r} "
-                f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]})"
+                f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]}; "
+                f"the weights' format is part of it: --quantize must match too)"
             )
         self.check_capacity(model, SessionConfig.from_bytes(meta.config))
         if self.ownership.draining:
