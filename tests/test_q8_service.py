@@ -8,6 +8,7 @@ session's checkpoint (its model's fingerprint names the format) and a migration 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,8 +37,16 @@ def q8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     configs = {
         "lm8": token_config(hidden_size=64, intermediate_size=128, vocab_size=160),
         "m2s8": demo_config(
-            DemoSpec(input_dim=3, output_dim=4, hidden=64, layers=2, state=8, arch="mamba2",
-                     head_dim=16, groups=2)  # fmt: skip
+            DemoSpec(
+                input_dim=3,
+                output_dim=4,
+                hidden=64,
+                layers=2,
+                state=8,
+                arch="mamba2",
+                head_dim=16,
+                groups=2,
+            )
         ),
     }
     for i, (name, config) in enumerate(configs.items()):
@@ -133,9 +142,8 @@ def test_a_session_never_crosses_formats(start, q8_models):
 def test_quantize_with_the_cuda_engine_is_refused_at_start(q8_dirs, redis_url):
     from ssmserve.server.worker import EngineUnavailableError, Worker, WorkerSettings
 
-    settings = WorkerSettings(models=tuple(q8_dirs.items()), redis_url=redis_url,
-                              engine="cuda", quantize="q8_0")  # fmt: skip
+    settings = WorkerSettings(
+        models=tuple(q8_dirs.items()), redis_url=redis_url, engine="cuda", quantize="q8_0"
+    )
     with pytest.raises(EngineUnavailableError, match="cpu engine only"):
-        import asyncio
-
         asyncio.run(Worker(settings).start())
