@@ -43,7 +43,7 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ssmserve.server.engine import kernels
-from ssmserve.server.engine.products import pack_panels, product_rows
+from ssmserve.server.engine.products import NO_SCALES, pack_panels, product_rows
 
 F32, F64 = np.float32, np.float64
 _FLAGS = {"cache": True, "fastmath": {"contract"}, "boundscheck": False}
@@ -113,7 +113,7 @@ class Product:
             panels = pack_panels(w)
             has = self.bias is not None
             bias = self.bias if has else np.zeros(1, F32)
-            product_rows(x32, panels, bias, has, 0, x.shape[0], out32)
+            product_rows(x32, panels, NO_SCALES, bias, has, 0, x.shape[0], out32)
             return out32.astype(F64)
         wt = np.ascontiguousarray(w.T)
         if variant == "chain":

@@ -1,12 +1,14 @@
-"""BF16 weights kept 16-bit against the same weights held as float32, side by side.
+"""Weights at their stored precision and in Q8_0 against float32, side by side.
 
 Writes a mamba-130m-shaped model (random weights, ``--preset``) stored in BF16, and the
-same values stored as float32, then measures in one run:
+same values stored as float32, then loads three models: ``bf16`` (the BF16 file, kept
+16-bit), ``f32`` (the float32 file) and ``q8_0`` (the float32 file with
+``quantize="q8_0"``), and measures in one run:
 
 - resident memory of each loaded model, in a fresh process each (RSS after the load minus
   RSS after the imports), against its ``model.safetensors``;
 - decode at batch 1 and 8: median ms per step over ``--rounds`` interleaved rounds of
-  ``--steps`` steps (the two models alternate, so drift on a shared machine hits both).
+  ``--steps`` steps (the models take turns, so drift on a shared machine hits each).
 
     python bench/bench_bf16.py --json bench/results/bf16.json
 """
@@ -40,7 +42,7 @@ from ssmserve.server.engine import kernels, products, loader
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()
-model = loader.load_model(sys.argv[1])
+model = loader.load_model(sys.argv[1], quantize=sys.argv[2])
 print(rss() - before)
 """
 
@@ -59,10 +61,10 @@ def write_pair(root: Path, preset: str) -> tuple[Path, Path]:
     return root / "bf16", root / "f32"
 
 
-def resident(directory: Path) -> int:
+def resident(directory: Path, quantize: str = "none") -> int:
     out = subprocess.run(
-        [sys.executable, "-c", RSS_PROBE, str(directory)], check=True, capture_output=True,
-        text=True,
+        [sys.executable, "-c", RSS_PROBE, str(directory), quantize], check=True,
+        capture_output=True, text=True,
     )  # fmt: skip
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -97,17 +99,27 @@ def main() -> None:
             name: (d / "model.safetensors").stat().st_size
             for name, d in (("bf16", bf16_dir), ("f32", f32_dir))
         }
-        held = {"bf16": resident(bf16_dir), "f32": resident(f32_dir)}
-        models = {"bf16": load_model(bf16_dir), "f32": load_model(f32_dir)}
+        held = {
+            "bf16": resident(bf16_dir),
+            "f32": resident(f32_dir),
+            "q8_0": resident(f32_dir, "q8_0"),
+        }
+        models = {
+            "bf16": load_model(bf16_dir),
+            "f32": load_model(f32_dir),
+            "q8_0": load_model(f32_dir, quantize="q8_0"),
+        }
         decode = {b: decode_ms(models, b, args.steps, args.rounds) for b in (1, 8)}
     result = {
         "date": datetime.date.today().isoformat(),
         "preset": args.preset,
         "stored_bytes": stored,
         "resident_bytes": held,
-        "resident_over_stored": {k: held[k] / stored[k] for k in held},
+        "resident_over_stored": {k: held[k] / stored[k] for k in stored},
+        "q8_0_resident_over_f32": held["q8_0"] / held["f32"],
         "decode_ms": {str(b): d for b, d in decode.items()},
         "decode_bf16_over_f32": {str(b): d["bf16"] / d["f32"] for b, d in decode.items()},
+        "decode_q8_0_over_f32": {str(b): d["q8_0"] / d["f32"] for b, d in decode.items()},
     }
     for name in ("bf16", "f32"):
         print(
@@ -115,8 +127,13 @@ def main() -> None:
             f"{held[name] / 2**20:.0f} MiB ({held[name] / stored[name]:.3f}x); decode "
             f"batch 1 {decode[1][name]:.2f} ms, batch 8 {decode[8][name]:.2f} ms"
         )
-    print(f"bf16 / f32 decode time: batch 1 {result['decode_bf16_over_f32']['1']:.3f}, "
-          f"batch 8 {result['decode_bf16_over_f32']['8']:.3f}")  # fmt: skip
+    print(
+        f"q8_0: resident {held['q8_0'] / 2**20:.0f} MiB ({held['q8_0'] / held['f32']:.3f}x "
+        f"f32's); decode batch 1 {decode[1]['q8_0']:.2f} ms, batch 8 {decode[8]['q8_0']:.2f} ms"
+    )
+    for name in ("bf16", "q8_0"):
+        ratio = result[f"decode_{name}_over_f32"]
+        print(f"{name} / f32 decode time: batch 1 {ratio['1']:.3f}, batch 8 {ratio['8']:.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -47,6 +47,16 @@ def load_products(path: Path, name: str) -> ModuleType:
     return module
 
 
+def product(k: ModuleType, x: np.ndarray, panels: np.ndarray, out: np.ndarray) -> None:
+    """``out = x @ w.T`` by kernel module ``k`` (one without Q8_0 scales, as a baseline
+    from before them, takes no scales argument)."""
+    no_bias = np.zeros(1, np.float32)
+    if hasattr(k, "NO_SCALES"):
+        k.product_rows(x, panels, k.NO_SCALES, no_bias, False, 0, x.shape[0], out)
+    else:
+        k.product_rows(x, panels, no_bias, False, 0, x.shape[0], out)
+
+
 def time_shape(
     kernels: dict[str, ModuleType], o: int, i: int, b: int, rounds: int
 ) -> dict[str, float]:
@@ -54,17 +64,16 @@ def time_shape(
     w = rng.standard_normal((o, i)).astype(np.float32)  # (o, i)
     x = rng.standard_normal((b, i)).astype(np.float32)  # (b, i)
     out = np.empty((b, o), np.float32)
-    no_bias = np.zeros(1, np.float32)
     panels = {name: k.pack_panels(w) for name, k in kernels.items()}
     reps = max(3, int(WORK_PER_ROUND / (o * i * b)))
     times: dict[str, list[float]] = {name: [] for name in kernels}
     for name, k in kernels.items():  # compile and warm
-        k.product_rows(x, panels[name], no_bias, False, 0, b, out)
+        product(k, x, panels[name], out)
     for _ in range(rounds):
         for name, k in kernels.items():
             start = time.perf_counter()
             for _ in range(reps):
-                k.product_rows(x, panels[name], no_bias, False, 0, b, out)
+                product(k, x, panels[name], out)
             times[name].append((time.perf_counter() - start) / reps)
     ours, base = np.array(times["this"]), np.array(times["baseline"])
     return {

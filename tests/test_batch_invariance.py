@@ -204,10 +204,10 @@ def test_products_by_column_ranges_give_the_same_bits(outputs: int, with_bias: b
     b = lin.bias if lin.bias is not None else np.zeros(1, np.float32)
     for cut in range(panels + 1):
         out = np.full((6, outputs), np.nan, np.float32)
-        products.product_panels(x, lin.panels, b, with_bias, 0, 6, 0, cut, out)
+        products.product_panels(x, lin.panels, lin.scales, b, with_bias, 0, 6, 0, cut, out)
         done = min(cut * products.COLUMNS, outputs)
         assert np.isnan(out[:, done:]).all()  # columns of the other range not touched
-        products.product_panels(x, lin.panels, b, with_bias, 0, 6, cut, panels, out)
+        products.product_panels(x, lin.panels, lin.scales, b, with_bias, 0, 6, cut, panels, out)
         assert np.array_equal(out.view(np.uint32), whole.view(np.uint32)), cut
 
 

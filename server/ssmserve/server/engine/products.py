@@ -169,13 +169,12 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
         [lane for j in range(_LANES) for lane in (j, _LANES + j)],
     )
 
-    def load_weights(ptr: Any, scale_ptr: Any) -> Any:
+    def load_weights(ptr: Any, scale: Any) -> Any:
         """One vector of a panel row as floats: float32 as it is; bfloat16 bits widened
         exactly (each placed in a float32's high half, zeros below: one shuffle); int8
         quants converted (exact) and times their scales (exact: ``quantize.py``)."""
         if q8:
             quants = builder.load(builder.bitcast(ptr, quant_vec.as_pointer()), align=1)
-            scale = builder.load(builder.bitcast(scale_ptr, vec.as_pointer()), align=4)
             return builder.fmul(builder.sitofp(quants, vec), scale)
         if not bf16:
             return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
@@ -221,25 +220,43 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
         for r in range(rows):  # each block's chain starts from 0.0
             for v in range(vectors):
                 builder.store(zero, acc[r][v])
-        with cgutils.for_range_slice(builder, k0, k_stop, const(1)) as (k, _count):
-            w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # panel row k
-            s_row = builder.gep(  # scales row k // 32 (read for Q8_0 only)
-                scale_base, [builder.mul(builder.sdiv(k, const(Q8_BLOCK)), const(COLUMNS))]
-            )
-            w = [
-                load_weights(
-                    builder.gep(w_row, [const(v * _LANES)]), builder.gep(s_row, [const(v * _LANES)])
+
+        def k_steps(start: Any, stop: Any, scales: list[Any] | None) -> None:
+            """The fmas of k in [start, stop): one panel row per k (``scales``: its Q8_0
+            block's scale vectors, loaded once for the block's 32 k)."""
+            with cgutils.for_range_slice(builder, start, stop, const(1)) as (k, _count):
+                w_row = builder.gep(panel_base, [builder.mul(k, const(COLUMNS))])  # row k
+                w = [
+                    load_weights(builder.gep(w_row, [const(v * _LANES)]), scales and scales[v])
+                    for v in range(vectors)
+                ]
+                for r in range(rows):
+                    xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
+                    xk = builder.shuffle_vector(
+                        builder.insert_element(undef, xk, lane0), undef, broadcast
+                    )
+                    for v in range(vectors):
+                        total = builder.call(fma, [xk, w[v], builder.load(acc[r][v])])
+                        builder.store(total, acc[r][v])
+
+        if not q8:
+            k_steps(k0, k_stop, None)
+        else:  # the block's k in runs of 32 (Q8_0 rows are whole 32-blocks): one scale each
+            runs = builder.sdiv(builder.sub(k_stop, k0), const(Q8_BLOCK))
+            with cgutils.for_range(builder, runs) as run:
+                start = builder.add(k0, builder.mul(run.index, const(Q8_BLOCK)))
+                s_row = builder.gep(  # scales row start // 32: (COLUMNS,) floats
+                    scale_base,
+                    [builder.mul(builder.sdiv(start, const(Q8_BLOCK)), const(COLUMNS))],
                 )
-                for v in range(vectors)
-            ]
-            for r in range(rows):
-                xk = builder.load(builder.gep(x_rows[r], [k]))  # x[x_row + r, k]
-                xk = builder.shuffle_vector(
-                    builder.insert_element(undef, xk, lane0), undef, broadcast
-                )
-                for v in range(vectors):
-                    total = builder.call(fma, [xk, w[v], builder.load(acc[r][v])])
-                    builder.store(total, acc[r][v])
+                scales = [
+                    builder.load(
+                        builder.bitcast(builder.gep(s_row, [const(v * _LANES)]), vec.as_pointer()),
+                        align=4,
+                    )
+                    for v in range(vectors)
+                ]
+                k_steps(start, builder.add(start, const(Q8_BLOCK)), scales)
         # The block's sums into out: the first block stores, each later one adds in order.
         first = builder.icmp_signed("==", block_loop.index, const(0))
         with builder.if_else(first) as (then, otherwise):
