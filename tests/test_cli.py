@@ -268,6 +268,9 @@ def test_init_demo_presets_have_the_released_shapes() -> None:
         "mamba-130m": 129,
         "mamba2-130m": 129,
         "mamba-790m": 793,
+        "mamba-2.8b": 2768,
+        "falcon-mamba-7b": 7273,
+        "mamba-codestral-7b": 7285,
     }
     c = preset_config("mamba2-130m")
     assert (c.num_heads, c.head_dim, c.n_groups, c.state_size) == (24, 64, 1, 128)

@@ -6,7 +6,8 @@ when the server is installed::
 
     ssmserve model init-demo DIR [--input-dim N] [--output-dim N] [--hidden N]
                                  [--layers N] [--state N] [--seed N] [--force]
-    ssmserve model init-demo DIR --preset mamba-130m|mamba2-130m|mamba-790m [--seed N]
+    ssmserve model init-demo DIR --preset mamba-130m|mamba2-130m|mamba-790m|mamba-2.8b|
+                                          falcon-mamba-7b|mamba-codestral-7b [--seed N]
     ssmserve model inspect DIR [--json]
     ssmserve model run DIR --input IN.npy --output OUT.npy [--prefill] [--engine cpu|cuda]
     ssmserve model bench DIR [--batch B] [--steps N] [--warmup N] [--prefill T]
@@ -36,7 +37,10 @@ DEMO_DEFAULTS = {
     "seed": 0, "arch": "mamba", "head_dim": 16, "groups": 2,
 }  # fmt: skip
 ARCHS = ("mamba", "mamba2")  # engine.demo.ARCHS
-PRESETS = ("mamba-130m", "mamba2-130m", "mamba-790m")  # engine.presets.PRESETS
+PRESETS = (
+    "mamba-130m", "mamba2-130m", "mamba-790m", "mamba-2.8b", "falcon-mamba-7b",
+    "mamba-codestral-7b",
+)  # engine.presets.PRESETS  # fmt: skip
 MAX_BATCH = 4096  # engine.bench.MAX_BATCH
 MAX_STEPS = 1_000_000  # engine.bench.MAX_STEPS
 MAX_PREFILL = 1 << 20  # engine.bench.MAX_PREFILL
@@ -122,8 +126,11 @@ def add_commands(commands: Subparsers) -> None:
         "--preset",
         choices=PRESETS,
         help="instead of a signal model, a language model at a released checkpoint's shapes "
-        "with random weights (F32): mamba-130m (0.5 GB), mamba2-130m (0.5 GB), "
-        "mamba-790m (3.2 GB); the shape flags do not go with it",
+        "with random weights: mamba-130m (F32, 0.5 GB), mamba2-130m (F32, 0.5 GB), "
+        "mamba-790m (F32, 3.2 GB), mamba-2.8b (BF16, 5.5 GB), falcon-mamba-7b (BF16, "
+        "14.6 GB), mamba-codestral-7b (BF16, 14.6 GB); refused, with the figures, where "
+        "it would not fit on the disk or could not be loaded here; the shape flags do not "
+        "go with it",
     )
     init.add_argument("--force", action="store_true", help="overwrite an existing model in DIR")
     init.set_defaults(handler=_handler("init_demo"))

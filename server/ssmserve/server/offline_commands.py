@@ -12,6 +12,8 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -122,24 +124,59 @@ _SHAPE_FLAGS = (
 
 
 def _init_preset(directory: Path, args: argparse.Namespace) -> None:
-    """``init-demo --preset``: a random-weight language model at a preset's shapes."""
+    """``init-demo --preset``: a random-weight language model at a preset's shapes, after
+    checking that it fits on the disk and could be loaded here (``presets.check_room``).
+    The F32 presets are written whole and loaded back; the BF16 ones (billions of
+    parameters) one tensor at a time, their fingerprint hashed as they are written."""
     from ssmserve.server.cli import DEMO_DEFAULTS
-    from ssmserve.server.engine.presets import preset_config
+    from ssmserve.server.engine.demo import random_tensor
+    from ssmserve.server.engine.loader import available_memory, save_model_streamed
+    from ssmserve.server.engine.presets import (
+        PRESET_DTYPES,
+        PresetDoesNotFit,
+        check_room,
+        preset_config,
+        preset_needs,
+    )
 
     clashes = [f for f in _SHAPE_FLAGS if getattr(args, f) != DEMO_DEFAULTS[f]]
     if clashes:
         flags = ", ".join("--" + f.replace("_", "-") for f in clashes)
         raise CliError(f"--preset sets every dimension of the model; drop {flags}")
-    config = preset_config(args.preset)
+    config, dtype = preset_config(args.preset), PRESET_DTYPES[args.preset]
     try:
-        save_model(directory, config, random_tensors(config, args.seed))
+        note = check_room(args.preset, str(directory), _free_disk(directory), available_memory())
+    except PresetDoesNotFit as exc:
+        raise CliError(str(exc)) from None
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        if dtype == "F32":
+            save_model(directory, config, random_tensors(config, args.seed))
+            model_fingerprint = load_model(directory).fingerprint
+        else:
+            size = preset_needs(args.preset).disk / 1e9
+            print(f"writing {args.preset} ({size:.2f} GB, {dtype}) to {directory} ...", flush=True)
+            model_fingerprint = save_model_streamed(
+                directory,
+                config,
+                lambda name, shape: random_tensor(config, args.seed, name, shape),
+                dtype,
+            )
     except OSError as exc:
         raise CliError(f"cannot write {directory}: {exc.strerror or exc}") from None
-    model = load_model(directory)
     print(
-        f"wrote {args.preset}-shaped language model (random weights) to {directory} "
-        f"(fingerprint {model.fingerprint[:16]})"
+        f"wrote {args.preset}-shaped language model (random weights, {dtype}) to {directory} "
+        f"(fingerprint {model_fingerprint[:16]})"
     )
+
+
+def _free_disk(directory: Path) -> int:
+    """Bytes free on the filesystem ``directory`` is (or will be) on."""
+    here = directory.absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    return shutil.disk_usage(here).free
 
 
 def describe(directory: Path) -> dict[str, object]:

@@ -164,3 +164,42 @@ def _mamba2_mixer(
     if config.use_conv_bias:
         t[p + "conv1d.bias"] = vec(c, 0.0, 0.1)
     return t
+
+
+def random_tensor(config: MambaConfig, seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One random tensor of any ``config`` (float32), made on its own: reproducible from
+    (``seed``, ``name``) alone, so a model is written one tensor at a time
+    (``loader.save_model_streamed``) and never held whole. Drawn as :func:`random_tensors`
+    draws each kind (not the same values: those come from one generator in order)."""
+    rng = np.random.default_rng([seed, *name.encode()])
+    *_, module, leaf = ("", "", *name.split("."))
+
+    def normal(scale: float = 1.0, mean: float = 0.0) -> np.ndarray:
+        values = rng.standard_normal(shape, dtype=np.float32)
+        values *= np.float32(scale)
+        values += np.float32(mean)
+        return values
+
+    if leaf == "A_log":
+        if config.mamba_version == 2:  # A in [-16, -1] per head
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        n = shape[-1]  # S4D-real, perturbed
+        a = np.arange(1, n + 1, dtype=np.float64) * rng.uniform(0.8, 1.25, shape)
+        return np.log(a).astype(np.float32)
+    if leaf == "dt_bias" or (module == "dt_proj" and leaf == "bias"):
+        # Δ = softplus(bias) log-uniform in [1e-3, 1e-1]: bias = log(expm1(Δ))
+        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
+        return np.log(np.expm1(dt)).astype(np.float32)
+    if leaf == "D":
+        return normal(0.3, 1.0)
+    if module.startswith("norm"):  # the RMSNorms' weights (also Mamba-2's gated norm)
+        return normal(0.1, 1.0)
+    if module.endswith("_norm"):  # a signal model's normalisation
+        return normal() if leaf == "mean" else np.exp(normal(0.3))
+    if module == "embeddings":
+        return normal()
+    if module == "conv1d":
+        return normal(0.4) if leaf == "weight" else normal(0.1)
+    if leaf == "bias":
+        return normal(0.1)
+    return normal(shape[-1] ** -0.5)  # a product's weight (o, i): unit-ish outputs

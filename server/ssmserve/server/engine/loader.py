@@ -53,8 +53,9 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -165,18 +166,29 @@ def fingerprint(config: MambaConfig, tensors: Mapping[str, np.ndarray | Q8Weight
     Q8_0 weight's entry also names its format: a quantised model is never taken for a
     float32 one (a checkpoint of one is refused by the other), even where the values
     agree. BF16 kept 16-bit is not named: its values and every output are the F32 copy's."""
+    h = _fingerprint_start(config)
+    for name in sorted(expected_shapes(config)):
+        _fingerprint_add(h, name, tensors[name])
+    return h.hexdigest()
+
+
+def _fingerprint_start(config: MambaConfig) -> hashlib._Hash:
+    """The fingerprint's hash with the config in it; each tensor follows, in name order
+    (:func:`_fingerprint_add`): :func:`fingerprint` whole, :func:`save_model_streamed` as
+    it writes."""
     h = hashlib.sha256()
     h.update(b"ssmserve-model-v1\0")
     h.update(json.dumps(config.canonical(), sort_keys=True).encode())
-    for name in sorted(expected_shapes(config)):
-        tensor = tensors[name]
-        tag = "\0q8_0" if isinstance(tensor, Q8Weight) else ""
-        h.update(f"\0{name}{tag}\0{tuple(tensor.shape)}\0".encode())
-        rows = max(1, _HASH_CHUNK_VALUES // max(1, math.prod(tensor.shape[1:])))
-        for r0 in range(0, max(1, tensor.shape[0]), rows):  # widened a chunk at a time
-            part = np.ascontiguousarray(widened(tensor[r0 : r0 + rows]), dtype="<f4")
-            h.update(memoryview(part).cast("B"))
-    return h.hexdigest()
+    return h
+
+
+def _fingerprint_add(h: hashlib._Hash, name: str, tensor: np.ndarray | Q8Weight) -> None:
+    tag = "\0q8_0" if isinstance(tensor, Q8Weight) else ""
+    h.update(f"\0{name}{tag}\0{tuple(tensor.shape)}\0".encode())
+    rows = max(1, _HASH_CHUNK_VALUES // max(1, math.prod(tensor.shape[1:])))
+    for r0 in range(0, max(1, tensor.shape[0]), rows):  # widened a chunk at a time
+        part = np.ascontiguousarray(widened(tensor[r0 : r0 + rows]), dtype="<f4")
+        h.update(memoryview(part).cast("B"))
 
 
 def load_model(
@@ -616,23 +628,81 @@ def save_model(
     ``tensors``: float32 values (uint16 arrays are BF16 bits, as ``read_weights`` keeps
     them: widened). ``dtype``: ``"F32"``, or ``"BF16"`` (each value rounded to the nearest
     bfloat16, ties to even, as torch rounds; numpy has no bfloat16, so the file is written
-    here, in the safetensors layout)."""
+    here, in the safetensors layout: :func:`save_model_streamed`)."""
     want = expected_shapes(config)
     if set(want) != set(tensors):
         raise ModelFormatError(
             f"tensors do not match the config: {sorted(set(want) ^ set(tensors))}"
         )
-    if dtype not in ("F32", "BF16"):
+    if dtype not in _SAVED_DTYPES:
         raise ValueError(f"dtype must be 'F32' or 'BF16', got {dtype!r}")
+    if dtype == "BF16":
+        save_model_streamed(directory, config, lambda name, _shape: tensors[name], dtype)
+        return
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.ascontiguousarray(widened(v), dtype=np.float32) for k, v in tensors.items()}
-    if dtype == "BF16":
-        atomic_write(path / WEIGHTS_FILE, lambda tmp: _save_bf16(arrays, Path(tmp)))
-    else:
-        atomic_write(
-            path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"})
-        )
+    atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(arrays, tmp, metadata={"format": "np"}))
+    _save_config(path, config)
+
+
+#: A model's tensors one at a time: ``source(name, shape)`` gives that tensor's values,
+#: float32 (or a uint16 array: the bits of BF16 values).
+TensorSource = Callable[[str, tuple[int, ...]], np.ndarray]
+
+#: Bytes a value as ``save_model`` / ``save_model_streamed`` store it.
+_SAVED_DTYPES = {"F32": 4, "BF16": 2}
+#: Values rounded, written and hashed at a time: a tensor's stored copy is never whole.
+_WRITE_CHUNK_VALUES = 1 << 22
+
+
+def save_model_streamed(
+    directory: str | os.PathLike[str],
+    config: MambaConfig,
+    source: TensorSource,
+    dtype: str = "BF16",
+) -> str:
+    """Write ``config.json`` + ``model.safetensors`` (each atomically) into ``directory``
+    one tensor at a time, so a model far bigger than memory can be written: ``source`` is
+    called once per tensor, in name order (the file's order), and its array is written, a
+    chunk at a time, and let go before the next is asked for. Memory holds the largest
+    tensor as ``source`` gives it and a few MiB, never the model. ``dtype``: ``"BF16"``
+    (values rounded to the nearest bfloat16, ties to even, as torch rounds; BF16 bits are
+    written as they are) or ``"F32"``. Returns the model's fingerprint (what
+    :func:`load_model` will give it), hashed from the values as written."""
+    if dtype not in _SAVED_DTYPES:
+        raise ValueError(f"dtype must be 'F32' or 'BF16', got {dtype!r}")
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = expected_shapes(config)
+    h = _fingerprint_start(config)
+
+    def write(tmp: str) -> None:
+        with Path(tmp).open("wb") as fh:
+            fh.write(_safetensors_header(shapes, dtype))
+            for name in sorted(shapes):
+                values = source(name, shapes[name])
+                if tuple(values.shape) != shapes[name]:
+                    raise ModelFormatError(
+                        f"tensor {name}: shape {list(values.shape)}, config needs "
+                        f"{list(shapes[name])}"
+                    )
+                _write_tensor(fh, h, name, values, dtype)
+                del values  # before the next tensor is made
+
+    atomic_write(path / WEIGHTS_FILE, write)
+    _save_config(path, config)
+    return h.hexdigest()
+
+
+def weights_file_bytes(config: MambaConfig, dtype: str = "BF16") -> int:
+    """The size of the ``model.safetensors`` that :func:`save_model_streamed` writes."""
+    shapes = expected_shapes(config)
+    data = sum(math.prod(s) for s in shapes.values()) * _SAVED_DTYPES[dtype]
+    return len(_safetensors_header(shapes, dtype)) + data
+
+
+def _save_config(path: Path, config: MambaConfig) -> None:
     text = json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n"
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
@@ -644,22 +714,38 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
-def _save_bf16(arrays: dict[str, np.ndarray], out: Path) -> None:
-    """A safetensors file of ``arrays`` as BF16: an 8-byte header length, the JSON header
-    (padded to 8 bytes), then each tensor's bytes in name order."""
+def _safetensors_header(shapes: Mapping[str, tuple[int, ...]], dtype: str) -> bytes:
+    """The head of a safetensors file of tensors ``shapes`` stored as ``dtype``, in name
+    order: an 8-byte length, then the JSON header padded to 8 bytes."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name in sorted(arrays):
-        size = 2 * arrays[name].size
+    for name in sorted(shapes):
+        size = _SAVED_DTYPES[dtype] * math.prod(shapes[name])
         header[name] = {
-            "dtype": "BF16",
-            "shape": list(arrays[name].shape),
+            "dtype": dtype,
+            "shape": list(shapes[name]),
             "data_offsets": [offset, offset + size],
         }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with out.open("wb") as fh:
-        fh.write(struct.pack("<Q", len(text)) + text)
-        for name in sorted(arrays):  # one tensor's bits at a time
-            fh.write(bf16_bits(arrays[name]).tobytes())
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_tensor(
+    fh: BinaryIO, h: hashlib._Hash, name: str, values: np.ndarray, dtype: str
+) -> None:
+    """``values`` (float32, or uint16 BF16 bits) as ``dtype`` into ``fh`` and into the
+    fingerprint ``h``, a chunk of rows at a time."""
+    h.update(f"\0{name}\0{tuple(values.shape)}\0".encode())
+    flat = values.reshape(-1)
+    for v0 in range(0, flat.size, _WRITE_CHUNK_VALUES):
+        part = flat[v0 : v0 + _WRITE_CHUNK_VALUES]
+        if dtype == "BF16":
+            bits = part if part.dtype == np.uint16 else bf16_bits(part)
+            stored = np.ascontiguousarray(bits, dtype="<u2")
+            wide = np.ascontiguousarray(widened(bits), dtype="<f4")
+        else:
+            stored = wide = np.ascontiguousarray(widened(part), dtype="<f4")
+        fh.write(memoryview(stored).cast("B"))
+        h.update(memoryview(wide).cast("B"))
