@@ -119,7 +119,7 @@ class OursChild:
         from ssmserve.server.engine.numerics import blas_signature, pin_blas_threads
 
         pin_blas_threads(THREADS)
-        self.model = load_model(args.model)
+        self.model = load_model(args.model, quantize=args.quantize)
         self.ids = ids
         self.info = {
             "engine": "ssmserve",
@@ -359,6 +359,7 @@ class Child:
         kind = "ours" if name == "ours" else "llama"
         cmd = [python, str(Path(__file__).resolve()), "--child", kind, "--ids", str(ids)]
         cmd += ["--model", str(args.model), "--gguf", str(args.gguf)]
+        cmd += ["--quantize", args.quantize]
         self.name = name
         self.proc = subprocess.Popen(
             cmd,
@@ -413,7 +414,8 @@ def peer_missing(args: argparse.Namespace) -> str | None:
     if not args.gguf.is_file():
         if not args.converter or not Path(args.converter).is_file():
             return f"no GGUF at {args.gguf}, and no converter (--converter) to write it"
-        cmd = [args.peer_python, args.converter, str(args.model), "--outtype", "f32"]
+        outtype = "q8_0" if args.quantize == "q8_0" else "f32"
+        cmd = [args.peer_python, args.converter, str(args.model), "--outtype", outtype]
         subprocess.run([*cmd, "--outfile", str(args.gguf)], check=True, timeout=1800)
     return None
 
@@ -484,6 +486,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "arch": arch,
         "model": str(args.model),
         "gguf": str(args.gguf),
+        "quantize": args.quantize,
         "prompt": args.prompt,
         "rounds": args.rounds,
         "steps": args.steps * args.rounds,
@@ -588,6 +591,13 @@ def main() -> int:
         default="passive",
         help="llama.cpp children, one per OMP_WAIT_POLICY, comma-separated ('default': "
         "unset, libgomp's spin-then-sleep) (passive)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=("none", "q8_0"),
+        default="none",
+        help="q8_0: ssmserve loads MODEL with quantize='q8_0' and --gguf is the Q8_0 GGUF "
+        "of it (written with --outtype q8_0 when missing): both engines on 8-bit weights",
     )
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--child", choices=("ours", "llama"), help=argparse.SUPPRESS)
