@@ -194,11 +194,16 @@ def _fingerprint_add(h: hashlib._Hash, name: str, tensor: np.ndarray | Q8Weight)
 def load_model(
     directory: str | os.PathLike[str], name: str | None = None, quantize: str = "none"
 ) -> MambaModel:
-    """Load and validate a model directory. ``name`` defaults to the directory's name.
-    ``quantize``: ``"none"`` (each weight at its stored precision: BF16 stays 16-bit, the
-    rest float32) or ``"q8_0"`` (the products' weights and the embedding table in
-    llama.cpp's Q8_0, as each is read: ``quantize.py``)."""
+    """Load and validate a model directory, or a GGUF file (``gguf_model``). ``name``
+    defaults to the directory's name (a GGUF's file name less ``.gguf``). ``quantize``:
+    ``"none"`` (each weight at its stored precision: BF16 stays 16-bit, the rest float32)
+    or ``"q8_0"`` (the products' weights and the embedding table in llama.cpp's Q8_0, as
+    each is read: ``quantize.py``)."""
     path = Path(directory)
+    if is_gguf(path):
+        from ssmserve.server.engine.gguf_model import load_gguf
+
+        return load_gguf(path, name, quantize)
     check_quantization(quantize)
     config = read_config(path)
     tensors = read_weights(path, config, keep_bf16=True, quantize=quantize)
@@ -212,6 +217,11 @@ def load_model(
 
 
 def read_config(directory: Path) -> MambaConfig:
+    """A model directory's ``config.json``, or a GGUF file's metadata (``gguf_model``)."""
+    if is_gguf(directory):
+        from ssmserve.server.engine.gguf_model import read_gguf_config
+
+        return read_gguf_config(directory)
     if not directory.is_dir():
         raise ModelFormatError(f"model directory {str(directory)!r} does not exist")
     cfg_path = directory / CONFIG_FILE
@@ -222,6 +232,18 @@ def read_config(directory: Path) -> MambaConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFormatError(f"{str(cfg_path)!r} is not valid JSON: {exc}") from None
     return MambaConfig.from_json(raw)
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` names a GGUF file rather than a model directory: its name ends in
+    ``.gguf``, or it is a file that starts with GGUF's magic."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with contextlib.suppress(OSError), path.open("rb") as fh:
+        return fh.read(4) == b"GGUF"
+    return False
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -275,20 +297,22 @@ def load_bytes(
     beside the tensor read (:func:`build_model` lets each read tensor go once packed), and
     a margin for the panels' padding and the rest (measured: 2.1x the largest above the
     total). ``stored``: each tensor's stored dtype; None (not read yet): every tensor that
-    may stay 16-bit counts as BF16, the least the load can take. ``quantize="q8_0"``: each
+    may stay 16-bit counts as BF16, the least the load can take; a product weight stored
+    ``"Q8_0"`` (a GGUF's) counts 1.125 bytes a value, read and held. ``quantize="q8_0"``: each
     weight that becomes Q8_0 counts 1.125 bytes a value (its int8 and its scales, widened
     to float32), the three copies count at the width read, and quantising takes a fixed
     few MiB more (``quantize.QUANTIZE_TRANSIENT_BYTES``). ``tests/test_bf16_weights.py``
     and ``tests/test_q8_weights.py`` hold it against tracemalloc's peak."""
     sizes, read = [], []  # bytes held once loaded; bytes of the copy read
     for name, shape in expected_shapes(config).items():
-        bf16 = stored is None or stored.get(name) == "BF16"
-        width = 2 if keep_bf16 and kept_16bit(name) and bf16 else 4
-        read.append(math.prod(shape) * width)
-        if quantize == "q8_0" and kept_16bit(name) and quantizable(shape):
-            sizes.append(math.prod(shape) * 9 // 8)
+        kind = "BF16" if stored is None else stored.get(name)
+        values = math.prod(shape)
+        q8 = kept_16bit(name) and quantizable(shape) and (quantize == "q8_0" or kind == "Q8_0")
+        if q8 and kind == "Q8_0":  # a GGUF's Q8_0: read as it is stored
+            read.append(values * 9 // 8)
         else:
-            sizes.append(read[-1])
+            read.append(values * (2 if keep_bf16 and kept_16bit(name) and kind == "BF16" else 4))
+        sizes.append(values * 9 // 8 if q8 else read[-1])
     transient = QUANTIZE_TRANSIENT_BYTES if quantize == "q8_0" else 0
     return sum(sizes) + 3 * max(read) + transient
 
@@ -524,7 +548,7 @@ def build_model(
     pin_blas_threads()
     keep_freed_pages()  # each step's new state arrays reuse the last step's pages
     t = tensors
-    model_fingerprint = fingerprint(config, t)  # before any tensor leaves
+    model_fingerprint = _fingerprint_of(config, t)  # before any tensor leaves
     blocks: list[BlockWeights] = []
     for layer in range(config.num_hidden_layers):
         if config.mamba_version == 2:
@@ -537,6 +561,28 @@ def build_model(
     return _assemble(config, t, blocks, model_fingerprint, name)
 
 
+def _decay(t: Mapping[str, np.ndarray], p: str) -> np.ndarray:
+    """A layer's A: ``-exp(A_log)`` as numpy computes it, or, where the tensors hold
+    ``{p}A`` instead of ``{p}A_log``, that A as it is. A GGUF stores A, not A_log: the
+    converter computed ``-exp(A_log)`` with torch, whose float32 exp (MKL's, on x86) and
+    numpy's differ in the last bit or two for about 4 values in 10, and A_log cannot be
+    recovered from it exactly; taking A as stored computes what the file says, as
+    llama.cpp does (``gguf_model``)."""
+    return t[p + "A"] if p + "A" in t else -np.exp(t[p + "A_log"])
+
+
+def _fingerprint_of(config: MambaConfig, t: Mapping[str, np.ndarray | Q8Weight]) -> str:
+    """:func:`fingerprint`; for tensors that hold A where a directory holds A_log (a
+    GGUF's: :func:`_decay`), the hash of that fingerprint taken with each A in its A_log's
+    place, under a tag of its own: never a directory's fingerprint, since the A differ."""
+    stored_a = [k for k in t if k.endswith(".mixer.A")]
+    if not stored_a:
+        return fingerprint(config, t)
+    view = {**t, **{k + "_log": t[k] for k in stored_a}}
+    inner = fingerprint(config, view)
+    return hashlib.sha256(f"ssmserve-model-v1 stored A\0{inner}".encode()).hexdigest()
+
+
 def _mamba1_block(config: MambaConfig, t: dict[str, np.ndarray], layer: int) -> MambaBlockWeights:
     p = f"backbone.layers.{layer}.mixer."
     return MambaBlockWeights(
@@ -546,7 +592,7 @@ def _mamba1_block(config: MambaConfig, t: dict[str, np.ndarray], layer: int) -> 
         conv_bias=t.get(p + "conv1d.bias"),
         x_proj=RowStableLinear(t[p + "x_proj.weight"]),
         dt_proj=RowStableLinear(t[p + "dt_proj.weight"], t[p + "dt_proj.bias"]),
-        A=-np.exp(t[p + "A_log"]),  # (e, n)
+        A=_decay(t, p),  # (e, n)
         D=t[p + "D"],
         out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
         mixer_rms_eps=config.mixer_rms_eps,
@@ -607,7 +653,7 @@ def _mamba2_block(c: MambaConfig, t: dict[str, np.ndarray], layer: int) -> Mamba
         conv_weight=np.ascontiguousarray(t[p + "conv1d.weight"][:, 0, :]),  # (c, k)
         conv_bias=t.get(p + "conv1d.bias"),
         dt_bias=t[p + "dt_bias"],
-        A=-np.exp(t[p + "A_log"]),  # (h,)
+        A=_decay(t, p),  # (h,)
         D=t[p + "D"],
         gated_norm=t[p + "norm.weight"],
         out_proj=RowStableLinear(t[p + "out_proj.weight"], t.get(p + "out_proj.bias")),
