@@ -8,6 +8,9 @@
 ``mamba2``    the Mamba-2 mixer (multi-head SSD step, gated norm)
 ``loader``    Hugging Face ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` and signal-model
               directories (F32, F16, BF16, F64; sharded)
+``gguf_model``  Mamba / Mamba-2 GGUF files as llama.cpp's ``convert_hf_to_gguf.py`` writes
+              them (F32, F16, BF16, Q8_0), read with llama.cpp's ``gguf`` package
+``gguf_tokenizer``  the tokenizer inside a GGUF, rebuilt as a ``tokenizers.Tokenizer``
 ``demo``      a deterministic random signal Mamba or Mamba-2 for demos and tests
 ``tokenizer``  a token model's Hugging Face ``tokenizer.json``, read by ``tokenizers``
 ``detokenizer``  the text each generated token adds, in whole characters
@@ -30,7 +33,7 @@
               command runs it
 
 Imports: nothing else of the server (numpy, numba, safetensors; tokenizers for a
-model directory that has a ``tokenizer.json``).
+model directory that has a ``tokenizer.json``; gguf for a GGUF file).
 """
 
 from ssmserve.server.engine.compile_cache import key_numba_cache

@@ -109,7 +109,7 @@ def read_gguf_config(path: str | os.PathLike[str]) -> MambaConfig:
     """The model a GGUF file holds, from its metadata and tensor shapes (no tensor data
     is read)."""
     path = Path(path)
-    return _config(path, _open(path))
+    return _config(path, open_gguf(path))
 
 
 def load_gguf(
@@ -119,7 +119,7 @@ def load_gguf(
     defaults to the file's name less ``.gguf``; ``quantize`` as ``loader.load_model``."""
     path = Path(path)
     check_quantization(quantize)
-    reader = _open(path)
+    reader = open_gguf(path)
     config = _config(path, reader)
     model_name = name or path.name.removesuffix(path.suffix)
     tensors = _read_tensors(path, reader, config, model_name, quantize)
@@ -171,7 +171,7 @@ def _reader_class() -> type:
     return Reader
 
 
-def _open(path: Path) -> Any:
+def open_gguf(path: Path) -> Any:
     """The file's ``GGUFReader`` (a map of it: nothing is read beyond the header)."""
     if not path.is_file():
         raise ModelFormatError(f"GGUF file {str(path)!r} does not exist")

@@ -6,6 +6,10 @@ with it and decodes the generated ids (``detokenizer``). The file is read by Hug
 Face's ``tokenizers`` library, the reference implementation of the format (pre-tokenizers,
 BPE / Unigram / WordPiece models, post-processors, decoders); nothing here interprets it.
 
+A GGUF file (``--model NAME=FILE.gguf``) takes the ``tokenizer.json`` beside it when there
+is one, and otherwise the tokenizer stored in its metadata, rebuilt as the
+``tokenizers.Tokenizer`` it was converted from (``gguf_tokenizer``).
+
 Loading is strict like the weights': a file the library cannot read, or one whose ids do
 not fit the model's embedding rows, is a :class:`~ssmserve.server.errors.ModelFormatError`
 that names it. The library is imported only when a model has a tokenizer.
@@ -48,8 +52,19 @@ class ModelTokenizer:
 
 def load_tokenizer(directory: str | Path, vocab_size: int) -> ModelTokenizer | None:
     """The tokenizer of the model in ``directory`` (``vocab_size`` embedding rows), or
-    None when it has no ``tokenizer.json``."""
-    path = Path(directory) / TOKENIZER_FILE
+    None when it has none: the directory's ``tokenizer.json``; for a GGUF file, the
+    ``tokenizer.json`` beside it, else the tokenizer inside it (``gguf_tokenizer``, its
+    fingerprint the sha256 of the ``tokenizer.json`` it amounts to)."""
+    source = Path(directory)
+    gguf = _is_gguf(source)
+    path = (source.parent if gguf else source) / TOKENIZER_FILE
+    if gguf and not path.is_file():
+        from ssmserve.server.engine.gguf_tokenizer import gguf_tokenizer
+
+        built = gguf_tokenizer(source)
+        if built is None:
+            return None
+        return _checked(ModelTokenizer(*built), f"{source}'s tokenizer", vocab_size)
     if not path.is_file():
         return None
     raw = path.read_bytes()
@@ -62,11 +77,22 @@ def load_tokenizer(directory: str | Path, vocab_size: int) -> ModelTokenizer | N
             f"{path} cannot be read as a Hugging Face tokenizer.json ({str(exc)[:200]}); "
             f"replace it with the model's own, or remove it to serve the model without text"
         ) from None
-    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return _checked(ModelTokenizer(tokenizer, hashlib.sha256(raw).hexdigest()), path, vocab_size)
+
+
+def _checked(tokenizer: ModelTokenizer, what: object, vocab_size: int) -> ModelTokenizer:
+    """``tokenizer``, unless it has an id past the model's embedding rows (refused)."""
+    ids = tokenizer.tokenizer.get_vocab(with_added_tokens=True).values()
     top = max(ids, default=-1)
     if top >= vocab_size:
         raise ModelFormatError(
-            f"{path} has token id {top}, outside the model's {vocab_size} embedding rows: "
+            f"{what} has token id {top}, outside the model's {vocab_size} embedding rows: "
             f"it is not this model's tokenizer"
         )
-    return ModelTokenizer(tokenizer, hashlib.sha256(raw).hexdigest())
+    return tokenizer
+
+
+def _is_gguf(path: Path) -> bool:
+    from ssmserve.server.engine.loader import is_gguf
+
+    return is_gguf(path)
