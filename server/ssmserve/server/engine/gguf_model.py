@@ -204,7 +204,7 @@ def _int(path: Path, reader: Any, key: str, maximum: int = _MAX_DIM) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
         raise ModelFormatError(
             f"{path.name}: metadata {key!r} must be an integer in 1..{maximum}, got "
-            f"{clip(repr(value))}"
+            f"{clip(value)}"
         )
     return value
 
@@ -215,7 +215,7 @@ def _epsilon(path: Path, reader: Any, key: str) -> float:
         raise ModelFormatError(f"{path.name}: metadata key {key!r} is missing")
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
         raise ModelFormatError(
-            f"{path.name}: metadata {key!r} must be a number in (0, 1), got {clip(repr(value))}"
+            f"{path.name}: metadata {key!r} must be a number in (0, 1), got {clip(value)}"
         )
     # Stored as a float32: the shortest decimal that rounds to it, as config.json had it.
     return float(str(np.float32(value)))
@@ -225,7 +225,7 @@ def _config(path: Path, reader: Any) -> MambaConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelFormatError(
-            f"{path.name}: architecture {clip(repr(arch))} is not served here; a GGUF must be "
+            f"{path.name}: architecture {clip(arch)} is not served here; a GGUF must be "
             f"one of {', '.join(map(repr, ARCHITECTURES))} (llama.cpp's Mamba and Mamba-2)"
         )
     if _field(reader, f"{arch}.ssm.dt_b_c_rms"):

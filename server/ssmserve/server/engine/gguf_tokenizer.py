@@ -70,13 +70,13 @@ def gguf_tokenizer(path: str | Path) -> tuple[Tokenizer, str] | None:
     remedy = "put the model's tokenizer.json beside the GGUF to serve it with text"
     if model != "gpt2":
         raise ModelFormatError(
-            f"{where} is tokenizer.ggml.model {clip(repr(model))}; only 'gpt2' (byte-level "
+            f"{where} is tokenizer.ggml.model {clip(model)}; only 'gpt2' (byte-level "
             f"BPE) is rebuilt here: {remedy}"
         )
     pre = value("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
         raise ModelFormatError(
-            f"{where} has pre-tokenizer {clip(repr(pre))}; rebuilt here: "
+            f"{where} has pre-tokenizer {clip(pre)}; rebuilt here: "
             f"{', '.join(map(repr, PRE_TOKENIZERS))}: {remedy}"
         )
     tokens, types, merges = (
@@ -111,7 +111,7 @@ def _build(
             raise ModelFormatError(f"{where}: token {i} is a BYTE token, which BPE has not")
         if token in vocab:
             raise ModelFormatError(
-                f"{where}: token {clip(repr(token))} is stored twice (ids {vocab[token]}, {i})"
+                f"{where}: token {clip(token)} is stored twice (ids {vocab[token]}, {i})"
             )
         vocab[token] = i
         if kind in (_CONTROL, _UNKNOWN):
@@ -122,7 +122,7 @@ def _build(
     for merge in merges:
         parts = merge.split(" ") if isinstance(merge, str) else []
         if len(parts) != 2 or not all(parts):
-            raise ModelFormatError(f"{where}: merge {clip(repr(merge))} is not two tokens")
+            raise ModelFormatError(f"{where}: merge {clip(merge)} is not two tokens")
         pairs.append((parts[0], parts[1]))
     try:
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
@@ -140,7 +140,7 @@ def _build(
             tid = value(f"tokenizer.ggml.{end}_token_id")
             if not isinstance(tid, int) or not 0 <= tid < len(tokens) or tid not in vocab.values():
                 raise ModelFormatError(
-                    f"{where}: add_{end}_token is set but {end}_token_id {clip(repr(tid))} is "
+                    f"{where}: add_{end}_token is set but {end}_token_id {clip(tid)} is "
                     f"not one of its tokens"
                 )
             ends.append((end, tokens[tid], tid))

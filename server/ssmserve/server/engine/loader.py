@@ -298,7 +298,8 @@ def load_bytes(
     a margin for the panels' padding and the rest (measured: 2.1x the largest above the
     total). ``stored``: each tensor's stored dtype; None (not read yet): every tensor that
     may stay 16-bit counts as BF16, the least the load can take; a product weight stored
-    ``"Q8_0"`` (a GGUF's) counts 1.125 bytes a value, read and held. ``quantize="q8_0"``: each
+    ``"Q8_0"`` (a GGUF's) is held as Q8_0, its copies counted at 4 bytes a value (the
+    fingerprint widens it a chunk at a time). ``quantize="q8_0"``: each
     weight that becomes Q8_0 counts 1.125 bytes a value (its int8 and its scales, widened
     to float32), the three copies count at the width read, and quantising takes a fixed
     few MiB more (``quantize.QUANTIZE_TRANSIENT_BYTES``). ``tests/test_bf16_weights.py``
@@ -308,10 +309,7 @@ def load_bytes(
         kind = "BF16" if stored is None else stored.get(name)
         values = math.prod(shape)
         q8 = kept_16bit(name) and quantizable(shape) and (quantize == "q8_0" or kind == "Q8_0")
-        if q8 and kind == "Q8_0":  # a GGUF's Q8_0: read as it is stored
-            read.append(values * 9 // 8)
-        else:
-            read.append(values * (2 if keep_bf16 and kept_16bit(name) and kind == "BF16" else 4))
+        read.append(values * (2 if keep_bf16 and kept_16bit(name) and kind == "BF16" else 4))
         sizes.append(values * 9 // 8 if q8 else read[-1])
     transient = QUANTIZE_TRANSIENT_BYTES if quantize == "q8_0" else 0
     return sum(sizes) + 3 * max(read) + transient

@@ -37,7 +37,7 @@ from ssmserve.server.engine.gpu.numerics import (
     gpu_numerics_signature,
 )
 from ssmserve.server.engine.gpu.runtime import default_device
-from ssmserve.server.engine.loader import fingerprint, read_config, read_weights
+from ssmserve.server.engine.loader import fingerprint, is_gguf, read_config, read_weights
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.prefill import OutputRows, output_rows
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState, state_layout
@@ -135,6 +135,11 @@ class GpuMambaModel:
     ) -> GpuMambaModel:
         """Read and check a model directory as ``load_model`` does, onto ``device``."""
         path = Path(directory)
+        if is_gguf(path):  # its A is stored, not A_log (loader._decay): not on the GPU yet
+            raise ModelFormatError(
+                f"{path.name}: the GPU engine does not read GGUF files yet; serve it with "
+                f"--engine cpu"
+            )
         config = read_config(path)
         _check_supported(config, name or path.resolve().name)  # before reading the weights
         tensors = read_weights(path, config)
