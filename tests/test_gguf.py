@@ -514,3 +514,38 @@ def test_the_gpu_engine_refuses_a_gguf_by_name():
 
     with pytest.raises(ModelFormatError, match=r"mamba2-f32.gguf: the GPU engine does not read"):
         GpuMambaModel.load(gguf_file("mamba2", "f32"))
+
+
+def test_a_gguf_too_big_for_this_machine_is_refused_before_its_data_is_read(tmp_path):
+    """A GGUF whose header describes a model needing twice the memory available here (its
+    data a sparse file: nothing written, nothing read): InsufficientMemoryError, at once."""
+    from ssmserve.server.engine.gguf_model import _sources
+    from ssmserve.server.errors import InsufficientMemoryError
+    from tests.test_model_loader import _too_big_for_this_machine
+
+    _too_big_for_this_machine(tmp_path / "dir")
+    config = read_config(tmp_path / "dir")
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(path, "mamba")
+    for key, value in {"embedding_length": config.hidden_size,
+                       "block_count": config.num_hidden_layers,
+                       "ssm.conv_kernel": config.conv_kernel,
+                       "ssm.inner_size": config.intermediate_size,
+                       "ssm.state_size": config.state_size,
+                       "ssm.time_step_rank": config.time_step_rank}.items():  # fmt: skip
+        writer.add_uint32(f"mamba.{key}", value)
+    writer.add_float32("mamba.attention.layer_norm_rms_epsilon", config.layer_norm_epsilon)
+    data = 0
+    for source in _sources(config).values():
+        nbytes = 4 * int(np.prod(source.shape))
+        writer.add_tensor_info(source.name, source.shape, np.dtype(np.float32), nbytes)
+        data += nbytes + 32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with path.open("r+b") as fh:
+        fh.truncate(path.stat().st_size + 32 + data)  # sparse: no block of it is written
+    assert read_config(path) == config
+    with pytest.raises(InsufficientMemoryError, match=r"'big' needs about [\d.]+ GiB"):
+        load_model(path)
