@@ -77,7 +77,7 @@ Café, naïve, façade, résumé, Zürich, São Paulo, Kraków, İstanbul, Ærø
 Emoji: 🚀 🦙 ✅ 😁 👍🏽 and a family 👨‍👩‍👧 in one grapheme.
     indented code line
 \tTabbed\tcolumns\there
-Multiple   spaces   between   words, and trailing spaces   
+Multiple   spaces   between   words, and trailing spaces\x20\x20\x20
 Quotes: 'single', "double", `back`, «guillemets», “curly”.
 I've, you're, he's, we'll, they'd, I'm, don't, can't, won't.
 """

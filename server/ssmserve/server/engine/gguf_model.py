@@ -203,8 +203,7 @@ def _int(path: Path, reader: Any, key: str, maximum: int = _MAX_DIM) -> int:
         raise ModelFormatError(f"{path.name}: metadata key {key!r} is missing")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
         raise ModelFormatError(
-            f"{path.name}: metadata {key!r} must be an integer in 1..{maximum}, got "
-            f"{clip(value)}"
+            f"{path.name}: metadata {key!r} must be an integer in 1..{maximum}, got {clip(value)}"
         )
     return value
 
