@@ -236,7 +236,9 @@ def read_config(directory: Path) -> MambaConfig:
 
 def is_gguf(path: Path) -> bool:
     """Whether ``path`` names a GGUF file rather than a model directory: its name ends in
-    ``.gguf``, or it is a file that starts with GGUF's magic."""
+    ``.gguf`` (and it is no directory), or it is a file that starts with GGUF's magic."""
+    if path.is_dir():
+        return False
     if path.suffix.lower() == ".gguf":
         return True
     if not path.is_file():
