@@ -77,6 +77,48 @@ def _bf16_decode(d: dict[str, Any]) -> Cells:
     return joined(ours), f"the same model in float32: {joined(peer)} (goal <= 0.6x)", joined(ratio)
 
 
+def _big_memory(d: dict[str, Any]) -> Cells:
+    """bench_big_model: the serving worker's resident memory against the stored bytes."""
+    return (
+        fmt(d["resident_bytes"] / 1e9),
+        f"stored bytes: {fmt(d['stored_bytes'] / 1e9)} (serving {fmt(d['load']['serving_s'])} s "
+        f"after the process started)",
+        fmt(d["resident_over_stored"]),
+    )
+
+
+def _big_decode(d: dict[str, Any]) -> Cells:
+    ours, peer = d["batch_1"]["ms_per_token"], d["engine_alone"]["1"]["step_us_median"] / 1e3
+    calls = d["batch_1"]["engine_calls"]
+    inside = calls["seconds"] / calls["calls"] * 1e3
+    return (
+        fmt(ours),
+        f"the engine alone: {fmt(peer)} (its calls inside the server: {fmt(inside)})",
+        fmt(ours / peer),
+    )
+
+
+def _big_16(d: dict[str, Any]) -> Cells:
+    ours, peer = d["sessions_16"]["tokens_per_s"], d["engine_alone"]["16"]["steps_per_s"]
+    batch = d["sessions_16"]["engine_calls"]["mean_batch"]
+    return (
+        fmt(ours),
+        f"the engine alone, batch 16: {fmt(peer)} (served engine calls: {fmt(batch)} "
+        "sessions each)",
+        fmt(ours / peer),
+    )
+
+
+def _big_64(d: dict[str, Any]) -> Cells:
+    r = d["sessions_64"]
+    per, bound = r["rss_growth_per_session_bytes"] / 2**20, d["session_bound_bytes"] / 2**20
+    return (
+        f"{fmt(per)} ({r['served']}/{r['sessions']} served, {fmt(r['tokens_per_s'])} tokens/s)",
+        f"state + 64 kept outputs: {fmt(bound)}",
+        fmt(per / bound),
+    )
+
+
 def _signal_model(kind: str) -> Callable[[dict[str, Any]], Cells]:
     """The trained model's error beside the best linear AR and the last value."""
 
@@ -363,6 +405,8 @@ def _path(trace: str, goals: tuple[int, ...]) -> Callable[[dict[str, Any]], Cell
     return cells
 
 
+_BIG_7B = "`bench/bench_big_model.py --preset falcon-mamba-7b --quantize q8_0`"
+
 FIGURES = [
     Figure("mamba-130m-shaped decode, batch 1, ms per token (p50)", "hf_peer",
            "`bench/bench_hf_peer.py`", _hf_peer),
@@ -437,6 +481,22 @@ FIGURES = [
            "`bench/bench_bf16.py`", _bf16_memory),
     Figure("mamba-130m-shaped BF16 decode, batch 1 / 8, ms per token", "bf16",
            "`bench/bench_bf16.py`", _bf16_decode),
+    Figure("mamba-2.8b-shaped BF16 model served: worker resident memory, GB", "big_model",
+           "`bench/bench_big_model.py`", _big_memory),
+    Figure("mamba-2.8b-shaped BF16 served decode, batch 1, ms per token", "big_model",
+           "`bench/bench_big_model.py`", _big_decode),
+    Figure("mamba-2.8b-shaped BF16 served, 16 sessions generating at once, tokens/s",
+           "big_model", "`bench/bench_big_model.py`", _big_16),
+    Figure("mamba-2.8b-shaped BF16 served, 64 sessions at once: memory per session, MiB",
+           "big_model", "`bench/bench_big_model.py`", _big_64),
+    Figure("falcon-mamba-7b-shaped Q8_0 model served: worker resident memory, GB",
+           "big_model_7b_q8", _BIG_7B, _big_memory),
+    Figure("falcon-mamba-7b-shaped Q8_0 served decode, batch 1, ms per token",
+           "big_model_7b_q8", _BIG_7B, _big_decode),
+    Figure("falcon-mamba-7b-shaped Q8_0 served, 16 sessions generating at once, tokens/s",
+           "big_model_7b_q8", _BIG_7B, _big_16),
+    Figure("falcon-mamba-7b-shaped Q8_0 served, 64 sessions at once: memory per session, MiB",
+           "big_model_7b_q8", _BIG_7B, _big_64),
     Figure("trained CGM model (examples/), one-step MAE on held-out readings, training stds",
            "signal_model", "`bench/bench_signal_model.py`", _signal_model("mae")),
     Figure("trained CGM model (examples/), one-step RMSE on held-out readings, training stds",
