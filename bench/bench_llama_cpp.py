@@ -204,6 +204,11 @@ class LlamaChild:
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
         mparams.use_mmap = False  # weights read into memory, as ssmserve's loader does
+        if os.environ.get("BENCH_LLAMA_NO_EXTRA_BUFTS") == "1":
+            # llama.cpp 0.3.36's AMX repacking of Q8_0 weights crashes (SIGSEGV) on this
+            # host's Xeon with AMX: its plain CPU buffers instead (--llama-no-extra-bufts,
+            # which also sets it for F32, so both formats are measured alike)
+            mparams.use_extra_bufts = False
         self.model = ll.llama_model_load_from_file(str(args.gguf).encode(), mparams)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {args.gguf}")
@@ -456,6 +461,8 @@ def parent_main(args: argparse.Namespace) -> int:
         children = [Child("ours", sys.executable, args, ids_path)]
         for wait in args.llama_wait.split(","):
             env = {"OMP_WAIT_POLICY": wait.upper()} if wait != "default" else {}
+            if args.llama_no_extra_bufts:
+                env["BENCH_LLAMA_NO_EXTRA_BUFTS"] = "1"
             children.append(Child(f"llama_{wait}", args.peer_python, args, ids_path, env))
         for child in children:
             child.ask(op="check", path=str(Path(tmp) / f"{child.name}.npy"), steps=args.check_steps)
@@ -487,6 +494,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "model": str(args.model),
         "gguf": str(args.gguf),
         "quantize": args.quantize,
+        "llama_no_extra_bufts": args.llama_no_extra_bufts,
         "prompt": args.prompt,
         "rounds": args.rounds,
         "steps": args.steps * args.rounds,
@@ -598,6 +606,12 @@ def main() -> int:
         default="none",
         help="q8_0: ssmserve loads MODEL with quantize='q8_0' and --gguf is the Q8_0 GGUF "
         "of it (written with --outtype q8_0 when missing): both engines on 8-bit weights",
+    )
+    parser.add_argument(
+        "--llama-no-extra-bufts",
+        action="store_true",
+        help="load llama.cpp's weights without its extra buffer types (AMX repacking): "
+        "its Q8_0 Mamba crashes with them on a CPU with AMX (llama-cpp-python 0.3.36)",
     )
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--child", choices=("ours", "llama"), help=argparse.SUPPRESS)
