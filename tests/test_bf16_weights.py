@@ -170,3 +170,39 @@ def test_a_load_stays_within_the_memory_it_was_checked_for(tmp_path, dtype):
     finally:
         tracemalloc.stop()
     assert peak <= load_bytes(config, stored, keep_bf16=True)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_f16_weights_stay_16_bit_and_give_the_widened_bits(tmp_path, name):
+    """F16 as BF16: the products' weights and the embedding table stay as their float16
+    bits (int16 panels), widened inside the kernel by the CPU's half-to-float conversion
+    (exact), so every output and state, stepping and prefill, has the bits of the same
+    values widened up front, and the fingerprint is theirs."""
+    from safetensors.numpy import save_file
+
+    config = CONFIGS[name]
+    tensors = random_tensors(config, seed=11)
+    save_model(tmp_path / "f16", config, tensors)
+    halves = {k: v.astype(np.float16) for k, v in tensors.items()}
+    save_file(halves, str(tmp_path / "f16" / "model.safetensors"))
+    save_model(tmp_path / "f32", config, {k: v.astype(np.float32) for k, v in halves.items()})
+    half, wide = load_model(tmp_path / "f16"), load_model(tmp_path / "f32")
+    assert {lin.format for lin in half.linears} == {"f16"}
+    if half.embeddings is not None:
+        assert half.embeddings.dtype == np.int16
+    assert half.fingerprint == wide.fingerprint
+    for batch in (1, 8, 64):
+        x = _inputs(half, batch, 3, seed=batch)
+        states = [BatchState.stack([m.new_state() for _ in range(batch)]) for m in (half, wide)]
+        for t in range(3):
+            (states[0], a), (states[1], b) = (
+                half.step(states[0], x[:, t]),
+                wide.step(states[1], x[:, t]),
+            )
+            assert a.tobytes() == b.tobytes(), (batch, t)
+    x = _inputs(half, 1, 40, seed=7)[0]
+    (pa, sa), (pb, sb) = half.prefill(x), wide.prefill(x)
+    assert pa.tobytes() == pb.tobytes()
+    for layer_a, layer_b in zip(sa.layers, sb.layers, strict=True):
+        assert layer_a.ssm.tobytes() == layer_b.ssm.tobytes()
+    assert half.weight_bytes < 0.55 * wide.weight_bytes

@@ -162,14 +162,15 @@ def test_an_f32_gguf_differs_from_its_directory_only_through_the_last_bits_of_A(
 
 
 def test_each_type_is_held_as_the_engine_holds_it(loaded):
-    """BF16 products and the embedding table stay 16-bit; Q8_0 stays 8-bit where a row is
-    whole 32-blocks (Mamba-1's dt_proj, rank 2, came as F16: float32); F16 widens."""
+    """F16 and BF16 products and the embedding table stay 16-bit; Q8_0 stays 8-bit where a
+    row is whole 32-blocks (Mamba-1's dt_proj, rank 2, came as F16: kept 16-bit)."""
     formats = {kind: {lin.format for lin in loaded["mamba1", kind].linears} for kind in KINDS}
-    assert formats == {"f32": {"f32"}, "f16": {"f32"}, "bf16": {"bf16"},
-                       "q8_0": {"q8_0", "f32"}}  # fmt: skip
+    assert formats == {"f32": {"f32"}, "f16": {"f16"}, "bf16": {"bf16"},
+                       "q8_0": {"q8_0", "f16"}}  # fmt: skip
     for lin in loaded["mamba1", "q8_0"].linears:
-        assert lin.format == ("q8_0" if lin.in_features % 32 == 0 else "f32")
+        assert lin.format == ("q8_0" if lin.in_features % 32 == 0 else "f16")
     assert loaded["mamba1", "bf16"].embeddings.dtype == np.uint16  # untied
+    assert loaded["mamba1", "f16"].embeddings.dtype == np.int16
     assert isinstance(loaded["mamba1", "q8_0"].embeddings, Q8Weight)
     assert {lin.format for lin in loaded["mamba2", "q8_0"].linears} == {"q8_0"}  # tied head
 

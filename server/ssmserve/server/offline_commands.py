@@ -324,7 +324,7 @@ def weights_held(model: Any) -> str:
     linears = getattr(model, "linears", None)
     if linears is None:  # the GPU engine
         return "on the device"
-    formats = sorted({lin.format for lin in linears}, key=("q8_0", "bf16", "f32").index)
+    formats = sorted({lin.format for lin in linears}, key=("q8_0", "bf16", "f16", "f32").index)
     return f"{' + '.join(formats)}, {model.weight_bytes / 2**20:,.1f} MiB"
 
 

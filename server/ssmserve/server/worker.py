@@ -291,9 +291,7 @@ class Worker:
         models: dict[str, Engine] = {}
         tokenizers: dict[str, ModelTokenizer | None] = {}
         for name, directory in s.models:
-            models[name], tokenizers[name] = await asyncio.to_thread(
-                _load, directory, name, s.engine, s.quantize
-            )
+            models[name], tokenizers[name] = await asyncio.to_thread(_load, directory, name, s)
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
             self._check_fits(name, model)
@@ -520,9 +518,7 @@ class Worker:
                 f"model {clip(key)}: expected NAME or NAME@VERSION of letters, digits, '.', "
                 f"'_' or '-'"
             )
-        model, tokenizer = await asyncio.to_thread(
-            _load, directory, key, self.settings.engine, self.settings.quantize
-        )
+        model, tokenizer = await asyncio.to_thread(_load, directory, key, self.settings)
         self._check_fits(key, model)
         await self.manager.load_model(key, model, tokenizer)
         await self._models_changed()
@@ -668,19 +664,18 @@ def engine_numerics(engine: str, quantize: str = "none") -> str:
     return numerics_description() + weights
 
 
-def _load(
-    directory: Path, key: str, engine: str = "cpu", quantize: str = "none"
-) -> tuple[Engine, ModelTokenizer | None]:
-    """A model directory's model on ``engine`` (its weights as ``quantize`` says) and,
-    for a token model with a ``tokenizer.json``, its tokenizer (both checked: a bad one
-    refuses the model)."""
+def _load(directory: Path, key: str, s: WorkerSettings) -> tuple[Engine, ModelTokenizer | None]:
+    """A model directory's model on ``s.engine`` (its weights as ``s.quantize`` says)
+    and, for a token model with a ``tokenizer.json``, its tokenizer (both checked: a bad
+    one refuses the model)."""
+    engine = s.engine
     model: Engine
     if engine == "cuda":
         from ssmserve.server.engine.gpu.model import GpuMambaModel
 
         model = GpuMambaModel.load(directory, key)
     else:
-        model = load_model(directory, key, quantize)
+        model = load_model(directory, key, s.quantize)
     c = model.config
     tokenizer = load_tokenizer(directory, c.vocab_size) if c.is_token_model else None
     if tokenizer is not None:

@@ -21,11 +21,13 @@
               with the bits of T steps
 ``lane``      one engine thread per model, shared by steps, forecasts and replays
 ``products``  the batch-invariant matrix product micro-kernel (LLVM IR)
+``quantize``  8-bit weights: llama.cpp's Q8_0 blocks, quantised at load or read from a GGUF
 ``bench``     ``ssmserve model bench``: batched engine steps timed on this machine
 
 ``compile_cache``  numba's on-disk cache, keyed by the engine's source
 ``threads``   the engine's helper threads: row ranges and column ranges of a step
 ``allocator``  freed heap pages kept for the next step, given back when idle
+``machine_memory``  the memory this process may still take (MemAvailable, cgroup v2 limits)
 ``environment``  the engine's knobs read from the environment, each checked
 ``gpu``       the optional GPU engine (``--engine cuda``): the same models on fixed-order
               Triton kernels, with the same bits at every batch size and for prefill vs

@@ -404,6 +404,11 @@ def _tensor(
         if ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any():
             raise ModelFormatError(f"{path.name}: tensor {tensor.name!r} contains NaN or Inf")
         value = bits if keep else widened(bits)
+    elif kind == "F16" and keep:  # kept 16-bit: its bits, as int16 (``numerics.widened``)
+        half = np.array(tensor.data, dtype=np.float16, copy=True)
+        if not np.isfinite(half).all():
+            raise ModelFormatError(f"{path.name}: tensor {tensor.name!r} contains NaN or Inf")
+        value = half.view(np.int16)
     else:  # F32, or F16 (widened exactly)
         value = np.array(tensor.data, dtype=np.float32, copy=True)
         if not np.isfinite(value).all():

@@ -42,7 +42,9 @@ as ``backbone.embeddings.weight``, as transformers does.)
 Loading is strict: a missing, unexpected, misshapen, non-float or non-finite tensor is a
 :class:`~ssmserve.server.errors.ModelFormatError` that names it. Weights stored in F32, F16,
 BF16 or F64 load exactly into float32 (F16 widens exactly; BF16 is the top half of a
-float32, so a 16-bit shift; F64 rounds to nearest) and the engine computes in float32.
+float32, so a 16-bit shift; F64 rounds to nearest) and the engine computes in float32;
+``load_model`` keeps the products' weights and the embedding table stored as BF16 or F16
+at 16 bits (their bits as uint16 / int16 arrays) and the kernel widens them as it loads.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from safetensors.numpy import save_file
 from ssmserve.client.atomic_file import atomic_write
 from ssmserve.server.engine.allocator import keep_freed_pages, return_freed_memory, trim_own_arena
 from ssmserve.server.engine.config import MambaConfig
+from ssmserve.server.engine.machine_memory import available_memory
 from ssmserve.server.engine.mamba import (
     BlockWeights,
     ChannelScaling,
@@ -311,49 +314,11 @@ def load_bytes(
         kind = "BF16" if stored is None else stored.get(name)
         values = math.prod(shape)
         q8 = kept_16bit(name) and quantizable(shape) and (quantize == "q8_0" or kind == "Q8_0")
-        read.append(values * (2 if keep_bf16 and kept_16bit(name) and kind == "BF16" else 4))
+        half = keep_bf16 and kept_16bit(name) and kind in ("BF16", "F16")
+        read.append(values * (2 if half else 4))
         sizes.append(values * 9 // 8 if q8 else read[-1])
     transient = QUANTIZE_TRANSIENT_BYTES if quantize == "q8_0" else 0
     return sum(sizes) + 3 * max(read) + transient
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still take: the kernel's MemAvailable, or less where a
-    cgroup v2 limit on this process's cgroup or any above it leaves less (its usage less
-    the inactive page cache, which the kernel reclaims before it kills); None where
-    neither can be read (not Linux)."""
-    have: int | None = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                have = int(line.split()[1]) * 1024
-    for left in _cgroup_room():
-        have = left if have is None else min(have, left)
-    return have
-
-
-def _cgroup_room() -> list[int]:
-    """Room under each cgroup v2 memory limit from this process's cgroup up to the root
-    (``/proc/self/cgroup``'s ``0::PATH``; in a cgroup namespace that is ``/``)."""
-    room: list[int] = []
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        line = next(ln for ln in Path("/proc/self/cgroup").read_text().splitlines()
-                    if ln.startswith("0::"))  # fmt: skip
-        root = Path("/sys/fs/cgroup")
-        here = (root / line[3:].lstrip("/")).resolve()
-        for group in (here, *here.parents):
-            if not group.is_relative_to(root):
-                break
-            with contextlib.suppress(OSError, ValueError):
-                limit = (group / "memory.max").read_text().strip()
-                if limit != "max":
-                    used = int((group / "memory.current").read_text())
-                    stat = dict(
-                        ln.split() for ln in (group / "memory.stat").read_text().splitlines()
-                    )
-                    used -= int(stat.get("inactive_file", 0))
-                    room.append(max(0, int(limit) - used))
-    return room
 
 
 def check_memory(
@@ -383,8 +348,9 @@ def read_weights(
     as float32; a model that would not fit in the available memory is refused first.
 
     ``keep_bf16``: the weights of the products and the embedding table
-    (:func:`kept_16bit`) stored as BF16 stay 16-bit, as uint16 arrays of their bits
-    (``numerics.widened`` gives their float32 values); everything else is float32.
+    (:func:`kept_16bit`) stored as BF16 or F16 stay 16-bit, as uint16 (BF16) or int16
+    (F16) arrays of their bits (``numerics.widened`` gives their float32 values);
+    everything else is float32.
     ``quantize="q8_0"``: those weights whose rows are whole 32-blocks become
     :class:`~ssmserve.server.engine.quantize.Q8Weight` as each is read, so the model is
     never held at its stored width in full."""
@@ -494,6 +460,10 @@ def _read_file(
                     bits = _bf16_bits(path, stored, shape)
                     finite = not ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()
                     arr = bits if name in keep else widened(bits)
+                elif dtype == "F16" and name in keep:  # its bits, as int16 (``widened``)
+                    half = np.ascontiguousarray(f.get_tensor(stored), dtype=np.float16)
+                    finite = bool(np.isfinite(half).all())
+                    arr = half.view(np.int16)
                 else:
                     arr = np.ascontiguousarray(f.get_tensor(stored), dtype=np.float32)
                     finite = bool(np.isfinite(arr).all())

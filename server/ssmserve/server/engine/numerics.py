@@ -75,9 +75,12 @@ def blas_signature() -> str:
 def widened(arr: np.ndarray | Q8Weight) -> np.ndarray:
     """float32 values of a weight: ``arr`` itself, or, where it holds bfloat16 bits
     (uint16, how a BF16 weight stays 16-bit in memory), those bits as the high half of
-    float32s, or a Q8_0 weight's ``scale * q``: the exact value, a new array."""
+    float32s, or, where it holds float16 bits (int16, how an F16 weight stays 16-bit),
+    their values, or a Q8_0 weight's ``scale * q``: the exact value, a new array."""
     if isinstance(arr, Q8Weight):
         return arr.dequantized()
+    if arr.dtype == np.int16:
+        return arr.view(np.float16).astype(np.float32)
     if arr.dtype != np.uint16:
         return arr
     return (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
@@ -97,17 +100,19 @@ class RowStableLinear:
         self.scales = products.NO_SCALES
         if isinstance(weight, Q8Weight):  # 8-bit: int8 panels, their scales beside
             self.scales = products.pack_scales(weight)  # (o/C, i/32, C) float32
-        elif weight.dtype != np.uint16:  # uint16: bfloat16 bits, kept 16-bit (``widened``)
+        elif weight.dtype not in (np.uint16, np.int16):  # BF16 | F16 bits, kept (``widened``)
             weight = np.asarray(weight, dtype=np.float32)
-        self.panels = products.pack_panels(weight)  # (o/C, i, C) float32 | uint16 | int8
+        self.panels = products.pack_panels(weight)  # (o/C, i, C) float32 | 16-bit | int8
         self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
 
     @property
     def format(self) -> str:
-        """How the weight is held: ``f32``, ``bf16`` (kept 16-bit) or ``q8_0``."""
-        return {np.dtype(np.uint16): "bf16", np.dtype(np.int8): "q8_0"}.get(
-            self.panels.dtype, "f32"
-        )
+        """How the weight is held: ``f32``, ``bf16`` / ``f16`` (kept 16-bit) or ``q8_0``."""
+        return {
+            np.dtype(np.uint16): "bf16",
+            np.dtype(np.int16): "f16",
+            np.dtype(np.int8): "q8_0",
+        }.get(self.panels.dtype, "f32")
 
     @property
     def nbytes(self) -> int:

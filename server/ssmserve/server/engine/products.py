@@ -89,11 +89,13 @@ def pack_panels(weight: np.ndarray | Q8Weight) -> np.ndarray:
     float32 panels; uint16 panels of bfloat16 bits where ``weight`` is uint16 (a BF16
     weight kept at its stored width: the micro-kernel widens each value as it loads it,
     ``bits << 16``, which is exact, so the products keep the bits of the widened weight);
+    int16 panels of float16 bits where ``weight`` is int16 (an F16 weight kept: widened
+    by the CPU's half-to-float conversion, also exact);
     int8 panels of a :class:`~ssmserve.server.engine.quantize.Q8Weight`'s quants (their
     scales: :func:`pack_scales`; the kernel widens ``scale * q``, also exact)."""
     if isinstance(weight, Q8Weight):
         weight = weight.quants
-    dtype = weight.dtype if weight.dtype in (np.uint16, np.int8) else np.dtype(np.float32)
+    dtype = weight.dtype if weight.dtype in (np.uint16, np.int16, np.int8) else np.dtype(np.float32)
     return _panels(weight, dtype)
 
 
@@ -159,6 +161,8 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     depth = cgutils.unpack_tuple(builder, p_arr.shape)[1]  # i
     vec = ir.VectorType(ir.FloatType(), _LANES)
     bf16 = signature.args[2].dtype == types.uint16  # panels of bfloat16 bits
+    f16 = signature.args[2].dtype == types.int16  # panels of float16 bits
+    half_vec = ir.VectorType(ir.HalfType(), _LANES)
     q8 = signature.args[2].dtype == types.int8  # panels of Q8_0 quants, scales beside
     quant_vec = ir.VectorType(ir.IntType(8), _LANES)
     bits_vec = ir.VectorType(ir.IntType(16), _LANES)
@@ -171,11 +175,16 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
 
     def load_weights(ptr: Any, scale: Any) -> Any:
         """One vector of a panel row as floats: float32 as it is; bfloat16 bits widened
-        exactly (each placed in a float32's high half, zeros below: one shuffle); int8
+        exactly (each placed in a float32's high half, zeros below: one shuffle); float16
+        converted (exact); int8
         quants converted (exact) and times their scales (exact: ``quantize.py``)."""
         if q8:
             quants = builder.load(builder.bitcast(ptr, quant_vec.as_pointer()), align=1)
             return builder.fmul(builder.sitofp(quants, vec), scale)
+        if f16:  # float16 -> float32 is exact (vcvtph2ps where the CPU has F16C)
+            return builder.fpext(
+                builder.load(builder.bitcast(ptr, half_vec.as_pointer()), align=2), vec
+            )
         if not bf16:
             return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
         bits = builder.load(builder.bitcast(ptr, bits_vec.as_pointer()), align=2)

@@ -82,7 +82,8 @@ def quantizable(weight_shape: tuple[int, ...]) -> bool:
 
 
 def quantize_q8_0(weight: np.ndarray) -> Q8Weight:
-    """``weight`` (o, i) float32, or uint16 bfloat16 bits (widened a chunk at a time, so
+    """``weight`` (o, i) float32, or uint16 bfloat16 / int16 float16 bits (widened a chunk
+    at a time, so
     a big 16-bit weight is never held whole in float32), i a multiple of 32 -> its Q8_0
     form, as llama.cpp's reference quantises it. ``ValueError`` for a shape that is not
     whole blocks, or for a block whose scale overflows float16 (a weight above ~8.3e6)."""
@@ -96,6 +97,8 @@ def quantize_q8_0(weight: np.ndarray) -> Q8Weight:
         part = weight[r0 : r0 + chunk]
         if part.dtype == np.uint16:  # bfloat16 bits: the high half of a float32 (exact)
             part = (part.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        elif part.dtype == np.int16:  # float16 bits (exact)
+            part = part.view(np.float16).astype(np.float32)
         part = np.asarray(part, np.float32)
         blocks = part.reshape(part.shape[0], -1, Q8_BLOCK)  # (rows, nb, 32)
         d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)  # (rows, nb, 1)
