@@ -77,6 +77,30 @@ def _bf16_decode(d: dict[str, Any]) -> Cells:
     return joined(ours), f"the same model in float32: {joined(peer)} (goal <= 0.6x)", joined(ratio)
 
 
+def _q8_decode(d: dict[str, Any]) -> Cells:
+    """bench_bf16: Q8_0 (quantised at load) beside the same model in float32."""
+    ms = d["decode_ms"]
+    ours = [ms[b]["q8_0"] for b in ("1", "8")]
+    peer = [ms[b]["f32"] for b in ("1", "8")]
+    ratio = [d["decode_q8_0_over_f32"][b] for b in ("1", "8")]
+    held = d["q8_0_resident_over_f32"]
+    return (
+        joined(ours),
+        f"the same model in float32: {joined(peer)} (resident {fmt(held)}x)",
+        joined(ratio),
+    )
+
+
+def _q8_accuracy(d: dict[str, Any]) -> Cells:
+    """bench_q8_accuracy: each engine's Q8_0 logit error against its float32 run."""
+    ours, peer = d["ssmserve_q8_0_vs_own_f32"], d["llama_cpp_q8_0_vs_own_f32"]
+    return (
+        f"{fmt(ours)} (max abs logit {fmt(d['max_abs_logit'])})",
+        f"llama.cpp's Q8_0 file: {fmt(peer)} (goal <= 1x)",
+        fmt(ours / peer),
+    )
+
+
 def _big_memory(d: dict[str, Any]) -> Cells:
     """bench_big_model: the serving worker's resident memory against the stored bytes."""
     return (
@@ -422,6 +446,15 @@ FIGURES = [
            "`bench/bench_llama_cpp.py`", _llama_decode),
     Figure("mamba2-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms",
            "llama_cpp_mamba2", "`bench/bench_llama_cpp.py --arch mamba2`", _llama_decode),
+    Figure("mamba-130m-shaped Q8_0 decode step beside llama.cpp's Q8_0, batch 1 / 8, ms",
+           "llama_cpp_q8", "`bench/bench_llama_cpp.py --quantize q8_0`", _llama_decode),
+    Figure("mamba2-130m-shaped Q8_0 decode step beside llama.cpp's Q8_0, batch 1 / 8, ms",
+           "llama_cpp_mamba2_q8", "`bench/bench_llama_cpp.py --arch mamba2 --quantize q8_0`",
+           _llama_decode),
+    Figure("mamba-130m-shaped Q8_0 max abs logit error vs the float32 model, 16 rows",
+           "q8_accuracy_mamba", "`bench/bench_q8_accuracy.py`", _q8_accuracy),
+    Figure("mamba2-130m-shaped Q8_0 max abs logit error vs the float32 model, 16 rows",
+           "q8_accuracy_mamba2", "`bench/bench_q8_accuracy.py --arch mamba2`", _q8_accuracy),
     Figure("mamba-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp",
            "`bench/bench_llama_cpp.py`", _llama_save),
     Figure("mamba2-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp_mamba2",
@@ -479,6 +512,8 @@ FIGURES = [
            "`bench/bench_scale.py`", _group_commit),
     Figure("mamba-130m-shaped BF16 model kept 16-bit: resident memory / stored bytes", "bf16",
            "`bench/bench_bf16.py`", _bf16_memory),
+    Figure("mamba-130m-shaped Q8_0 decode (--quantize q8_0), batch 1 / 8, ms per token", "bf16",
+           "`bench/bench_bf16.py`", _q8_decode),
     Figure("mamba-130m-shaped BF16 decode, batch 1 / 8, ms per token", "bf16",
            "`bench/bench_bf16.py`", _bf16_decode),
     Figure("mamba-2.8b-shaped BF16 model served: worker resident memory, GB", "big_model",
