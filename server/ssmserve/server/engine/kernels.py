@@ -340,9 +340,31 @@ def conv_silu(
     conv (b, e, k) last k inputs -> conv_out (b, e, k) shifted window with ``xz[:, :e]``
     appended; xs_out[:b] (b, e) = silu(sum_k window * weight + bias).
     """
-    b, e, k = conv.shape
+    conv_silu_channels(
+        conv, xz, weight, bias, has_bias, conv_out, xs_out, scratch, 0, conv.shape[1]
+    )
+
+
+@njit(**_JIT)
+def conv_silu_channels(
+    conv: np.ndarray,
+    xz: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    has_bias: bool,
+    conv_out: np.ndarray,
+    xs_out: np.ndarray,
+    scratch: np.ndarray,
+    c0: int,
+    c1: int,
+) -> None:
+    """:func:`conv_silu` for channels ``c0:c1`` only (the others neither read nor
+    written; ``scratch``: 2 (c1 - c0) floats): threads can share one conv by channels,
+    each channel computed exactly as in the whole (``split_step``)."""
+    b, _, k = conv.shape
+    m = c1 - c0
     for row in range(b):
-        for c in range(e):
+        for c in range(c0, c1):
             s = _ZERO
             for t in range(k - 1):
                 v = conv[row, c, t + 1]
@@ -354,10 +376,10 @@ def conv_silu(
             if has_bias:
                 s += bias[c]
             xs_out[row, c] = s
-            scratch[c] = -s
-        _exp_into(scratch[:e], scratch[e : 2 * e])
-        for c in range(e):
-            xs_out[row, c] = xs_out[row, c] / (_ONE + scratch[e + c])  # x * sigmoid(x)
+            scratch[c - c0] = -s
+        _exp_into(scratch[:m], scratch[m : 2 * m])
+        for c in range(c0, c1):
+            xs_out[row, c] = xs_out[row, c] / (_ONE + scratch[m + c - c0])  # x * sigmoid(x)
 
 
 @njit(**_JIT)
@@ -381,39 +403,65 @@ def selective_scan(
     A (e, n) = -exp(A_log); ssm (b, e, n) = h_{t-1}. Writes ssm_out (b, e, n) = h_t and
     y_out[:b] (b, e) = (C h_t + D x) * silu(z).
     """
+    selective_scan_channels(
+        dt_raw, xs, x_dbl, xz, A, D, ssm, ssm_out, y_out, scratch, scratch_bits, 0, ssm.shape[1]
+    )
+
+
+@njit(**_JIT)
+def selective_scan_channels(
+    dt_raw: np.ndarray,
+    xs: np.ndarray,
+    x_dbl: np.ndarray,
+    xz: np.ndarray,
+    A: np.ndarray,
+    D: np.ndarray,
+    ssm: np.ndarray,
+    ssm_out: np.ndarray,
+    y_out: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+    c0: int,
+    c1: int,
+) -> None:
+    """:func:`selective_scan` for channels ``c0:c1`` only (``scratch``: 3 (c1 - c0)
+    floats, ``scratch_bits`` c1 - c0): each channel's state, output and gate are its own,
+    so threads can share a scan by channels with the bits of the whole (``split_step``)."""
     b, e, n = ssm.shape
     r = x_dbl.shape[1] - 2 * n
-    dt = scratch[:e]
-    ex = scratch[e : 2 * e]
-    soft = scratch[e : 3 * e]  # the softplus's scratch (ex's and dA's room; n >= 1)
+    m = c1 - c0
+    dt = scratch[:m]
+    ex = scratch[m : 2 * m]
+    soft = scratch[m : 3 * m]  # the softplus's scratch (ex's and dA's room; n >= 1)
     A_flat = A.reshape(e * n)
     for row in range(b):
         B = x_dbl[row, r : r + n]  # (n,)
         C = x_dbl[row, r + n : r + 2 * n]  # (n,)
         h_prev = ssm[row].reshape(e * n)  # (e n,) contiguous
         h_next = ssm_out[row].reshape(e * n)
-        raw = dt_raw[row]
-        x = xs[row]
-        z = xz[row, e : 2 * e]
-        y = y_out[row]
-        # Δ = softplus(dt_raw) (e,): log1p(exp(x)), linear above 20 like torch.
-        _softplus_into(raw, dt, soft, scratch_bits)
+        raw = dt_raw[row, c0:c1]
+        x = xs[row, c0:c1]
+        z = xz[row, e + c0 : e + c1]
+        y = y_out[row, c0:c1]
+        # Δ = softplus(dt_raw) (m,): log1p(exp(x)), linear above 20 like torch.
+        _softplus_into(raw, dt, soft, scratch_bits[:m])
         # Zero-order hold ([1] Eq. 4), Ā = exp(Δ A), and the recurrence ([1] Eq. 2a),
-        # h_t = Ā h_{t-1} + B̄ x_t with B̄ x = Δ B x: one pass over the (e, n) state.
-        for c in range(e):
+        # h_t = Ā h_{t-1} + B̄ x_t with B̄ x = Δ B x: one pass over the (m, n) state.
+        for c in range(m):
             dtc = dt[c]
             dx = dtc * x[c]
+            base = (c0 + c) * n
             for s in range(n):
-                i = c * n + s
+                i = base + s
                 h_next[i] = _exp(dtc * A_flat[i]) * h_prev[i] + dx * B[s]
-        # silu(z) needs exp(-z)  (e,)
-        for c in range(e):
+        # silu(z) needs exp(-z)  (m,)
+        for c in range(m):
             ex[c] = -z[c]
         _exp_into(ex, ex)
-        # Readout ([1] Eq. 2b) and gate: y = (C h_t + D x) * silu(z)  (e,).
-        for c in range(e):
-            acc = _dot_in_order(h_next, c * n, C)
-            y[c] = (acc + D[c] * x[c]) * (z[c] / (_ONE + ex[c]))
+        # Readout ([1] Eq. 2b) and gate: y = (C h_t + D x) * silu(z)  (m,).
+        for c in range(m):
+            acc = _dot_in_order(h_next, (c0 + c) * n, C)
+            y[c] = (acc + D[c0 + c] * x[c]) * (z[c] / (_ONE + ex[c]))
 
 
 # ---------------------------------------------------------------------- Mamba-2
@@ -443,34 +491,62 @@ def ssd_step(
     dt_bias, A = -exp(A_log), D: (h,); ssm (b, h, p, n) = h_{t-1}. Writes ssm_out = h_t and
     y_out[:b] (b, e) = C h_t + D x (the gated norm comes after).
     """
+    ssd_step_heads(
+        zxbcdt, xbc, dt_bias, A, D, dt_min, dt_max, ssm, ssm_out, y_out, scratch, scratch_bits,
+        0, ssm.shape[1],
+    )  # fmt: skip
+
+
+@njit(**_JIT)
+def ssd_step_heads(
+    zxbcdt: np.ndarray,
+    xbc: np.ndarray,
+    dt_bias: np.ndarray,
+    A: np.ndarray,
+    D: np.ndarray,
+    dt_min: np.float32,
+    dt_max: np.float32,
+    ssm: np.ndarray,
+    ssm_out: np.ndarray,
+    y_out: np.ndarray,
+    scratch: np.ndarray,
+    scratch_bits: np.ndarray,
+    h0: int,
+    h1: int,
+) -> None:
+    """:func:`ssd_step` for heads ``h0:h1`` only (``scratch``: 4 (h1 - h0) floats,
+    ``scratch_bits`` h1 - h0): each head's state and outputs are its own, so threads can
+    share the step by heads with the bits of the whole (``split_step``)."""
     b, H, P, N = ssm.shape
     e = H * P
     groups = (xbc.shape[1] - e) // (2 * N)
     per_group = H // groups
     width = zxbcdt.shape[1]
-    dt = scratch[:H]
-    ex = scratch[H : 2 * H]
-    soft = scratch[2 * H : 4 * H]
+    m = h1 - h0
+    dt = scratch[:m]
+    ex = scratch[m : 2 * m]
+    soft = scratch[2 * m : 4 * m]
     for row in range(b):
-        raw = zxbcdt[row, width - H : width]
+        raw = zxbcdt[row, width - H + h0 : width - H + h1]
         x = xbc[row, :e]
         y = y_out[row]
-        # Δ = clamp(softplus(raw + dt_bias), time_step_limit) (h,); softplus as in torch.
-        for hh in range(H):
-            ex[hh] = raw[hh] + dt_bias[hh]
-        _softplus_into(ex, dt, soft, scratch_bits)
-        for hh in range(H):
-            dt[hh] = min(max(dt[hh], dt_min), dt_max)
-        # Zero-order hold: Ā = exp(Δ A), one scalar per head (h,)
-        for hh in range(H):
-            ex[hh] = dt[hh] * A[hh]
+        # Δ = clamp(softplus(raw + dt_bias), time_step_limit) (m,); softplus as in torch.
+        for j in range(m):
+            ex[j] = raw[j] + dt_bias[h0 + j]
+        _softplus_into(ex, dt, soft, scratch_bits[:m])
+        for j in range(m):
+            dt[j] = min(max(dt[j], dt_min), dt_max)
+        # Zero-order hold: Ā = exp(Δ A), one scalar per head (m,)
+        for j in range(m):
+            ex[j] = dt[j] * A[h0 + j]
         _exp_into(ex, ex)
-        for hh in range(H):
+        for j in range(m):
+            hh = h0 + j
             g = hh // per_group
             B = xbc[row, e + g * N : e + (g + 1) * N]  # (n,)
             C = xbc[row, e + (groups + g) * N : e + (groups + g + 1) * N]  # (n,)
-            a = ex[hh]
-            d = dt[hh]
+            a = ex[j]
+            d = dt[j]
             for pp in range(P):
                 xv = x[hh * P + pp]
                 h_prev = ssm[row, hh, pp]  # (n,)

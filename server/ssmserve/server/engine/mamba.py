@@ -35,6 +35,7 @@ from ssmserve.server.engine import kernels
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.numerics import RowStableLinear, padded, widened
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState, state_layout
+from ssmserve.server.engine.split_step import step_shared, worth_sharing
 from ssmserve.server.engine.threads import (
     column_ranges,
     engine_threads,
@@ -464,6 +465,16 @@ class MambaModel:
             ws.h[:b] = ws.delta[:b]  # (b, d) float32 -> the float64 stream
         blocks = self.blocks
         kernels.rms_norm_rows(ws.h, blocks[0].norm, eps, b, ws.xn)  # (b, d)
+        if (
+            column_threads > 1
+            and MambaBlockWeights.fused
+            and b == state.batch_size
+            and worth_sharing(self, column_threads)
+            and step_shared(self, ws, state, new_conv, new_ssm, out, b, column_threads)
+        ):  # the stack and head in one call per thread (``split_step``): the same bits
+            if self.output_norm is not None:
+                self.output_norm.denormalize(out[lo:hi])  # (b, o)
+            return
         for i, block in enumerate(blocks):
             # States are values, never updated: the new ones go to new arrays.
             # -> ws.delta (b, d), the block's output before the residual
