@@ -87,9 +87,7 @@ def _conv_owning(
     channels = conv.shape[1]
     kernels.conv_silu_channels(conv, x, weight, bias, has_bias, spare, out, scratch, 0, c0)
     kernels.conv_silu_channels(conv, x, weight, bias, has_bias, conv_next, out, scratch, c0, c1)
-    kernels.conv_silu_channels(
-        conv, x, weight, bias, has_bias, spare, out, scratch, c1, channels
-    )
+    kernels.conv_silu_channels(conv, x, weight, bias, has_bias, spare, out, scratch, c1, channels)
 
 
 @njit(**_JIT)
@@ -128,8 +126,17 @@ def mamba1_stack(
         dt_lo, dt_hi = _share(dt_p[i].shape[0], tid, parties)
         c0, c1 = min(dt_lo * COLUMNS, e), min(dt_hi * COLUMNS, e)
         _conv_owning(
-            conv[i], xz, conv_w[i], conv_b[i], has_conv_b, conv_next[i], my_spare, my_xs,
-            my_scratch, c0, c1,
+            conv[i],
+            xz,
+            conv_w[i],
+            conv_b[i],
+            has_conv_b,
+            conv_next[i],
+            my_spare,
+            my_xs,
+            my_scratch,
+            c0,
+            c1,
         )  # fmt: skip  (b, e)
         # x_proj whole in every thread (r + 2n columns: a few panels)
         product_panels(
@@ -141,8 +148,19 @@ def mamba1_stack(
             my_x_dbl[:, :rank], dt_p[i], dt_s[i], dt_b[i], True, 0, b, dt_lo, dt_hi, dt_raw
         )  # (b, e) channels c0:c1
         kernels.selective_scan_channels(
-            dt_raw, my_xs, my_x_dbl, xz, A[i], D[i], ssm[i], ssm_next[i], y, my_scratch,
-            my_bits, c0, c1,
+            dt_raw,
+            my_xs,
+            my_x_dbl,
+            xz,
+            A[i],
+            D[i],
+            ssm[i],
+            ssm_next[i],
+            y,
+            my_scratch,
+            my_bits,
+            c0,
+            c1,
         )  # fmt: skip  (b, e) channels c0:c1
         barrier(sync, parties)  # y whole
         lo, hi = _share(out_p[i].shape[0], tid, parties)
@@ -187,13 +205,34 @@ def mamba2_stack(
         # it keeps the new window of the channels of its share.
         c0, c1 = _share(c, tid, parties)
         _conv_owning(
-            conv[i], zxbcdt[:, e : e + c], conv_w[i], conv_b[i], has_conv_b, conv_next[i],
-            my_spare, my_xbc, my_scratch, c0, c1,
+            conv[i],
+            zxbcdt[:, e : e + c],
+            conv_w[i],
+            conv_b[i],
+            has_conv_b,
+            conv_next[i],
+            my_spare,
+            my_xbc,
+            my_scratch,
+            c0,
+            c1,
         )  # fmt: skip  (b, c)
         h0, h1 = _share(heads, tid, parties)
         kernels.ssd_step_heads(
-            zxbcdt, my_xbc, dt_bias[i], A[i], D[i], dt_min, dt_max, ssm[i], ssm_next[i], y,
-            my_scratch, my_bits, h0, h1,
+            zxbcdt,
+            my_xbc,
+            dt_bias[i],
+            A[i],
+            D[i],
+            dt_min,
+            dt_max,
+            ssm[i],
+            ssm_next[i],
+            y,
+            my_scratch,
+            my_bits,
+            h0,
+            h1,
         )  # fmt: skip  (b, e) the channels of heads h0:h1
         barrier(sync, parties)  # y whole
         # The gated norm of every group, in every thread (a group's sum is one order).
