@@ -132,3 +132,27 @@ def test_a_call_counts_the_helpers_that_joined_and_closes_to_later_ones():
     late = new_sync()
     assert open_helpers(late, 2, 0) == 1  # nobody joined in time: alone
     assert join_as_helper(late) == (0, 0)  # a latecomer leaves
+
+
+def test_the_chooser_takes_the_faster_way_and_tries_the_other_now_and_then():
+    """Shared first, then alone (each way's first call is not counted: it may compile),
+    then whichever was faster, with the other tried every PROBE_EVERY calls, so a change
+    of the machine's load changes the choice."""
+    chooser = split_step.ShareChooser()
+    picks = []
+    for _ in range(4):  # two calls of each way before both are known
+        shared = chooser.share_next(1)
+        picks.append(shared)
+        chooser.record(1, shared, 0.010 if shared else 0.020)
+    assert picks == [True, True, False, False]
+    picks = []
+    for _ in range(2 * split_step.PROBE_EVERY):
+        shared = chooser.share_next(1)
+        picks.append(shared)
+        chooser.record(1, shared, 0.010 if shared else 0.020)
+    assert picks.count(False) == 2  # the probes of the slower way, alone
+    for _ in range(3 * split_step.PROBE_EVERY):  # sharing turns slow: another process
+        shared = chooser.share_next(1)
+        chooser.record(1, shared, 0.040 if shared else 0.020)
+    assert [chooser.share_next(1) for _ in range(split_step.PROBE_EVERY - 1)].count(False) >= 30
+    assert chooser.share_next(2)  # each batch size has its own record

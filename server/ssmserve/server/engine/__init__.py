@@ -26,6 +26,9 @@
 
 ``compile_cache``  numba's on-disk cache, keyed by the engine's source
 ``threads``   the engine's helper threads: row ranges and column ranges of a step
+``split_step``  a small batch's whole stack in one compiled call per thread, work shared
+              by columns, channels and heads (the faster of shared and alone, as measured)
+``spin``      the spin barrier and the join those calls' threads meet at
 ``allocator``  freed heap pages kept for the next step, given back when idle
 ``machine_memory``  the memory this process may still take (MemAvailable, cgroup v2 limits)
 ``environment``  the engine's knobs read from the environment, each checked

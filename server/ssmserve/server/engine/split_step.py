@@ -33,6 +33,13 @@ kernel code as in the unshared step, in the same order, and a thread's share onl
 which elements it computes; so the bits are those of one thread, at every thread count
 (``tests/test_split_step.py``).
 
+Shared or alone. Threads that meet at barriers gain when each has a core of its own
+(mamba-130m-shaped, batch 1, on this 2-vCPU host: 0.71x the step of per-product hand-offs
+in float32, 0.60x in Q8_0) and lose when another process takes one (a thread then waits
+at every barrier for a partner that is not running). So each model's calls time both
+ways as they run and take the faster (:class:`ShareChooser`; the same bits either way):
+on that host with one core taken by a busy loop, 0.9-1.0x instead of up to 1.3x.
+
 Starting. The caller submits T - 1 helper tasks to the engine's pool and waits (without the
 GIL) for them to join (``spin.open_helpers``), at most :data:`JOIN_SPINS` spins (~1-2 ms);
 a helper that comes later finds the call closed and returns, and the call runs with those
@@ -45,7 +52,8 @@ k conv width, r rank of Δ, h heads, p head dim, c conv channels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +73,10 @@ _JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "nump
 
 #: Spins the caller waits for its helpers to join before it runs with fewer (see above).
 JOIN_SPINS = 40_000
+#: Calls between two tries of the way not chosen (``ShareChooser``), and how much one
+#: call moves the running average of a way's time.
+PROBE_EVERY = 32
+EMA_WEIGHT = 0.25
 #: Smallest model (bytes of weights a step reads) whose small batches are shared: below
 #: it one hand-off costs more than a second core saves (the products' own threshold).
 MIN_MODEL_BYTES = COLUMN_SPLIT_MIN_BYTES
@@ -256,6 +268,7 @@ class StackWeights:
     lists: tuple[Any, ...]
     flags: tuple[Any, ...]
     head: tuple[Any, ...]
+    chooser: ShareChooser = field(default_factory=lambda: ShareChooser())
 
 
 def _typed(arrays: list[np.ndarray]) -> Any:
@@ -388,16 +401,58 @@ def step_shared(
         b, own.h, own.xn, ws.delta, ws.y, *activations, own.spare, own.scratch, own.bits,
         conv, ssm, new_conv, new_ssm, *w.lists, *w.flags, model.norm_f, eps, *w.head, out,
     )  # fmt: skip
+    chooser = w.chooser
+    shared = chooser.share_next(b)
     sync = new_sync()
-    pool = engine_pool()
-    helpers = [pool.submit(_helper, w.kernel, sync, args) for _ in range(threads - 1)]
-    parties = open_helpers(sync, threads - 1, JOIN_SPINS)
-    try:
-        w.kernel(0, parties, sync, *args)
-    finally:
-        for helper in helpers:
-            helper.result()
+    started = time.perf_counter()
+    if not shared:
+        w.kernel(0, 1, sync, *args)  # alone: no helper, no barrier waits
+    else:
+        pool = engine_pool()
+        helpers = [pool.submit(_helper, w.kernel, sync, args) for _ in range(threads - 1)]
+        parties = open_helpers(sync, threads - 1, JOIN_SPINS)
+        try:
+            w.kernel(0, parties, sync, *args)
+        finally:
+            for helper in helpers:
+                helper.result()
+    chooser.record(b, shared, time.perf_counter() - started)
     return True
+
+
+class ShareChooser:
+    """Whether a model's small batches run shared or alone, chosen by what each took
+    lately, per batch size: the faster of the two, the other tried again every
+    :data:`PROBE_EVERY` calls. Why: threads that meet at barriers gain when each has a
+    core (a mamba-130m-shaped step: 0.6-0.7x the time alone), and lose when another
+    process takes one (a thread waits at every barrier for a partner that is not
+    running: 1.0-1.3x): the machine's load, not the model, decides, and it changes.
+    The bits are the same either way, so the choice is free to change at any step."""
+
+    def __init__(self) -> None:
+        self._took: dict[tuple[int, bool], float] = {}  # (rows, shared) -> EMA seconds
+        self._seen: set[tuple[int, bool]] = set()
+        self._calls: dict[int, int] = {}
+
+    def share_next(self, rows: int) -> bool:
+        calls = self._calls.get(rows, 0)
+        self._calls[rows] = calls + 1
+        shared, alone = self._took.get((rows, True)), self._took.get((rows, False))
+        if shared is None:  # shared until its time is known, then alone until that is
+            return True
+        if alone is None:
+            return False
+        faster = shared <= alone
+        return (not faster) if calls % PROBE_EVERY == 0 else faster
+
+    def record(self, rows: int, shared: bool, seconds: float) -> None:
+        """A call's time; each way's first is not counted (it may have compiled)."""
+        key = (rows, shared)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
+        before = self._took.get(key)
+        self._took[key] = seconds if before is None else before + EMA_WEIGHT * (seconds - before)
 
 
 def _helper(kernel: Any, sync: np.ndarray, args: tuple[Any, ...]) -> None:
