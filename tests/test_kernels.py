@@ -513,23 +513,31 @@ def test_a_worker_compiles_its_kernels_before_it_serves(model_dirs, redis_url, t
 def _kernel_signatures() -> dict[str, list[str]]:
     from numba.core.registry import CPUDispatcher
 
-    from ssmserve.server.engine import kernels, products
+    from ssmserve.server.engine import kernels, products, spin, split_step
 
     return {
         f"{module.__name__}.{name}": [str(s) for s in f.signatures]
-        for module in (kernels, products)
+        for module in (kernels, products, spin, split_step)
         for name, f in vars(module).items()
         if isinstance(f, CPUDispatcher)
     }
 
 
-def test_no_request_compiles_a_kernel(model_dirs, redis_url, served_models) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["per-product", "shared-stack"])
+def test_no_request_compiles_a_kernel(
+    model_dirs, redis_url, served_models, shared, monkeypatch
+) -> None:
     """numba compiles a kernel again for each new argument type (a read-only or
     non-contiguous array is another type): a request that met one would stall its worker
     for seconds. Every kind of request, on every served model, and sessions restored by a
     second worker from Redis (state decoded from checkpoint bytes) run on the kernels
-    compiled at start: no new signature appears."""
+    compiled at start: no new signature appears. ``shared-stack``: these small models'
+    small batches run as one call per thread (``split_step``), as a big model's do."""
+    from ssmserve.server.engine import split_step
     from tests.harness import WorkerHarness
+
+    if shared:
+        monkeypatch.setattr(split_step, "MIN_MODEL_BYTES", 0)
 
     sessions: dict[str, str] = {}
     first = WorkerHarness(model_dirs, redis_url)
@@ -563,6 +571,9 @@ def test_no_request_compiles_a_kernel(model_dirs, redis_url, served_models) -> N
         second.stop()
     assert served == before
     assert restored == before
+    if shared:  # both stacks ran, compiled at start (other tests may have compiled them too)
+        stacks = [k for k, v in before.items() if k.endswith(("1_stack", "2_stack")) and v]
+        assert len(stacks) == 2
 
 
 def test_a_batched_step_reuses_the_last_steps_pages() -> None:
