@@ -16,7 +16,7 @@ from ssmserve.server.engine.loader import load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState
 from ssmserve.server.engine.spin import atomic_add, barrier, join_as_helper, new_sync, open_helpers
-from tests.conftest import token_config
+from tests.conftest import random_inputs, token_config
 
 CONFIGS = {
     "mamba": token_config(
@@ -156,3 +156,24 @@ def test_the_chooser_takes_the_faster_way_and_tries_the_other_now_and_then():
         chooser.record(1, shared, 0.040 if shared else 0.020)
     assert [chooser.share_next(1) for _ in range(split_step.PROBE_EVERY - 1)].count(False) >= 30
     assert chooser.share_next(2)  # each batch size has its own record
+
+
+@pytest.mark.parametrize("name", ["lm", "lm2", "m2"])
+def test_a_worker_serves_shared_steps_with_the_offline_bits(
+    start_worker, served_models, name, monkeypatch
+):
+    """Through a real worker (its lanes, its pool, its warm-up): one session's steps, a
+    rollback and the steps again, every output the offline engine's."""
+    from tests.test_service import as_inputs, assert_bit_equal, reference, stream
+
+    monkeypatch.setattr(split_step, "MIN_MODEL_BYTES", 0)
+    model = served_models[name]
+    worker = start_worker()
+    x = random_inputs(model, 24, seed=9)
+    ref = reference(model, x)
+    sid = worker.client.create_session(name, snapshot_every=5).session_id
+    got, _ = stream(worker, sid, as_inputs(model, x[:16]), per_message=1)
+    assert_bit_equal(got, ref[:16])
+    worker.client.rollback(sid, to_step=7)
+    got, _ = stream(worker, sid, as_inputs(model, x[7:24]), per_message=1)
+    assert_bit_equal(got, ref[7:24])
