@@ -53,6 +53,7 @@ k conv width, r rank of Δ, h heads, p head dim, c conv channels.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -295,23 +296,11 @@ def stack_weights(model: MambaModel) -> StackWeights:
     head = model.head
     head_args = (head.panels, head.scales, _bias(head), head.bias is not None)
     if model.config.mamba_version == 2:
-        lists = tuple(
-            _typed(x)
-            for x in (
-                [blk.norm for blk in blocks],
-                [blk.in_proj.panels for blk in blocks],
-                [blk.in_proj.scales for blk in blocks],
-                [_bias(blk.in_proj) for blk in blocks],
-                [blk.conv_weight for blk in blocks],
-                [blk.conv_bias_or_zero for blk in blocks],
-                [blk.dt_bias for blk in blocks],
-                [blk.A for blk in blocks],
-                [blk.D for blk in blocks],
-                [blk.gated_norm for blk in blocks],
-                [blk.out_proj.panels for blk in blocks],
-                [blk.out_proj.scales for blk in blocks],
-                [_bias(blk.out_proj) for blk in blocks],
-            )
+        getters: tuple[Callable[[Any], np.ndarray], ...] = (
+            lambda blk: blk.dt_bias,
+            lambda blk: blk.A,
+            lambda blk: blk.D,
+            lambda blk: blk.gated_norm,
         )
         dt_min, dt_max = first.dt_bounds
         flags: tuple[Any, ...] = (
@@ -323,29 +312,17 @@ def stack_weights(model: MambaModel) -> StackWeights:
             dt_min,
             dt_max,
         )
-        weights = StackWeights(mamba2_stack, lists, flags, head_args)
+        kernel = mamba2_stack
     else:
-        lists = tuple(
-            _typed(x)
-            for x in (
-                [blk.norm for blk in blocks],
-                [blk.in_proj.panels for blk in blocks],
-                [blk.in_proj.scales for blk in blocks],
-                [_bias(blk.in_proj) for blk in blocks],
-                [blk.conv_weight for blk in blocks],
-                [blk.conv_bias_or_zero for blk in blocks],
-                [blk.x_proj.panels for blk in blocks],
-                [blk.x_proj.scales for blk in blocks],
-                [_bias(blk.x_proj) for blk in blocks],
-                [blk.dt_proj.panels for blk in blocks],
-                [blk.dt_proj.scales for blk in blocks],
-                [blk.dt_proj.bias for blk in blocks],
-                [blk.A for blk in blocks],
-                [blk.D for blk in blocks],
-                [blk.out_proj.panels for blk in blocks],
-                [blk.out_proj.scales for blk in blocks],
-                [_bias(blk.out_proj) for blk in blocks],
-            )
+        getters = (
+            lambda blk: blk.x_proj.panels,
+            lambda blk: blk.x_proj.scales,
+            lambda blk: _bias(blk.x_proj),
+            lambda blk: blk.dt_proj.panels,
+            lambda blk: blk.dt_proj.scales,
+            lambda blk: blk.dt_proj.bias,
+            lambda blk: blk.A,
+            lambda blk: blk.D,
         )
         flags = (
             first.in_proj.bias is not None,
@@ -355,7 +332,22 @@ def stack_weights(model: MambaModel) -> StackWeights:
             first.dt_proj.in_features,
             np.float64(first.mixer_rms_eps),
         )
-        weights = StackWeights(mamba1_stack, lists, flags, head_args)
+        kernel = mamba1_stack
+    # The kernels' order: norm, in_proj, conv, the architecture's own, out_proj.
+    getters = (
+        lambda blk: blk.norm,
+        lambda blk: blk.in_proj.panels,
+        lambda blk: blk.in_proj.scales,
+        lambda blk: _bias(blk.in_proj),
+        lambda blk: blk.conv_weight,
+        lambda blk: blk.conv_bias_or_zero,
+        *getters,
+        lambda blk: blk.out_proj.panels,
+        lambda blk: blk.out_proj.scales,
+        lambda blk: _bias(blk.out_proj),
+    )
+    lists = tuple(_typed([get(blk) for blk in blocks]) for get in getters)
+    weights = StackWeights(kernel, lists, flags, head_args)
     model._stack_weights = weights  # type: ignore[attr-defined]
     return weights
 
