@@ -6,6 +6,8 @@ that drops packets. ``heal(deliver=True)`` moves the held bytes on (late: a comm
 during the outage then runs after its sender gave up on it); ``heal(deliver=False)``
 resets every connection instead (the held bytes are lost, as when a partition outlives
 the connections). New connections made during an outage are accepted and then hang.
+``slow(delay_s)`` holds each chunk that long before passing it on (a congested or distant
+link: everything arrives, late); ``heal()`` makes the link fast again.
 
 The proxy runs its own asyncio loop on a daemon thread; every method is thread-safe.
 """
@@ -33,6 +35,7 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections = 0  # accepted so far
         self.auth = ""  # ':password@' of the Redis behind it
+        self.delay_s = 0.0  # each chunk waits this long before it is passed on (slow())
 
     @classmethod
     def to_url(cls, redis_url: str) -> TcpProxy:
@@ -59,7 +62,13 @@ class TcpProxy:
     def heal(self, deliver: bool = True) -> None:
         if not deliver:
             self._call(self._reset())
+        self.delay_s = 0.0
         self._call(self._set(True))
+
+    def slow(self, delay_s: float) -> None:
+        """Pass every chunk on ``delay_s`` late, in both directions (order is kept: each
+        direction's pump waits before each write)."""
+        self.delay_s = delay_s
 
     def retarget(self, host: str, port: int) -> None:
         """Send new connections to ``host:port`` and reset the open ones: what a client
@@ -138,6 +147,8 @@ class TcpProxy:
                 data = await src.read(1 << 16)
                 if not data:
                     break
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 await self._flowing.wait()  # read just before an outage: hold it
                 dst.write(data)
                 await dst.drain()
