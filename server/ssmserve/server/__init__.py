@@ -17,6 +17,7 @@
 ``embedded_redis_keeper``  starts it again from its AOF when it dies
 ``restart_backoff``  the bounded, exponential delays before a restart
 ``data_dir_lock``  one process per ``--data-dir`` (flock)
+``advertise_lock``  one worker per address and data dir; proof its predecessors died
 ``parent_death``   child processes that end with their parent (Linux)
 ``cli``          the server-side commands of the ``ssmserve`` CLI (their flags)
 ``offline_commands``  what those commands do: the engine and the token file, offline

@@ -117,6 +117,17 @@ class SessionMovedError(SsmserveError):
         self.retry_after_ms = retry_after_ms
 
 
+class TakeoverPendingError(SessionMovedError):
+    """The session's lease is held under this worker's own address by another worker id:
+    a predecessor at this address that this worker cannot prove dead (or a twin that
+    slipped past the start checks). A redirect would name this very worker, so the
+    caller is told to retry here after ``retry_after_ms``, when this worker may take the
+    session over (``cluster.takeover``). ``owner`` stays empty: nowhere else to go."""
+
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message, owner="", retry_after_ms=retry_after_ms)
+
+
 def being_cancelled() -> bool:
     """True when the running task itself was asked to stop (``Task.cancel``), as opposed
     to a ``CancelledError`` raised by something it awaited that someone else cancelled."""

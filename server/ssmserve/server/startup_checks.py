@@ -4,16 +4,19 @@
   worker on a taken port starts and the kernel splits new connections between the two:
   a client's calls land on either at random. Workers listen with it off
   (``worker.server_options``), so the bind fails, and :func:`bind_listener` says why.
-* **An advertised address another live worker of the same Redis already uses.** Clients
-  and workers reach a session's owner by that address: with two workers on one, a
-  session's calls loop on redirects, a migration "succeeds" without moving, and a drain
-  hands sessions to itself. :func:`refuse_taken_advertise` reads the registry before
-  the worker registers; an entry with the address that is refreshed meanwhile belongs
-  to a live worker (refused), one that expires belonged to a worker that died (a
-  restarted worker waits that out, at most one worker TTL, unless the entry is of its
-  own host and address: the port it just bound proves that one dead). Two workers that start at
-  the same moment both pass that check; :func:`refuse_later_twin` after registering
-  lets the earlier one stay.
+* **An advertised address another live worker of the same Redis already uses** (or
+  advertises the address this worker listens on). Clients and workers reach a session's
+  owner by that address: with two workers on one, a session's calls loop on redirects, a
+  migration "succeeds" without moving, and a drain hands sessions to itself.
+  :func:`refuse_taken_advertise` reads the registry before the worker registers; an
+  entry with the address that is refreshed meanwhile belongs to a live worker (refused),
+  one that expires belonged to a worker that died (waited out, at most one worker TTL).
+  Entries of this worker's dead predecessors (``advertise_lock``: they held the lock of
+  this address and data directory that this worker holds now) are not waited out but
+  removed. Being of this host and the address this worker binds proves nothing: a live
+  worker may advertise an address it does not listen on. Two workers that start at the
+  same moment both pass that check; :func:`refuse_later_twin` after registering lets the
+  earlier one stay.
 
 (The third, a data directory held by a live process, is ``data_dir_lock``.)
 """
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -83,43 +87,55 @@ def _bind_error(listen: str) -> Exception:
 
 
 def _holders(
-    records: list[WorkerRecord], ownership: Ownership, listening_on: str
+    records: list[WorkerRecord],
+    ownership: Ownership,
+    listening_on: str,
+    predecessors: frozenset[str],
 ) -> dict[str, float]:
-    """Other workers registered with this worker's address: id -> last heartbeat. An
-    entry of a worker on this host (its id starts with this host's name) for the address
-    this worker itself listens on now is left out: that worker is dead, since the port
-    could not be bound while it lived (SO_REUSEPORT is off). So a worker restarted in
-    place after a crash starts at once instead of waiting its predecessor's entry out."""
+    """Other workers registered with an address clients would reach this worker at (the
+    one it advertises, or the one it listens on): id -> last heartbeat. This worker's
+    dead predecessors are left out (``advertise_lock``)."""
+    mine = {ownership.address, listening_on}
     return {
         r.worker_id: r.heartbeat_at
         for r in records
-        if r.address == ownership.address
+        if r.address in mine
         and r.worker_id != ownership.worker_id
-        and not (ownership.address == listening_on and _same_host(r.worker_id, ownership))
+        and r.worker_id not in predecessors
     }
 
 
-def _same_host(worker_id: str, ownership: Ownership) -> bool:
-    """Whether ``worker_id`` was made on this host (``ownership.new_worker_id``)."""
-    return worker_id.rpartition("-")[0] == ownership.worker_id.rpartition("-")[0]
-
-
-def _clash(record_id: str, ownership: Ownership) -> AdvertiseInUseError:
+def _clash(record: WorkerRecord, ownership: Ownership) -> AdvertiseInUseError:
+    if record.address == ownership.address:
+        what = f"{ownership.address} in this Redis"
+    else:  # it advertises the address this worker listens on
+        what = (
+            f"{record.address}, the address this worker listens on, in this Redis (this "
+            f"worker advertises {ownership.address}; calls meant for that worker would "
+            f"reach this one)"
+        )
     return AdvertiseInUseError(
-        f"worker {record_id} already advertises {ownership.address} in this Redis and is "
-        f"alive; clients and other workers could not tell the two apart. Give each worker "
-        f"its own --advertise (or --listen), or stop that worker"
+        f"worker {record.worker_id} already advertises {what} and is alive; clients and "
+        f"other workers could not tell the two apart. Give each worker its own "
+        f"--advertise (or --listen), or stop that worker"
     )
 
 
 async def refuse_taken_advertise(
-    ownership: Ownership, listening_on: str, wait_s: float, poll_s: float
+    ownership: Ownership,
+    listening_on: str,
+    wait_s: float,
+    poll_s: float,
+    predecessors: frozenset[str] = frozenset(),
 ) -> None:
     """Raise :class:`AdvertiseInUseError` if a live worker registered this worker's
-    address; wait (at most ``wait_s``, the registry's TTL and a round) for the entry of
-    a dead one to expire. ``listening_on``: the address this worker's socket is bound
-    to."""
-    seen = _holders(await ownership.live_workers(), ownership, listening_on)
+    address (or the one it listens on); wait (at most ``wait_s``, the registry's TTL and
+    a round) for the entry of a dead one to expire. ``listening_on``: the address this
+    worker's socket is bound to; ``predecessors``: ids of workers known dead, whose
+    entries are removed instead."""
+    records = await ownership.live_workers()
+    await _forget(records, ownership, predecessors)
+    seen = _holders(records, ownership, listening_on, predecessors)
     if not seen:
         return
     log.warning(
@@ -129,22 +145,46 @@ async def refuse_taken_advertise(
     deadline = time.monotonic() + wait_s
     while seen:
         await asyncio.sleep(poll_s)
-        now = _holders(await ownership.live_workers(), ownership, listening_on)
-        for worker_id, beat in now.items():
-            if worker_id not in seen or seen[worker_id] != beat:  # a new one, or refreshed
-                raise _clash(worker_id, ownership)
+        records = await ownership.live_workers()
+        now = _holders(records, ownership, listening_on, predecessors)
+        for record in records:
+            beat = now.get(record.worker_id)
+            if beat is not None and seen.get(record.worker_id) != beat:  # new, or refreshed
+                raise _clash(record, ownership)
         seen = {k: v for k, v in seen.items() if k in now}  # expired entries drop out
         if seen and time.monotonic() >= deadline:  # still there: renewed in Redis
-            raise _clash(next(iter(sorted(seen))), ownership)
+            first = min(seen)
+            raise _clash(next(r for r in records if r.worker_id == first), ownership)
 
 
-async def refuse_later_twin(ownership: Ownership, listening_on: str) -> None:
-    """After registering: if another live worker registered the same address, the one
-    that started later (by start time, then id) steps back."""
+async def _forget(
+    records: list[WorkerRecord], ownership: Ownership, predecessors: frozenset[str]
+) -> None:
+    """Remove the registry entries of this worker's dead predecessors (best effort: one
+    left behind expires within the worker TTL), so that no worker sends a caller or a
+    session to them meanwhile."""
+    for record in records:
+        if record.worker_id in predecessors:
+            log.info(
+                "worker %s, this worker's dead predecessor at %s (it held this address's "
+                "lock), leaves the registry",
+                record.worker_id, record.address,
+            )  # fmt: skip
+            with contextlib.suppress(SsmserveError):
+                await ownership.store.deregister_worker(record.worker_id)
+
+
+async def refuse_later_twin(
+    ownership: Ownership, listening_on: str, predecessors: frozenset[str] = frozenset()
+) -> None:
+    """After registering: if another live worker registered the same address (or the
+    one this worker listens on), the one that started later (by start time, then id)
+    steps back."""
     me = (ownership.started_at, ownership.worker_id)
-    holders = _holders(await ownership.live_workers(), ownership, listening_on)
-    for record in await ownership.live_workers():
+    records = await ownership.live_workers()
+    holders = _holders(records, ownership, listening_on, predecessors)
+    for record in records:
         if record.worker_id not in holders:
             continue
         if (record.started_at, record.worker_id) < me:
-            raise _clash(record.worker_id, ownership)
+            raise _clash(record, ownership)

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ssmserve.server.advertise_lock import AdvertiseLock, claim_address
 from ssmserve.server.api.auth import (
     Authenticator,
     Authorization,
@@ -68,7 +69,6 @@ from ssmserve.server.sessions.rebalance import Rebalancer, RebalanceSettings
 from ssmserve.server.startup_checks import (
     bind_listener,
     refuse_later_twin,
-    refuse_taken_advertise,
 )
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_calls import StoreSettings
@@ -247,6 +247,7 @@ class Worker:
         self.settings = settings
         self.embedded: EmbeddedRedis | None = None
         self.data_dir_lock: DataDirLock | None = None
+        self.advertise_lock: AdvertiseLock | None = None
         self.embedded_keeper: EmbeddedRedisKeeper | None = None
         self.store: Store | None = None
         self.guard: StoreGuard | None = None  # the store's eviction policy and identity
@@ -348,11 +349,7 @@ class Worker:
             worker_id=self.worker_id,
             stats=self._stats,
         )
-        timing = s.ownership  # a dead worker's entry is gone one TTL after its last beat
-        await refuse_taken_advertise(
-            self.ownership, self.address, timing.worker_ttl_s + timing.period_s,
-            timing.period_s / 8,
-        )  # fmt: skip
+        self.advertise_lock = await claim_address(self.ownership, s.data_dir, self.address)
         self.ownership.store_checks = self._store_checks
         manager = self.manager = SessionManager(
             models, self.store, self.ownership, self.memory, engine_manager_settings(s), guard
@@ -391,7 +388,7 @@ class Worker:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         await self._patiently("register in Redis", self.ownership.start)
-        await refuse_later_twin(self.ownership, self.address)
+        await refuse_later_twin(self.ownership, self.address, self.ownership.predecessors)
         self.rebalancer = Rebalancer(
             self.migrator, manager.residents, manager.loader, self.ownership, s.rebalance
         )
@@ -622,6 +619,8 @@ class Worker:
             await asyncio.to_thread(self.embedded.kill if kill else self.embedded.stop)
         if self.data_dir_lock is not None:
             self.data_dir_lock.release()
+        if self.advertise_lock is not None:  # last: nothing of this worker runs any more
+            self.advertise_lock.release()
 
     async def _close_connections(self) -> None:
         """Peer channels, the token file watcher and the store: last, after serving."""

@@ -9,7 +9,9 @@ code and reason in a ``StepError``.
 
 A :class:`~ssmserve.server.errors.SessionMovedError` (a redirect) also puts the owner's address in
 the trailing metadata (``ssmserve-owner``) and in the ErrorInfo's metadata, with how long
-the owner's lease still runs (``ssmserve-retry-after-ms``).
+the owner's lease still runs (``ssmserve-retry-after-ms``). Its subclass
+:class:`~ssmserve.server.errors.TakeoverPendingError` (UNAVAILABLE ``TAKEOVER_PENDING``) has
+no owner, only the delay: retry this worker then, as it takes the session over.
 """
 
 from __future__ import annotations

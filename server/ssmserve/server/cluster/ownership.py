@@ -29,11 +29,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ssmserve.server.cluster.takeover import Takeovers
-from ssmserve.server.errors import SessionMovedError, SsmserveError
+from ssmserve.server.errors import (
+    SessionMovedError,
+    SsmserveError,
+    TakeoverPendingError,
+    clip,
+)
 from ssmserve.server.state.lease import SessionLease, lease_clock
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_errors import (
     LeaseExpiredError,
+    LeaseHeldError,
     SessionClosedError,
     SessionMissingError,
     SessionVanishedError,
@@ -115,6 +121,9 @@ class Ownership:
         self.worst_late_s = 0.0  # the latest start of a round after its due time (tests)
         # Sessions found held by others, watched until they may be taken over.
         self.takeovers = Takeovers(settings.lease_ttl_s)
+        # Ids of earlier workers at this address known dead (``advertise_lock``): their
+        # sessions are taken over at once, their beats needing no watch.
+        self.predecessors: frozenset[str] = frozenset()
         # Read alongside each round's heartbeat (``store_guard``: the store's eviction
         # policy and identity); never raises.
         self.store_checks: Callable[[], Awaitable[None]] | None = None
@@ -293,6 +302,27 @@ class Ownership:
                 self.store.metrics.lease_renewals_failed.inc()
                 log.warning("heartbeat/lease renewal failed: %s", exc)
 
+    def not_to_self(self, session_id: str, error: SsmserveError) -> SsmserveError:
+        """``error``, unless it is a redirect naming this worker's own address: that one
+        came from the store, written by another worker id at this address (a predecessor
+        this worker cannot prove dead, or a twin that slipped past the start checks), and
+        would send the caller back here. It becomes :class:`TakeoverPendingError`: retry
+        here once this worker may take the session over."""
+        if not isinstance(error, SessionMovedError) or error.owner != self.address:
+            return error
+        holder = "another worker"
+        wait_ms = error.retry_after_ms or self.lease_ms
+        if isinstance(error, LeaseHeldError) and error.owner_id:
+            holder = f"worker {clip(error.owner_id, 64)}"
+        return TakeoverPendingError(
+            f"session {clip(session_id)} is still held by {holder}, which registered this "
+            f"worker's own address ({self.address}): an earlier worker here that this one "
+            f"cannot prove dead. This worker takes the session over once that lease has "
+            f"stood unrenewed for a whole TTL on its clock (a takeover is pending); retry "
+            f"here in {wait_ms} ms",
+            retry_after_ms=wait_ms,
+        )
+
     # ------------------------------------------------------------------ peers
 
     async def live_workers(self) -> list[WorkerRecord]:
@@ -318,6 +348,7 @@ class Ownership:
                 w
                 for w in workers
                 if w.worker_id != self.worker_id
+                and w.address != self.address  # a dead predecessor's entry: this worker
                 and not w.draining
                 and model in w.models
                 and (not numerics or w.numerics == numerics)

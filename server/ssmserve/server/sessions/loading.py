@@ -192,7 +192,7 @@ class SessionLoader:
         if self.ownership.draining:
             holder = await self.store.lease_holder(session_id)
             if holder is not None and holder.owner_addr:
-                raise holder.redirect(session_id)
+                raise self.ownership.not_to_self(session_id, holder.redirect(session_id))
             raise await self.elsewhere(meta.model, f"serve session {session_id!r}")
         if meta.numerics and meta.numerics != self.ownership.numerics:
             raise await self._other_numerics(meta)
@@ -222,19 +222,28 @@ class SessionLoader:
     async def _acquire(self, meta: SessionMeta) -> SessionLease:
         """Take the session's lease (a new token). An owner that never let it go is
         waited out: its lease watched for a whole TTL on this worker's clock
-        (``cluster.takeover``)."""
+        (``cluster.takeover``), unless it is a predecessor of this worker known dead
+        (``advertise_lock``): then the beat it left proves at once that nobody renews
+        it. A lease held under this worker's own address is never a redirect here."""
         takeovers = self.ownership.takeovers
-        sent_at = lease_clock()
-        try:
-            token = await self.store.acquire(
-                meta.session_id, self.ownership.worker_id, self.ownership.address,
-                self.ownership.lease_ms, numerics=self.ownership.numerics,
-                proof=takeovers.proof(meta.session_id),
-            )  # fmt: skip
-        except LeaseHeldError as held:
-            raise takeovers.saw(meta.session_id, held) from None
-        takeovers.forget(meta.session_id)
-        return self.ownership.new_lease(meta.session_id, token, sent_at)
+        proof = takeovers.proof(meta.session_id)
+        for attempt in (1, 2):
+            sent_at = lease_clock()
+            try:
+                token = await self.store.acquire(
+                    meta.session_id, self.ownership.worker_id, self.ownership.address,
+                    self.ownership.lease_ms, numerics=self.ownership.numerics, proof=proof,
+                )  # fmt: skip
+            except LeaseHeldError as held:
+                dead = held.owner_id in self.ownership.predecessors
+                if attempt == 1 and dead and held.beat and held.beat != proof:
+                    proof = held.beat  # the store checks it is still the beat, atomically
+                    continue
+                seen = takeovers.saw(meta.session_id, held)
+                raise self.ownership.not_to_self(meta.session_id, seen) from None
+            takeovers.forget(meta.session_id)
+            return self.ownership.new_lease(meta.session_id, token, sent_at)
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
         """A session whose history was computed with numerics this worker does not have:

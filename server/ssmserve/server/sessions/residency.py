@@ -360,8 +360,8 @@ class ResidentSessions:
         with contextlib.suppress(SsmserveError):
             holder = await self.store.lease_holder(session_id)
             if holder is not None and holder.owner_addr:
-                return holder.redirect(session_id)
-        return error
+                return self.ownership.not_to_self(session_id, holder.redirect(session_id))
+        return self.ownership.not_to_self(session_id, error)
 
     @contextlib.asynccontextmanager
     async def hold(self, s: Session, read_only: bool = False) -> AsyncIterator[None]:

@@ -200,6 +200,7 @@ class Store(SnapshotStore, ImportStaging, StoreFactReads):
         reply = reply_fields(raw)
         if reply[0] == "ERR_OWNED":
             owner, ttl, beat, owner_lease_ms = reply[2], reply[3], reply[4], reply[5]
+            owner_id = reply[6] if len(reply) > 6 else ""
             raise LeaseHeldError(
                 f"session {session_id!r} is served by worker {owner or '(unknown)'}"
                 + ("" if ttl.isdigit() and int(ttl) > 0 else f" ({reply[1]})"),
@@ -207,6 +208,7 @@ class Store(SnapshotStore, ImportStaging, StoreFactReads):
                 retry_after_ms=max(0, int(ttl) if ttl.isdigit() else 0),
                 beat=beat,
                 owner_lease_ms=int(owner_lease_ms) if owner_lease_ms.isdigit() else 0,
+                owner_id=owner_id,
             )
         self._check(raw)
         return reply[1]

@@ -94,7 +94,8 @@ class LeaseHeldError(SessionMovedError):
 
     ``beat`` is the session's lease beat as Redis has it now (it moves with every
     acquisition and renewal); ``owner_lease_ms`` is the TTL its owner's lease was given
-    (``cluster.takeover`` waits that long, on this worker's clock, for the beat to move)."""
+    (``cluster.takeover`` waits that long, on this worker's clock, for the beat to move);
+    ``owner_id`` is the worker id of the session's last acquirer (whose beat that is)."""
 
     def __init__(
         self,
@@ -103,10 +104,12 @@ class LeaseHeldError(SessionMovedError):
         retry_after_ms: int = 0,
         beat: str = "",
         owner_lease_ms: int = 0,
+        owner_id: str = "",
     ) -> None:
         super().__init__(message, owner=owner, retry_after_ms=retry_after_ms)
         self.beat = beat
         self.owner_lease_ms = owner_lease_ms
+        self.owner_id = owner_id
 
     @property
     def reason(self) -> str:

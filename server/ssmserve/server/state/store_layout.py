@@ -332,6 +332,8 @@ return err or {'OK'}
 # sessions stored before the store recorded them), a fresh nonce, and the caller's proof
 # that the owner no longer trusts its lease ('' for none: the ``beat`` it saw stand for a
 # lease TTL by its own clock, or the beat of an owner it knows dead; ``cluster.takeover``).
+# A refusal names the owner's worker id beside its address and beat, so that the caller
+# can tell whether it knows that worker dead (``advertise_lock``).
 # Free (no lease), held by this worker, or reserved for it by a hand-off: take it with a
 # new token. With an expected token, only if nobody acquired it since that token. A lease
 # whose owner never let go is taken over only with the proof, whether or not its key ran
@@ -358,17 +360,17 @@ local current = redis.call('HGET', KEYS[1], 'token') or ''
 -- last acquired by a worker that kept no beat) proves nothing, and such a session falls
 -- back to Redis's expiry of its lease key.
 local bound = current ~= '' and string.sub(beat, 1, #current) == current
+local owner = redis.call('HGET', KEYS[1], 'owner') or ''
 local proven = bound and ARGV[8] ~= '' and ARGV[8] == beat
 if holder and holder ~= ARGV[1] and holder ~= 'handoff:' .. ARGV[1] and not proven then
     return {'ERR_OWNED', 'the session is held by another worker',
         redis.call('HGET', KEYS[1], 'owner_addr') or '', int(redis.call('PTTL', KEYS[2])),
-        beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
+        beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0', owner}
 end
-local owner = redis.call('HGET', KEYS[1], 'owner') or ''
 if not holder and ARGV[4] == '' and owner ~= '' and owner ~= ARGV[1] and bound and not proven then
     return {'ERR_OWNED', 'the lease ran out in Redis, but this worker has not yet seen it '
         .. 'unrenewed for a whole lease TTL', redis.call('HGET', KEYS[1], 'owner_addr') or '',
-        0, beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0'}
+        0, beat, redis.call('HGET', KEYS[1], 'lease_ms') or '0', owner}
 end
 local incarnation = redis.call('HGET', KEYS[1], 'incarnation')
 if not incarnation then
