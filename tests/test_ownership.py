@@ -516,8 +516,8 @@ def test_an_owner_whose_lease_may_have_run_out_answers_nothing_from_memory(
         (response,) = raw._run(stale_step(raw._aio.router.worker(a.address)))
         moved = step_redirect(response.results[0].error)
         assert isinstance(moved, SessionMoved) and moved.owner == b.address
-        info = raw.get_session(sid)  # from the store (durable step 0), not A's step 5
-        assert (info.step, info.owner) == (0, b.address)
+        info = raw.get_session(sid)  # A redirects to the owner: B's step, not A's step 5
+        assert (info.step, info.owner) == (3, b.address)
         assert raw.forecast(sid, 2).outputs.shape == (2, 4)  # B's, from step 3
         assert raw.export_checkpoint(sid)  # B's too
     assert session_dump(redis_url, sid) == before

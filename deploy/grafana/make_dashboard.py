@@ -196,7 +196,7 @@ ts(
 )
 row("Ownership and movement (on call: any non-zero line here deserves a look)")
 ts(
-    "Takeovers, fenced writes, failed renewals",
+    "Takeovers, fenced writes and answers, failed renewals",
     [
         (
             f"sum(increase(ssmserve_takeovers_total{sel()}[$__rate_interval]))",
@@ -205,6 +205,10 @@ ts(
         (
             f"sum(increase(ssmserve_fenced_writes_total{sel()}[$__rate_interval]))",
             "writes refused by fencing",
+        ),
+        (
+            f"sum(increase(ssmserve_answers_fenced_total{sel()}[$__rate_interval]))",
+            "answers held back (lease no longer sure)",
         ),
         (
             f"sum by (instance) (increase(ssmserve_lease_renewals_failed_total{sel()}[$__rate_interval]))",

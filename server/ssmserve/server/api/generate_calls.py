@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import numpy as np
 
-from ssmserve.server.api import status
+from ssmserve.server.api import answer_fence, status
 from ssmserve.server.api.conversions import guard_event_to_pb
 from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import SsmserveError
@@ -91,6 +91,11 @@ async def answer(
             while not updates.empty() and len(batch) < TOKENS_PER_MESSAGE:
                 batch.append(updates.get_nowait())
             response = _response(batch, scope)
+            if response.tokens and not generation.session.lease.valid():
+                # Decided as the tokens leave (``answer_fence``): the client resumes the
+                # generation where its tokens stop, from the session's owner.
+                lapsed = answer_fence.lapsed(request.session_id, response.tokens[0].step)
+                await status.abort(context, lapsed, scope.clean)
             yield response
             if isinstance(batch[-1], Finish):
                 return

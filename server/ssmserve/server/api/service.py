@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from ssmserve.server.api import generate_calls, status
+from ssmserve.server.api import answer_fence, generate_calls, status
 from ssmserve.server.api.auth import Authenticator, caller
 from ssmserve.server.api.budgets import Budgets, BudgetSettings
 from ssmserve.server.api.conversions import (
@@ -37,6 +37,7 @@ from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.observability.recent_latency import RecentLatency
+from ssmserve.server.sessions.errors import lease_lapsed
 from ssmserve.server.sessions.generation import GenerateSettings, Generations
 from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.manager import SessionManager
@@ -120,7 +121,8 @@ class SessionService(pb_grpc.SessionServiceServicer):
     ) -> pb.SessionInfo:
         scope = self._scope(context)
         async with status.edge(context, scope.clean):
-            return info_to_pb(await self.manager.view(scope.stored(request.session_id)), scope)
+            view = await self.manager.view(scope.stored(request.session_id), owner_only=True)
+            return info_to_pb(view, scope)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -196,7 +198,14 @@ class SessionService(pb_grpc.SessionServiceServicer):
             while (message := await reader.answers.get()) is not None:
                 received, futures, packed, steps, silent = message
                 outcomes = [await f for f in futures]
-                for response in answer_responses(outcomes, scope, packed, budget, silent):
+                # Decided as the answers leave, not when they were made (``answer_fence``).
+                if fenced := answer_fence.fence_outcomes(outcomes):
+                    self.metrics.answers_fenced.inc(fenced)
+                for i, response in enumerate(
+                    answer_responses(outcomes, scope, packed, budget, silent)
+                ):
+                    if i and answer_fence.any_stale(outcomes):  # flow control held it back
+                        await status.abort(context, answer_fence.lapsed_stream(), scope.clean)
                     yield response
                 reader.slots.release()
                 answered = time.perf_counter() - received
@@ -264,6 +273,11 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 )
             try:
                 async for steps in job.batches():
+                    if job.lease is not None and not job.lease.valid():  # ``answer_fence``
+                        what = f"forecast steps from step {job.from_step}"
+                        await status.abort(
+                            context, lease_lapsed(request.session_id, what), scope.clean
+                        )
                     yield pb.ForecastResponse(
                         from_step=job.from_step,
                         steps=[forecast_step_to_pb(x, request.packed_outputs) for x in steps],

@@ -146,6 +146,11 @@ class Metrics:
             "ssmserve_fenced_writes_total",
             "Writes the store refused because this worker's fencing token was stale.",
         )
+        self.answers_fenced = counter(
+            "ssmserve_answers_fenced_total",
+            "Step answers not sent because their session's lease no longer surely ran when "
+            "they were to leave (answered LEASE_LAPSED; the client sends them again).",
+        )
         self.store_resets = counter(
             "ssmserve_store_resets_total",
             "Times the store turned out wiped or replaced (its identity changed or vanished): "

@@ -183,11 +183,14 @@ class SessionWork:
 
     def _answer_piece(self, piece: Piece, events: tuple) -> None:
         run = piece.entry
+        lease = self.session.lease  # what every answer here speaks under
         if run.outputs is None:  # a step sent alone: answered with its own outcome
             outcome = self._outcome(piece, piece.first)
             outcome.snapshot_events += events
+            outcome.lease = lease
             run.answer_alone(outcome)
             return
+        run.lease = lease
         lo, hi = piece.lo, piece.lo + piece.count
         if (
             piece.kind == APPLY

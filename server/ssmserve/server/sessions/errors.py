@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 
 
 class UnknownModelError(SsmserveError):
@@ -62,6 +62,24 @@ class ReloadingError(SsmserveError):
     or memory and store diverged); retrying the request reloads it."""
 
     kind = ErrorKind.UNAVAILABLE
+
+
+class LeaseLapsedError(SsmserveError):
+    """An answer for a session was ready, but this worker could no longer prove it owns
+    the session when the answer was to leave (its lease ran out by its own clock: Redis
+    did not confirm a renewal in time, or the worker was stopped). Nothing is answered;
+    a retry reaches the session's owner, this worker once it proves its lease again."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+def lease_lapsed(session_id: str, what: str) -> LeaseLapsedError:
+    """LEASE_LAPSED for ``what`` (``"the answer to step 7"``) of session ``session_id``."""
+    return LeaseLapsedError(
+        f"this worker's lease on session {clip(session_id)} ran out before {what} could be "
+        f"sent (its store did not confirm a renewal in time, or the worker was paused); "
+        f"ask again: the session's owner answers"
+    )
 
 
 class HandOffError(SsmserveError):

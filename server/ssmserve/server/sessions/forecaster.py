@@ -51,6 +51,7 @@ from ssmserve.server.sessions.session import (
 )
 from ssmserve.server.sessions.stateful_guards import InputVerdict, judge_input, judge_step
 from ssmserve.server.state.checkpoint import GuardState
+from ssmserve.server.state.lease import SessionLease
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class ForecastJob:
     memory: MemoryReservation | None = None  # its bytes in the worker's memory budget
     message_bytes: int = 1 << 20  # output bytes per answer message (``ForecastSettings``)
     guard_state: GuardState | None = None  # at ``step``, when its guards carry state
+    # The lease its starting point was read under: its answers leave only while it
+    # surely runs (``api.answer_fence``); None: not checked.
+    lease: SessionLease | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:

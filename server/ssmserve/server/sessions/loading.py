@@ -308,6 +308,7 @@ class SessionLoader:
             if s.step != s.last_snapshot_step or s.recent.unflushed:
                 await self.checkpoints.write(s, s.step, s.state, reason)
             await self.residents.write(s, self.store.release)
+            s.lease.expire()  # released: any worker may load it now (``answer_fence``)
             s.fail_queued(SessionGoneError(f"session {s.id!r} left memory ({reason}); retry"))
             self.residents.remove(s.id)
 

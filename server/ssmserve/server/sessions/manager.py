@@ -47,6 +47,7 @@ from ssmserve.server.sessions.errors import (
     BadPageTokenError,
     ReloadingError,
     RollbackRangeError,
+    lease_lapsed,
 )
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.events import record as record_events
@@ -285,7 +286,10 @@ class SessionManager:
     async def create(self, model_name: str, session_id: str, config: SessionConfig) -> SessionView:
         return await self.view(await self.lifecycle.create(model_name, session_id, config))
 
-    async def view(self, session_id: str) -> SessionView:
+    async def view(self, session_id: str, owner_only: bool = False) -> SessionView:
+        """What the session is now. ``owner_only`` (GetSession): a session another live
+        worker holds is answered by that worker (SESSION_MOVED, which clients follow),
+        never from the store here, which lacks its steps since its last flush."""
         await self.checkpoints.settled(session_id)
         s = self.residents.by_id.get(session_id)
         if s is not None and s.gone is None and not s.answerable():
@@ -301,9 +305,13 @@ class SessionManager:
             raise await self.residents.resets.missing(session_id)
         count, oldest = await self.store.snapshot_count_and_oldest(session_id)
         lease = None if s else await self.store.lease_holder(session_id)
+        if owner_only and lease is not None and lease.owner_addr != self.ownership.address:
+            raise lease.redirect(session_id)
         model = self.models.get(meta.model)
         config = s.config if s else SessionConfig.from_bytes(meta.config)
         step = s.step if s else meta.step
+        if s is not None and not s.lease.valid():  # memory's step, read past its proof
+            raise lease_lapsed(session_id, "its description")
         return SessionView(
             session_id=session_id,
             model=meta.model,
@@ -447,6 +455,7 @@ class SessionManager:
             )
         return ForecastJob(
             session_id=s.id,
+            lease=s.lease,
             guards=s.config.guards,
             from_step=point.step,
             horizon=horizon,

@@ -132,6 +132,9 @@ class ResidentSessions:
                    "event": "fenced" if isinstance(error, _NOT_OURS) else "dropped"},
         )  # fmt: skip
         s.fail_queued(error)
+        # Answers made from this memory and not yet sent stay unsent (``answer_fence``):
+        # whoever holds the session next may answer later steps first.
+        s.lease.expire()
         if self.by_id.get(s.id) is s:
             self.remove(s.id)
             self.resets.left(s, error)

@@ -84,6 +84,9 @@ class StepOutcome:
     guard_events: tuple[GuardEvent, ...] = ()
     snapshot_events: tuple[SnapshotEvent, ...] = ()
     error: SsmserveError | None = None
+    # The lease it was answered under: checked again as the answer leaves the worker
+    # (``api.answer_fence``); None for an answer that says nothing of the session's state.
+    lease: SessionLease | None = None
 
 
 class StepRun:
@@ -119,6 +122,7 @@ class StepRun:
         "first",
         "future",
         "last_only",
+        "lease",
         "outcomes",
         "outputs",
         "pending",
@@ -154,6 +158,8 @@ class StepRun:
         self.outcomes: list[StepOutcome | None] = [None] * count
         self.taken = 0  # steps the stepper has taken; those from here on are queued
         self.pending = count  # steps not answered yet
+        # The lease its latest answers were made under (checked as they leave the worker).
+        self.lease: SessionLease | None = None
 
     @classmethod
     def one(
@@ -171,7 +177,7 @@ class StepRun:
         run = cls.__new__(cls)
         run.session_id, run.first, run.values, run.raw = session_id, step, value[None], raw
         run.future, run.count, run.outputs, run.outcomes = future, 1, None, [None]
-        run.taken, run.pending, run.last_only = 0, 1, False
+        run.taken, run.pending, run.last_only, run.lease = 0, 1, False, None
         return run
 
     @property
