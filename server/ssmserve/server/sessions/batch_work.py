@@ -18,6 +18,7 @@ import numpy as np
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.batch_plan import APPLY, GAP, RESEND, Piece, SessionPlan
+from ssmserve.server.sessions.errors import input_mismatch
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.guards import GuardEvent
 from ssmserve.server.sessions.session import (
@@ -61,6 +62,9 @@ class SessionWork:
     # memory, recomputed by replay after the engine calls, or its error there).
     resent: dict[int, np.ndarray | None] = field(default_factory=dict)
     resend_errors: dict[int, SsmserveError] = field(default_factory=dict)
+    # Resends whose input memory no longer holds: step -> the log bytes sent, compared
+    # with the log's after the engine calls (``stepper._recompute``).
+    unchecked: dict[int, bytes] = field(default_factory=dict)
     # (step, state, guard state) of each periodic snapshot due in the batch
     snapshots_due: list[tuple[int, SessionState, GuardState | None]] = field(default_factory=list)
     guard_rollback: int = 0  # the step whose output a ROLLBACK guard refused (0: none)
@@ -103,14 +107,30 @@ class SessionWork:
                     values.append(run.values[lo : lo + n])
                     raws.append(run.raw_of(lo, lo + n))
             elif piece.kind == RESEND:
-                # A last_only run's steps but its last are answered without output.
-                answered = run.first + run.count - 1 if run.last_only else 0
-                for step in range(max(piece.first, answered), piece.first + n):
-                    if step <= self.start:
-                        self.resent[step] = s.recent.output_at(step)
+                self._check_resent(piece)
         if values:
             self.values = values[0] if len(values) == 1 else np.concatenate(values)
             self.raw = raws[0] if len(raws) == 1 else b"".join(raws)
+
+    def _check_resent(self, piece: Piece) -> None:
+        """A resend of steps the session took before this batch: each is answered with
+        its recorded output only if it carries the input the step was taken with (a
+        resend is the same request again; other inputs are INPUT_MISMATCH, as an
+        idempotency key reused with other parameters). Inputs memory no longer holds
+        are compared with the log's later (``unchecked``)."""
+        s, run = self.session, piece.entry
+        # A last_only run's steps but its last are answered without output.
+        answered = run.first + run.count - 1 if run.last_only else 0
+        for step in range(piece.first, min(piece.first + piece.count, self.start + 1)):
+            sent = run.raw_of(step - run.first, step - run.first + 1)
+            taken = s.recent.input_at(step)
+            if taken is None:
+                self.unchecked[step] = sent
+            elif taken != sent:
+                self.resend_errors[step] = input_mismatch(s.id, step)
+                continue
+            if step >= answered:
+                self.resent[step] = s.recent.output_at(step)
 
     def raw_at(self, k: int, n: int = 1) -> bytes:
         """The log bytes of the advance's steps ``k .. k + n - 1`` (indices)."""
@@ -223,7 +243,13 @@ class SessionWork:
         elif piece.kind == RESEND:
             output = self.resent.get(step)
             if output is None and step > self.start and self.failed is None:
-                output = self._output_of(step)  # applied earlier in this batch
+                k = step - self.start - 1  # applied earlier in this batch
+                if k < self.applied and self.raw_at(k) != piece.entry.raw_of(
+                    step - piece.entry.first, step - piece.entry.first + 1
+                ):
+                    outcome.error = input_mismatch(self.session.id, step)
+                    return outcome
+                output = self._output_of(step)
             if output is not None:
                 outcome.output, outcome.replayed = output, True
             else:  # an error, or a last_only run's step answered without its output

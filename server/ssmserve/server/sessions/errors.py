@@ -82,6 +82,22 @@ def lease_lapsed(session_id: str, what: str) -> LeaseLapsedError:
     )
 
 
+class InputMismatchError(SsmserveError):
+    """A resend of a step the session already took carries another input than the one
+    it was taken with (as an idempotency key reused with other parameters): refused,
+    nothing changed. A true resend gets its recorded answer."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+def input_mismatch(session_id: str, step: int) -> InputMismatchError:
+    return InputMismatchError(
+        f"step {step} of session {clip(session_id)} was already taken with another input; "
+        f"a resend must carry the input it was taken with (its answer is then sent again). "
+        f"To give the session another input there, roll it back to step {step - 1} first"
+    )
+
+
 class HandOffError(SsmserveError):
     """A migration's target did not take the session; the source keeps serving it."""
 

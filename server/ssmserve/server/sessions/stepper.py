@@ -63,6 +63,7 @@ from ssmserve.server.sessions.batch_plan import PrefillLimits, plan
 from ssmserve.server.sessions.batch_work import GuardedStep, SessionWork
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability
+from ssmserve.server.sessions.errors import input_mismatch
 from ssmserve.server.sessions.events import SessionEvent
 from ssmserve.server.sessions.events import record as record_events
 from ssmserve.server.sessions.guards import GuardAction, GuardEvent, GuardVerdict, check_output
@@ -589,10 +590,22 @@ async def _guard_rollbacks(
 
 
 async def _recompute(work: list[SessionWork], replay: Replay) -> None:
-    """Resends whose recorded outputs left memory: replayed from the store."""
+    """Resends whose inputs left memory: checked against the log (INPUT_MISMATCH, as
+    ``SessionWork.take`` checks those in memory). Resends whose recorded outputs left
+    memory: replayed from the store."""
     for w in work:
         if w.fenced is not None:
             continue
+        for step, sent in w.unchecked.items():
+            try:
+                (taken,) = await replay.inputs(w.session, step, step)
+            except SsmserveError as exc:
+                w.resend_errors[step] = exc
+                w.resent.pop(step, None)
+                continue
+            if taken != sent:
+                w.resend_errors[step] = input_mismatch(w.session.id, step)
+                w.resent.pop(step, None)
         for step, output in w.resent.items():
             if output is None:
                 try:
