@@ -90,10 +90,13 @@ class TokenSampler:
         self._thread.join(30)
 
     def _loop(self) -> None:
-        conn: redis.Redis | None = None
         while not self._stop.wait(self.every_s):
+            # A connection per round: a Sentinel master demoted by a failover keeps its
+            # clients and serves its stale data as a replica; a new one asks the
+            # sentinels where the master is now.
+            conn: redis.Redis | None = None
             try:
-                conn = conn or self.store()
+                conn = self.store()
                 for sid in list(self.sessions()):
                     token, owner = conn.hmget(f"ssm:{{{sid}}}:meta", "token", "owner_addr")
                     self.reads += 1
@@ -106,7 +109,8 @@ class TokenSampler:
                             TokenSighting(sid, value, (owner or b"").decode(), time.time(), "redis")
                         )
             except (redis.RedisError, OSError, IndexError, KeyError):
+                pass  # Redis is down, frozen or failing over: try again next round
+            finally:
                 with suppress(Exception):
                     if conn is not None:
                         conn.close()
-                conn = None  # Redis is down, frozen or failing over: try again later

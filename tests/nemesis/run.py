@@ -17,7 +17,7 @@ import numpy as np
 from ssmserve.client.aio import AsyncClient
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import save_model
-from tests.nemesis.checker import Expected, FinalRead, Violation, check, stretch
+from tests.nemesis.checker import Expected, FinalRead, Violation, check, rewinds, stretch
 from tests.nemesis.clients import (
     OP_BOUND_S,
     POLICY,
@@ -166,6 +166,12 @@ def report(outcome: Outcome, root: Path, token_reads: int) -> list[str]:
         f"{RECOVERY_BOUND_S:.0f} s",
         f"history: {root / 'history.json'}",
     ]
+    back = rewinds(h.tokens)
+    if back:
+        lines.append(
+            f"the store lost writes: a session's token went back {len(back)} time(s), "
+            f"first {back[0]}"
+        )
     for note in h.notes:
         lines.append(f"note: {note}")
     for v in outcome.violations:
