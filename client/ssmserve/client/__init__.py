@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ssmserve.client.aio import AsyncClient, Forecast, GeneratedToken, StepOutput
     from ssmserve.client.errors import (
+        OwnerUnreachable,
         ServerUnreachable,
         SessionMoved,
         SsmserveClientError,
@@ -39,6 +40,7 @@ _HOMES = {
     "Forecast": "ssmserve.client.aio",
     "GeneratedToken": "ssmserve.client.aio",
     "StepOutput": "ssmserve.client.aio",
+    "OwnerUnreachable": "ssmserve.client.errors",
     "ServerUnreachable": "ssmserve.client.errors",
     "SessionMoved": "ssmserve.client.errors",
     "SsmserveClientError": "ssmserve.client.errors",
@@ -53,6 +55,7 @@ __all__ = [
     "Client",
     "Forecast",
     "GeneratedToken",
+    "OwnerUnreachable",
     "RetryPolicy",
     "ServerUnreachable",
     "SessionMoved",

@@ -80,7 +80,9 @@ class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls, AsyncPromptCalls):
     Every method may also raise, besides the errors it names:
     ``ServerUnreachable`` (no worker could be connected to, and none ever answered this
     client), ``Unavailable`` or ``DeadlineExceeded`` (workers stopped answering for longer
-    than ``RetryPolicy.give_up_after_s``), ``Unauthenticated`` or ``PermissionDenied``
+    than ``RetryPolicy.give_up_after_s``), ``OwnerUnreachable`` (a session's owner does
+    not answer and no worker took the session over within
+    ``RetryPolicy.takeover_wait_s``), ``Unauthenticated`` or ``PermissionDenied``
     (the token is missing, unknown, or its role may not do this); all are
     ``SsmserveClientError`` (:mod:`ssmserve.client.errors`).
     """

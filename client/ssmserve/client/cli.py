@@ -51,6 +51,24 @@ SERVER_MISSING = (
 log = logging.getLogger(__name__)
 
 
+class _StderrNotes(logging.Handler):
+    """The client library's warnings (a wait for a takeover, a broken plugin) as
+    ``ssmserve: message`` lines on stderr: whatever ``sys.stderr`` is when one comes."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"ssmserve: {record.getMessage()}", file=sys.stderr, flush=True)
+        except Exception:  # a note must never fail the command
+            self.handleError(record)
+
+
+def _show_client_notes() -> None:
+    """Print the client's warnings on stderr, once per process (``main`` may run again)."""
+    client_log = logging.getLogger("ssmserve.client")
+    if not any(isinstance(h, _StderrNotes) for h in client_log.handlers):
+        client_log.addHandler(_StderrNotes(logging.WARNING))
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with a usage error told in one line like every other failure (and where
     to read the usage); its subcommands' parsers are of this class too."""
@@ -87,7 +105,7 @@ def _add_plugin_commands(parser: argparse.ArgumentParser, commands: cli_parsers.
         try:
             add_commands = entry.load()
         except Exception as exc:  # a broken plugin must not take the service commands down
-            log.warning("ssmserve: commands %r unavailable: %s", entry.name, exc)
+            log.warning("commands %r unavailable: %s", entry.name, exc)
             continue
         add_commands(commands)
     missing = [c for c in SERVER_COMMANDS if c not in commands.choices]
@@ -112,6 +130,7 @@ def command_word(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     # gRPC's core logs each failed TLS handshake, say, on stderr; the error line says it.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    _show_client_notes()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command_word(argv)
     parser, commands = _service_parser()

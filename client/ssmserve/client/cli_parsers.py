@@ -9,7 +9,7 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
                    [--max-snapshots N] [--history-window N] [--durability log|snapshot|none]
                    [--idle-ttl S] [--label KEY=VALUE]... [--guard SPEC]...
     session stream SID --input IN.npy --output OUT.npy [--first-step S] [--steps-per-message N]
-                   [--last-only]
+                   [--last-only] [--resume]
     session inspect SID [--json] | session list [--model NAME] [--json] | session close SID
     snapshot SID [--label L] | snapshots SID [--json]
     rollback SID (--to-step T | --to-snapshot ID | --to-label L | --back N)
@@ -17,6 +17,7 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
     forecast SID --horizon H [--at-step T] [--output OUT.npy]
     generate SID --max-tokens N [--temperature T] [--top-k K] [--top-p P] [--min-p M]
              [--seed S] [--stop ID]... [--prompt-ids IN.npy | --prompt TEXT] [--output OUT.npy]
+             [--at-step T] [--append]
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | models [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
     top [--interval S] [--sessions N] [--once | --json]
@@ -211,7 +212,7 @@ def _add_session_commands(commands: Subparsers) -> None:
         help="stream every row of a .npy as the next steps",
         description="Send each row of --input as the session's next step and write the "
         "answers to --output. --output is checked before anything is sent; a failure "
-        "part-way saves the answered outputs and says from which step to go on.",
+        "part-way saves the answered outputs and prints the command that goes on.",
     )
     stream.add_argument("session_id", help="the session to step")
     file_flag(stream, "--input", "a .npy: one row per step", metavar="IN.npy")
@@ -220,8 +221,8 @@ def _add_session_commands(commands: Subparsers) -> None:
     stream.add_argument(
         "--first-step", type=positive_int, default=None, metavar="S",
         help="the step the first row is (default: the session's next step); rows of "
-        "steps it already took are answered from its record, not applied again, so a "
-        "stream cut part-way is resumed by running the same command with the same S",
+        "steps it already took are answered from its record (while it keeps them), not "
+        "applied again",
     )  # fmt: skip
     stream.add_argument(
         "--steps-per-message", type=count, default=64, help="steps sent per message (64)"
@@ -231,6 +232,13 @@ def _add_session_commands(commands: Subparsers) -> None:
         help="only the last step's output is wanted (a prompt's next-token logits): each "
         "message asks for its last output only, the worker prefills its steps as one run, "
         "and --output holds one row, the last step's",
+    )  # fmt: skip
+    stream.add_argument(
+        "--resume", action="store_true",
+        help="go on with a stream that was cut (needs --first-step, the step of the first "
+        "row): --output holds the outputs of its first answered rows; the rows after them "
+        "are sent as the steps after them, and --output gets every row's output (with "
+        "--last-only: from the session's next step)",
     )  # fmt: skip
     stream.set_defaults(handler=_on_worker("stream", "array_commands"))
 
@@ -318,6 +326,17 @@ def _add_state_commands(commands: Subparsers) -> None:
                      "tokenizer.json")  # fmt: skip
     file_flag(gen, "--output", "write the generated ids (N,) int64 here", required=False,
               metavar="OUT.npy")  # fmt: skip
+    gen.add_argument(
+        "--at-step", type=count, metavar="T",
+        help="the step the session was at before this generation, or at its last token "
+        "received (default: its step now): tokens it generated past T with these settings "
+        "are sent again from its log, then it goes on (how a cut generation goes on)",
+    )  # fmt: skip
+    gen.add_argument(
+        "--append", action="store_true",
+        help="add the generated ids after those already in --output (a cut generation "
+        "gone on with)",
+    )  # fmt: skip
     gen.set_defaults(handler=_on_worker("generate", "array_commands"))
 
     fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")

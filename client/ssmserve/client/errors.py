@@ -107,6 +107,42 @@ class ServerUnreachable(Unavailable):
         self.cause = cause
 
 
+class OwnerUnreachable(Unavailable):
+    """A worker redirected a call about ``session_id`` to its owner ``owner``, which does
+    not answer, and the worker that redirected it (``via``) did not take the session over
+    within ``waited_s`` (``RetryPolicy.takeover_wait_s``): the owner may be alive but cut
+    off from this client (it keeps renewing its lease), or ``via`` cannot reach the store.
+    Nothing was done."""
+
+    def __init__(self, session_id: str, owner: str, via: str, waited_s: float) -> None:
+        waited = f"{waited_s:.1f}".removesuffix(".0")
+        super().__init__(
+            f"the owner {owner} of session {session_id} does not answer and {via} has not "
+            f"taken it over: waited {waited} s (RetryPolicy.takeover_wait_s); nothing "
+            f"was done. Is {owner} alive but out of this client's reach? Retry later, or see "
+            "`ssmserve workers`",
+            "OWNER_UNREACHABLE",
+        )
+        self.session_id = session_id
+        self.owner = owner
+        self.via = via
+        self.waited_s = waited_s
+
+
+#: What grpc says of a call that never got a connection, so was never sent: the channel
+#: had no worker to send it to (nothing listening, or a worker that never sent the HTTP/2
+#: SETTINGS of a live server: frozen).
+_NEVER_SENT = ("failed to connect to all addresses", "before receiving SETTINGS frame")
+
+
+def never_sent(error: SsmserveClientError) -> bool:
+    """Whether ``error`` says its call never reached a worker (no connection was made), so
+    that sending it elsewhere cannot do it twice."""
+    if error.code != grpc.StatusCode.UNAVAILABLE or error.reason:
+        return False
+    return any(needle.lower() in error.message.lower() for needle in _NEVER_SENT)
+
+
 _TLS = ("the TLS handshake failed", "do both sides use TLS, and does the CA trust its certificate?")
 _CLOSED = "does the server use TLS (then give the client its CA) or is that another service?"
 #: What a failed connection's status details say: (text in them, the cause in a few

@@ -188,7 +188,7 @@ async def _generate(
             call.cancel()
         if received >= base.max_tokens or (received and last_token in stop):
             return  # every token is here; only the end was not
-        address = await router.next_address(address, error, backoff)
+        address = await router.next_address(address, error, backoff, session_id)
 
 
 def _prompt_fed(reply: pb.GenerateResponse, at: int, prompt: _Prompt) -> bool:

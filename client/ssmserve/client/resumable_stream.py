@@ -104,7 +104,7 @@ class ResumableStream:
                     await backoff.wait()
                     address = await router.locate(session_id, address)
                     continue
-                address = await router.next_address(address, error, backoff)
+                address = await router.next_address(address, error, backoff, session_id)
         finally:
             await feed.close()
 

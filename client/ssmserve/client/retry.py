@@ -6,6 +6,11 @@ once. A worker that cannot be reached, or a store outage (UNAVAILABLE), is retri
 exponential backoff and jitter, trying the other known workers in turn, until
 ``give_up_after_s`` passes without progress.
 
+An owner that a redirect names and that does not answer (frozen, dead) keeps its lease
+until it runs out: the client asks the worker that redirected again until it takes the
+session over, for at most ``takeover_wait_s`` (by default derived from how long that
+worker says the lease still runs).
+
 Except before the first answer: a client that no worker has ever answered gives up
 ``connect_timeout_s`` after its first failed connection, when every address it knows
 failed, with :class:`~ssmserve.client.errors.ServerUnreachable`. Nothing it knows of is
@@ -21,6 +26,11 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+
+#: The server's default lease TTL: what a redirect that names no retry time stands for.
+DEFAULT_LEASE_TTL_S = 5.0
+#: A takeover's restore (the session read back from the store) and a few round trips.
+TAKEOVER_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,20 @@ class RetryPolicy:
     # vanished worker is noticed within about their sum, even mid-stream.
     keepalive_time_s: float = 2.0
     keepalive_timeout_s: float = 2.0
+    # How long a call waits, through the worker that redirected it, for that worker to
+    # take over a session whose owner does not answer (frozen, dead, cut off from this
+    # client). 0: derived from what the worker says: twice the time it still gives the
+    # owner's lease (ssmserve-retry-after-ms: at most a lease TTL, 5 s by default; 5 s
+    # when it says nothing) + TAKEOVER_MARGIN_S for the restore: 15 s at the defaults.
+    # Never longer than give_up_after_s.
+    takeover_wait_s: float = 0.0
+
+    def takeover_wait(self, retry_after_ms: int) -> float:
+        """How long to wait for a takeover the worker said may start in ``retry_after_ms``."""
+        if self.takeover_wait_s > 0:
+            return min(self.takeover_wait_s, self.give_up_after_s)
+        lease_s = retry_after_ms / 1000 if retry_after_ms > 0 else DEFAULT_LEASE_TTL_S
+        return min(2 * lease_s + TAKEOVER_MARGIN_S, self.give_up_after_s)
 
 
 class Backoff:
@@ -68,6 +92,12 @@ class Backoff:
         self._since = time.monotonic()
         self.redirects = 0
         self.waited_for = ""  # an unreachable owner whose lease we last waited out
+        self.redirected_by = ""  # the worker whose redirect was followed last
+        self.redirected_to = ""  # the owner it named
+        self.redirect_hint_ms = 0  # how long it said the owner's lease still runs
+        # When the wait for a takeover (the owner does not answer) started, and its bound.
+        self.takeover_since: float | None = None
+        self.takeover_bound_s = 0.0
 
     def expired(self) -> bool:
         return self.elapsed() > self.policy.give_up_after_s
@@ -76,7 +106,15 @@ class Backoff:
         """Seconds since the operation started or last made progress."""
         return time.monotonic() - self._since
 
-    async def wait(self, at_least_s: float = 0.0) -> None:
+    def takeover_left(self) -> float:
+        """Seconds left of the wait for a takeover (0 when it is over or never started)."""
+        if self.takeover_since is None:
+            return 0.0
+        return max(0.0, self.takeover_since + self.takeover_bound_s - time.monotonic())
+
+    async def wait(self, at_least_s: float = 0.0, at_most_s: float | None = None) -> None:
         delay = max(at_least_s, self._delay * (0.5 + random.random() / 2))
+        if at_most_s is not None:
+            delay = min(delay, at_most_s)
         self._delay = min(self._delay * self.policy.multiplier, self.policy.max_backoff_s)
         await asyncio.sleep(delay)

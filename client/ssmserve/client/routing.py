@@ -4,9 +4,13 @@ A request goes to the worker that last served its session (or the first address)
 redirect (``SessionMoved``) sends it to the owner at once; a worker that cannot be
 reached is marked unreachable and replaced by another known worker (the client also
 learns the live ones from ``ListWorkers``); a call never starts at a worker marked
-unreachable. An owner that froze or died keeps its lease until it runs out, so the
-client waits that long (``retry_after_ms``) and then lets any worker take the session
-over. How long all this may go on is the ``RetryPolicy``'s.
+unreachable. An owner that froze or died keeps its lease until it runs out, so when a
+worker redirects to an owner that does not answer, the client goes back to that worker
+and waits as long as it says the lease still runs (``retry_after_ms``), until it takes
+the session over: at most ``RetryPolicy.takeover_wait`` (a WARNING on this module's
+logger says so when the wait starts; then :class:`OwnerUnreachable`). A call that is not
+idempotent does the same when it never reached the owner (no connection was made), and
+only then. How long all this may go on is the ``RetryPolicy``'s.
 
 The one exception is a client no worker has answered yet (``reached`` is false): when
 connecting fails at every address it knows for ``RetryPolicy.connect_timeout_s``, it
@@ -18,6 +22,8 @@ answering is retried as above (see ``retry``).
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,9 +31,11 @@ from typing import Any, TypeVar
 import grpc
 
 from ssmserve.client.errors import (
+    OwnerUnreachable,
     SessionMoved,
     SsmserveClientError,
     from_rpc_error,
+    never_sent,
     server_unreachable,
 )
 from ssmserve.client.retry import Backoff, RetryPolicy
@@ -37,6 +45,9 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+#: Says when a call waits for a takeover (a WARNING: the caller sees a pause of seconds
+#: and should know why; the CLI prints it on stderr).
+log = logging.getLogger(__name__)
 _RECONNECT_MS = 2000
 #: Every call about one session names it in this header, so that a front (Envoy, Istio)
 #: can route by a consistent hash of it and a session's calls land on one worker; the
@@ -180,9 +191,17 @@ class WorkerRouter:
                 self.learn(w.address)
             return
 
-    async def next_address(self, address: str, error: SsmserveClientError, backoff: Backoff) -> str:
-        """Where to try after ``error`` at ``address``; raises it when retrying is over."""
+    async def next_address(
+        self,
+        address: str,
+        error: SsmserveClientError,
+        backoff: Backoff,
+        session_id: str = "",
+    ) -> str:
+        """Where to try after ``error`` at ``address``; raises it when retrying is over
+        (or :class:`OwnerUnreachable` when a takeover was waited for in vain)."""
         if isinstance(error, SessionMoved):
+            self.reached = True  # a worker answered: there is a cluster to wait for
             owner = error.owner
             if (
                 owner
@@ -191,23 +210,14 @@ class WorkerRouter:
                 and backoff.redirects < self.retry.max_redirects
             ):
                 backoff.redirects += 1
+                backoff.redirected_by, backoff.redirected_to = address, owner
+                backoff.redirect_hint_ms = error.retry_after_ms
                 self.learn(owner)
                 return owner  # go there at once
             if backoff.expired():
                 raise error
             if owner and owner in self._unreachable:
-                if backoff.waited_for == owner:
-                    # Its lease outlived our wait for it to run out: the owner renewed it,
-                    # so it is alive again (restarted, or back from a pause). Go there.
-                    self._unreachable.discard(owner)
-                    backoff.waited_for = ""
-                    backoff.redirects += 1
-                    return owner
-                # The owner died or froze: its lease runs out in retry_after_ms, then any
-                # worker (this one, or another reachable one) takes the session over.
-                backoff.waited_for = owner
-                await backoff.wait(at_least_s=min(error.retry_after_ms / 1000, 10.0) + 0.005)
-                return address if address not in self._unreachable else self.other(address)
+                return await self._wait_for_takeover(address, error, backoff, session_id)
             await backoff.wait()
             return address
         if error.code not in TRANSIENT or backoff.expired():
@@ -221,6 +231,13 @@ class WorkerRouter:
                     raise server_unreachable(list(self.addresses), error)
             elif self.discover_pending:
                 await self.discover()
+            via = backoff.redirected_by
+            if address == backoff.redirected_to and via and via not in self._unreachable:
+                # The owner a worker sent us to does not answer: that worker takes the
+                # session over once the owner's lease runs out. Ask it again.
+                self._start_takeover_wait(backoff, session_id, address, via)
+                await backoff.wait(at_most_s=backoff.takeover_left())
+                return via
             await backoff.wait()
             return self.other(address)
         await backoff.wait()
@@ -230,13 +247,56 @@ class WorkerRouter:
             return self.other(address)
         return address  # e.g. the session is being reloaded there: same worker
 
+    async def _wait_for_takeover(
+        self, address: str, error: SessionMoved, backoff: Backoff, session_id: str
+    ) -> str:
+        """``address`` redirected to an owner that does not answer: wait (bounded by
+        ``RetryPolicy.takeover_wait``, and saying so once) until its lease runs out and a
+        worker may take the session over; where to ask then."""
+        owner = error.owner
+        if backoff.takeover_since is None:
+            backoff.redirect_hint_ms = error.retry_after_ms
+            self._start_takeover_wait(backoff, session_id, owner, address)
+        left = backoff.takeover_left()
+        if left <= 0:
+            raise OwnerUnreachable(session_id, owner, address, backoff.takeover_bound_s)
+        if backoff.waited_for == owner:
+            # Its lease outlived our wait for it to run out: the owner renewed it, so it
+            # is alive again (restarted, or back from a pause). Go there.
+            self._unreachable.discard(owner)
+            backoff.waited_for = ""
+            backoff.redirects += 1
+            backoff.redirected_by, backoff.redirected_to = address, owner
+            return owner
+        # The owner died or froze: its lease runs out in retry_after_ms, then any worker
+        # (this one, or another reachable one) takes the session over.
+        backoff.waited_for = owner
+        wait_s = min(error.retry_after_ms / 1000, 10.0) + 0.005
+        await backoff.wait(at_least_s=wait_s, at_most_s=left)
+        return address if address not in self._unreachable else self.other(address)
+
+    def _start_takeover_wait(self, backoff: Backoff, session_id: str, owner: str, via: str) -> None:
+        """The owner of ``session_id`` does not answer: from now on, wait at most
+        ``RetryPolicy.takeover_wait`` for ``via`` to take it over, and say so once."""
+        if backoff.takeover_since is not None:
+            return
+        backoff.takeover_since = time.monotonic()
+        backoff.takeover_bound_s = self.retry.takeover_wait(backoff.redirect_hint_ms)
+        log.warning(
+            "the owner %s of session %s does not answer; waiting up to %s s for %s to take "
+            "it over",
+            owner, session_id or "(unnamed)", seconds(backoff.takeover_bound_s), via,
+        )  # fmt: skip
+
     async def call(
         self,
         invoke: Callable[[WorkerStubs], Awaitable[T]],
         session_id: str = "",
         idempotent: bool = True,
     ) -> T:
-        """One request, following redirects; retried elsewhere only if ``idempotent``."""
+        """One request, following redirects; retried elsewhere only if ``idempotent``, or
+        when it never reached a worker (the owner a redirect named does not answer: then
+        the worker that redirected it is asked again until it takes the session over)."""
         backoff = Backoff(self.retry)
         address = self.owner_of(session_id) if session_id else self.first
         if address in self._unreachable:  # never start with a worker given up on
@@ -246,9 +306,13 @@ class WorkerRouter:
                 result = await invoke(self.worker(address))
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-                if not idempotent and not isinstance(error, SessionMoved):
+                # A call that never reached the owner a redirect named cannot have been
+                # done there: it may go on (to the worker that redirected it) as if it
+                # were idempotent.
+                unsent = address == backoff.redirected_to and never_sent(error)
+                if not (idempotent or unsent or isinstance(error, SessionMoved)):
                     raise self.connection_failed(address, error) from None
-                address = await self.next_address(address, error, backoff)
+                address = await self.next_address(address, error, backoff, session_id)
                 continue
             self.served(session_id, address)
             return result
@@ -324,6 +388,11 @@ class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[mi
         if client_call_details.timeout is None:
             client_call_details = client_call_details._replace(timeout=self.timeout_s)
         return await continuation(client_call_details, request)
+
+
+def seconds(value: float) -> str:
+    """``value`` seconds for a message: to a tenth, without a trailing ``.0``."""
+    return f"{value:.1f}".removesuffix(".0")
 
 
 def session_metadata(session_id: str) -> tuple[tuple[str, str], ...]:
