@@ -25,6 +25,7 @@ from typing import Any
 
 from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from ssmserve.server.errors import clip
 from ssmserve.server.state import store_layout as layout
@@ -133,21 +134,46 @@ class StoreFactReads(StoreCalls):
     """The store's reads of its own facts (``Store`` has these methods)."""
 
     async def replica_counts(self) -> dict[str, int]:
-        """Replicas connected to each server that holds sessions (``ROLE``): the one
-        server, the master behind Sentinel, or every master of a cluster."""
-        if isinstance(self.redis, RedisCluster):
-            targets = [(n.name, {"target_nodes": n}) for n in self.redis.get_primaries()]
-        else:
-            targets = [("redis", {})]
-
+        """Replicas of each server that holds sessions (the one server, the master behind
+        Sentinel, or every master of a cluster): those connected to it now (``ROLE``), or
+        more where the topology knows more, up or down: Sentinel's list of its master's
+        replicas, a cluster master's (``CLUSTER REPLICAS``). A replica away just now (a
+        failover's old master not yet rejoined, a replica restarting) still counts: a
+        worker that starts in that window must not acknowledge writes no replica holds
+        (the nemesis, Sentinel seed 3: a worker started while the new master had no
+        replica yet acknowledged 242 steps that the next failover threw away)."""
         async def read() -> dict[str, int]:
+            if isinstance(self.redis, RedisCluster):
+                await self.redis.initialize()  # the masters are known once it has run
+                targets = [(n.name, {"target_nodes": n}) for n in self.redis.get_primaries()]
+            else:
+                targets = [("redis", {})]
             counts = {}
             for name, where in targets:
                 role = await self.redis.execute_command("ROLE", **where)
                 counts[name] = len(role[2]) if role and role[0] in (b"master", "master") else 0
+                if where:  # a cluster master: the replicas the cluster knows of it
+                    me = await self.redis.execute_command("CLUSTER MYID", **where)
+                    known = await self.redis.execute_command("CLUSTER REPLICAS", me, **where)
+                    counts[name] = max(counts[name], len(known or ()))
+            if (known := await self._sentinel_replicas()) is not None:
+                counts["redis"] = max(counts["redis"], known)
             return counts
 
         return await self._call("replica_counts", read)
+
+    async def _sentinel_replicas(self) -> int | None:
+        """How many replicas the sentinels know of their master, up or down (the first
+        sentinel that answers); None without Sentinel or with none answering."""
+        pool = getattr(self.redis, "connection_pool", None)
+        if not isinstance(pool, SentinelConnectionPool):
+            return None
+        for sentinel in pool.sentinel_manager.sentinels:
+            try:
+                return len(await sentinel.sentinel_slaves(pool.service_name))
+            except (redis_errors.ConnectionError, redis_errors.ResponseError, TimeoutError):
+                continue
+        return None
 
     async def follow_replicas(self) -> int | None:
         """With ``wait_replicas`` auto: count the replicas again and, if every server that
@@ -168,7 +194,7 @@ class StoreFactReads(StoreCalls):
     async def settle_replica_confirmation(self) -> ReplicaConfirmation:
         """Decide, before the first write, how many replicas confirm each write: the
         setting when it names a number; auto (None): every replica the servers holding
-        sessions have now (the fewest any of them has), else 0.
+        sessions have (:meth:`replica_counts`: the fewest any of them has), else 0.
 
         Why every replica, not one: Sentinel promotes one replica and only then points the
         others at it, while the old master still takes writes. A write the old master made
