@@ -155,7 +155,8 @@ class RedisClusterHarness:
         return [
             "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
-            "--appendonly", "yes", "--save", "", "--protected-mode", "no",
+            "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            "--protected-mode", "no",
         ]  # fmt: skip
 
     def start(self) -> RedisClusterHarness:
@@ -301,7 +302,7 @@ class SentinelHarness:
         def args(port: int) -> list[str]:
             return [
                 "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-                "--save", "", "--protected-mode", "no", *extra,
+                "--appendfsync", "always", "--save", "", "--protected-mode", "no", *extra,
             ]  # fmt: skip
 
         return self.processes.start_on_free_port(port, args, self._ports)

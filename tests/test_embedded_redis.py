@@ -107,7 +107,7 @@ def test_the_keeper_restarts_a_killed_redis_on_its_port_with_its_password(tmp_pa
         try:
             url, port = server.url, server.port
             with redis.Redis.from_url(url) as client:
-                client.set(b"answered", b"1")  # appendfsync everysec: in the AOF file already
+                client.set(b"answered", b"1")  # appendfsync always: on disk before the answer
             for kills in (1, 2):
                 pid = server.pid
                 assert pid is not None

@@ -513,3 +513,34 @@ def test_the_policy_of_every_master_is_read_on_a_cluster_and_behind_sentinel(
 
     asyncio.run(cluster())
     asyncio.run(sentinel())
+
+
+@pytest.mark.parametrize("fsync", ["everysec", "no"])
+def test_a_redis_that_answers_before_its_aof_is_on_disk_is_named_at_start(
+    plain_redis, caplog, fsync
+):
+    """A Redis whose AOF is on but not fsynced before it answers (appendfsync everysec
+    or no) loses acknowledged steps when it is killed under a slow disk: the worker says
+    so at start, naming the server and the setting; under ``always`` it says nothing."""
+    server = plain_redis("--appendonly", "yes", "--appendfsync", fsync)
+
+    async def start() -> None:
+        store = Store(StoreSettings(url=server.url))
+        try:
+            await StoreGuard(store).start()
+        finally:
+            await store.aclose()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "appendfsync" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="ssmserve.server.cluster.store_guard"):
+        asyncio.run(start())
+        (said,) = warnings()
+        assert f"127.0.0.1:{server.port}" in said and f"appendfsync {fsync}" in said
+        assert "appendfsync always" in said  # what to set
+        caplog.clear()
+        with server.admin() as conn:
+            conn.config_set("appendfsync", "always")
+        asyncio.run(start())
+        assert warnings() == []

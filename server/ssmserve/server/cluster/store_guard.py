@@ -58,6 +58,16 @@ def evicting_message(evicting: dict[str, str]) -> str:
     )
 
 
+#: Why a Redis whose AOF is not fsynced before it answers can lose acknowledged steps.
+FSYNC_WARNING = (
+    "Redis %s answers writes before its AOF has them on disk (appendfsync %s): killed "
+    "(kill -9, the OOM killer) while a slow fsync holds its AOF writes back, it comes back "
+    "without up to 2 s of acknowledged steps, and replicas that resync from it drop them "
+    "too. For no loss set appendfsync always (CONFIG SET appendfsync always, and in its "
+    "config): a group commit then waits for one fsync (docs/redis.md)"
+)
+
+
 class StoreGuard:
     """Reads the store's eviction policy and identity at start and with each heartbeat.
 
@@ -88,6 +98,9 @@ class StoreGuard:
         self._judge(await self.store.eviction_policies(), starting=True)
         self.identity = await self.store.claim_store_identity(StoreIdentity.new())
         log.info("session store identity %s", self.identity.describe())
+        for server, policy in sorted((await self.store.fsync_policies()).items()):
+            if policy != "always":
+                log.warning(FSYNC_WARNING, server, policy)
 
     async def check(self) -> None:
         """With each heartbeat: the policy and the identity, read at once. Never raises:

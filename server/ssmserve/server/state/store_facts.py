@@ -142,6 +142,7 @@ class StoreFactReads(StoreCalls):
         worker that starts in that window must not acknowledge writes no replica holds
         (the nemesis, Sentinel seed 3: a worker started while the new master had no
         replica yet acknowledged 242 steps that the next failover threw away)."""
+
         async def read() -> dict[str, int]:
             if isinstance(self.redis, RedisCluster):
                 await self.redis.initialize()  # the masters are known once it has run
@@ -248,13 +249,7 @@ class StoreFactReads(StoreCalls):
         master behind Sentinel, or every master of a cluster. Read with CONFIG GET or,
         where CONFIG is refused (managed Redis disables it; an ACL user may lack it), from
         INFO memory; ``unreadable`` says why when both are refused."""
-        if isinstance(self.redis, RedisCluster):
-            targets = [(n.name, {"target_nodes": n}) for n in self.redis.get_primaries()]
-        elif self.topology == "sentinel":
-            targets = [("the Sentinel master", {})]
-        else:
-            at = self.redis.connection_pool.connection_kwargs
-            targets = [(at.get("path") or f"{at.get('host')}:{at.get('port')}", {})]
+        targets = await self._session_servers()
 
         async def read() -> EvictionPolicies:
             by_server: dict[str, str] = {}
@@ -269,16 +264,52 @@ class StoreFactReads(StoreCalls):
         return await self._call("eviction_policy", read)
 
     async def _eviction_policy(self, where: dict[str, Any]) -> str:
+        return await self._setting("maxmemory-policy", "memory", "maxmemory_policy", where)
+
+    async def fsync_policies(self) -> dict[str, str]:
+        """``appendfsync`` of every server that holds sessions whose AOF is on, by its
+        address (servers whose settings cannot be read are left out: a managed Redis)."""
+        targets = await self._session_servers()
+
+        async def read() -> dict[str, str]:
+            by_server: dict[str, str] = {}
+            for name, where in targets:
+                try:
+                    aof = await self._setting("appendonly", "persistence", "aof_enabled", where)
+                    if aof in ("yes", "1"):
+                        by_server[name] = await self._setting(
+                            "appendfsync", "persistence", "", where
+                        )
+                except redis_errors.ResponseError:
+                    continue
+            return by_server
+
+        return await self._call("fsync_policy", read)
+
+    async def _session_servers(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each server that holds sessions, by a name for people, with how to reach it."""
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()  # the masters are known once it has run
+            return [(n.name, {"target_nodes": n}) for n in self.redis.get_primaries()]
+        if self.topology == "sentinel":
+            return [("the Sentinel master", {})]
+        at = self.redis.connection_pool.connection_kwargs
+        return [(at.get("path") or f"{at.get('host')}:{at.get('port')}", {})]
+
+    async def _setting(self, name: str, section: str, info_key: str, where: dict[str, Any]) -> str:
+        """A server's setting ``name``: CONFIG GET, else ``info_key`` of INFO ``section``."""
         try:
-            got = await self.redis.config_get("maxmemory-policy", **where)
-            value = got.get(b"maxmemory-policy", got.get("maxmemory-policy"))
+            got = await self.redis.config_get(name, **where)
+            value = got.get(name.encode(), got.get(name))
         except redis_errors.ResponseError as config_refused:
+            if not info_key:
+                raise
             try:
-                value = (await self.redis.info("memory", **where)).get("maxmemory_policy")
+                value = (await self.redis.info(section, **where)).get(info_key)
             except redis_errors.ResponseError as info_refused:
                 raise redis_errors.ResponseError(
                     f"CONFIG GET: {config_refused}; INFO: {info_refused}"
                 ) from None
         if value is None:
-            raise redis_errors.ResponseError("neither CONFIG GET nor INFO names the policy")
+            raise redis_errors.ResponseError(f"neither CONFIG GET nor INFO names {name}")
         return value.decode() if isinstance(value, bytes) else str(value)
