@@ -281,9 +281,12 @@ class SessionClient:
         if len([m for m in self.mine if not m.closed and not m.lost]) >= 3:
             old = next(m for m in self.mine if not m.closed and not m.lost and m is not t)
             op = self.s.history.invoke(self.name, old.sid, "close")
+            # Closed from here on, whatever the answer: a close whose outcome is unknown
+            # (UNAVAILABLE after the store took the write) may have landed, and then the
+            # session is rightly gone.
+            old.closed = True
             await self.call(op, self.c.close_session(old.sid))
             History.ok(op, self.s.worker(self.c, old.sid), old.step)
-            old.closed = True
             return
         at = self.rng.randint(t.floor, t.step) if t.durability != "log" else t.step
         self.made += 1

@@ -72,6 +72,8 @@ def write_models(root: Path) -> dict[str, Path]:
 def run(seed: int, minutes: float, topology: str, keep: Path | None = None) -> Outcome:
     # The client library says when it waits for a takeover: expected here, hundreds of times.
     logging.getLogger("ssmserve.client").setLevel(logging.ERROR)
+    if keep is not None:
+        Path(keep).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=f"nemesis-{topology}-{seed}-", dir=keep))
     history = History()
     topo = Topology(topology, root, write_models(root / "models"))

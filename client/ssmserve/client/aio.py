@@ -77,15 +77,13 @@ class AsyncClient(AsyncClusterCalls, AsyncGenerateCalls, AsyncPromptCalls):
     forecasts, forks and checkpoints (here), and the cluster's workers and models
     (:class:`~ssmserve.client.aio_cluster.AsyncClusterCalls`).
 
-    Every method may also raise, besides the errors it names:
-    ``ServerUnreachable`` (no worker could be connected to, and none ever answered this
-    client), ``Unavailable`` or ``DeadlineExceeded`` (workers stopped answering for longer
-    than ``RetryPolicy.give_up_after_s``), ``OwnerUnreachable`` (a session's owner does
-    not answer and no worker took the session over within
-    ``RetryPolicy.takeover_wait_s``), ``Unauthenticated`` or ``PermissionDenied``
-    (the token is missing, unknown, or its role may not do this); all are
-    ``SsmserveClientError`` (:mod:`ssmserve.client.errors`).
-    """
+    Every method may also raise, besides the errors it names: ``ServerUnreachable`` (no
+    worker could be connected to, and none ever answered), ``Unavailable`` or
+    ``DeadlineExceeded`` (no answer for ``RetryPolicy.give_up_after_s``),
+    ``OwnerUnreachable`` (a session's owner does not answer and no worker took it over
+    within ``RetryPolicy.takeover_wait_s``), ``Unauthenticated`` or ``PermissionDenied``
+    (the token is missing or unknown, or its role may not do this); all are
+    ``SsmserveClientError`` (:mod:`ssmserve.client.errors`)."""
 
     def __init__(
         self,
