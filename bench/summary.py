@@ -323,6 +323,26 @@ def _replication(sessions: int, per_message: int) -> Callable[[dict[str, Any]], 
     return cells
 
 
+def _fsync(cases: Sequence[tuple[int, int]]) -> Callable[[dict[str, Any]], Cells]:
+    """bench_fsync: served steps/s with the Redis at appendfsync always beside everysec, per
+    (sessions, steps per message), and everysec's aof_delayed_fsync over the run."""
+
+    def cells(d: dict[str, Any]) -> Cells:
+        rate = {
+            (r["sessions"], r["per_message"], r["appendfsync"]): r["steps_per_s"] for r in d["rows"]
+        }
+        ours = [rate[(k, m, "always")] for k, m in cases]
+        peer = [rate[(k, m, "everysec")] for k, m in cases]
+        delayed = d["redis"]["everysec"]["aof_delayed_fsync"]
+        return (
+            joined(ours),
+            f"appendfsync everysec: {joined(peer)} (its aof_delayed_fsync: {delayed})",
+            joined([a / b for a, b in zip(ours, peer, strict=True)]),
+        )
+
+    return cells
+
+
 def _side_by_side(name: str, base: str, goal: str) -> Callable[[dict[str, Any]], Cells]:
     def cells(d: dict[str, Any]) -> Cells:
         rate = d["steps_per_s"]
@@ -499,6 +519,8 @@ FIGURES = [
            "`bench/bench_replication.py`", _replication(1, 1)),
     Figure("served steps/s on Sentinel + 1 replica, 64 sessions, 8 steps per message",
            "replication", "`bench/bench_replication.py`", _replication(64, 8)),
+    Figure("appendfsync always / everysec, served steps/s, 1 session x 1 step / 64 sessions x 8 "
+           "steps per message", "fsync", "`bench/bench_fsync.py`", _fsync([(1, 1), (64, 8)])),
     Figure("served steps/s with TLS and tokens, 64 sessions", "security",
            "`bench/bench_security.py`", _side_by_side("TLS + token", "plaintext", "goal: >= 0.9x")),
     Figure("served steps/s with metrics scraped every second, 64 sessions", "metrics",
