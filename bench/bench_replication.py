@@ -5,7 +5,7 @@ Usage: ``.venv/bin/python bench/bench_replication.py [--quick] [--rounds N] [--b
 [--sessions 1,64] [--per-message 1,8] [--json OUT]``
 
 Processes: a Sentinel set on loopback (``tests/redis_topologies.SentinelHarness``: one
-master, one replica, three sentinels; AOF on, fsync every second) and two
+master, one replica, three sentinels; AOF on, ``appendfsync always``) and two
 ``ssmserve-server`` workers (demo model, ``tests/worker_process.WorkerProcess``) on the
 same ``redis+sentinel://`` URL: one started with ``--redis-wait-replicas 0`` (no replica
 confirmation) and one with ``auto`` (the default: every write waits, Redis WAIT, until
