@@ -523,6 +523,23 @@ def test_periodic_snapshots_are_written_in_the_background_and_reported_later(wor
     assert_bit_equal(again, reference(model, x)[20:30])
 
 
+def test_a_rollback_past_a_snapshot_not_yet_reported_never_reports_it(worker, served_models):
+    """A periodic snapshot committed after the answer to its step waits for the next
+    answer to be reported. A rollback behind it cuts it from the history, so the next
+    answer (of the new steps) must not report it: a client would take it for a snapshot
+    of its new steps (the nemesis, Cluster seed 5, read it so)."""
+    model = served_models["demo"]
+    x = random_inputs(model, 8, seed=22)
+    sid = worker.client.create_session("demo", snapshot_every=4).session_id
+    _, outs = stream(worker, sid, x[:4], per_message=1)
+    assert not [e for o in outs for e in o.snapshot_events]  # committed after step 4's answer
+    assert [s.step for s in worker.client.list_snapshots(sid)] == [0, 4]  # committed now
+    worker.client.rollback(sid, to_step=2)
+    got, outs = stream(worker, sid, x[2:4], first_step=3, per_message=1)
+    assert_bit_equal(got, reference(model, x[:4])[2:4])
+    assert [(o.step, e.step) for o in outs for e in o.snapshot_events] == []
+
+
 def test_snapshots_of_lockstep_sessions_are_committed_in_batches(worker, served_models):
     """Sessions stepped in one message come due for their periodic snapshots in the same
     stepper batch; their writes go to Redis as one batch per ``snapshot_writes_in_flight``

@@ -399,6 +399,10 @@ class Session:
         SESSION_REWOUND)."""
         self.state, self.step, self.last_snapshot_step = state, step, snapshot_step
         self.guard_state = guards
+        # A periodic snapshot committed but not announced yet, of a step past ``step``,
+        # belongs to steps the session no longer has (a rollback cut them): announced, it
+        # would tell the client a snapshot stands that the cut removed.
+        self.snapshot_events = tuple(e for e in self.snapshot_events if e.step <= step)
         if may_be_behind:
             self.restored_step = step
 
