@@ -86,6 +86,27 @@ def test_a_read_behind_an_acknowledged_step_fails():
     assert rules(h, {}, {}) == []
 
 
+def test_a_loss_after_the_store_lost_writes_is_noted_not_failed():
+    """Redis showed the session's token go back (the store itself lost acknowledged
+    writes: a promoted replica without them) before the read behind them: noted. The same
+    read with no such sign, or a rewind seen only after the read, fails."""
+
+    def history(rewind_at: float | None) -> History:
+        h = History()
+        h.token(TokenSighting("s", "t1", "a", T0 + 0.5, "redis"))
+        h.token(TokenSighting("s", "t2", "a", T0 + 0.7, "redis"))
+        if rewind_at is not None:
+            h.token(TokenSighting("s", "t1", "a", T0 + rewind_at, "redis"))
+        op(h, "get", 1.0, 1.1, "w0", 1, expect=3, floor=0, durability="log")
+        return h
+
+    h = history(0.9)
+    assert rules(h, {}, {}) == []
+    assert any("the store lost acknowledged writes of s" in n for n in h.notes)
+    assert rules(history(None), {}, {}) == ["a"]
+    assert rules(history(5.0), {}, {}) == ["a"]
+
+
 def test_a_resent_step_answered_differently_fails():
     h = History()
     o = op(h, "step", 1.0, 1.1, "w0", 1, expected="aaaa")

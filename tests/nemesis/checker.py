@@ -94,6 +94,38 @@ def check(
 def check_durability(
     history: History, expected: dict[str, Expected], finals: dict[str, FinalRead]
 ) -> list[Violation]:
+    """Rule (a), but for a session whose token Redis showed going back before the loss
+    was seen: then the store itself lost acknowledged writes (Redis Sentinel promoted a
+    replica that had lost them: docs/fault-model.md), which ssmserve cannot undo, only
+    report (the client is answered SESSION_REWOUND); such losses are noted, not failed."""
+    found = _durability(history, expected, finals)
+    lost_by_store = _store_losses(history.tokens)
+    kept: list[Violation] = []
+    for v in found:
+        seen_at = max((o.complete or o.invoke for o in v.ops), default=float("inf"))
+        if any(at <= seen_at for at in lost_by_store.get(v.session, ())):
+            history.note(f"the store lost acknowledged writes of {v.session}: {v.message}")
+        else:
+            kept.append(v)
+    return kept
+
+
+def _store_losses(tokens: list[TokenSighting]) -> dict[str, list[float]]:
+    """When Redis showed each session's token go back to one it had before."""
+    at: dict[str, list[float]] = defaultdict(list)
+    seen: dict[str, list[str]] = defaultdict(list)
+    for t in sorted((t for t in tokens if t.source == "redis"), key=lambda t: t.at):
+        tokens_of = seen[t.session]
+        if tokens_of and tokens_of[-1] != t.token and t.token in tokens_of:
+            at[t.session].append(t.at)
+        if not tokens_of or tokens_of[-1] != t.token:
+            tokens_of.append(t.token)
+    return at
+
+
+def _durability(
+    history: History, expected: dict[str, Expected], finals: dict[str, FinalRead]
+) -> list[Violation]:
     found: list[Violation] = []
     wiped = [f.start for f in history.faults if f.kind == "redis-restart-wiped"]
     for sid, e in expected.items():
@@ -228,15 +260,11 @@ def rewinds(tokens: list[TokenSighting]) -> list[str]:
     """Each time Redis showed a session's token go back to one it had before: the store
     lost writes (what a run with failovers may see; the durability rule says whether an
     acknowledged step went with them)."""
-    said: list[str] = []
-    seen: dict[str, list[str]] = defaultdict(list)
-    for t in sorted((t for t in tokens if t.source == "redis"), key=lambda t: t.at):
-        history = seen[t.session]
-        if history and history[-1] != t.token and t.token in history:
-            said.append(f"{t.at:.3f} session {t.session}: token back to {t.token}")
-        if not history or history[-1] != t.token:
-            history.append(t.token)
-    return said
+    return [
+        f"{at:.3f} session {sid}: token back to an earlier one"
+        for sid, times in _store_losses(tokens).items()
+        for at in times
+    ]
 
 
 # ---------------------------------------------------------------------------- (d), (e)
