@@ -305,5 +305,13 @@ class Nemesis:
             return "skipped: no replica up"
         port = rng.choice(sorted(replicas))
         with redis.Redis(port=port, socket_timeout=5) as r:
-            r.execute_command("CLUSTER", "FAILOVER")
+            try:
+                r.execute_command("CLUSTER", "FAILOVER")
+            except redis.ResponseError as exc:
+                if "FORCE" not in str(exc):
+                    raise
+                # Its master is down: what an operator does then (the cluster's own
+                # failover may not have run yet).
+                r.execute_command("CLUSTER", "FAILOVER", "FORCE")
+                return f"replica {port} promoted (FORCE: its master is down)"
         return f"replica {port} promoted"

@@ -180,11 +180,11 @@ class Topology:
                     extra_args=args,
                 )
             )
-        threads = [threading.Thread(target=w.start, args=(60.0,)) for w in self.workers]
+        threads = [threading.Thread(target=w.start, args=(90.0,)) for w in self.workers]
         for t in threads:  # in parallel: a worker takes a second or two to start
             t.start()
         for t in threads:
-            t.join(90)
+            t.join(120)
         if not all(w.alive for w in self.workers):
             raise RuntimeError(f"a worker did not start; see the logs under {self.root}")
         return self
@@ -265,10 +265,12 @@ class Topology:
     def restart_worker(self, w: WorkerProcess) -> None:
         """Start a killed worker again on its port; a start that fails (its predecessor's
         registry entry not yet gone, a port race) is tried again, within a bound."""
-        deadline = time.monotonic() + 60
+        # Bounds for a machine loaded many times over (three runs side by side on two
+        # cores): a start that compiles its kernels can take tens of seconds there.
+        deadline = time.monotonic() + 180
         while True:
             try:
-                w.start(30.0)
+                w.start(90.0)
                 return
             except RuntimeError:
                 if time.monotonic() > deadline:
