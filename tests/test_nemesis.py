@@ -161,6 +161,10 @@ def test_a_token_with_two_owners_in_redis_fails():
         h.token(TokenSighting("s", token, owner, T0 + at, "redis"))
     assert rules(h, {}, {}) == []
     assert len(rewinds(h.tokens)) == 1
+    h = History()  # back to t1 while a hand-off reserved it for b: the store's loss only
+    for at, token, owner in [(0.0, "t1", "a"), (1.0, "t2", "b"), (2.0, "t1", "handoff:b")]:
+        h.token(TokenSighting("s", token, owner, T0 + at, "redis"))
+    assert rules(h, {}, {}) == []
 
 
 def test_a_request_without_an_outcome_fails():

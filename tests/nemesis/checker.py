@@ -28,7 +28,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from tests.nemesis.history import Fault, History, Op, TokenSighting
+from tests.nemesis.history import HANDOFF, Fault, History, Op, TokenSighting
 
 #: Kinds of answers only a session's owner gives (reads like GetSession or History may
 #: come from any worker, from Redis).
@@ -251,6 +251,8 @@ def check_tokens(tokens: list[TokenSighting]) -> list[Violation]:
             ))  # fmt: skip
     owners: dict[str, TokenSighting] = {}
     for t in sorted((t for t in tokens if t.source == "redis"), key=lambda t: t.at):
+        if t.owner.startswith(HANDOFF):
+            continue  # the source's token, reserved for the target: not a second owner
         first = owners.setdefault(t.token, t)
         if first.owner != t.owner:
             found.append(Violation(

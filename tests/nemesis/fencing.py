@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from tests.nemesis.history import History, TokenSighting
+from tests.nemesis.history import HANDOFF, History, TokenSighting
 
 _RESTORED = re.compile(r"session (\S+) restored at step \d+, token (\S+) ")
 _ACQUIRING_EVENTS = frozenset({"created", "taken_over"})
@@ -99,15 +99,17 @@ class TokenSampler:
                 conn = self.store()
                 for sid in list(self.sessions()):
                     token, owner = conn.hmget(f"ssm:{{{sid}}}:meta", "token", "owner_addr")
+                    lease = conn.get(f"ssm:{{{sid}}}:lease") or b""
                     self.reads += 1
                     if token is None:
                         continue
                     value = token.decode()
+                    held_by = (owner or b"").decode()
+                    if lease.startswith(b"handoff:"):  # reserved for a migration's target
+                        held_by = f"{HANDOFF}{held_by}"
                     if self._last.get(sid) != value:  # only changes: a short record
                         self._last[sid] = value
-                        self.history.token(
-                            TokenSighting(sid, value, (owner or b"").decode(), time.time(), "redis")
-                        )
+                        self.history.token(TokenSighting(sid, value, held_by, time.time(), "redis"))
             except (redis.RedisError, OSError, IndexError, KeyError):
                 pass  # Redis is down, frozen or failing over: try again next round
             finally:

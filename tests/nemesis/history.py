@@ -23,6 +23,11 @@ def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
+#: Marks a Redis sighting taken while a hand-off reserved the session for its target:
+#: the meta names the target with the source's token until the target acquires its own.
+HANDOFF = "handoff:"
+
+
 @dataclass
 class Op:
     """One client request. ``worker`` is the worker that answered (its name, from the
