@@ -101,6 +101,7 @@ def check_durability(
     found = _durability(history, expected, finals)
     lost_by_store = _store_losses(history.tokens)
     kept: list[Violation] = []
+    noted: set[str] = set()
     for v in found:
         # Between the step's last answer and the read that found it missing (the final
         # read, when no read during the run did).
@@ -108,7 +109,9 @@ def check_durability(
         reads = [o.complete or o.invoke for o in v.ops if o.kind != "step"]
         since, until = max(acked, default=0.0), max(reads, default=float("inf"))
         if any(since <= at <= until for at in lost_by_store.get(v.session, ())):
-            history.note(f"the store lost acknowledged writes of {v.session}: {v.message}")
+            if v.session not in noted:  # once a session: the first shows it
+                noted.add(v.session)
+                history.note(f"the store lost acknowledged writes of {v.session}: {v.message}")
         else:
             kept.append(v)
     return kept
@@ -251,8 +254,10 @@ def check_tokens(tokens: list[TokenSighting]) -> list[Violation]:
             ))  # fmt: skip
     owners: dict[str, TokenSighting] = {}
     for t in sorted((t for t in tokens if t.source == "redis"), key=lambda t: t.at):
-        if t.owner.startswith(HANDOFF):
-            continue  # the source's token, reserved for the target: not a second owner
+        if t.owner.startswith(HANDOFF) or not t.owner:
+            # The source's token reserved for a hand-off's target, or a session released
+            # (parked, unloaded) keeping its last token: neither is a second owner.
+            continue
         first = owners.setdefault(t.token, t)
         if first.owner != t.owner:
             found.append(Violation(
