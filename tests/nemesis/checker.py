@@ -105,9 +105,14 @@ def check_durability(
     for v in found:
         # Between the step's last answer and the read that found it missing (the final
         # read, when no read during the run did).
-        acked = [o.complete or o.invoke for o in v.ops if o.kind == "step"]
-        reads = [o.complete or o.invoke for o in v.ops if o.kind != "step"]
-        since, until = max(acked, default=0.0), max(reads, default=float("inf"))
+        reads = [o.complete or o.invoke for o in v.ops if o.kind not in ANSWERED_STEPS]
+        until = max(reads, default=float("inf"))
+        acked = [
+            at
+            for o in v.ops
+            if o.kind in ANSWERED_STEPS and (at := o.complete or o.invoke) <= until
+        ]
+        since = max(acked, default=0.0)
         if any(since <= at <= until for at in lost_by_store.get(v.session, ())):
             if v.session not in noted:  # once a session: the first shows it
                 noted.add(v.session)
@@ -186,8 +191,14 @@ def _durability(
     return found
 
 
+#: The kinds of op that answer one step: a streamed step, a generated token.
+ANSWERED_STEPS = ("step", "token")
+
+
 def _ops_of_step(history: History, sid: str, step: int) -> list[Op]:
-    return [o for o in history.ops if o.session == sid and o.kind == "step" and o.step == step]
+    return [
+        o for o in history.ops if o.session == sid and o.kind in ANSWERED_STEPS and o.step == step
+    ]
 
 
 # ---------------------------------------------------------------------------- (b)
