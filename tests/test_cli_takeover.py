@@ -120,7 +120,7 @@ def test_the_library_says_it_waits_and_bounds_the_wait(
             assert fork.session.session_id == "the-fork"
         assert (
             f"the owner {a.address} of session {forked_from} does not answer; waiting up to "
-            f"15 s for {b.address} to take it over" in caplog.text
+            f"60 s for {b.address} to take it over" in caplog.text
         )
 
         policy = RetryPolicy(takeover_wait_s=0.2)

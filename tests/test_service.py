@@ -112,10 +112,12 @@ def test_resent_steps_return_the_recorded_output(worker, served_models):
     x = random_inputs(model, 10, seed=2)
     sid = worker.client.create_session("demo").session_id
     got, _ = stream(worker, sid, x)
-    other = np.full(4, 9.0, np.float32)
-    again = worker.client.step(sid, other, step=7)  # different input: still the record
+    again = worker.client.step(sid, x[6], step=7)  # the same input: the record
     assert again.replayed
     assert_bit_equal(again.output, got[6])
+    other = np.full(4, 9.0, np.float32)  # another input: refused (tests/test_resend_inputs.py)
+    with pytest.raises((StepFailed, FailedPrecondition), match="already taken"):
+        worker.client.step(sid, other, step=7)
     assert worker.client.get_session(sid).step == 10
     nxt, _ = stream(worker, sid, random_inputs(model, 1, seed=3))
     full = np.concatenate([x, random_inputs(model, 1, seed=3)])
