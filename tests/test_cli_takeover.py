@@ -106,9 +106,8 @@ def test_the_library_says_it_waits_and_bounds_the_wait(
     model_dirs, served_models, redis_url, tmp_path, caplog
 ):
     """The library does what the CLI does (a warning on ``ssmserve.client``), at the
-    default lease TTL (5 s): the wait is derived from it (twice the TTL B says it watches
-    the lease for, + 5 s). With a wait shorter than the takeover needs it gives up and
-    says so."""
+    default lease TTL (5 s): by default it waits as long as any retry (give_up_after_s,
+    60 s). With a wait shorter than the takeover needs it gives up and says so."""
     a, b = start_workers(2, model_dirs, redis_url, tmp_path, 5.0)
     try:
         with Client(a.address) as client:

@@ -69,9 +69,9 @@ class RetryPolicy:
 
     def takeover_wait(self, retry_after_ms: int) -> float:
         """How long to wait for a takeover the worker said may start in ``retry_after_ms``
-        (never less: a caller waits at least that long before asking again)."""
+        (the setting as given; it only names the wait, the bound is the setting's)."""
         wait_s = self.takeover_wait_s if self.takeover_wait_s > 0 else self.give_up_after_s
-        return min(max(wait_s, retry_after_ms / 1000), self.give_up_after_s)
+        return min(wait_s, self.give_up_after_s)
 
 
 class Backoff:
