@@ -19,21 +19,38 @@ DURABILITY_SNAPSHOT: Durability
 DURABILITY_NONE: Durability
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_last_n: int
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before")
+    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before", "stop", "ignore_eos", "logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +59,10 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     at_step: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -50,43 +71,69 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_before: int
-    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "text")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    text: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
-    __slots__ = ("step", "token_id", "logprob", "text", "guard_events")
+    __slots__ = ("step", "token_id", "logprob", "text", "guard_events", "unfiltered_logprob", "top_logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     GUARD_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    UNFILTERED_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     token_id: int
     logprob: float
     text: str
     guard_events: _containers.RepeatedCompositeFieldContainer[GuardEvent]
-    def __init__(self, step: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ...) -> None: ...
+    unfiltered_logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, step: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ..., unfiltered_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "stopped", "session_step")
+    __slots__ = ("tokens", "finish_reason", "stopped", "session_step", "stop_string", "text")
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FINISH_UNSPECIFIED: _ClassVar[GenerateResponse.FinishReason]
         FINISH_LENGTH: _ClassVar[GenerateResponse.FinishReason]
         FINISH_STOP: _ClassVar[GenerateResponse.FinishReason]
         FINISH_GUARD: _ClassVar[GenerateResponse.FinishReason]
+        FINISH_EOS: _ClassVar[GenerateResponse.FinishReason]
+        FINISH_CANCELLED: _ClassVar[GenerateResponse.FinishReason]
     FINISH_UNSPECIFIED: GenerateResponse.FinishReason
     FINISH_LENGTH: GenerateResponse.FinishReason
     FINISH_STOP: GenerateResponse.FinishReason
     FINISH_GUARD: GenerateResponse.FinishReason
+    FINISH_EOS: GenerateResponse.FinishReason
+    FINISH_CANCELLED: GenerateResponse.FinishReason
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
     finish_reason: GenerateResponse.FinishReason
     stopped: StepError
     session_step: int
-    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    text: str
+    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class UpgradeRequest(_message.Message):
     __slots__ = ("session_id", "model")
@@ -464,7 +511,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("key", "name", "version", "fingerprint", "input_dim", "output_dim", "token_input", "resident_sessions", "newest", "tokenizer_fingerprint")
+    __slots__ = ("key", "name", "version", "fingerprint", "input_dim", "output_dim", "token_input", "resident_sessions", "newest", "tokenizer_fingerprint", "eos_token_ids", "has_tokenizer")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +522,8 @@ class ModelInfo(_message.Message):
     RESIDENT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     key: str
     name: str
     version: str
@@ -485,7 +534,9 @@ class ModelInfo(_message.Message):
     resident_sessions: int
     newest: bool
     tokenizer_fingerprint: str
-    def __init__(self, key: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., fingerprint: _Optional[str] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., resident_sessions: _Optional[int] = ..., newest: _Optional[bool] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_tokenizer: bool
+    def __init__(self, key: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., fingerprint: _Optional[str] = ..., input_dim: _Optional[int] = ..., output_dim: _Optional[int] = ..., token_input: _Optional[bool] = ..., resident_sessions: _Optional[int] = ..., newest: _Optional[bool] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("worker", "models")

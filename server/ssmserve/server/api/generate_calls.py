@@ -30,7 +30,7 @@ from ssmserve.server.sessions.generation import (
     Token,
     Update,
 )
-from ssmserve.server.sessions.sampling import SamplingParams
+from ssmserve.server.sessions.sampling import DEFAULT_PENALTY_LAST_N, SamplingParams
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 #: Tokens per response at most (each is a few bytes; this bounds a message, not a wait).
@@ -39,23 +39,45 @@ _FINISH = {
     "length": pb.GenerateResponse.FINISH_LENGTH,
     "stop": pb.GenerateResponse.FINISH_STOP,
     "guard": pb.GenerateResponse.FINISH_GUARD,
+    "eos": pb.GenerateResponse.FINISH_EOS,
+    "cancelled": pb.GenerateResponse.FINISH_CANCELLED,
     "": pb.GenerateResponse.FINISH_UNSPECIFIED,
 }
 
 
 def request_from_pb(request: pb.GenerateRequest, session_id: str) -> GenerateRequest:
-    p = request.sampling
     return GenerateRequest(
         session_id=session_id,
         max_tokens=request.max_tokens,
-        sampling=SamplingParams(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed
-        ),
+        sampling=sampling_from_pb(request.sampling),
         prompt=np.asarray(request.prompt_ids, np.int64),
         at_step=request.at_step if request.HasField("at_step") else None,
         stop_ids=frozenset(request.stop_token_ids),
         generated_before=request.generated_before,
         prompt_text=request.prompt_text,
+        stop=tuple(request.stop),
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs or request.top_logprobs > 0,
+        top_logprobs=request.top_logprobs,
+    )
+
+
+def sampling_from_pb(p: pb.SamplingParams) -> SamplingParams:
+    """The proto's parameters; its zero defaults mean off (repetition_penalty 0 is 1, an
+    unset penalty_last_n the default window)."""
+    return SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        penalty_last_n=(
+            p.penalty_last_n if p.HasField("penalty_last_n") else DEFAULT_PENALTY_LAST_N
+        ),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
 
 
@@ -108,13 +130,17 @@ def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
     response = pb.GenerateResponse()
     for update in batch:
         if isinstance(update, Token):
-            response.tokens.add(
+            token = response.tokens.add(
                 step=update.step,
                 token_id=update.token,
                 logprob=update.logprob,
                 text=update.text,
                 guard_events=[guard_event_to_pb(e) for e in update.guard_events],
             )
+            if update.unfiltered_logprob is not None:
+                token.unfiltered_logprob = update.unfiltered_logprob
+            for top in update.top_logprobs:
+                token.top_logprobs.add(token_id=top.token, logprob=top.logprob, text=top.text)
             response.session_step = update.step
         elif isinstance(update, Start):
             response.session_step = update.session_step
@@ -122,6 +148,8 @@ def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
             assert isinstance(update, Finish)
             response.session_step = update.session_step
             response.finish_reason = _FINISH[update.reason]
+            response.stop_string = update.stop_string
+            response.text = update.text
             if update.error is not None:
                 response.stopped.CopyFrom(status.step_error(update.error, scope.clean))
     return response

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 #: Prompt steps queued at once (one run each): well inside a session's queue limit.
 PROMPT_CHUNK = 512
 MAX_STOP_IDS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 
 
 class GenerateUnsupportedError(SsmserveError):
@@ -114,6 +117,17 @@ class GenerateRequest:
     stop_ids: frozenset[int] = frozenset()
     generated_before: int = 0
     prompt_text: str = ""
+    stop: tuple[str, ...] = ()  # stop strings (models with a tokenizer)
+    ignore_eos: bool = False  # True: the model's EOS ids do not end generation
+    logprobs: bool = False  # each token carries its unfiltered logprob
+    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS most likely tokens per token (implies logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float  # after penalties and logit_bias, before temperature and filters
+    text: str = ""  # models with a tokenizer: the token decoded on its own
 
 
 @dataclass(frozen=True)
@@ -122,17 +136,25 @@ class Token:
     token: int
     logprob: float
     guard_events: tuple[GuardEvent, ...] = ()
-    text: str = ""  # models with a tokenizer: the whole characters this token completes
+    # Models with a tokenizer: the text released at this token (the whole characters it
+    # completes, less what may still begin a stop string: held back for a later token).
+    text: str = ""
+    unfiltered_logprob: float | None = None  # requested: after penalties and bias
+    top_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finish:
-    """How a generation ended: ``reason`` length, stop or guard; ``error`` set for a
-    guard's verdict or a step that failed (the client follows a SESSION_MOVED)."""
+    """How a generation ended: ``reason`` length, stop, eos, cancelled or guard; ``error``
+    set for a guard's verdict or a step that failed (the client follows a SESSION_MOVED).
+    ``stop_string``: the stop string matched; ``text``: held-back text released with no
+    token to carry it."""
 
     reason: str
     session_step: int
     error: SsmserveError | None = None
+    stop_string: str = ""
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,15 +197,21 @@ class Generations:
                 f"(use Forecast to run a signal model ahead)"
             )
         tokenizer = self.tokenizer_of(s.model_name)
+        if request.stop and tokenizer is None:
+            raise BadGenerateRequestError(
+                f"stop: model {s.model_name!r} has no tokenizer, so stop strings cannot be "
+                f"matched; give stop_token_ids (or serve the model with its tokenizer.json)"
+            )
         if request.prompt_text:
             request = await self._encoded(request, s.model_name, tokenizer)
-        ids = np.concatenate([request.prompt, np.fromiter(request.stop_ids, np.int64)])
+        bias_ids = np.fromiter((t for t, _ in request.sampling.logit_bias), np.int64)
+        ids = np.concatenate([request.prompt, np.fromiter(request.stop_ids, np.int64), bias_ids])
         outside = (ids < 0) | (ids >= c.vocab_size)
         if outside.any():
             bad = int(ids[np.argmax(outside)])
             raise BadGenerateRequestError(
-                f"token id {bad} (prompt or stop ids) is outside [0, {c.vocab_size}) of model "
-                f"{s.model_name!r}"
+                f"token id {bad} (prompt, stop ids or logit_bias) is outside "
+                f"[0, {c.vocab_size}) of model {s.model_name!r}"
             )
         generation = Generation(self, s, request, tokenizer)
         await generation.resume()
@@ -233,6 +261,20 @@ class Generations:
             )
         if len(r.stop_ids) > MAX_STOP_IDS:
             raise BadGenerateRequestError(f"at most {MAX_STOP_IDS} stop ids, got {len(r.stop_ids)}")
+        if len(r.stop) > MAX_STOP_STRINGS:
+            raise BadGenerateRequestError(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(r.stop)}"
+            )
+        for text in r.stop:
+            if not 1 <= len(text) <= MAX_STOP_STRING_CHARS:
+                raise BadGenerateRequestError(
+                    f"stop: each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(text)}"
+                )
+        if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadGenerateRequestError(
+                f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {r.top_logprobs}"
+            )
         r.sampling.check()
 
 

@@ -25,6 +25,12 @@ import numpy as np
 from ssmserve.server.errors import ErrorKind, SsmserveError
 
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY_LAST_N = 4096
+DEFAULT_PENALTY_LAST_N = 64
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
+MAX_PRESENCE_FREQUENCY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 _U64 = (1 << 64) - 1
 _TWO_POW_MINUS_53 = 2.0**-53
 
@@ -49,9 +55,17 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest head with probability >= top_p; 0 or 1: all
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
     seed: int = 0  # 0 .. 2**64 - 1
+    # Penalties over the session's last ``penalty_last_n`` inputs (``logits.adjusted``):
+    # 1 / 0 / 0 turn them off.
+    repetition_penalty: float = 1.0  # in [0.01, 10]
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    penalty_last_n: int = DEFAULT_PENALTY_LAST_N  # 0 .. 4096
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias in [-100, 100]), ids sorted
 
     def check(self) -> SamplingParams:
         """These parameters, or BadSamplingError naming the first one out of range."""
+        self._check_penalties()
         t = self.temperature
         if not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
             raise BadSamplingError(
@@ -66,9 +80,50 @@ class SamplingParams:
             raise BadSamplingError(f"seed must be in [0, 2**64), got {self.seed}")
         return self
 
+    def _check_penalties(self) -> None:
+        low, high = REPETITION_PENALTY_RANGE
+        r = self.repetition_penalty
+        if not (math.isfinite(r) and low <= r <= high):
+            raise BadSamplingError(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 or 0: off), got {r!r}"
+            )
+        m = MAX_PRESENCE_FREQUENCY
+        for name, value in (
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ):
+            if not (math.isfinite(value) and -m <= value <= m):
+                raise BadSamplingError(f"{name} must be in [-{m:g}, {m:g}], got {value!r}")
+        if not 0 <= self.penalty_last_n <= MAX_PENALTY_LAST_N:
+            raise BadSamplingError(
+                f"penalty_last_n must be in 0..{MAX_PENALTY_LAST_N}, got {self.penalty_last_n}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise BadSamplingError(
+                f"logit_bias holds at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                f"{len(self.logit_bias)}"
+            )
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise BadSamplingError(
+                    f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias!r}"
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties or the bias change any logit (else the draw reads the
+        float32 logits as they are)."""
+        window = self.penalty_last_n > 0 and (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+        return window or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)
