@@ -50,7 +50,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before", "stop", "ignore_eos", "logprobs", "top_logprobs")
+    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before", "stop", "ignore_eos", "logprobs", "top_logprobs", "constraint", "monitor", "monitor_retries")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,9 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    MONITOR_FIELD_NUMBER: _ClassVar[int]
+    MONITOR_RETRIES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     at_step: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +78,34 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     logprobs: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    monitor: TextMonitor
+    monitor_retries: int
+    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., monitor: _Optional[_Union[TextMonitor, _Mapping]] = ..., monitor_retries: _Optional[int] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "regex", "lark_grammar", "json_object")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    lark_grammar: str
+    json_object: bool
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark_grammar: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
+
+class TextMonitor(_message.Message):
+    __slots__ = ("regex", "json_schema", "rollback_tokens", "max_retries")
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    regex: str
+    json_schema: str
+    rollback_tokens: int
+    max_retries: int
+    def __init__(self, regex: _Optional[str] = ..., json_schema: _Optional[str] = ..., rollback_tokens: _Optional[int] = ..., max_retries: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")
@@ -106,7 +136,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, step: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ..., unfiltered_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "stopped", "session_step", "stop_string", "text")
+    __slots__ = ("tokens", "finish_reason", "stopped", "session_step", "stop_string", "text", "retracted_after_step", "monitor_retries")
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FINISH_UNSPECIFIED: _ClassVar[GenerateResponse.FinishReason]
@@ -115,25 +145,31 @@ class GenerateResponse(_message.Message):
         FINISH_GUARD: _ClassVar[GenerateResponse.FinishReason]
         FINISH_EOS: _ClassVar[GenerateResponse.FinishReason]
         FINISH_CANCELLED: _ClassVar[GenerateResponse.FinishReason]
+        FINISH_MONITOR: _ClassVar[GenerateResponse.FinishReason]
     FINISH_UNSPECIFIED: GenerateResponse.FinishReason
     FINISH_LENGTH: GenerateResponse.FinishReason
     FINISH_STOP: GenerateResponse.FinishReason
     FINISH_GUARD: GenerateResponse.FinishReason
     FINISH_EOS: GenerateResponse.FinishReason
     FINISH_CANCELLED: GenerateResponse.FinishReason
+    FINISH_MONITOR: GenerateResponse.FinishReason
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    RETRACTED_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MONITOR_RETRIES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
     finish_reason: GenerateResponse.FinishReason
     stopped: StepError
     session_step: int
     stop_string: str
     text: str
-    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    retracted_after_step: int
+    monitor_retries: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ..., retracted_after_step: _Optional[int] = ..., monitor_retries: _Optional[int] = ...) -> None: ...
 
 class UpgradeRequest(_message.Message):
     __slots__ = ("session_id", "model")
