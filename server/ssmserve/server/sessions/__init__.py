@@ -21,6 +21,9 @@ and moving them to other workers.
 ``forecaster``       forecasts of many sessions batched per engine call
 ``generation``       Generate: a prompt fed, then seeded draws fed back, through the intake
 ``sampling``         a token drawn from logits: greedy, or keyed by (seed, step) with filters
+``constraints``      constrained output: a JSON schema, regex or grammar's mask (llguidance)
+``text_monitor``     a check of the output text that retracts and resamples on a rejection
+``guided_output``    a generation's constraint and monitor at work, draw by draw
 ``history``          ``HistoryReader``: what a session did over a range of steps
 ``guards``           guard rules (FINITE, RANGE, RATE, PREDICTION_ERROR; sustained) and
                      their actions; the checks of one output row

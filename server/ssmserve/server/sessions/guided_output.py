@@ -1,0 +1,133 @@
+"""A generation's output rules at work: its constraint's mask before each draw, its text
+monitor's verdict after it (``constraints``, ``text_monitor``).
+
+:func:`prepare_guide` checks and compiles the rules before anything is queued (a bad
+schema, regex or grammar, or a model without a tokenizer: BadConstraintError); the
+:class:`Guide` then follows the generation's tokens: ``rebuild`` with the tokens it drew
+before a resumed call (from the session's log), ``logits`` and ``seed`` for each draw,
+``after`` each token applied, ``retract`` when the monitor rejected one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ssmserve.server.engine.tokenizer import ModelTokenizer
+from ssmserve.server.sessions.constraints import (
+    BadConstraintError,
+    Constraint,
+    GrammarTokenizers,
+    TokenMatcher,
+    compile_constraint,
+    masked,
+)
+from ssmserve.server.sessions.text_monitor import TextMonitor, TextWatch
+
+
+@dataclass(frozen=True)
+class OutputRules:
+    """What a Generate request asks of its output (each None: none)."""
+
+    constraint: Constraint | None = None
+    monitor: TextMonitor | None = None
+    monitor_retries: int = 0  # a resumed call: the retractions it received
+
+
+class Verdict(enum.Enum):
+    GOES_ON = "goes_on"
+    COMPLETE = "complete"  # the output is complete and nothing may follow: stop here
+    REJECTED = "rejected"  # the monitor rejected the token: retract
+
+
+class Guide:
+    """The constraint's matcher and the monitor's watch over one generation's tokens."""
+
+    def __init__(self, matcher: TokenMatcher | None, watch: TextWatch | None) -> None:
+        self.matcher, self.watch = matcher, watch
+        self.tokens: list[int] = []  # this generation's tokens, as far as it goes now
+
+    def rebuild(self, tokens: list[int], end_ids: frozenset[int]) -> bool:
+        """Follow ``tokens``, this generation's before a resumed call; False when the
+        constraint refuses them (they are not this generation's) or the monitor rejected
+        one (never answered: the generation was cut before it retracted it)."""
+        return all(self.after(token, end_ids) is not Verdict.REJECTED for token in tokens)
+
+    def logits(self, logits: np.ndarray, end_ids: frozenset[int]) -> np.ndarray:
+        """``logits`` with what the constraint does not allow next at -Inf. The mask
+        commutes with the penalties and logit_bias (-Inf stays -Inf through them), so the
+        draw sees the masked logits after them."""
+        if self.matcher is None:
+            return logits
+        return masked(logits, self.matcher.allowed(end_ids))
+
+    def seed(self, seed: int) -> int:
+        return seed if self.watch is None else self.watch.seed(seed)
+
+    @property
+    def retries(self) -> int:
+        return 0 if self.watch is None else self.watch.retries
+
+    def after(self, token: int, end_ids: frozenset[int]) -> Verdict:
+        """Follow ``token`` (drawn and applied): the monitor's verdict, else whether the
+        constraint is complete."""
+        if self.watch is not None and not self.watch.accepts(token, end_ids):
+            return Verdict.REJECTED
+        self.tokens.append(token)
+        if self.matcher is not None:
+            taken = self.matcher.ends(token) if token in end_ids else self.matcher.consume(token)
+            if not taken:  # a masked draw cannot be refused: a resent token, not ours
+                return Verdict.REJECTED
+            if self.matcher.complete:
+                return Verdict.COMPLETE
+        if self.watch is not None and self.watch.complete:
+            return Verdict.COMPLETE
+        return Verdict.GOES_ON
+
+    def retract(self) -> int:
+        """Count a rejection of the token just drawn (not followed); how many tokens to
+        take back, that one included. Raises MonitorRejectedError past max_retries."""
+        assert self.watch is not None
+        back = self.watch.retract(len(self.tokens) + 1)
+        if back > 1:
+            if self.matcher is not None:
+                self.matcher.rollback(back - 1)
+            del self.tokens[len(self.tokens) - (back - 1) :]
+        return back
+
+
+async def prepare_guide(
+    rules: OutputRules | None,
+    tokenizer: ModelTokenizer | None,
+    vocab_size: int,
+    model: str,
+    temperature: float,
+    tokenizers: GrammarTokenizers,
+) -> Guide | None:
+    """The guide of ``rules`` for a model (None: no rules), or BadConstraintError: a
+    schema, regex or grammar llguidance refuses, a monitor out of range, a model without
+    a tokenizer. Compiled off the event loop (a large schema takes milliseconds)."""
+    if rules is None or (rules.constraint is None and rules.monitor is None):
+        return None
+    if tokenizer is None:
+        raise BadConstraintError(
+            f"model {model!r} has no tokenizer.json, so its output cannot be constrained or "
+            f"monitored as text; serve it from a directory that holds its tokenizer.json"
+        )
+    monitor = None if rules.monitor is None else rules.monitor.checked(temperature)
+
+    def compiled() -> Guide:
+        grammar_tokenizer = tokenizers.get(tokenizer, vocab_size)
+        matcher = None
+        if rules.constraint is not None:
+            matcher = compile_constraint(rules.constraint, grammar_tokenizer).matcher()
+        watch = None
+        if monitor is not None:
+            check = compile_constraint(monitor.check, grammar_tokenizer)
+            watch = TextWatch(monitor, check, rules.monitor_retries)
+        return Guide(matcher, watch)
+
+    return await asyncio.to_thread(compiled)
