@@ -276,8 +276,9 @@ class TokenMatcher:
 
 
 def masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """``logits`` with every id ``allowed`` does not hold at -Inf (probability 0), a copy."""
-    out = np.array(logits, np.float32, copy=True)
+    """``logits`` with every id ``allowed`` does not hold at -Inf (probability 0): a copy
+    of the same dtype (float32 as the model gives them, float64 once adjusted)."""
+    out = np.array(logits, copy=True)
     out[~allowed] = -np.inf
     return out
 
