@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import re
+from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -17,9 +21,18 @@ from ssmserve.client.monitored import (
     generate_monitored,
     generate_monitored_sync,
 )
+from ssmserve.server.engine.loader import load_model
+from ssmserve.server.engine.tokenizer import TOKENIZER_FILE, ModelTokenizer
 from ssmserve.server.sessions import text_monitor
+from ssmserve.server.sessions.constraints import Constraint, GrammarTokenizers
+from ssmserve.server.sessions.guided_output import OutputRules, Verdict, prepare_guide
 from ssmserve.server.sessions.sampling import draw
-from tests.test_generate import PARAMS, PROMPT, sampling
+from ssmserve.server.sessions.text_monitor import TextMonitor
+from ssmserve.v1 import ssmserve_pb2 as pb
+from tests.conftest import token_config, write_model
+from tests.harness import WorkerHarness
+from tests.test_constraints import EOS, SCHEMA, VOCAB, train_tokenizer
+from tests.test_generate import PARAMS, PROMPT, raw_generate, sampling
 
 
 def offline_monitored(model, prompt, n, check, params=PARAMS, retries_cap=100):
@@ -110,3 +123,248 @@ def test_the_async_client_side_monitor_gives_the_sync_ones_tokens(worker):
     run = asyncio.run(asyncio.wait_for(body(), 60))
     assert [t.token_id for t in run.tokens] == [t.token_id for t in sync.tokens]
     assert run.retries == sync.retries
+
+
+# ---------------------------------------------------------------------------- the server's
+
+
+@pytest.fixture(scope="module")
+def json_tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def guided_dirs(model_dirs, tmp_path_factory, json_tokenizer) -> dict[str, Path]:
+    """ "lm" (no tokenizer) and "jm": a token model of VOCAB rows with the byte-level BPE
+    of ``test_constraints`` beside it, its "<eos>" (id 0) the end-of-sequence id."""
+    jm = tmp_path_factory.mktemp("guided") / "jm"
+    write_model(jm, token_config(vocab_size=VOCAB), seed=11)
+    json_tokenizer.save(str(jm / TOKENIZER_FILE))
+    (jm / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    return {"lm": model_dirs["lm"], "jm": jm}
+
+
+@pytest.fixture(scope="module")
+def jm_model(guided_dirs):
+    return load_model(guided_dirs["jm"])
+
+
+@pytest.fixture
+def guided_worker(guided_dirs, redis_url):
+    harness = WorkerHarness(guided_dirs, redis_url)
+    yield harness
+    harness.stop()
+
+
+def offline_guided(model, tokenizer, prompt, n, rules, params):
+    """The tokens a guided generation keeps, and its retractions (step, retries): each
+    drawn from the masked logits with the seed after the rejections so far; a rejected
+    one (and those the monitor takes back) undone on the offline state."""
+    p = sampling(**params)
+    guide = asyncio.run(
+        prepare_guide(
+            rules, ModelTokenizer(tokenizer, "f"), VOCAB, "jm", p.temperature,
+            GrammarTokenizers(),
+        )
+    )  # fmt: skip
+    eos = frozenset({EOS})
+    outs, state = model.run(np.asarray(prompt, np.int64))
+    states, step, tokens, retractions = [(outs[-1], state)], len(prompt), [], []
+    finish = "length"
+    while len(tokens) < n:
+        out, state = states[-1]
+        z = guide.logits(out, eos)
+        d = draw(p, (guide.seed(p.seed), step), z)
+        verdict = guide.after(d.token, eos)
+        if verdict is Verdict.REJECTED:
+            back = guide.retract()
+            del tokens[len(tokens) - (back - 1) :]
+            del states[len(states) - (back - 1) :]
+            step -= back - 1
+            retractions.append((step, guide.retries))
+            continue
+        tokens.append(d.token)
+        o, state = model.run(np.array([d.token]), state)
+        states.append((o[0], state))
+        step += 1
+        if d.token == EOS:
+            finish = "eos"
+            break
+        if verdict is Verdict.COMPLETE:
+            finish = "stop"
+            break
+    return tokens, retractions, finish
+
+
+def kept_tokens(responses):
+    """The tokens a client keeps from raw responses: a retraction drops those after its
+    step received before, then the message's own tokens follow."""
+    kept = []
+    for r in responses:
+        if r.HasField("retracted_after_step"):
+            kept = [t for t in kept if t.step <= r.retracted_after_step]
+        kept.extend(r.tokens)
+    return kept
+
+
+SCHEMA_TEXT = json.dumps(SCHEMA)
+GUIDED_PARAMS = {"temperature": 1.0, "seed": 5}
+
+
+def test_a_json_schema_constraint_gives_a_valid_document_exactly(
+    guided_worker, jm_model, json_tokenizer
+):
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    rules = OutputRules(constraint=Constraint("json_schema", SCHEMA_TEXT))
+    for seed in (5, 6, 7):
+        params = {**GUIDED_PARAMS, "seed": seed}
+        sid = c.create_session("jm").session_id
+        responses = raw_generate(
+            guided_worker, session_id=sid, max_tokens=200, prompt_ids=prompt,
+            sampling=pb.SamplingParams(**params),
+            constraint=pb.Constraint(json_schema=SCHEMA_TEXT),
+        )  # fmt: skip
+        got = kept_tokens(responses)
+        ids = [t.token_id for t in got]
+        expected, _, finish = offline_guided(jm_model, json_tokenizer, prompt, 200, rules, params)
+        assert ids == expected
+        document = json.loads("".join(t.text for t in got))
+        assert set(document) == {"a", "ok"} and isinstance(document["ok"], bool)
+        reason = {"eos": pb.GenerateResponse.FINISH_EOS, "stop": pb.GenerateResponse.FINISH_STOP}
+        assert responses[-1].finish_reason == reason[finish]
+
+
+def test_regex_and_grammar_constraints_through_the_client_options(guided_worker, json_tokenizer):
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    for constraint, pattern in [
+        (pb.Constraint(regex=r"(ab|x)+c"), r"(ab|x)+c"),
+        (
+            pb.Constraint(lark_grammar='start: "[" N ("," N)* "]"\nN: /[0-9]{1,2}/'),
+            r"\[\d{1,2}(,\d{1,2})*\]",
+        ),
+        (pb.Constraint(json_object=True), r"\{.*\}"),
+    ]:
+        sid = c.create_session("jm").session_id
+        responses = raw_generate(
+            guided_worker, session_id=sid, max_tokens=300, prompt_ids=prompt,
+            sampling=pb.SamplingParams(**GUIDED_PARAMS), constraint=constraint,
+        )  # fmt: skip
+        text = "".join(t.text for t in kept_tokens(responses))
+        assert re.fullmatch(pattern, text, re.DOTALL), text
+
+
+def test_a_resumed_constrained_generation_gives_the_same_tokens(guided_worker, json_tokenizer):
+    """Cut after k tokens and resumed (at_step, generated_before): the matcher rebuilt
+    from the session's log draws what the undisturbed call drew."""
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    whole_sid, cut_sid = (c.create_session("jm").session_id for _ in range(2))
+    fields = {
+        "max_tokens": 200,
+        "sampling": pb.SamplingParams(**GUIDED_PARAMS),
+        "constraint": pb.Constraint(json_schema=SCHEMA_TEXT),
+    }
+    whole = kept_tokens(
+        raw_generate(guided_worker, session_id=whole_sid, prompt_ids=prompt, **fields)
+    )
+    assert len(whole) > 6
+    first = kept_tokens(
+        raw_generate(
+            guided_worker, session_id=cut_sid, prompt_ids=prompt, **{**fields, "max_tokens": 5}
+        )
+    )
+    rest = kept_tokens(
+        raw_generate(
+            guided_worker, session_id=cut_sid, at_step=first[-1].step, generated_before=5, **fields
+        )
+    )
+    assert [t.token_id for t in first + rest] == [t.token_id for t in whole]
+    assert "".join(t.text for t in first + rest) == "".join(t.text for t in whole)
+    # resumed from an earlier step: the tokens past it answered again, checked
+    again = kept_tokens(
+        raw_generate(
+            guided_worker, session_id=cut_sid, at_step=first[1].step, generated_before=2, **fields
+        )
+    )
+    assert [t.token_id for t in again] == [t.token_id for t in whole[2:]]
+
+
+def test_the_server_monitor_retracts_and_resamples_exactly(guided_worker, jm_model, json_tokenizer):
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    regex = r"[^0-9]*"  # no digit (nor an invalid UTF-8 sequence)
+    monitor = pb.TextMonitor(regex=regex, rollback_tokens=2, max_retries=64)
+    rules = OutputRules(monitor=TextMonitor(Constraint("regex", regex), 2, 64))
+    sid = c.create_session("jm").session_id
+    responses = raw_generate(
+        guided_worker, session_id=sid, max_tokens=16, prompt_ids=prompt,
+        sampling=pb.SamplingParams(**GUIDED_PARAMS), monitor=monitor,
+    )  # fmt: skip
+    expected, retractions, _ = offline_guided(
+        jm_model, json_tokenizer, prompt, 16, rules, GUIDED_PARAMS
+    )
+    got = kept_tokens(responses)
+    assert [t.token_id for t in got] == expected and len(expected) == 16
+    seen = [
+        (r.retracted_after_step, r.monitor_retries)
+        for r in responses
+        if r.HasField("retracted_after_step")
+    ]
+    assert seen == retractions and len(seen) > 3
+    assert re.fullmatch(regex, "".join(t.text for t in got))
+    np.testing.assert_array_equal(c.history(sid, 1).inputs, [*prompt, *expected])
+    assert responses[-1].finish_reason == pb.GenerateResponse.FINISH_LENGTH
+
+
+def test_past_max_retries_the_generation_ends_with_finish_monitor(guided_worker, json_tokenizer):
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    sid = c.create_session("jm").session_id
+    responses = raw_generate(
+        guided_worker, session_id=sid, max_tokens=50, prompt_ids=prompt,
+        sampling=pb.SamplingParams(**GUIDED_PARAMS),
+        monitor=pb.TextMonitor(regex="q", max_retries=2),
+    )  # fmt: skip
+    last = responses[-1]
+    assert last.finish_reason == pb.GenerateResponse.FINISH_MONITOR
+    assert (
+        last.stopped.reason == "MONITOR_REJECTED" and "over max_retries 2" in last.stopped.message
+    )
+    assert kept_tokens(responses) == [] and c.get_session(sid).step == len(prompt)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"constraint": pb.Constraint(regex="a(b")}, "unclosed group"),
+        ({"constraint": pb.Constraint(json_schema='{"type": "frob"}')}, "frob"),
+        ({"constraint": pb.Constraint(lark_grammar="start: foo")}, "unknown name"),
+        ({"constraint": pb.Constraint()}, "empty"),
+        ({"monitor": pb.TextMonitor(regex="a", max_retries=1000)}, "max_retries"),
+        (
+            {"monitor": pb.TextMonitor(regex="a"), "sampling": pb.SamplingParams()},
+            "temperature > 0",
+        ),
+    ],
+)
+def test_bad_rules_are_invalid_argument_before_anything_is_queued(guided_worker, fields, message):
+    c = guided_worker.client
+    sid = c.create_session("jm").session_id
+    request = {"session_id": sid, "max_tokens": 5, "prompt_ids": [3, 4],
+               "sampling": pb.SamplingParams(**GUIDED_PARAMS), **fields}  # fmt: skip
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_generate(guided_worker, **request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in caught.value.details() and len(caught.value.details()) < 700
+    assert c.get_session(sid).step == 0  # nothing fed
+
+
+def test_a_model_without_tokenizer_refuses_rules(guided_worker):
+    sid = guided_worker.client.create_session("lm").session_id
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_generate(guided_worker, session_id=sid, max_tokens=5, prompt_ids=[1, 2],
+                     constraint=pb.Constraint(regex="a+"))  # fmt: skip
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no tokenizer.json" in caught.value.details()

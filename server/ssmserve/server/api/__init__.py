@@ -4,6 +4,7 @@
 ``service``          ``SessionService``: the handlers of the session RPCs
 ``stream_pipeline``  Stream: requests read ahead, steps queued as runs, answers in order
 ``generate_calls``   Generate: a request checked and started, its tokens sent as drawn
+``output_rules``     Generate's constraint and text monitor from the proto; retractions out
 ``answer_fence``     the last check as an answer leaves: is its session's lease still sure?
 ``conversions``      protobuf messages <-> the server's types (configs, infos, results)
 ``cluster_service``  ``ClusterService`` (workers, migrate, drain, undrain, adopt)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,14 @@ from ssmserve.server.sessions.constraints import (
     compile_constraint,
     masked,
 )
-from ssmserve.server.sessions.text_monitor import TextMonitor, TextWatch
+from ssmserve.server.sessions.events import SessionEvent
+from ssmserve.server.sessions.events import record as record_events
+from ssmserve.server.sessions.records import RollbackTarget
+from ssmserve.server.sessions.replay import Replay
+from ssmserve.server.sessions.session import Session
+from ssmserve.server.sessions.text_monitor import TextMonitor, TextWatch, attempt_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,15 @@ class OutputRules:
     monitor_retries: int = 0  # a resumed call: the retractions it received
 
 
+@dataclass(frozen=True)
+class Retraction:
+    """The text monitor rejected a token: the session is back at ``step`` and the tokens
+    after it are withdrawn; ``retries``: the rejections so far."""
+
+    step: int
+    retries: int
+
+
 class Verdict(enum.Enum):
     GOES_ON = "goes_on"
     COMPLETE = "complete"  # the output is complete and nothing may follow: stop here
@@ -46,8 +63,11 @@ class Verdict(enum.Enum):
 class Guide:
     """The constraint's matcher and the monitor's watch over one generation's tokens."""
 
-    def __init__(self, matcher: TokenMatcher | None, watch: TextWatch | None) -> None:
+    def __init__(
+        self, matcher: TokenMatcher | None, watch: TextWatch | None, attempt: int = 0
+    ) -> None:
         self.matcher, self.watch = matcher, watch
+        self.attempt = attempt  # without a monitor: the request's attempt, fixed
         self.tokens: list[int] = []  # this generation's tokens, as far as it goes now
 
     def rebuild(self, tokens: list[int], end_ids: frozenset[int]) -> bool:
@@ -65,11 +85,12 @@ class Guide:
         return masked(logits, self.matcher.allowed(end_ids))
 
     def seed(self, seed: int) -> int:
-        return seed if self.watch is None else self.watch.seed(seed)
+        """The seed of the next draw: ``seed``'s attempt after the rejections so far."""
+        return attempt_seed(seed, self.retries)
 
     @property
     def retries(self) -> int:
-        return 0 if self.watch is None else self.watch.retries
+        return self.attempt if self.watch is None else self.watch.retries
 
     def after(self, token: int, end_ids: frozenset[int]) -> Verdict:
         """Follow ``token`` (drawn and applied): the monitor's verdict, else whether the
@@ -111,7 +132,13 @@ async def prepare_guide(
     schema, regex or grammar llguidance refuses, a monitor out of range, a model without
     a tokenizer. Compiled off the event loop (a large schema takes milliseconds)."""
     if rules is None or (rules.constraint is None and rules.monitor is None):
-        return None
+        # monitor_retries alone: the draws of the caller's own monitor after as many
+        # rejections (``ssmserve.client.monitored``)
+        return (
+            None
+            if rules is None or not rules.monitor_retries
+            else Guide(None, None, rules.monitor_retries)
+        )
     if tokenizer is None:
         raise BadConstraintError(
             f"model {model!r} has no tokenizer.json, so its output cannot be constrained or "
@@ -131,3 +158,23 @@ async def prepare_guide(
         return Guide(matcher, watch)
 
     return await asyncio.to_thread(compiled)
+
+
+async def retract_to(replay: Replay, s: Session, step: int, retries: int) -> np.ndarray:
+    """Roll ``s`` back to ``step`` for the text monitor, through the session's rollback
+    path (``Replay.resolve`` and ``Replay.restore_to``, as the Rollback RPC does; recorded
+    as a rollback with cause ``text_monitor``); the (guarded) logits of that step."""
+    async with replay.residents.hold(s):
+        target, record = await replay.resolve(s, RollbackTarget(step=step), "retract")
+        before = s.step
+        await replay.restore_to(s, target, record)
+        event = SessionEvent.rollback(before, target, "text_monitor", f"retry {retries}")
+        await record_events(replay.store, s.lease, [event])
+        output = s.recent.output_at(target)
+    log.info(
+        "session %s: the text monitor rejected step %d: rolled back to step %d", s.id,
+        before, target,
+        extra={"session_id": s.id, "step": target, "event": "rolled_back",
+               "cause": "text_monitor"},
+    )  # fmt: skip
+    return output if output is not None else await replay.output_at(s, target)
