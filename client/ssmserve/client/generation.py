@@ -16,7 +16,8 @@ across a resumed call (the worker rebuilds its detokenizer from the session's lo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,19 @@ from ssmserve.client.routing import TRANSIENT_NUMBERS, WorkerRouter, session_met
 from ssmserve.client.step_values import SessionRef, session_id_of
 from ssmserve.v1 import ssmserve_pb2 as pb
 
+#: How long closing a generation early waits for each call that takes a token back.
+TAKE_BACK_BOUND_S = 10.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A likely token at one step: its id, log-probability (after penalties and
+    logit_bias, before temperature and filters) and text (a model with a tokenizer)."""
+
+    token_id: int
+    logprob: float
+    text: str = ""
+
 
 @dataclass(frozen=True)
 class GeneratedToken:
@@ -44,9 +58,27 @@ class GeneratedToken:
     token_id: int
     logprob: float
     guard_events: list[pb.GuardEvent] = field(default_factory=list)
-    # Models with a tokenizer: the whole characters this token completes ('' while a
-    # character's bytes are still coming); joined, the generation's text.
+    # Models with a tokenizer: the text released at this token (whole characters, less
+    # what may still begin a stop string, held for a later token); joined, the
+    # generation's text.
     text: str = ""
+    # logprobs / top_logprobs asked for: after penalties and logit_bias, before
+    # temperature and the filters; the most likely tokens first.
+    unfiltered_logprob: float | None = None
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The generation's last token: why it ended ("length", "stop", "eos"), and the stop
+    # string matched ('' for a stop id); '' on every other token.
+    finish_reason: str = ""
+    stop_string: str = ""
+
+
+FINISH_REASONS = {
+    pb.GenerateResponse.FINISH_LENGTH: "length",
+    pb.GenerateResponse.FINISH_STOP: "stop",
+    pb.GenerateResponse.FINISH_GUARD: "guard",
+    pb.GenerateResponse.FINISH_EOS: "eos",
+    pb.GenerateResponse.FINISH_CANCELLED: "cancelled",
+}
 
 
 class AsyncGenerateCalls:
@@ -72,6 +104,16 @@ class AsyncGenerateCalls:
         min_p: float = 0.0,
         seed: int = 0,
         stop_token_ids: Iterable[int] = (),
+        stop: Iterable[str] = (),
+        ignore_eos: bool = False,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        penalty_last_n: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        take_back_on_close: bool = True,
     ) -> AsyncIterator[GeneratedToken]:
         """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
         SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
@@ -84,15 +126,27 @@ class AsyncGenerateCalls:
         ``temperature``, filtered by ``top_k`` (0: all), ``top_p`` (1: all) and
         ``min_p`` (0: none), drawn with a generator keyed by (``seed``, step), so the same
         call from the same step gives the same tokens. Generation ends after
-        ``max_tokens`` tokens or a token of ``stop_token_ids`` (yielded). ``at_step``:
+        ``max_tokens`` tokens, a token of ``stop_token_ids`` (yielded), one of the model's
+        end-of-sequence ids (yielded, without text; unless ``ignore_eos``) or, a model
+        with a tokenizer, when its text contains a string of ``stop`` (at most 16; not
+        sent: the text that may begin one is held back until it cannot); the last token
+        says why (``finish_reason``, ``stop_string``). Before temperature, the logits are
+        adjusted by ``repetition_penalty`` (1: off), ``presence_penalty`` and
+        ``frequency_penalty`` (0: off) over the session's last ``penalty_last_n`` inputs
+        (None: 64) and ``logit_bias`` ({id: bias in [-100, 100]}). ``logprobs`` /
+        ``top_logprobs`` (0..20): each token carries its ``unfiltered_logprob`` and the
+        most likely tokens of that adjusted distribution. ``at_step``:
         the step the session is at before the prompt (default: its step now). When the
         call is cut it resumes wherever the session is served; each token is yielded
-        once, with ``text`` (a model with a tokenizer: the whole characters it completes).
+        once, with ``text`` (a model with a tokenizer: the whole characters it releases).
+        Closed early (``aclose()``, a ``break``), the session is rolled back to the step
+        of the last token yielded if this generation went past it
+        (``take_back_on_close``): it holds no token the caller did not get.
         Raises InvalidArgument (bad parameters, ids outside the vocabulary, prompt_text
-        for a model without a tokenizer; the session is untouched), FailedPrecondition (a
-        signal model, or a session not at ``at_step``), StepFailed (a guard rejected or
-        rolled back the next step, or something else stepped the session: the tokens before
-        it were yielded), NotFound."""
+        or stop strings for a model without a tokenizer; the session is untouched),
+        FailedPrecondition (a signal model, or a session not at ``at_step``), StepFailed
+        (a guard rejected or rolled back the next step, or something else stepped the
+        session: the tokens before it were yielded), NotFound."""
         session_id = session_id_of(session)
         if at_step is None:
             at_step = (await self.get_session(session_id)).step
@@ -102,13 +156,50 @@ class AsyncGenerateCalls:
             session_id=session_id,
             max_tokens=max_tokens,
             sampling=pb.SamplingParams(
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                seed=seed,
+                repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                penalty_last_n=penalty_last_n,
+                logit_bias=dict(logit_bias or {}),
             ),
             stop_token_ids=list(stop_token_ids),
+            stop=list(stop),
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
         prompt = _Prompt(list(prompt_ids or ()), prompt_text)
-        async for token in _generate(self.router, request, prompt, at_step):
-            yield token
+        last: GeneratedToken | None = None
+        tokens = _generate(self.router, request, prompt, at_step)
+        try:
+            async for token in tokens:
+                last = token
+                yield token
+        except GeneratorExit:  # closed before the generation ended
+            await tokens.aclose()  # the call is cancelled first
+            if take_back_on_close and last is not None and not last.finish_reason:
+                await self._take_back(session_id, last.step)
+            raise
+
+    async def _take_back(self, session_id: str, step: int) -> None:
+        """Roll the session back to ``step``, the last token yielded, if it is past it:
+        the worker took the step of a token that was on its way when the call was closed
+        (it takes back one it had not handed over itself). Best effort, bounded: a
+        failure leaves the session where it is."""
+        try:
+            info = await asyncio.wait_for(self.get_session(session_id), TAKE_BACK_BOUND_S)
+            if info.step > step:
+                await asyncio.wait_for(self.rollback(session_id, to_step=step), TAKE_BACK_BOUND_S)
+        except (SsmserveClientError, TimeoutError):
+            pass
+
+    async def rollback(self, session: SessionRef, *, to_step: int | None = None) -> Any:
+        raise NotImplementedError  # AsyncClient's
 
     async def generate_text(
         self, session: SessionRef, max_tokens: int, *, prompt_text: str = "", **options: Any
@@ -159,11 +250,11 @@ async def _generate(
             async for reply in router.replies(call):
                 backoff.progress()
                 router.served(session_id, address)
-                for t in reply.tokens:
+                for i, t in enumerate(reply.tokens):
                     if t.step <= at and received:
                         continue  # answered before this call resumed
-                    events = list(t.guard_events)
-                    yield GeneratedToken(t.step, t.token_id, t.logprob, events, t.text)
+                    last = i == len(reply.tokens) - 1
+                    yield _token(t, reply if last else None)
                     received, last_token, at = received + 1, t.token_id, t.step
                     prompt.fed()
                 if prompt and _prompt_fed(reply, at, prompt):
@@ -189,6 +280,20 @@ async def _generate(
         if received >= base.max_tokens or (received and last_token in stop):
             return  # every token is here; only the end was not
         address = await router.next_address(address, error, backoff, session_id)
+
+
+def _token(t: pb.GeneratedToken, final: pb.GenerateResponse | None) -> GeneratedToken:
+    """A token as the caller gets it; ``final``: the reply it ends, if it carries the
+    finish reason."""
+    finish = "" if final is None else FINISH_REASONS.get(final.finish_reason, "")
+    top = [TokenLogprob(x.token_id, x.logprob, x.text) for x in t.top_logprobs]
+    return GeneratedToken(
+        t.step, t.token_id, t.logprob, list(t.guard_events), t.text,
+        unfiltered_logprob=t.unfiltered_logprob if t.HasField("unfiltered_logprob") else None,
+        top_logprobs=top,
+        finish_reason=finish,
+        stop_string="" if final is None else final.stop_string,
+    )  # fmt: skip
 
 
 def _prompt_fed(reply: pb.GenerateResponse, at: int, prompt: _Prompt) -> bool:

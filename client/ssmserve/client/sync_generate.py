@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ssmserve.client.aio import AsyncClient
@@ -35,6 +35,16 @@ class GenerateCalls:
         min_p: float = 0.0,
         seed: int = 0,
         stop_token_ids: Iterable[int] = (),
+        stop: Iterable[str] = (),
+        ignore_eos: bool = False,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        penalty_last_n: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        take_back_on_close: bool = True,
     ) -> Iterator[GeneratedToken]:
         """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
         SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
@@ -47,15 +57,21 @@ class GenerateCalls:
         ``temperature``, filtered by ``top_k`` (0: all), ``top_p`` (1: all) and
         ``min_p`` (0: none), drawn with a generator keyed by (``seed``, step), so the same
         call from the same step gives the same tokens. Generation ends after
-        ``max_tokens`` tokens or a token of ``stop_token_ids`` (yielded). ``at_step``:
+        ``max_tokens`` tokens, a token of ``stop_token_ids`` (yielded), one of the model's
+        end-of-sequence ids (yielded, without text; unless ``ignore_eos``) or, a model
+        with a tokenizer, when its text contains a string of ``stop`` (not sent); the last
+        token says why (``finish_reason``, ``stop_string``). The penalties, logit_bias,
+        logprobs and top_logprobs are AsyncClient.generate's. ``at_step``:
         the step the session is at before the prompt (default: its step now). When the
         call is cut it resumes wherever the session is served; each token is yielded
-        once, with ``text`` (a model with a tokenizer: the whole characters it completes).
+        once, with ``text`` (a model with a tokenizer: the whole characters it releases).
+        Closed early (``close()``, a ``break``), the session is rolled back to the step of
+        the last token yielded if the generation went past it (``take_back_on_close``).
         Raises InvalidArgument (bad parameters, ids outside the vocabulary, prompt_text
-        for a model without a tokenizer; the session is untouched), FailedPrecondition (a
-        signal model, or a session not at ``at_step``), StepFailed (a guard rejected or
-        rolled back the next step, or something else stepped the session: the tokens before
-        it were yielded), NotFound."""
+        or stop strings for a model without a tokenizer; the session is untouched),
+        FailedPrecondition (a signal model, or a session not at ``at_step``), StepFailed
+        (a guard rejected or rolled back the next step, or something else stepped the
+        session: the tokens before it were yielded), NotFound."""
         return self._iterate(
             self._aio.generate(
                 session,
@@ -69,6 +85,16 @@ class GenerateCalls:
                 min_p=min_p,
                 seed=seed,
                 stop_token_ids=stop_token_ids,
+                stop=stop,
+                ignore_eos=ignore_eos,
+                repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                penalty_last_n=penalty_last_n,
+                logit_bias=logit_bias,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                take_back_on_close=take_back_on_close,
             )
         )
 

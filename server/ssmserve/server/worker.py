@@ -55,7 +55,7 @@ from ssmserve.server.engine.numerics import (
     pin_blas_threads,
 )
 from ssmserve.server.engine.quantize import QUANTIZATIONS
-from ssmserve.server.engine.tokenizer import ModelTokenizer, load_tokenizer
+from ssmserve.server.engine.tokenizer import ModelTokenizer, load_tokenizer, read_eos_ids
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, WorkerView
@@ -354,8 +354,9 @@ class Worker:
         manager = self.manager = SessionManager(
             models, self.store, self.ownership, self.memory, engine_manager_settings(s), guard
         )
-        for name, tokenizer in tokenizers.items():
-            manager.models.set_tokenizer(name, tokenizer)
+        for name, directory in s.models:
+            manager.models.set_tokenizer(name, tokenizers[name])
+            manager.models.set_eos_ids(name, _eos_ids(models[name], directory))
         self.migrator = Migrator(
             self.store, self.ownership, self.peers,
             manager.residents, manager.loader, manager.checkpoints, manager.lifecycle,
@@ -517,7 +518,7 @@ class Worker:
             )
         model, tokenizer = await asyncio.to_thread(_load, directory, key, self.settings)
         self._check_fits(key, model)
-        await self.manager.load_model(key, model, tokenizer)
+        await self.manager.load_model(key, model, tokenizer, _eos_ids(model, directory))
         await self._models_changed()
 
     async def unload_model(self, key: str) -> None:
@@ -661,6 +662,12 @@ def engine_numerics(engine: str, quantize: str = "none") -> str:
         return gpu_numerics_description(default_device())
     weights = f" | weights {quantize}" if quantize != "none" else ""
     return numerics_description() + weights
+
+
+def _eos_ids(model: Engine, directory: Path) -> tuple[int, ...]:
+    """A token model's end-of-sequence ids (Generate stops on them by default)."""
+    c = model.config
+    return read_eos_ids(directory, c.vocab_size) if c.is_token_model else ()
 
 
 def _load(directory: Path, key: str, s: WorkerSettings) -> tuple[Engine, ModelTokenizer | None]:

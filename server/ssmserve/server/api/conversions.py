@@ -243,6 +243,8 @@ def model_to_pb(key: str, models: ServedModels, resident: int) -> pb.ModelInfo:
         resident_sessions=resident,
         newest=models.newest(key),
         tokenizer_fingerprint="" if tokenizer is None else tokenizer.fingerprint,
+        eos_token_ids=models.eos_ids(key),
+        has_tokenizer=tokenizer is not None,
     )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ssmserve.server.api import answer_fence, status
 from ssmserve.server.api.conversions import guard_event_to_pb
+from ssmserve.server.api.output_rules import add_retraction, rules_from_pb
 from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.sessions.generation import (
@@ -30,6 +31,7 @@ from ssmserve.server.sessions.generation import (
     Token,
     Update,
 )
+from ssmserve.server.sessions.guided_output import Retraction
 from ssmserve.server.sessions.sampling import DEFAULT_PENALTY_LAST_N, SamplingParams
 from ssmserve.v1 import ssmserve_pb2 as pb
 
@@ -41,6 +43,7 @@ _FINISH = {
     "guard": pb.GenerateResponse.FINISH_GUARD,
     "eos": pb.GenerateResponse.FINISH_EOS,
     "cancelled": pb.GenerateResponse.FINISH_CANCELLED,
+    "monitor": pb.GenerateResponse.FINISH_MONITOR,
     "": pb.GenerateResponse.FINISH_UNSPECIFIED,
 }
 
@@ -59,6 +62,7 @@ def request_from_pb(request: pb.GenerateRequest, session_id: str) -> GenerateReq
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs or request.top_logprobs > 0,
         top_logprobs=request.top_logprobs,
+        rules=rules_from_pb(request),
     )
 
 
@@ -119,6 +123,8 @@ async def answer(
                 lapsed = answer_fence.lapsed(request.session_id, response.tokens[0].step)
                 await status.abort(context, lapsed, scope.clean)
             yield response
+            # Written to gRPC: the generation may take its next step (``handover``).
+            generation.handover.hand(response.session_step)
             if isinstance(batch[-1], Finish):
                 return
     finally:
@@ -144,6 +150,8 @@ def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
             response.session_step = update.step
         elif isinstance(update, Start):
             response.session_step = update.session_step
+        elif isinstance(update, Retraction):
+            add_retraction(response, update)
         else:
             assert isinstance(update, Finish)
             response.session_step = update.session_step

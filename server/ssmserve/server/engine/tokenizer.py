@@ -18,6 +18,7 @@ that names it. The library is imported only when a model has a tokenizer.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,46 @@ def load_tokenizer(directory: str | Path, vocab_size: int) -> ModelTokenizer | N
             f"replace it with the model's own, or remove it to serve the model without text"
         ) from None
     return _checked(ModelTokenizer(tokenizer, hashlib.sha256(raw).hexdigest()), path, vocab_size)
+
+
+def read_eos_ids(source: str | Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids of the token model at ``source`` (sorted, distinct), where
+    Generate stops by default: ``eos_token_id`` (an id or a list) of the directory's
+    ``generation_config.json``, else of its ``config.json``; for a GGUF file its
+    ``tokenizer.ggml.eos_token_id``. () when none is given. An id that is no int or is
+    outside the vocabulary refuses the model (``ModelFormatError``)."""
+    source = Path(source)
+    if _is_gguf(source):
+        from ssmserve.server.engine.gguf_model import open_gguf
+
+        field = open_gguf(source).fields.get("tokenizer.ggml.eos_token_id")
+        found = None if field is None else field.contents()
+        return _eos_checked(found, f"{source.name}'s tokenizer.ggml.eos_token_id", vocab_size)
+    for name in (GENERATION_CONFIG_FILE, "config.json"):
+        path = source / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text("utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelFormatError(f"{path} cannot be read as JSON ({str(exc)[:200]})") from None
+        found = config.get("eos_token_id") if isinstance(config, dict) else None
+        if found is not None:
+            return _eos_checked(found, f"{path}'s eos_token_id", vocab_size)
+    return ()
+
+
+def _eos_checked(found: object, what: str, vocab_size: int) -> tuple[int, ...]:
+    if found is None:
+        return ()
+    ids = found if isinstance(found, list) else [found]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ModelFormatError(
+                f"{what} is {str(found)[:100]}: expected token ids in [0, {vocab_size}); fix "
+                f"or remove it"
+            )
+    return tuple(sorted(set(ids)))
 
 
 def _checked(tokenizer: ModelTokenizer, what: object, vocab_size: int) -> ModelTokenizer:

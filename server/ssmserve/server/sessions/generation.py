@@ -29,20 +29,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ssmserve.server.engine.detokenizer import IncrementalDetokenizer
 from ssmserve.server.engine.tokenizer import ModelTokenizer
-from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError
+from ssmserve.server.sessions.constraints import GrammarTokenizers
 from ssmserve.server.sessions.guards import GuardEvent
+from ssmserve.server.sessions.guided_output import (
+    Guide,
+    OutputRules,
+    Retraction,
+    Verdict,
+    prepare_guide,
+    retract_to,
+)
+from ssmserve.server.sessions.handover import HANDOVER_BOUND_S, HandOver, take_back
 from ssmserve.server.sessions.intake import StepIntake
 from ssmserve.server.sessions.loading import SessionLoader
+from ssmserve.server.sessions.logits import adjusted, logprobs, penalty_window
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.residency import ResidentSessions
-from ssmserve.server.sessions.sampling import SamplingParams, draw
+from ssmserve.server.sessions.sampling import Draw, SamplingParams, draw
 from ssmserve.server.sessions.session import (
     GuardRejectedError,
     GuardRolledBackError,
@@ -50,6 +61,8 @@ from ssmserve.server.sessions.session import (
     StepOutcome,
     StepRun,
 )
+from ssmserve.server.sessions.stopping import GeneratedText
+from ssmserve.server.sessions.text_monitor import MonitorRejectedError
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +134,7 @@ class GenerateRequest:
     ignore_eos: bool = False  # True: the model's EOS ids do not end generation
     logprobs: bool = False  # each token carries its unfiltered logprob
     top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS most likely tokens per token (implies logprobs)
+    rules: OutputRules | None = None  # a constraint, a text monitor (guided_output)
 
 
 @dataclass(frozen=True)
@@ -165,7 +179,7 @@ class Start:
     session_step: int
 
 
-Update = Start | Token | Finish
+Update = Start | Token | Finish | Retraction
 
 
 class Generations:
@@ -179,12 +193,16 @@ class Generations:
         residents: ResidentSessions,
         settings: GenerateSettings,
         tokenizer_of: Callable[[str], ModelTokenizer | None] | None = None,
+        eos_of: Callable[[str], tuple[int, ...]] | None = None,
     ) -> None:
         self.loader, self.intake, self.replay, self.residents = loader, intake, replay, residents
         self.settings = settings
         # A model's tokenizer (None: it has none, and prompt_text is refused): by default
         # the one served with it.
         self.tokenizer_of = tokenizer_of or loader.models.tokenizer
+        # A model's end-of-sequence ids (generation_config.json / config.json / GGUF).
+        self.eos_of = eos_of or loader.models.eos_ids
+        self.grammar_tokenizers = GrammarTokenizers()  # constraints' view of tokenizers
 
     async def start(self, request: GenerateRequest) -> Generation:
         """A generation ready to run, or the error that refuses it (session untouched)."""
@@ -213,7 +231,12 @@ class Generations:
                 f"token id {bad} (prompt, stop ids or logit_bias) is outside "
                 f"[0, {c.vocab_size}) of model {s.model_name!r}"
             )
-        generation = Generation(self, s, request, tokenizer)
+        eos = frozenset() if request.ignore_eos else frozenset(self.eos_of(s.model_name))
+        guide = await prepare_guide(
+            request.rules, tokenizer, c.vocab_size, s.model_name,
+            request.sampling.temperature, self.grammar_tokenizers,
+        )  # fmt: skip
+        generation = Generation(self, s, request, tokenizer, eos, guide)
         await generation.resume()
         return generation
 
@@ -288,16 +311,31 @@ class Generation:
         s: Session,
         request: GenerateRequest,
         tokenizer: ModelTokenizer | None = None,
+        eos: frozenset[int] = frozenset(),
+        guide: Guide | None = None,
     ) -> None:
         self.parent, self.session, self.request = parent, s, request
+        self.guide = guide  # the request's constraint and text monitor (None: neither)
+        self.tokenizer, self.eos = tokenizer, eos
         # The texts of this generation's tokens (None: the model has no tokenizer).
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer.decode)
+        self.text = (
+            None if tokenizer is None else GeneratedText(tokenizer.decode, request.stop, eos)
+        )
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        # The sender says which tokens it handed to gRPC: a step is taken only once the
+        # token before it was handed, so a cancelled call leaves at most one token the
+        # client was not handed, and that one is taken back (``_cancelled``).
+        self.handover = HandOver()
         self.step = 0  # the step the session is at after what was fed so far
         self.output: np.ndarray | None = None  # the logits of ``step``, once known
         self.prompt_left = request.prompt  # prompt ids not yet fed
         self.count = request.generated_before  # tokens of this generation so far
         self.resent: list[Token] = []  # tokens past at_step, answered again from the log
+        # The penalties' window: the session's inputs up to ``step`` (None: no penalties).
+        self.window: deque[int] | None = None
+        self.pending: Token | None = None  # the token of the step taken last (or being)
+        self.resent_verdict = Verdict.GOES_ON  # the guide's verdict on the last resent token
+        self.rejected_step: int | None = None  # a resent step the text monitor rejects
 
     async def resume(self) -> None:
         """Where the session is against ``at_step``: the part of the prompt still to feed,
@@ -314,6 +352,10 @@ class Generation:
                 f"store behind steps that were answered, or was rolled back)",
                 t,
             )
+        if r.sampling.penalized and r.sampling.penalty_last_n:
+            self.window = await penalty_window(self.parent.replay, s, at, r.sampling.penalty_last_n)
+        if self.guide is not None and r.generated_before:  # before the tokens past at
+            await self._rebuild_guide(at, r.generated_before)
         n = len(r.prompt)
         ahead = t - at
         if ahead:
@@ -325,10 +367,11 @@ class Generation:
                     f"prompt: something else stepped it; generate from its step {t}",
                     t,
                 )
+            self._saw(logged[:fed])
             self.prompt_left = r.prompt[fed:]
             if ahead > n:
                 await self._resend(at + n, logged[n:])
-        if self.detokenizer is not None and r.generated_before:
+        if self.text is not None and r.generated_before:
             await self._rebuild_texts(at, r.generated_before)
         if t == 0 and not len(self.prompt_left):
             raise GenerateAtStepError(
@@ -341,7 +384,7 @@ class Generation:
         """Feed the detokenizer this generation's tokens up to ``at`` (steps
         ``at - before + 1 ..``, from the log) so it sends the texts an undisturbed call
         would. A log that no longer reaches the generation's start gives what it keeps."""
-        assert self.detokenizer is not None
+        assert self.text is not None
         s = self.session
         first = max(at - before, 0)
         _count, oldest = await self.parent.replay.store.snapshot_count_and_oldest(s.id)
@@ -349,7 +392,47 @@ class Generation:
             return  # nothing logged to rebuild from: texts start afresh
         first = max(first, oldest)
         tokens = s.codec.decode_many(await self.parent.replay.inputs(s, first + 1, at))
-        self.detokenizer.skip([int(t) for t in tokens])
+        self.text.skip([int(t) for t in tokens])
+
+    async def _rebuild_guide(self, at: int, before: int) -> None:
+        """Feed the guide this generation's tokens up to ``at`` (steps
+        ``at - before + 1 ..``, from the log): the masks and verdicts go on as an
+        undisturbed call's. A log that no longer reaches them: GenerateAtStepError."""
+        assert self.guide is not None
+        tokens = await self._logged(at - before, at)
+        if not self.guide.rebuild([int(t) for t in tokens], self.eos):
+            raise GenerateAtStepError(
+                f"the tokens of session {self.session.id!r} up to step {at} are not this "
+                f"generation's (its constraint or text monitor refuses them, or monitor_retries "
+                f"is not the count of retractions received); generate from its step {self.step}",
+                self.step,
+            )
+
+    async def _retract(self) -> Finish | None:
+        """The text monitor rejected the token of ``self.step``: the session is rolled
+        back over it and the tokens before it the monitor takes back, the retraction
+        sent; past max_retries, the Finish (the rejected token taken back alone)."""
+        assert self.guide is not None
+        r, self.pending = self.request, None
+        try:
+            back, error = self.guide.retract(), None
+        except MonitorRejectedError as exc:
+            back, error = 1, exc
+        to = self.step - back
+        replay = self.parent.replay
+        self.output = await retract_to(replay, self.session, to, self.guide.retries)
+        self.step, self.count = to, self.count - (back - 1)
+        if self.window is not None:
+            n = r.sampling.penalty_last_n
+            self.window = await penalty_window(replay, self.session, to, n)
+        if self.text is not None and back > 1:  # the texts of the tokens kept, again
+            assert self.tokenizer is not None
+            self.text = GeneratedText(self.tokenizer.decode, r.stop, self.eos)
+            self.text.skip(self.guide.tokens)
+        if error is not None:
+            return Finish("monitor", to, error, text=self._flushed())
+        self.updates.put_nowait(Retraction(to, self.guide.retries))
+        return None
 
     async def _logged(self, at: int, t: int) -> np.ndarray:
         s = self.session
@@ -369,17 +452,49 @@ class Generation:
         outputs = await self._outputs(start, start + len(tokens) - 1)
         for i, token in enumerate(tokens.tolist()):
             step = start + i  # the step whose logits drew it
-            d = draw(r.sampling, (r.sampling.seed, step), outputs[i])
-            if d.token != token:
+            drawn = self._draw(step, outputs[i])
+            if drawn.token != token:
                 raise GenerateAtStepError(
-                    f"step {step + 1} of session {s.id!r} took token {token}, not {d.token} "
-                    f"that this generation draws there: something else stepped it; generate "
-                    f"from its step {self.step}",
+                    f"step {step + 1} of session {s.id!r} took token {token}, not "
+                    f"{drawn.token} that this generation draws there: something else stepped "
+                    f"it; generate from its step {self.step}",
                     self.step,
                 )
-            self.resent.append(Token(step + 1, token, d.logprob))
-            if self.count + len(self.resent) >= r.max_tokens or token in r.stop_ids:
+            if self.guide is not None:  # the verdict it had: the last one resent ends there
+                self.resent_verdict = self.guide.after(token, self.eos)
+                if self.resent_verdict is Verdict.REJECTED:  # cut before it was retracted
+                    self.resent_verdict, self.rejected_step = Verdict.GOES_ON, step + 1
+                    break
+            self.resent.append(drawn)
+            self._saw([token])
+            ends = token in r.stop_ids or token in self.eos
+            if self.count + len(self.resent) >= r.max_tokens or ends:
                 break
+            if self.resent_verdict is Verdict.COMPLETE:
+                break
+
+    def _draw(self, step: int, output: np.ndarray) -> Token:
+        """The token this generation draws from ``output``, the logits of ``step`` (as
+        the token of step ``step + 1``, with its logprobs when asked for)."""
+        r = self.request
+        z = output if self.window is None else adjusted(output, r.sampling, self.window)
+        seed = r.sampling.seed
+        if self.guide is not None:  # the constraint's mask; the seed after the rejections
+            z, seed = self.guide.logits(z, self.eos), self.guide.seed(seed)
+        d: Draw = draw(r.sampling, (seed, step), z)
+        if not r.logprobs:
+            return Token(step + 1, d.token, d.logprob)
+        lp = logprobs(z, d.token, r.top_logprobs)
+        top = tuple(TokenLogprob(i, p, self._decoded(i)) for i, p in lp.top)
+        return Token(step + 1, d.token, d.logprob, unfiltered_logprob=lp.chosen, top_logprobs=top)
+
+    def _decoded(self, token: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _saw(self, inputs: np.ndarray | list[int]) -> None:
+        """The penalties' window after the session takes ``inputs``."""
+        if self.window is not None:
+            self.window.extend(int(t) for t in inputs)
 
     async def _outputs(self, first: int, last: int) -> list[np.ndarray]:
         """The (guarded) logits of steps ``first..last``: memory, else replayed."""
@@ -407,9 +522,13 @@ class Generation:
 
     async def run(self) -> None:
         """Feed what is left of the prompt, then generate; every update goes on
-        ``updates``, the last a :class:`Finish`."""
+        ``updates``, the last a :class:`Finish`. Cancelled (the client went away), a
+        step taken whose token was not handed to the client is taken back."""
         try:
             finish = await self._run()
+        except asyncio.CancelledError:
+            await self._cancelled()
+            raise
         except SsmserveError as exc:  # a prompt step's, or logits that cannot be drawn from
             finish = self._stopped(exc)
         except Exception as exc:  # a bug: logged here, the client told no more than that
@@ -419,47 +538,97 @@ class Generation:
         self.updates.put_nowait(finish)
 
     async def _run(self) -> Finish:
-        r = self.request
         for token in self.resent:
-            self.updates.put_nowait(self._with_text(token))
-            self.count += 1
-            if token.token in r.stop_ids:
-                return Finish("stop", token.step)
+            if (finish := self._emit(token)) is not None:
+                return finish
         if self.resent:
             self.step = self.resent[-1].step
-            if self.count >= r.max_tokens:
-                return Finish("length", self.step)
+        if self.resent_verdict is Verdict.COMPLETE:
+            return Finish("stop", self.step, text=self._flushed())
+        if self.rejected_step is not None:
+            self.step = self.rejected_step
+            if (finish := await self._retract()) is not None:
+                return finish
         if len(self.prompt_left):
             await self._feed(self.prompt_left)
         self.updates.put_nowait(Start(self.step))
         if self.output is None:  # not in memory: replayed
             self.output = await self.parent.replay.output_at(self.session, self.step)
-        seed = r.sampling.seed
-        while self.count < r.max_tokens:
-            d = draw(r.sampling, (seed, self.step), self.output)
-            outcome = await self._submit(self.step + 1, d.token)
+        self.handover.hand(self.step)  # what came before this call's first draw
+        while True:
+            drawn = self._draw(self.step, self.output)
+            if not await self.handover.handed(self.step, HANDOVER_BOUND_S):
+                return Finish("cancelled", self.step, text=self._flushed())
+            self.pending = drawn
+            outcome = await self._submit(self.step + 1, drawn.token)
             if outcome.error is not None:
                 return self._stopped(outcome.error)
             self.step += 1
-            self.count += 1
             self.output = outcome.output
-            token = Token(self.step, d.token, d.logprob, outcome.guard_events)
-            self.updates.put_nowait(self._with_text(token))
-            if d.token in r.stop_ids:
-                return Finish("stop", self.step)
-        return Finish("length", self.step)
+            verdict = Verdict.GOES_ON
+            if self.guide is not None:
+                verdict = self.guide.after(drawn.token, self.eos)
+                if verdict is Verdict.REJECTED:
+                    if (finish := await self._retract()) is not None:
+                        return finish
+                    continue
+            self._saw([drawn.token])
+            if (
+                finish := self._emit(replace(drawn, guard_events=outcome.guard_events))
+            ) is not None:
+                return finish
+            if verdict is Verdict.COMPLETE:  # the constraint or monitor allows no more
+                return Finish("stop", self.step, text=self._flushed())
 
-    def _with_text(self, token: Token) -> Token:
-        if self.detokenizer is None:
-            return token
-        return replace(token, text=self.detokenizer.add(token.token))
+    def _emit(self, token: Token) -> Finish | None:
+        """Put ``token`` on ``updates`` with the text it releases; the Finish it makes
+        (a stop rule or max_tokens), or None: generation goes on."""
+        r = self.request
+        self.count += 1
+        ends = token.token in r.stop_ids or token.token in self.eos or self.count >= r.max_tokens
+        stop_string = ""
+        if self.text is not None:
+            released = self.text.add(token.token, last=ends)
+            token, stop_string = replace(token, text=released.text), released.stop_string
+        self.updates.put_nowait(token)
+        if stop_string:
+            return Finish("stop", token.step, stop_string=stop_string)
+        if token.token in r.stop_ids:
+            return Finish("stop", token.step)
+        if token.token in self.eos:
+            return Finish("eos", token.step)
+        if self.count >= r.max_tokens:
+            return Finish("length", token.step)
+        return None
+
+    def _flushed(self) -> str:
+        return "" if self.text is None else self.text.flush()
 
     def _stopped(self, error: SsmserveError) -> Finish:
         if isinstance(error, GuardRolledBackError):
-            return Finish("guard", self.session.step, error)
+            return Finish("guard", self.session.step, error, text=self._flushed())
         if isinstance(error, GuardRejectedError):
-            return Finish("guard", self.step, error)
+            return Finish("guard", self.step, error, text=self._flushed())
+        if isinstance(error, SessionMovedError):  # the worker drains or stops: resume there
+            return Finish("cancelled", self.step, error)
         return Finish("", self.step, error)
+
+    async def _cancelled(self) -> None:
+        """The step of the last token drawn, if taken but not handed to the client, taken
+        back by the session's rollback path (bounded)."""
+        drawn = self.pending
+        if drawn is None or drawn.step <= self.handover.last:
+            return
+        try:
+            await asyncio.wait_for(
+                take_back(self.parent.replay, self.session, drawn.step, drawn.token),
+                HANDOVER_BOUND_S,
+            )
+        except (SsmserveError, TimeoutError) as exc:
+            log.warning(
+                "generate: session %s: step %d, taken for a cancelled call, stays (%s)",
+                self.session.id, drawn.step, exc,
+            )  # fmt: skip
 
     async def _submit(self, step: int, token: int) -> StepOutcome:
         """Step ``step`` with input ``token``, through the intake like a Stream step."""

@@ -169,12 +169,18 @@ class SessionManager:
         await self.lanes.warm_up()
 
     async def load_model(
-        self, key: str, model: Engine, tokenizer: ModelTokenizer | None = None
+        self,
+        key: str,
+        model: Engine,
+        tokenizer: ModelTokenizer | None = None,
+        eos_ids: tuple[int, ...] = (),
     ) -> None:
         """Serve another model (version) from now on (``ModelLanes.add``), with its
-        tokenizer if it has one (in place before requests can see the model)."""
+        tokenizer if it has one and its end-of-sequence ids (in place before requests can
+        see the model)."""
         if key not in self.models:
             self.models.set_tokenizer(key, tokenizer)
+            self.models.set_eos_ids(key, eos_ids)
         try:
             await self.lanes.add(key, model)
         except BaseException:

@@ -55,6 +55,7 @@ class ServedModels(Mapping[str, Engine]):
                 )
         self._models = dict(models)
         self._tokenizers: dict[str, ModelTokenizer] = {}
+        self._eos_ids: dict[str, tuple[int, ...]] = {}
 
     def __getitem__(self, key: str) -> Engine:
         return self._models[key]
@@ -90,6 +91,15 @@ class ServedModels(Mapping[str, Engine]):
     def remove(self, key: str) -> None:
         del self._models[key]
         self._tokenizers.pop(key, None)
+        self._eos_ids.pop(key, None)
+
+    def set_eos_ids(self, key: str, ids: tuple[int, ...]) -> None:
+        """``key``'s end-of-sequence ids (``engine.tokenizer.read_eos_ids``)."""
+        self._eos_ids[key] = ids
+
+    def eos_ids(self, key: str) -> tuple[int, ...]:
+        """The ids Generate stops on for ``key`` (unless a request ignores them)."""
+        return self._eos_ids.get(key, ())
 
     def set_tokenizer(self, key: str, tokenizer: ModelTokenizer | None) -> None:
         """``key``'s tokenizer (None: it has none); set before the model is added."""

@@ -5,7 +5,9 @@ replay or another worker must draw the same token again. So a draw depends on no
 but ``(params, seed, step, logits)``:
 
 - the float32 logits are widened to float64 and every filter works in float64, in this
-  fixed order: temperature, top-k, softmax, top-p, min-p (see :func:`draw`);
+  fixed order: the penalties and logit bias over the session's recent inputs
+  (``logits.adjusted``, only when the request sets them), then temperature, top-k,
+  softmax, top-p, min-p (see :func:`draw`);
 - the uniform variate comes from a counter-based generator (Philox4x64-10) keyed by
   ``(seed, step)``, counter 0: nothing is carried from one draw to the next, so no
   generator state is checkpointed and any step can be drawn again on its own.
@@ -141,8 +143,9 @@ def uniform(seed: int, step: int) -> float:
 
 
 def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray) -> Draw:
-    """The token ``params`` draw from ``logits`` (V,) float32 at ``seed_step``
-    ``(seed, step)``. In float64, in this order:
+    """The token ``params`` draw from ``logits`` (V,) float32 (or float64: adjusted by
+    the penalties and bias, ``logits.adjusted``) at ``seed_step`` ``(seed, step)``. In
+    float64, in this order:
 
     1. temperature 0: the argmax (lowest id on ties), logprob 0;
     2. ``z = logits / temperature``; ids ordered by z descending, ties by id ascending;
@@ -165,7 +168,11 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
     Raises LogitsNotFiniteError when a logit is NaN or +Inf (-Inf is probability 0), every
     one is -Inf, or the largest over the temperature overflows float64.
     """
-    z = np.asarray(logits, np.float32)
+    # float32 logits as the model gives them, or float64 ones the penalties adjusted
+    # (``logits.adjusted``): their values are ranked as they are.
+    z = np.asarray(logits)
+    if z.dtype != np.float64:
+        z = np.asarray(z, np.float32)
     top = z.max()  # NaN if one is, else +Inf if one is, else -Inf only if all are
     if not -np.inf < top < np.inf:
         step = seed_step[1]
@@ -175,7 +182,7 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
         )
     if params.greedy:
         return Draw(int(np.argmax(z)), 0.0)  # argmax: the lowest id among equal maxima
-    ranked, p, running = _ranked(z, params.top_k)  # float32 descending; float64 room
+    ranked, p, running = _ranked(z, params.top_k)  # z's values descending; float64 room
     np.copyto(p, ranked)
     with np.errstate(over="ignore"):  # an overflow is refused just below
         p /= params.temperature
@@ -214,19 +221,20 @@ def draw(params: SamplingParams, seed_step: tuple[int, int], logits: np.ndarray)
 
 
 class _Buffers(threading.local):
-    """Per thread, per vocabulary size (the few most recent): a float32 and two float64
-    arrays of that size."""
+    """Per thread, per vocabulary size and logits' dtype (the few most recent): an array
+    of that dtype and two float64 arrays of that size."""
 
     def __init__(self) -> None:
-        self.by_size: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.by_size: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def get(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        found = self.by_size.pop(size, None)
+    def get(self, size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        key = (size, dtype.str)
+        found = self.by_size.pop(key, None)
         if found is None:
-            found = (np.empty(size, np.float32), *np.empty((2, size), np.float64))
+            found = (np.empty(size, dtype), *np.empty((2, size), np.float64))
             while len(self.by_size) >= _BUFFERED_SIZES:
                 del self.by_size[next(iter(self.by_size))]  # the least recently used
-        self.by_size[size] = found
+        self.by_size[key] = found
         return found
 
 
@@ -237,7 +245,7 @@ _BUFFERS = _Buffers()
 def _ranked(z: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The values of ``z`` descending (only the ``top_k`` largest when 0 < top_k < len(z)),
     and two float64 buffers of their length; all views of this thread's buffers."""
-    values, wide, running = _BUFFERS.get(len(z))
+    values, wide, running = _BUFFERS.get(len(z), z.dtype)
     np.copyto(values, z)
     if 0 < top_k < len(z):
         values.partition(len(z) - top_k)
