@@ -1,6 +1,7 @@
 """The folders show the architecture, and imports run one way between them.
 
-api -> sessions -> cluster -> state -> engine (a layer may import any layer below it);
+http -> api -> sessions -> cluster -> state -> engine (a layer may import any layer below
+it);
 ``errors`` and ``observability`` are shared by all; ``worker``, ``main`` and ``cli`` wire
 everything together.
 The client distribution never imports the server (``test_packaging``).
@@ -16,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SERVER = REPO / "server" / "ssmserve" / "server"
 CLIENT = REPO / "client" / "ssmserve" / "client"
-LAYERS = ["engine", "state", "cluster", "sessions", "api"]  # bottom to top
+LAYERS = ["engine", "state", "cluster", "sessions", "api", "http"]  # bottom to top
 # Typed errors with a kind (every layer raises them) and observability (every layer
 # counts and logs); neither imports a layer.
 SHARED = {"errors", "observability"}

@@ -1,5 +1,6 @@
 """The ssmserve worker. Sub-packages, one concept each; imports run one way, downwards:
 
+``http``      the OpenAI-compatible HTTP edge (``--http``), on the same sessions as gRPC
 ``api``       the gRPC edge: servicers, typed errors -> status codes
 ``sessions``  hot sessions of one worker: residency, snapshots, rollback, batching
 ``cluster``   leases and fencing, the worker registry, migration and drain

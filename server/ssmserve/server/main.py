@@ -56,6 +56,7 @@ from ssmserve.server.engine.interface import ENGINES
 from ssmserve.server.engine.loader import CONFIG_FILE, save_model
 from ssmserve.server.engine.quantize import QUANTIZATIONS
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.http.listener import HttpSettings
 from ssmserve.server.observability.garbage_collector import (
     PYTHON_DEFAULT_YOUNG,
     GcSettings,
@@ -369,6 +370,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; env "
         "SSMSERVE_METRICS_LISTEN)",
     )
+    http = HttpSettings()
+    parser.add_argument(
+        "--http",
+        default=env("SSMSERVE_HTTP", ""),
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models) at http://HOST:PORT/v1, with the same tokens "
+        "(default: off; env SSMSERVE_HTTP)",
+    )
+    parser.add_argument(
+        "--http-prefix-cache",
+        type=int,
+        default=int(env("SSMSERVE_HTTP_PREFIX_CACHE", str(http.prefix_cache))),
+        metavar="N",
+        help="sessions of recent HTTP requests kept per tenant and model, continued by a "
+        "request whose prompt extends one (a chat's next turn); 0: none (default "
+        f"{http.prefix_cache}; env SSMSERVE_HTTP_PREFIX_CACHE)",
+    )
+    parser.add_argument(
+        "--http-max-requests",
+        type=int,
+        default=int(env("SSMSERVE_HTTP_MAX_REQUESTS", str(http.max_requests))),
+        metavar="N",
+        help="HTTP requests running at once (streams until they end); past it a 429 "
+        f"(default {http.max_requests}; env SSMSERVE_HTTP_MAX_REQUESTS)",
+    )
     return parser
 
 
@@ -425,6 +452,15 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit(
             "ssmserve-server: error: --require-signed-checkpoints needs --checkpoint-key"
         )
+    if not 0 <= args.http_prefix_cache <= 4096:
+        raise SystemExit("ssmserve-server: error: --http-prefix-cache must be 0..4096")
+    if not 1 <= args.http_max_requests <= 65536:
+        raise SystemExit("ssmserve-server: error: --http-max-requests must be 1..65536")
+    if args.http and args.workers > 1:
+        raise SystemExit(
+            "ssmserve-server: error: --http serves from one worker process: run it without "
+            "--workers (or one ssmserve-server --http per port)"
+        )
     service = ServiceSettings(
         checkpoint_key=load_secret(Path(args.checkpoint_key), "checkpoint key")
         if args.checkpoint_key
@@ -464,6 +500,11 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         rebalance=RebalanceSettings(every_s=args.rebalance_every),
         metrics_listen=args.metrics_listen,
         trace_otlp_endpoint=args.trace_otlp_endpoint,
+        http=HttpSettings(
+            listen=args.http,
+            prefix_cache=args.http_prefix_cache,
+            max_requests=args.http_max_requests,
+        ),
     )
 
 

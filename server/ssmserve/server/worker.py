@@ -5,7 +5,10 @@ health turns NOT_SERVING, every resident session is handed to another live worke
 with none left, snapshotted and released for later pickup) while the gRPC server still
 answers, so open streams get redirects; then the server stops taking calls and gives
 running ones ``shutdown_grace_s`` to finish, the worker leaves the registry, and the
-embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM).
+embedded Redis, if any, is shut down (it flushes its AOF on SIGTERM). With ``--http`` the
+OpenAI-compatible door (``http``) binds its port first thing (a port in use refuses the
+start), serves once everything else does, and stops first (its requests in flight get
+``shutdown_grace_s``, then the sessions it kept are closed), before the drain.
 
 Readiness (``readiness``) also follows the store: NOT_SERVING while it does not answer.
 A worker without ``--redis-url`` locks its data directory (``data_dir_lock``), runs a
@@ -21,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,6 +60,7 @@ from ssmserve.server.engine.numerics import (
 from ssmserve.server.engine.quantize import QUANTIZATIONS
 from ssmserve.server.engine.tokenizer import ModelTokenizer, load_tokenizer, read_eos_ids
 from ssmserve.server.errors import ErrorKind, SsmserveError, clip
+from ssmserve.server.http.listener import HttpSettings
 from ssmserve.server.observability.http import MetricsEndpoint
 from ssmserve.server.observability.metrics import Metrics, WorkerView
 from ssmserve.server.observability.tracing import Tracing
@@ -76,6 +80,9 @@ from ssmserve.server.state.store_errors import StoreUnavailableError
 from ssmserve.server.state.store_records import WorkerStats
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ssmserve.server.http.door import HttpDoor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,6 +164,8 @@ class WorkerSettings:
     quantize: str = "none"
     readiness: ReadinessSettings = field(default_factory=ReadinessSettings)
     embedded_redis: KeeperSettings = field(default_factory=KeeperSettings)
+    # The OpenAI-compatible HTTP API (``--http``; ``http.listen`` "": none).
+    http: HttpSettings = field(default_factory=HttpSettings)
 
 
 def server_options(s: WorkerSettings) -> list[tuple[str, int]]:
@@ -221,8 +230,15 @@ def check_engine(s: WorkerSettings) -> None:
 
 
 def check_exposure(s: WorkerSettings) -> None:
-    """Without tokens a worker serves loopback only, unless told ``insecure``."""
-    host = s.listen.rsplit(":", 1)[0].strip("[]")
+    """Without tokens a worker serves loopback only (gRPC and --http), unless told
+    ``insecure``."""
+    for listen in (s.listen, s.http.listen):
+        if listen:
+            _check_exposed(listen, s)
+
+
+def _check_exposed(listen: str, s: WorkerSettings) -> None:
+    host = listen.rsplit(":", 1)[0].strip("[]")
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -231,14 +247,14 @@ def check_exposure(s: WorkerSettings) -> None:
         return
     if not s.insecure:
         raise ExposedWithoutAuthError(
-            f"refusing to listen on {s.listen} without --auth-tokens: anyone who reaches it "
+            f"refusing to listen on {listen} without --auth-tokens: anyone who reaches it "
             f"could read, change or close every session; give --auth-tokens FILE, or "
             f"--insecure to serve it unauthenticated anyway"
         )
     log.warning(
         "listening on %s WITHOUT authentication (--insecure): every peer that reaches it "
         "can call every RPC",
-        s.listen,
+        listen,
     )
 
 
@@ -282,12 +298,15 @@ class Worker:
         self.metrics_address = ""  # host:port of /metrics once started
         self._stored_sessions: int | None = None
         self._counter: asyncio.Task[None] | None = None
+        self.http_door: HttpDoor | None = None  # --http: the OpenAI-compatible API
+        self.model_paths: dict[str, Path] = dict(settings.models)  # where a key's files are
 
     async def start(self) -> str:
         """Start everything; returns the address the server listens on (host:port)."""
         s = self.settings
         check_exposure(s)  # before anything starts: refuse, or warn
         check_engine(s)
+        self.http_door = bound_http_door(s.http)  # a taken port refuses the start at once
         pin_blas_threads(s.blas_threads)
         models: dict[str, Engine] = {}
         tokenizers: dict[str, ModelTokenizer | None] = {}
@@ -295,7 +314,7 @@ class Worker:
             models[name], tokenizers[name] = await asyncio.to_thread(_load, directory, name, s)
             log.info("model %s loaded from %s (%s)", name, directory, models[name].fingerprint[:16])
         for name, model in models.items():
-            self._check_fits(name, model)
+            check_fits(name, model, s.max_message_bytes)
         url = s.redis_url if s.redis_url is not None else await self._start_embedded_redis()
         self.store = Store(
             StoreSettings(
@@ -401,6 +420,8 @@ class Worker:
             self.health, ("", SERVICE_NAME, CLUSTER_SERVICE_NAME), self._store_usable, s.readiness
         )
         await self.readiness.start()
+        if self.http_door is not None:
+            await self.http_door.start(self)
         return self.address
 
     async def _store_checks(self) -> None:
@@ -499,15 +520,6 @@ class Worker:
                 log.debug("could not count stored sessions: %s", exc)
             await asyncio.sleep(self.settings.stored_count_every_s)
 
-    def _check_fits(self, key: str, model: Engine) -> None:
-        """One step's answer (float32 outputs, packed) must fit in one message."""
-        limit = self.settings.max_message_bytes
-        if model.config.output_dim * 4 + 4096 > limit // 2:
-            raise ModelTooLargeError(
-                f"model {key}: one output of {model.config.output_dim} values does not fit "
-                f"in half a {limit}-byte message; raise max_message_bytes"
-            )
-
     async def load_model(self, key: str, directory: Path) -> None:
         """Serve another model (version) without a restart (LoadModel, admin)."""
         assert self.manager is not None and self.ownership is not None, "start() first"
@@ -517,8 +529,9 @@ class Worker:
                 f"'_' or '-'"
             )
         model, tokenizer = await asyncio.to_thread(_load, directory, key, self.settings)
-        self._check_fits(key, model)
+        check_fits(key, model, self.settings.max_message_bytes)
         await self.manager.load_model(key, model, tokenizer, _eos_ids(model, directory))
+        self.model_paths[key] = directory  # (an unloaded key's entry is never read)
         await self._models_changed()
 
     async def unload_model(self, key: str) -> None:
@@ -571,6 +584,8 @@ class Worker:
 
     async def stop(self) -> None:
         self.stopping = True
+        if self.http_door is not None:  # first: no new completions; its sessions closed
+            await self.http_door.stop()
         if self.rebalancer is not None:
             await self.rebalancer.stop()
         await self._not_serving()
@@ -601,6 +616,8 @@ class Worker:
 
     async def abort(self) -> None:
         """Stop serving at once, without the shutdown snapshots (as a crash would)."""
+        if self.http_door is not None:
+            await self.http_door.abort()
         if self.rebalancer is not None:
             await self.rebalancer.stop()
         if self.ownership is not None:
@@ -640,6 +657,26 @@ class Worker:
             await self.tokens.stop()
         if self.store is not None:
             await self.store.aclose()
+
+
+def check_fits(key: str, model: Engine, limit: int) -> None:
+    """One step's answer (float32 outputs, packed) must fit in one message of ``limit``."""
+    if model.config.output_dim * 4 + 4096 > limit // 2:
+        raise ModelTooLargeError(
+            f"model {key}: one output of {model.config.output_dim} values does not fit "
+            f"in half a {limit}-byte message; raise max_message_bytes"
+        )
+
+
+def bound_http_door(s: HttpSettings) -> HttpDoor | None:
+    """With ``--http``: the door, its port taken (HttpListenError names one in use)."""
+    if not s.listen:
+        return None
+    from ssmserve.server.http.door import HttpDoor
+
+    door = HttpDoor(s)
+    door.bind()
+    return door
 
 
 def engine_manager_settings(s: WorkerSettings) -> ManagerSettings:

@@ -1,0 +1,260 @@
+"""A completion's run: its session (from the prefix cache, or new), its generation.
+
+The door drives the same path as gRPC's Generate, in process: a session is created (or
+forked, or continued) through the session manager, ``Generations.start`` checks the
+request and reads where the session is, ``Generation.run`` feeds the prompt and
+generates, and its ``updates`` queue hands each token over as it is drawn. Every step
+goes through the session's intake like any other (logged, guarded, batched with every
+session of the model), so an HTTP completion is as exact and as durable as a gRPC one.
+
+Sessions are the door's own, named ``http-<hex>`` in the caller's tenant: the one a
+request ended cleanly is kept in the prefix cache (``prefix_cache``) for a next request
+that extends it; one that ended otherwise (an error, a client that went away before the
+end) is closed, since where it stopped is not known for sure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ssmserve.server.api.auth import Principal
+from ssmserve.server.api.budgets import Budgets
+from ssmserve.server.api.tenancy import TenantScope
+from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.http.prefix_cache import CacheKey, PrefixCache
+from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.generation import (
+    Finish,
+    GenerateRequest,
+    Generation,
+    Generations,
+    Start,
+    Token,
+)
+from ssmserve.server.sessions.manager import SessionManager
+from ssmserve.server.sessions.records import RollbackTarget
+
+log = logging.getLogger(__name__)
+
+#: The label every session the door creates carries (``ssmserve sessions`` shows it).
+ORIGIN_LABELS = {"created-by": "http"}
+
+
+class TokenWaitError(SsmserveError):
+    """No token came within the bound: the session's steps are stuck (UNAVAILABLE)."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class LeaseLapsedError(SsmserveError):
+    """This worker's lease of the session lapsed while it generated: what it answers
+    now might not be kept (UNAVAILABLE; send the request again)."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sends a request: its principal (None: no auth) and session ids."""
+
+    principal: Principal | None
+    scope: TenantScope
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant if self.principal is not None else ""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    prefix_cache: int = 8  # sessions kept per tenant and model (0: none; each is closed)
+    # A kept session is forked at a shorter common prefix only from this many ids: a fork
+    # reads a snapshot and replays up to a snapshot interval, more than a short prefill.
+    min_fork_prefix: int = 32
+    token_wait_s: float = 300.0  # the longest wait for one update (the prompt's included)
+    close_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a request runs: its session, at which step, how it got there."""
+
+    session_id: str
+    step: int  # the prompt's first ``step`` ids are the session's history already
+    how: str  # "continued", "forked" or "new"
+
+
+class CompletionRuns:
+    """Runs completions on the door's sessions, with the prefix cache."""
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        generations: Generations,
+        budgets: Budgets,
+        settings: RunSettings,
+    ) -> None:
+        self.manager, self.generations, self.budgets = manager, generations, budgets
+        self.settings = settings
+        self.cache = PrefixCache(settings.prefix_cache, self._close_later)
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def run(
+        self, caller: Caller, model_key: str, ids: np.ndarray, request: GenerateRequest
+    ) -> AsyncGenerator[Token | Finish, None]:
+        """The tokens of one completion of ``ids`` on ``model_key``, then its Finish.
+        ``request`` gives everything but the session and the prompt. Raises what refuses
+        the request before any token (a typed error), as ``Generations.start`` does."""
+        key: CacheKey = (caller.tenant, model_key)
+        placed, generation = await self._start(caller, key, model_key, ids, request)
+        task = asyncio.create_task(generation.run(), name="http-generate")
+        generated: list[int] = []
+        finish: Finish | None = None
+        try:
+            while True:
+                try:
+                    update = await asyncio.wait_for(
+                        generation.updates.get(), self.settings.token_wait_s
+                    )
+                except TimeoutError:
+                    raise TokenWaitError(
+                        f"no token within {self.settings.token_wait_s:g} s; the model's "
+                        f"steps are stuck: try again"
+                    ) from None
+                if isinstance(update, Token):
+                    if not generation.session.lease.valid():
+                        raise LeaseLapsedError(
+                            "this worker's lease of the completion's session lapsed; send "
+                            "the request again"
+                        )
+                    generated.append(update.token)
+                    yield update
+                    # Taken by the response: the generation may take its next step.
+                    generation.handover.hand(update.step)
+                elif isinstance(update, Start):
+                    generation.handover.hand(update.session_step)
+                elif isinstance(update, Finish):
+                    finish = update
+                    yield update
+                    return
+        finally:
+            task.cancel()  # done, or the client went away: stop generating
+            await asyncio.gather(task, return_exceptions=True)
+            history = np.concatenate([ids, np.asarray(generated, np.int64)])
+            clean = finish is not None and finish.error is None
+            if clean and finish is not None and finish.session_step == len(history):
+                self.cache.keep(key, placed.session_id, history)
+            else:
+                self._close_later(placed.session_id)
+
+    async def _start(
+        self,
+        caller: Caller,
+        key: CacheKey,
+        model_key: str,
+        ids: np.ndarray,
+        request: GenerateRequest,
+    ) -> tuple[Placed, Generation]:
+        """The request's session and its started generation. A kept session that cannot
+        be used (moved, unloaded, closed) is dropped and a new one made instead."""
+        placed = await self._reuse(caller, key, ids)
+        if placed is not None:
+            try:
+                return placed, await self._generation(placed, ids, request)
+            except SsmserveError as exc:
+                if exc.kind is ErrorKind.INVALID_ARGUMENT:
+                    # The request's fault, found before anything was queued: the session
+                    # is as it was, and kept again.
+                    self.cache.keep(key, placed.session_id, ids[: placed.step])
+                    raise
+                log.info("http: kept session %s not used (%s)", placed.session_id, exc)
+                self._close_later(placed.session_id)
+        placed = await self._new(caller, model_key)
+        self.cache.counts.missed += 1
+        try:
+            return placed, await self._generation(placed, ids, request)
+        except BaseException:
+            self._close_later(placed.session_id)
+            raise
+
+    async def _generation(
+        self, placed: Placed, ids: np.ndarray, request: GenerateRequest
+    ) -> Generation:
+        return await self.generations.start(
+            replace(
+                request,
+                session_id=placed.session_id,
+                prompt=ids[placed.step :],
+                at_step=placed.step,
+            )
+        )
+
+    async def _reuse(self, caller: Caller, key: CacheKey, ids: np.ndarray) -> Placed | None:
+        """A kept session continued, or forked at the longest common prefix; None: none
+        fits (or the fork failed)."""
+        found = self.cache.match(key, ids, self.settings.min_fork_prefix)
+        if found is None:
+            return None
+        sid = found.kept.session_id
+        if found.whole:
+            self.cache.take(key, sid)
+            self.cache.counts.continued += 1
+            return Placed(sid, found.length, "continued")
+        try:
+            await self.budgets.check_new_session(caller.scope.tenant, caller.scope.prefix)
+            result = await self.manager.fork(
+                sid, RollbackTarget(step=found.length), self._new_id(caller)
+            )
+        except SsmserveError as exc:
+            log.info("http: could not fork kept session %s (%s)", sid, exc)
+            if exc.kind in (ErrorKind.NOT_FOUND, ErrorKind.FAILED_PRECONDITION):
+                self.cache.forget(key, sid)
+            return None
+        self.cache.counts.forked += 1
+        return Placed(result.view.session_id, found.length, "forked")
+
+    async def _new(self, caller: Caller, model_key: str) -> Placed:
+        await self.budgets.check_new_session(caller.scope.tenant, caller.scope.prefix)
+        view = await self.manager.create(
+            model_key, self._new_id(caller), SessionConfig(labels=ORIGIN_LABELS)
+        )
+        return Placed(view.session_id, 0, "new")
+
+    @staticmethod
+    def _new_id(caller: Caller) -> str:
+        return caller.scope.new_id(f"http-{secrets.token_hex(8)}")
+
+    # ------------------------------------------------------------------ closing
+
+    def _close_later(self, session_id: str) -> None:
+        """Close a session the door no longer keeps, in the background (bounded)."""
+        task = asyncio.get_running_loop().create_task(
+            self._close(session_id), name=f"http-close-{session_id}"
+        )
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, session_id: str) -> None:
+        try:
+            await asyncio.wait_for(
+                self.manager.close(session_id, final_snapshot=False),
+                self.settings.close_timeout_s,
+            )
+        except (SsmserveError, TimeoutError) as exc:
+            # Moved to another worker, or gone already: nothing of it is the door's.
+            log.info("http: session %s not closed (%s)", session_id, exc)
+
+    async def stop(self) -> None:
+        """Close every kept session and wait for the closes (each bounded)."""
+        for session_id in self.cache.drain():
+            self._close_later(session_id)
+        if self._closing:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*self._closing, return_exceptions=True)
