@@ -666,6 +666,7 @@ class Generation:
                     output = outcome.output
             self.step += len(chunk)
             self.output = output
+            self._saw(chunk)
 
     def _run_result(self, run: StepRun, chunk: np.ndarray) -> np.ndarray | None:
         """The last output of a prompt run; raises the error of its first failed step."""
