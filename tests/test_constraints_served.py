@@ -9,18 +9,22 @@ import asyncio
 import itertools
 import json
 import re
+import threading
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from ssmserve.client import constraints
 from ssmserve.client.monitored import (
     MonitorRejected,
     attempt_seed,
     generate_monitored,
     generate_monitored_sync,
 )
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.sync import Client
 from ssmserve.server.engine.loader import load_model
 from ssmserve.server.engine.tokenizer import TOKENIZER_FILE, ModelTokenizer
 from ssmserve.server.sessions import text_monitor
@@ -33,6 +37,7 @@ from tests.conftest import token_config, write_model
 from tests.harness import WorkerHarness
 from tests.test_constraints import EOS, SCHEMA, VOCAB, train_tokenizer
 from tests.test_generate import PARAMS, PROMPT, raw_generate, sampling
+from tests.worker_process import WorkerProcess
 
 
 def offline_monitored(model, prompt, n, check, params=PARAMS, retries_cap=100):
@@ -156,7 +161,7 @@ def guided_worker(guided_dirs, redis_url):
     harness.stop()
 
 
-def offline_guided(model, tokenizer, prompt, n, rules, params):
+def offline_guided(model, tokenizer, prompt, n, rules, params, eos=frozenset({EOS})):
     """The tokens a guided generation keeps, and its retractions (step, retries): each
     drawn from the masked logits with the seed after the rejections so far; a rejected
     one (and those the monitor takes back) undone on the offline state."""
@@ -167,7 +172,6 @@ def offline_guided(model, tokenizer, prompt, n, rules, params):
             GrammarTokenizers(),
         )
     )  # fmt: skip
-    eos = frozenset({EOS})
     outs, state = model.run(np.asarray(prompt, np.int64))
     states, step, tokens, retractions = [(outs[-1], state)], len(prompt), [], []
     finish = "length"
@@ -187,7 +191,7 @@ def offline_guided(model, tokenizer, prompt, n, rules, params):
         o, state = model.run(np.array([d.token]), state)
         states.append((o[0], state))
         step += 1
-        if d.token == EOS:
+        if d.token in eos:
             finish = "eos"
             break
         if verdict is Verdict.COMPLETE:
@@ -368,3 +372,97 @@ def test_a_model_without_tokenizer_refuses_rules(guided_worker):
                      constraint=pb.Constraint(regex="a+"))  # fmt: skip
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "no tokenizer.json" in caught.value.details()
+
+
+# ---------------------------------------------------------------------------- the client's
+
+
+def client_kept(tokens):
+    """What a caller keeps of the client's tokens: a retraction drops the later ones."""
+    kept = []
+    for t in tokens:
+        if t.retracted_after_step is not None:
+            kept = [k for k in kept if k.step <= t.retracted_after_step]
+        kept.append(t)
+    return kept
+
+
+MONITOR_REGEX = r"[^0-9]*"  # no digit (nor an invalid UTF-8 sequence)
+
+
+def test_the_client_takes_a_constraint_and_a_monitor(guided_worker, jm_model, json_tokenizer):
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    a, b, m = (c.create_session("jm").session_id for _ in range(3))
+    text = c.generate_text(
+        a, 200, prompt_ids=prompt, constraint=constraints.json_schema(SCHEMA), **GUIDED_PARAMS
+    )
+    assert set(json.loads(text)) == {"a", "ok"}
+    schema = constraints.json_schema(SCHEMA)
+    tokens = list(c.generate(b, 200, prompt_ids=prompt, constraint=schema, **GUIDED_PARAMS))
+    assert "".join(t.text for t in tokens) == text and tokens[-1].finish_reason in ("stop", "eos")
+    monitor = constraints.text_monitor(regex=MONITOR_REGEX, rollback_tokens=2, max_retries=64)
+    got = list(c.generate(m, 16, prompt_ids=prompt, monitor=monitor, **GUIDED_PARAMS))
+    rules = OutputRules(monitor=TextMonitor(Constraint("regex", MONITOR_REGEX), 2, 64))
+    expected, retractions, _ = offline_guided(
+        jm_model, json_tokenizer, prompt, 16, rules, GUIDED_PARAMS
+    )
+    assert [t.token_id for t in client_kept(got)] == expected
+    # several retractions before one token reach the caller as one, at the earliest step
+    said = [t.retracted_after_step for t in got if t.retracted_after_step is not None]
+    assert set(said) <= {step for step, _ in retractions} and len(said) > 3
+    again = c.create_session("jm").session_id
+    assert c.generate_text(again, 16, prompt_ids=prompt, monitor=monitor, **GUIDED_PARAMS) == (
+        "".join(t.text for t in client_kept(got))
+    )
+    with pytest.raises(ValueError, match="exactly one"):
+        constraints.text_monitor()
+
+
+@pytest.mark.slow
+def test_kill_9_mid_guided_generation_changes_no_token(
+    guided_dirs, jm_model, json_tokenizer, redis_url, tmp_path
+):
+    """A constrained and monitored generation whose owner is killed after 60 tokens goes
+    on on the other worker: the matcher rebuilt from the log, the monitor's retries from
+    the client, the same tokens as the offline reference."""
+    models = {"jm": guided_dirs["jm"]}
+    workers = [
+        WorkerProcess(models, redis_url, tmp_path / f"w{i}", lease_ttl_s=1.0) for i in range(2)
+    ]
+    threads = [threading.Thread(target=w.start) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    prompt = json_tokenizer.encode("hello").ids
+    n, constraint = 300, r"[a-z ,.]*"
+    monitor = constraints.text_monitor(regex=r"[^a]*", rollback_tokens=2, max_retries=64)
+    rules = OutputRules(
+        Constraint("regex", constraint), TextMonitor(Constraint("regex", r"[^a]*"), 2, 64)
+    )
+    try:
+        assert all(w.alive for w in workers)
+        addresses = [w.address for w in workers]
+        sid = Client(addresses[0]).create_session("jm", snapshot_every=32).session_id
+        expected, retractions, _ = offline_guided(
+            jm_model, json_tokenizer, prompt, n, rules, GUIDED_PARAMS, eos=frozenset()
+        )
+        assert len(retractions) > 3 and len(expected) == n  # the monitor has work to do
+        got = []
+        policy = RetryPolicy(keepalive_time_s=0.5, keepalive_timeout_s=0.5, call_timeout_s=5.0)
+        with Client(addresses, retry=policy) as client:
+            for t in client.generate(
+                sid, n, prompt_ids=prompt, constraint=constraints.regex(constraint),
+                monitor=monitor, ignore_eos=True, **GUIDED_PARAMS,
+            ):  # fmt: skip
+                got.append(t)
+                if len(got) == 60:
+                    workers[0].kill()
+            info = client.get_session(sid)
+        assert info.owner == addresses[1]
+        assert [t.token_id for t in client_kept(got)] == expected
+        assert info.step == len(prompt) + len(expected)
+    finally:
+        for w in workers:
+            w.kill()

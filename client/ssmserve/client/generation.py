@@ -70,6 +70,9 @@ class GeneratedToken:
     # string matched ('' for a stop id); '' on every other token.
     finish_reason: str = ""
     stop_string: str = ""
+    # A text monitor rejected a later token: the tokens yielded before this one with a
+    # step after this are withdrawn (the session was rolled back there); None: none.
+    retracted_after_step: int | None = None
 
 
 FINISH_REASONS = {
@@ -78,6 +81,7 @@ FINISH_REASONS = {
     pb.GenerateResponse.FINISH_GUARD: "guard",
     pb.GenerateResponse.FINISH_EOS: "eos",
     pb.GenerateResponse.FINISH_CANCELLED: "cancelled",
+    pb.GenerateResponse.FINISH_MONITOR: "monitor",
 }
 
 
@@ -114,6 +118,9 @@ class AsyncGenerateCalls:
         logprobs: bool = False,
         top_logprobs: int = 0,
         take_back_on_close: bool = True,
+        constraint: pb.Constraint | None = None,
+        monitor: pb.TextMonitor | None = None,
+        monitor_retries: int = 0,
     ) -> AsyncIterator[GeneratedToken]:
         """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
         SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
@@ -146,7 +153,14 @@ class AsyncGenerateCalls:
         or stop strings for a model without a tokenizer; the session is untouched),
         FailedPrecondition (a signal model, or a session not at ``at_step``), StepFailed
         (a guard rejected or rolled back the next step, or something else stepped the
-        session: the tokens before it were yielded), NotFound."""
+        session: the tokens before it were yielded), NotFound.
+
+        A model with a tokenizer: ``constraint`` (``ssmserve.client.constraints``: a JSON
+        schema, regex, Lark grammar or any JSON object) holds the output to it; ``monitor``
+        checks the text after each token and retracts what it rejects: the next token
+        yielded carries ``retracted_after_step`` (drop the tokens after it), and past its
+        max_retries StepFailed (MONITOR_REJECTED) is raised. ``monitor_retries``: the
+        attempt of the seed to draw with (``ssmserve.client.monitored``)."""
         session_id = session_id_of(session)
         if at_step is None:
             at_step = (await self.get_session(session_id)).step
@@ -172,6 +186,9 @@ class AsyncGenerateCalls:
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            constraint=constraint,
+            monitor=monitor,
+            monitor_retries=monitor_retries,
         )
         prompt = _Prompt(list(prompt_ids or ()), prompt_text)
         last: GeneratedToken | None = None
@@ -206,11 +223,12 @@ class AsyncGenerateCalls:
     ) -> str:
         """The text ``generate`` gives (its tokens' texts joined): a model served with a
         tokenizer; ``options`` as ``generate``'s."""
-        parts = [
-            t.text
-            async for t in self.generate(session, max_tokens, prompt_text=prompt_text, **options)
-        ]
-        return "".join(parts)
+        parts: list[tuple[int, str]] = []
+        async for t in self.generate(session, max_tokens, prompt_text=prompt_text, **options):
+            if t.retracted_after_step is not None:  # a text monitor withdrew the later ones
+                parts = [p for p in parts if p[0] <= t.retracted_after_step]
+            parts.append((t.step, t.text))
+        return "".join(text for _, text in parts)
 
 
 @dataclass
@@ -234,6 +252,7 @@ async def _generate(
     session_id = base.session_id
     stop = set(base.stop_token_ids)
     received, last_token = 0, -1
+    retracted: int | None = None  # a retraction not yet passed on with a token
     backoff = Backoff(router.retry)
     address = router.owner_of(session_id)
     while True:
@@ -250,11 +269,17 @@ async def _generate(
             async for reply in router.replies(call):
                 backoff.progress()
                 router.served(session_id, address)
+                if reply.HasField("retracted_after_step"):  # before this reply's tokens
+                    back = reply.retracted_after_step
+                    received, at = received - max(at - back, 0), min(at, back)
+                    retracted = back if retracted is None else min(retracted, back)
+                    base.monitor_retries = reply.monitor_retries  # a resumed call's draws
                 for i, t in enumerate(reply.tokens):
                     if t.step <= at and received:
                         continue  # answered before this call resumed
                     last = i == len(reply.tokens) - 1
-                    yield _token(t, reply if last else None)
+                    yield _token(t, reply if last else None, retracted)
+                    retracted = None
                     received, last_token, at = received + 1, t.token_id, t.step
                     prompt.fed()
                 if prompt and _prompt_fed(reply, at, prompt):
@@ -282,9 +307,11 @@ async def _generate(
         address = await router.next_address(address, error, backoff, session_id)
 
 
-def _token(t: pb.GeneratedToken, final: pb.GenerateResponse | None) -> GeneratedToken:
+def _token(
+    t: pb.GeneratedToken, final: pb.GenerateResponse | None, retracted: int | None = None
+) -> GeneratedToken:
     """A token as the caller gets it; ``final``: the reply it ends, if it carries the
-    finish reason."""
+    finish reason; ``retracted``: the step after which earlier tokens are withdrawn."""
     finish = "" if final is None else FINISH_REASONS.get(final.finish_reason, "")
     top = [TokenLogprob(x.token_id, x.logprob, x.text) for x in t.top_logprobs]
     return GeneratedToken(
@@ -293,6 +320,7 @@ def _token(t: pb.GeneratedToken, final: pb.GenerateResponse | None) -> Generated
         top_logprobs=top,
         finish_reason=finish,
         stop_string="" if final is None else final.stop_string,
+        retracted_after_step=retracted,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.generation import GeneratedToken
 from ssmserve.client.step_values import SessionRef
+from ssmserve.v1 import ssmserve_pb2 as pb
 
 T = TypeVar("T")
 
@@ -45,6 +46,9 @@ class GenerateCalls:
         logprobs: bool = False,
         top_logprobs: int = 0,
         take_back_on_close: bool = True,
+        constraint: pb.Constraint | None = None,
+        monitor: pb.TextMonitor | None = None,
+        monitor_retries: int = 0,
     ) -> Iterator[GeneratedToken]:
         """Generate up to ``max_tokens`` tokens with the session's token model (an id or a
         SessionInfo); yields a GeneratedToken per token, in order, as it is drawn.
@@ -71,7 +75,9 @@ class GenerateCalls:
         or stop strings for a model without a tokenizer; the session is untouched),
         FailedPrecondition (a signal model, or a session not at ``at_step``), StepFailed
         (a guard rejected or rolled back the next step, or something else stepped the
-        session: the tokens before it were yielded), NotFound."""
+        session: the tokens before it were yielded), NotFound. ``constraint``, ``monitor``
+        (a retraction: the next token's ``retracted_after_step``) and ``monitor_retries``
+        are AsyncClient.generate's."""
         return self._iterate(
             self._aio.generate(
                 session,
@@ -95,6 +101,9 @@ class GenerateCalls:
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
                 take_back_on_close=take_back_on_close,
+                constraint=constraint,
+                monitor=monitor,
+                monitor_retries=monitor_retries,
             )
         )
 
@@ -103,5 +112,9 @@ class GenerateCalls:
     ) -> str:
         """The text ``generate`` gives (its tokens' texts joined): a model served with a
         tokenizer; ``options`` as ``generate``'s."""
-        tokens = self.generate(session, max_tokens, prompt_text=prompt_text, **options)
-        return "".join(t.text for t in tokens)
+        parts: list[tuple[int, str]] = []
+        for t in self.generate(session, max_tokens, prompt_text=prompt_text, **options):
+            if t.retracted_after_step is not None:  # a text monitor withdrew the later ones
+                parts = [p for p in parts if p[0] <= t.retracted_after_step]
+            parts.append((t.step, t.text))
+        return "".join(text for _, text in parts)
