@@ -157,8 +157,8 @@ def build_app(
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(where) or None
-        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        param = where[0] if where else None  # the request's field (not a union member's type)
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
         error = HttpError(400, message[:500], "invalid_request_error", param, None)
         return JSONResponse(error.body(), status_code=400)
 

@@ -154,7 +154,7 @@ class Completions:
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
         else:
             ids = np.asarray(prompt, np.int64)
-        self._check_ids(ids)
+        self._check_ids(ids, key, request)
         include = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared(False, key, ids, request, tokenizer, include)
 
@@ -190,7 +190,7 @@ class Completions:
             tokenizer.tokenizer.encode, text, add_special_tokens=False
         )
         ids = np.asarray(encoded.ids, np.int64)
-        self._check_ids(ids)
+        self._check_ids(ids, key, request)
         include = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared(True, key, ids, request, tokenizer, include)
 
@@ -215,7 +215,20 @@ class Completions:
                 f"the prompt is {n} characters, over this server's limit of {limit}", "prompt"
             )
 
-    def _check_ids(self, ids: np.ndarray) -> None:
+    def _check_ids(self, ids: np.ndarray, key: str, request: GenerateRequest) -> None:
+        """The prompt's length, and every id it (or the request) names inside the model's
+        vocabulary: checked here, before a session is made for the request."""
+        vocab = self.manager.models[key].config.vocab_size
+        named = [*request.stop_ids, *(t for t, _ in request.sampling.logit_bias)]
+        for what, values in (("prompt", ids.tolist()), ("stop_token_ids", named)):
+            bad = [i for i in values if not 0 <= i < vocab]
+            if bad:
+                param = what if what == "prompt" else None
+                raise bad_request(
+                    f"token id {bad[0]} ({what} or logit_bias) is outside [0, {vocab}) of "
+                    f"model {key!r}",
+                    param,
+                )
         limit = self.generate.max_prompt_ids
         if len(ids) == 0:
             raise bad_request("the prompt is empty: give at least one token", "prompt")

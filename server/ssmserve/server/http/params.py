@@ -37,7 +37,7 @@ from ssmserve.server.http.protocol import (
     SamplingFields,
 )
 from ssmserve.server.sessions.generation import GenerateRequest
-from ssmserve.server.sessions.sampling import SamplingParams
+from ssmserve.server.sessions.sampling import BadSamplingError, SamplingParams
 
 #: Completions' ``logprobs`` at most (OpenAI's limit); chat's ``top_logprobs`` at most.
 MAX_COMPLETION_LOGPROBS = 5
@@ -124,9 +124,14 @@ def _request(
     seed = body.seed
     if seed is not None and not 0 <= seed < 2**64:
         raise bad_request("seed must be in [0, 2**64)", "seed")
+    top_k = body.top_k or 0
+    if top_k < 0:  # vLLM's -1: all tokens, as 0 here
+        if top_k != -1:
+            raise bad_request(f"top_k must be -1 or 0 (all tokens) or more, got {top_k}", "top_k")
+        top_k = 0
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
-        top_k=body.top_k or 0,
+        top_k=top_k,
         top_p=1.0 if body.top_p is None else body.top_p,
         min_p=body.min_p or 0.0,
         seed=secrets.randbits(64) if seed is None else seed,
@@ -135,8 +140,10 @@ def _request(
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=_logit_bias(body.logit_bias),
     )
-    if body.top_k is not None and body.top_k < 0:
-        sampling = _with_top_k_off(sampling, body.top_k)
+    try:
+        sampling.check()  # here, before a session is made for the request
+    except BadSamplingError as exc:
+        raise bad_request(str(exc), param_of(str(exc))) from None
     return GenerateRequest(
         session_id="",
         max_tokens=max_tokens,
@@ -148,15 +155,6 @@ def _request(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
-
-
-def _with_top_k_off(sampling: SamplingParams, top_k: int) -> SamplingParams:
-    """vLLM's ``top_k`` -1 means all tokens, as 0 does here; other negatives are wrong."""
-    if top_k != -1:
-        raise bad_request(f"top_k must be -1 or 0 (all tokens) or more, got {top_k}", "top_k")
-    from dataclasses import replace
-
-    return replace(sampling, top_k=0)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
