@@ -116,6 +116,41 @@ ts(
     ],
     "short",
 )
+row("Generation (language models)")
+ts(
+    "Time to first token p50 / p99",
+    [
+        (q("ssmserve_time_to_first_token_seconds", "model").format(0.5), "p50 {{model}}"),
+        (q("ssmserve_time_to_first_token_seconds", "model").format(0.99), "p99 {{model}}"),
+    ],
+    "s",
+    desc="A Generate call's arrival to its first token handed to gRPC (the prompt's prefill "
+    "included).",
+)
+ts(
+    "Time between tokens p50 / p99, tokens/s",
+    [
+        (q("ssmserve_inter_token_latency_seconds", "model").format(0.5), "p50 {{model}}"),
+        (q("ssmserve_inter_token_latency_seconds", "model").format(0.99), "p99 {{model}}"),
+    ],
+    "s",
+)
+ts(
+    "Generated tokens/s and finished generations/s by reason",
+    [
+        (
+            f"sum by (model) (rate(ssmserve_generation_tokens_total{sel()}[$__rate_interval]))",
+            "tokens/s {{model}}",
+        ),
+        (
+            f"sum by (model, reason) (rate(ssmserve_generations_finished_total{sel()}[$__rate_interval]))",
+            "{{reason}} {{model}}",
+        ),
+    ],
+    "short",
+    desc="Finish reasons: length, stop, eos, cancelled (the worker stopped it), guard, "
+    "monitor, error, aborted (the client went away).",
+)
 row("Sessions and memory")
 ts(
     "Sessions resident by model and tenant / stored",

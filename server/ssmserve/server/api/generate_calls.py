@@ -12,6 +12,7 @@ follow, an at_step the session cannot resume from) is its ``stopped``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -22,6 +23,7 @@ from ssmserve.server.api.conversions import guard_event_to_pb
 from ssmserve.server.api.output_rules import add_retraction, rules_from_pb
 from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.sessions.generation import (
     Finish,
     GenerateAtStepError,
@@ -93,6 +95,7 @@ async def answer(
     refusal: Callable[[], SsmserveError | None],
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The responses of one Generate call."""
+    started = time.perf_counter()
     at_step_error: GenerateAtStepError | None = None
     async with status.edge(context, scope.clean):
         if (refused := refusal()) is not None:
@@ -110,6 +113,7 @@ async def answer(
         )
         return
     task = asyncio.create_task(generation.run(), name="generate")
+    meter = _Meter(generations.replay.store.metrics, generation.session.model_name, started)
     try:
         updates = generation.updates
         while True:
@@ -125,11 +129,44 @@ async def answer(
             yield response
             # Written to gRPC: the generation may take its next step (``handover``).
             generation.handover.hand(response.session_step)
+            meter.handed(len(response.tokens))
             if isinstance(batch[-1], Finish):
+                meter.finished(batch[-1].reason or "error")
                 return
     finally:
+        meter.finished("aborted")  # no-op once finished
         task.cancel()  # done, or the client went away: stop generating
         await asyncio.gather(task, return_exceptions=True)
+
+
+class _Meter:
+    """A Generate call's time to first token, time between tokens, tokens and finish
+    reason (``observability.metrics``), measured as responses are handed to gRPC."""
+
+    def __init__(self, metrics: Metrics, model: str, started: float) -> None:
+        self.metrics, self.model, self.last = metrics, model, started
+        self.first = True
+        self.done = False
+
+    def handed(self, tokens: int) -> None:
+        if not tokens:
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first:
+            m.time_to_first_token.labels(self.model).observe(now - self.last)
+            if tokens > 1:
+                m.inter_token_latency.labels(self.model).observe(0.0, tokens - 1)
+            self.first = False
+        else:
+            m.inter_token_latency.labels(self.model).observe((now - self.last) / tokens, tokens)
+        m.generation_tokens.labels(self.model).inc(tokens)
+        self.last = now
+
+    def finished(self, reason: str) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.generations_finished.labels(self.model, reason).inc()
 
 
 def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:

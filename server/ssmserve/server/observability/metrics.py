@@ -42,6 +42,11 @@ LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: Generate's token latencies: 1 ms (a token of a small model) to 30 s (a long prompt's
+#: prefill before the first token).
+TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
 
 
 class Metrics:
@@ -112,7 +117,8 @@ class Metrics:
         )
         self.rollbacks = counter(
             "ssmserve_rollbacks_total",
-            "Rollbacks, by cause: monitor (the Rollback RPC) or guard (a ROLLBACK rule).",
+            "Rollbacks, by cause: monitor (the Rollback RPC), guard (a ROLLBACK rule) or "
+            "cancel (a cancelled Generate's step its client was not handed).",
             ["cause"],
         )
         self.replayed_steps = counter(
@@ -125,6 +131,32 @@ class Metrics:
             "ssmserve_forecast_seconds",
             "Time of a Forecast call, from request to its last answer.",
             buckets=LATENCY_BUCKETS,
+        )
+        # Generate (language models), as vLLM names them
+        self.time_to_first_token = histogram(
+            "ssmserve_time_to_first_token_seconds",
+            "Time of a Generate call from its arrival to its first token handed to gRPC "
+            "(its prompt's prefill included).",
+            ["model"],
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "ssmserve_inter_token_latency_seconds",
+            "Time between two tokens of a Generate call handed to gRPC (each token of a "
+            "message that carries several counts the gap over their number).",
+            ["model"],
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.generation_tokens = counter(
+            "ssmserve_generation_tokens_total",
+            "Tokens Generate answered (a resumed call's tokens answered again included).",
+            ["model"],
+        )
+        self.generations_finished = counter(
+            "ssmserve_generations_finished_total",
+            "Generate calls ended, by finish reason: length, stop, eos, cancelled (the "
+            "worker stopped it), guard, monitor, error, or aborted (the client went away).",
+            ["model", "reason"],
         )
         # Ownership and movement
         self.migrations = counter(

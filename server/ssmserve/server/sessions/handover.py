@@ -74,6 +74,7 @@ async def take_back(replay: Replay, s: Session, step: int, token: int) -> bool:
         target, record = await replay.resolve(s, RollbackTarget(step=step - 1), "take back")
         before = s.step
         await replay.restore_to(s, target, record)
+        replay.store.metrics.rollbacks.labels("cancel").inc()
         await record_events(
             replay.store, s.lease, [SessionEvent.rollback(before, target, "cancel")]
         )
