@@ -466,3 +466,40 @@ def test_kill_9_mid_guided_generation_changes_no_token(
     finally:
         for w in workers:
             w.kill()
+
+
+def test_the_cli_generates_constrained_and_monitored_text(
+    guided_worker, json_tokenizer, capsys, tmp_path
+):
+    from ssmserve.client.cli import main
+
+    c = guided_worker.client
+    (tmp_path / "schema.json").write_text(SCHEMA_TEXT)
+    flags = ["--temperature", "1", "--seed", "5", "--prompt", "hello"]
+    sid = c.create_session("jm").session_id
+    args = ["--server", guided_worker.address, "generate", sid, "--max-tokens", "200"]
+    assert main([*args, *flags, "--json-schema", str(tmp_path / "schema.json")]) == 0
+    printed = capsys.readouterr().out
+    assert set(json.loads(printed)) == {"a", "ok"}
+    reference = c.create_session("jm").session_id
+    assert printed == c.generate_text(
+        reference, 200, prompt_text="hello", constraint=constraints.json_schema(SCHEMA),
+        **GUIDED_PARAMS,
+    ) + "\n"  # fmt: skip
+    # a monitor: the text printed is the text kept, the ids in --output those kept
+    sid = c.create_session("jm").session_id
+    out = tmp_path / "ids.npy"
+    monitored = ["--monitor-regex", MONITOR_REGEX, "--monitor-rollback", "2",
+                 "--monitor-retries", "64", "--output", str(out)]  # fmt: skip
+    argv = ["--server", guided_worker.address, "generate", sid, "--max-tokens", "16"]
+    assert main([*argv, *flags, *monitored]) == 0
+    printed = capsys.readouterr().out
+    reference = c.create_session("jm").session_id
+    monitor = constraints.text_monitor(regex=MONITOR_REGEX, rollback_tokens=2, max_retries=64)
+    kept = client_kept(
+        list(c.generate(reference, 16, prompt_text="hello", monitor=monitor, **GUIDED_PARAMS))
+    )
+    assert printed == "".join(t.text for t in kept) + "\n"
+    assert np.load(out).tolist() == [t.token_id for t in kept]
+    assert main([*args, *flags, "--regex", "a(b"]) == 2
+    assert "unclosed group" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ssmserve.client import cli_constraints, cli_sampling
 from ssmserve.client.cli_errors import CliError, rpc_failure
 from ssmserve.client.errors import SsmserveClientError, StepFailed
 from ssmserve.client.npy_files import load_npy, npy_writer
@@ -240,26 +241,31 @@ def generate(client: Client, args: argparse.Namespace) -> None:
             raise CliError(f"{args.prompt_ids}: a prompt is int token ids of shape (T,)")
         prompt = [int(i) for i in ids]
     at = info.step if args.at_step is None else args.at_step
+    rules, held = cli_constraints.options(args), cli_constraints.HeldText(args)
+    sampling, last = cli_sampling.options(args), None
     tokens: list[int] = []
     first, reached = None, at  # reached: the step of the last token received
     try:
         for t in client.generate(
             sid, args.max_tokens, prompt_ids=prompt, prompt_text=args.prompt or "",
             at_step=at, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop,
+            min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop, **sampling, **rules,
         ):  # fmt: skip
             first = t.step if first is None else first
+            if t.retracted_after_step is not None:  # the text monitor withdrew these
+                del tokens[max(t.retracted_after_step - first + 1, 0) :]
             tokens.append(t.token_id)
-            reached = t.step
+            reached, last = t.step, t
             if as_text:
-                print(t.text, end="", flush=True)
+                print(held.push(t.step, t.text, t.retracted_after_step), end="", flush=True)
             else:
                 print(t.token_id, flush=True)
+            cli_sampling.print_logprobs(t)
             for event in t.guard_events:
                 print(f"step {t.step}: guard {event.guard}: {event.detail}", file=sys.stderr)
     except KeyboardInterrupt:
         if as_text and tokens:
-            print(flush=True)
+            print(held.flush(), flush=True)
         where = _keep_generated(args, before, tokens)
         advice = _generate_advice(args, len(tokens), at, reached)
         print(f"ssmserve: interrupted; {len(tokens)} tokens were generated{where}{advice}",
@@ -267,7 +273,7 @@ def generate(client: Client, args: argparse.Namespace) -> None:
         raise
     except SsmserveClientError as exc:
         if as_text and tokens:
-            print()
+            print(held.flush())
         where = _keep_generated(args, before, tokens)
         advice = (
             "" if isinstance(exc, StepFailed) else _generate_advice(args, len(tokens), at, reached)
@@ -276,10 +282,11 @@ def generate(client: Client, args: argparse.Namespace) -> None:
             f"{rpc_failure(exc)}; {len(tokens)} tokens were generated{where}{advice}"
         ) from None
     if as_text:
-        print()  # the text's line ends
+        print(held.flush())  # the text's line ends
     where = _keep_generated(args, before, tokens)
     steps = f"steps {first}..{first + len(tokens) - 1}" if tokens else "no step"
-    print(f"generated {len(tokens)} tokens ({steps} of {sid}){where}", file=sys.stderr)
+    note = cli_sampling.finish_note(last)
+    print(f"generated {len(tokens)} tokens ({steps} of {sid}){where}{note}", file=sys.stderr)
 
 
 def _appended_to(args: argparse.Namespace) -> np.ndarray:

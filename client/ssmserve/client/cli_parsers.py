@@ -17,7 +17,12 @@ this module alone. Each command's parser names what runs it (``set_defaults(hand
     forecast SID --horizon H [--at-step T] [--output OUT.npy]
     generate SID --max-tokens N [--temperature T] [--top-k K] [--top-p P] [--min-p M]
              [--seed S] [--stop ID]... [--prompt-ids IN.npy | --prompt TEXT] [--output OUT.npy]
-             [--at-step T] [--append]
+             [--stop-text TEXT]... [--ignore-eos] [--repetition-penalty R]
+             [--presence-penalty P] [--frequency-penalty F] [--penalty-last-n N]
+             [--logit-bias ID=B]... [--logprobs N]
+             [--at-step T] [--append] [--json-schema FILE | --regex RE | --grammar FILE |
+             --json-object] [--monitor-regex RE | --monitor-json-schema FILE]
+             [--monitor-rollback N] [--monitor-retries N]
     fork SID (--at-step T | --at-snapshot ID | --at-label L) [--new-id SID] [--target HOST:PORT]
     workers [--json] | models [--json] | migrate SID --to HOST:PORT | drain [HOST:PORT]
     top [--interval S] [--sessions N] [--once | --json]
@@ -44,6 +49,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ssmserve.client import cli_constraints, cli_sampling
 
 Subparsers = argparse._SubParsersAction  # the type of add_subparsers()' result
 
@@ -319,6 +326,7 @@ def _add_state_commands(commands: Subparsers) -> None:
     gen.add_argument("--seed", type=count, default=0, metavar="S", help="default 0")
     gen.add_argument("--stop", type=count, action="append", default=[], metavar="ID",
                      help="end after this token (repeatable)")  # fmt: skip
+    cli_sampling.add_flags(gen)  # stop texts, EOS, penalties, logit bias, logprobs
     file_flag(gen, "--prompt-ids", "token ids (T,) fed first", required=False,
               metavar="IN.npy")  # fmt: skip
     gen.add_argument("--prompt", metavar="TEXT",
@@ -337,6 +345,7 @@ def _add_state_commands(commands: Subparsers) -> None:
         help="add the generated ids after those already in --output (a cut generation "
         "gone on with)",
     )  # fmt: skip
+    cli_constraints.add_flags(gen)  # constrained output, the text monitor
     gen.set_defaults(handler=_on_worker("generate", "array_commands"))
 
     fork = commands.add_parser("fork", help="branch a session at a step; prints the new id last")
