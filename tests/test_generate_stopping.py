@@ -236,3 +236,41 @@ def test_a_model_without_tokenizer_refuses_stop_strings(stop_worker):
     with pytest.raises(InvalidArgument, match="stop strings"):
         next(c.generate(sid, 5, prompt_ids=PROMPT, stop=["a"], **PARAMS))
     assert c.get_session(sid).step == 0
+
+
+def test_the_cli_takes_stop_texts_penalties_and_prints_logprobs_and_the_end(
+    stop_worker, reference, tokenizer, eos_id, eos_at, capsys, tmp_path
+):
+    import numpy as np
+
+    from ssmserve.client.cli import main
+
+    c = stop_worker.client
+    stop, k = _stop_string(tokenizer, reference[:eos_at])
+    np.save(tmp_path / "prompt.npy", np.asarray(PROMPT))
+    sid = c.create_session("lme").session_id
+    flags = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.02",
+             "--seed", "77"]  # fmt: skip
+    args = ["--server", stop_worker.address, "generate", sid, "--max-tokens", "60",
+            "--prompt-ids", str(tmp_path / "prompt.npy"), *flags]  # fmt: skip
+    assert main([*args, "--stop-text", stop, "--logprobs", "2"]) == 0
+    printed = capsys.readouterr()
+    whole = tokenizer.decode(reference[: k + 1])
+    assert printed.out == whole[: whole.find(stop)] + "\n"
+    assert f"finished: stop {stop!r}" in printed.err
+    lines = [line for line in printed.err.splitlines() if " logprob " in line]
+    assert len(lines) == k + 1 and all(line.count(":") >= 3 for line in lines)
+    # penalties and --ignore-eos reach the worker: the same tokens as the client's
+    other = c.create_session("lme").session_id
+    options = {"repetition_penalty": 1.5, "penalty_last_n": 8, "logit_bias": {3: -2.0}}
+    expected = c.generate_text(other, 20, prompt_ids=PROMPT, ignore_eos=True, **PARAMS,
+                               **options)  # fmt: skip
+    third = c.create_session("lme").session_id
+    args[3] = third
+    args[5] = "20"
+    assert main([*args, "--ignore-eos", "--repetition-penalty", "1.5", "--penalty-last-n",
+                 "8", "--logit-bias", "3=-2"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["--server", stop_worker.address, "models"]) == 0
+    listed = capsys.readouterr().out
+    assert f"tokenizer yes\teos {eos_id}" in listed and "tokenizer no\teos none" in listed

@@ -307,8 +307,16 @@ def _print_models(reply: pb.ListModelsResponse, as_json: bool) -> None:
         newest = " (newest)" if m.newest and m.version else ""
         print(
             f"{reply.worker}\t{m.name}\t{m.version or '-'}{newest}\t{m.fingerprint[:16]}\t"
-            f"{m.resident_sessions} sessions"
+            f"{m.resident_sessions} sessions{_text_of(m)}"
         )
+
+
+def _text_of(m: pb.ModelInfo) -> str:
+    """A token model's text columns: its tokenizer and end-of-sequence ids."""
+    if not m.token_input:
+        return ""
+    eos = ",".join(map(str, m.eos_token_ids)) or "none"
+    return f"\ttokenizer {'yes' if m.has_tokenizer else 'no'}\teos {eos}"
 
 
 def migrate(client: Client, args: argparse.Namespace) -> None:
