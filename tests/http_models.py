@@ -12,10 +12,12 @@ and ``generation_config.json`` names ``</s>`` as the end of sequence.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import random_tensors
 from ssmserve.server.engine.loader import save_model
 from tests.conftest import token_config
@@ -56,9 +58,12 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_chat_model(directory: Path, seed: int = 3, template: bool = True) -> Tokenizer:
-    """A chat model in ``directory`` (its template left out with ``template`` False)."""
-    config = token_config(vocab_size=VOCAB)
+def write_chat_model(
+    directory: Path, seed: int = 3, template: bool = True, config: MambaConfig | None = None
+) -> Tokenizer:
+    """A chat model in ``directory`` (its template left out with ``template`` False);
+    ``config``: other dims (its vocabulary is ``VOCAB`` ids)."""
+    config = replace(config or token_config(), vocab_size=VOCAB)
     save_model(directory, config, random_tensors(config, seed))
     tokenizer = train_tokenizer()
     tokenizer.save(str(directory / "tokenizer.json"))

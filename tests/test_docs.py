@@ -37,7 +37,9 @@ import pytest
 import redis
 import yaml
 
+from ssmserve.server.http.listener import HttpSettings
 from tests.harness import WorkerHarness
+from tests.http_models import write_chat_model
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -57,6 +59,7 @@ BLOCK_TIMEOUT_S = 180
 #: The docs' addresses, stood in for by the test's worker (first), a second worker of
 #: the same Redis, and the first worker's metrics endpoint.
 FIRST, SECOND, METRICS = "localhost:50051", "localhost:50052", "localhost:9400"
+HTTP = "localhost:8000"  # the first worker's --http (serving a "chat" model: docs/http.md)
 
 
 @dataclass(frozen=True)
@@ -143,16 +146,22 @@ class DocsWorld:
             ("127.0.0.1:50051", self.first.address),
             (SECOND, self.second.address),
             (METRICS, self.first.worker.metrics_address),
+            (HTTP, self.first.worker.http_door.address),
         ):
             code = code.replace(placeholder, real)
         return code
 
 
 @pytest.fixture(scope="module")
-def world(model_dirs, redis_server) -> Iterator[DocsWorld]:
+def world(model_dirs, redis_server, tmp_path_factory) -> Iterator[DocsWorld]:
     with redis.Redis.from_url(redis_server.url) as conn:
         conn.flushall()
-    first = WorkerHarness(model_dirs, redis_server.url, metrics_listen="127.0.0.1:0")
+    chat = tmp_path_factory.mktemp("docs-chat") / "chat"
+    write_chat_model(chat)
+    first = WorkerHarness(
+        {**model_dirs, "chat": chat}, redis_server.url, metrics_listen="127.0.0.1:0",
+        http=HttpSettings(listen="127.0.0.1:0"),
+    )  # fmt: skip
     second = WorkerHarness(model_dirs, redis_server.url)
     try:
         yield DocsWorld(first, second, redis_server.url)
