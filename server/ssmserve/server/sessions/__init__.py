@@ -21,6 +21,10 @@ and moving them to other workers.
 ``forecaster``       forecasts of many sessions batched per engine call
 ``generation``       Generate: a prompt fed, then seeded draws fed back, through the intake
 ``sampling``         a token drawn from logits: greedy, or keyed by (seed, step) with filters
+``logits``           penalties and logit bias over the session's recent inputs; logprobs
+``stopping``         a generation's text released: stop strings (held-back text), EOS
+``handover``         tokens handed to the client one at a time; a cancelled call's step
+                     taken back
 ``constraints``      constrained output: a JSON schema, regex or grammar's mask (llguidance)
 ``text_monitor``     a check of the output text that retracts and resamples on a rejection
 ``guided_output``    a generation's constraint and monitor at work, draw by draw
