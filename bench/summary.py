@@ -396,6 +396,19 @@ def _accuracy(preset: str) -> Callable[[dict[str, Any]], Cells]:
     return cells
 
 
+def _http_chat(d: dict[str, Any]) -> Cells:
+    """bench_http_chat: time to first token of the chat's last turn and the mean of its
+    turns after the first, with the prefix cache beside without it."""
+    cached, uncached = d["ttft_ms"]["cached"], d["ttft_ms"]["uncached"]
+    ours = [cached[-1], statistics.mean(cached[1:])]
+    peer = [uncached[-1], statistics.mean(uncached[1:])]
+    return (
+        joined(ours),
+        f"no prefix cache: {joined(peer)}",
+        joined([a / b for a, b in zip(ours, peer, strict=True)]),
+    )
+
+
 def _forecast(d: dict[str, Any]) -> Cells:
     f = d["demo"]["forecast"]["128"]
     return (
@@ -528,6 +541,8 @@ FIGURES = [
            _side_by_side("metrics on, scraped 1/s", "metrics off", "goal: >= 0.97x")),
     Figure("forecast of 128 steps, demo model, ms", "forecast",
            "`bench/bench_forecast.py`", _forecast),
+    Figure("10-turn chat over --http, mamba-130m-shaped, time to first token at turn 10 / "
+           "mean of turns 2-10, ms", "http_chat", "`bench/bench_http_chat.py`", _http_chat),
     Figure("served steps/s, 2 workers on a 3-master Redis Cluster", "scale",
            "`bench/bench_scale.py`", _workers),
     Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale",
