@@ -130,6 +130,11 @@ def test_generation_stops_on_the_models_eos_unless_told_to_ignore_it(
     assert got[-1].text == ""  # the EOS token has no text of its own
     assert "".join(t.text for t in got) == tokenizer.decode(reference[:eos_at]).rstrip("\ufffd")
     assert c.get_session(sid).step == len(PROMPT) + eos_at + 1
+    # a retry from the EOS token (its finish was cut off) ends there, generating nothing
+    end = len(PROMPT) + eos_at + 1
+    again = call(stop_worker, sid, at_step=end, generated_before=eos_at + 1)
+    assert not tokens_of(again) and again[-1].finish_reason == pb.GenerateResponse.FINISH_EOS
+    assert c.get_session(sid).step == end
     other = c.create_session("lme").session_id
     replies = call(stop_worker, other, prompt_ids=PROMPT, ignore_eos=True)
     assert [t.token_id for t in tokens_of(replies)] == reference
@@ -194,6 +199,10 @@ def test_a_resumed_call_sends_the_texts_the_undisturbed_one_would(
         assert [t.token_id for t in again] == reference[cut : k + 1]
         assert [t.text for t in again] == texts[cut:], cut
         assert replies[-1].stop_string == stop
+    # a retry from the token that completed the match ends there
+    replies = call(stop_worker, sid, at_step=start + k + 1, generated_before=k + 1, stop=[stop])
+    assert not tokens_of(replies) and replies[-1].stop_string == stop
+    assert c.get_session(sid).step == start + k + 1
     # and the session rolled back into the generation goes on to the same end
     assert c.rollback(sid, to_step=start + 2).step == start + 2
     replies = call(stop_worker, sid, at_step=start + 2, generated_before=2, stop=[stop])

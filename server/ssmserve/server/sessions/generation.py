@@ -334,6 +334,7 @@ class Generation:
         # The penalties' window: the session's inputs up to ``step`` (None: no penalties).
         self.window: deque[int] | None = None
         self.pending: Token | None = None  # the token of the step taken last (or being)
+        self.ended: Finish | None = None  # a retry after the generation's last token
         self.resent_verdict = Verdict.GOES_ON  # the guide's verdict on the last resent token
         self.rejected_step: int | None = None  # a resent step the text monitor rejects
 
@@ -373,12 +374,28 @@ class Generation:
                 await self._resend(at + n, logged[n:])
         if self.text is not None and r.generated_before:
             await self._rebuild_texts(at, r.generated_before)
+        if r.generated_before and not ahead and at:
+            self.ended = await self._ended_at(at)
         if t == 0 and not len(self.prompt_left):
             raise GenerateAtStepError(
                 f"session {s.id!r} is at step 0 and has no logits to draw from yet; send a "
                 f"prompt (prompt_ids)",
                 0,
             )
+
+    async def _ended_at(self, at: int) -> Finish | None:
+        """A retry from the generation's last token, if that token ended it (a stop id,
+        EOS, a completed stop string: its finish was cut off): that Finish, not more
+        tokens."""
+        s, r = self.session, self.request
+        token = int(s.codec.decode_many(await self.parent.replay.inputs(s, at, at))[0])
+        if self.text is not None and self.text.stop_string:
+            return Finish("stop", at, stop_string=self.text.stop_string)
+        if token in r.stop_ids:
+            return Finish("stop", at)
+        if token in self.eos:
+            return Finish("eos", at)
+        return None
 
     async def _rebuild_texts(self, at: int, before: int) -> None:
         """Feed the detokenizer this generation's tokens up to ``at`` (steps
@@ -538,6 +555,8 @@ class Generation:
         self.updates.put_nowait(finish)
 
     async def _run(self) -> Finish:
+        if self.ended is not None:
+            return self.ended
         for token in self.resent:
             if (finish := self._emit(token)) is not None:
                 return finish

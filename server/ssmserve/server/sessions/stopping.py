@@ -88,6 +88,7 @@ class GeneratedText:
         self.detokenizer = IncrementalDetokenizer(decode)
         self.stops = StopStrings(stops)
         self.eos_ids = eos_ids  # ids that add no text (empty when ignore_eos)
+        self.stop_string = ""  # the stop string the last token skipped completed
 
     def add(self, token: int, last: bool) -> Released:
         """What ``token`` releases; ``last``: it ends the generation whatever its text
@@ -101,7 +102,7 @@ class GeneratedText:
     def skip(self, tokens: list[int]) -> None:
         """Feed ``tokens`` whose texts were released already (a resumed generation's)."""
         for token in tokens:
-            self.add(token, last=False)
+            self.stop_string = self.add(token, last=False).stop_string
 
     def flush(self) -> str:
         """The held text, when the generation ends with no token to release it."""
