@@ -503,3 +503,32 @@ def test_the_cli_generates_constrained_and_monitored_text(
     assert np.load(out).tolist() == [t.token_id for t in kept]
     assert main([*args, *flags, "--regex", "a(b"]) == 2
     assert "unclosed group" in capsys.readouterr().err
+
+
+def test_a_fork_mid_constrained_generation_goes_on_as_the_source(guided_worker, json_tokenizer):
+    """Forked after 5 constrained tokens, the fork goes on (at_step, generated_before and
+    the tokens received, generated_ids) as the undisturbed generation."""
+    c = guided_worker.client
+    prompt = json_tokenizer.encode("hello").ids
+    whole_sid, src = (c.create_session("jm").session_id for _ in range(2))
+    fields = {
+        "max_tokens": 200,
+        "sampling": pb.SamplingParams(**GUIDED_PARAMS),
+        "constraint": pb.Constraint(json_schema=SCHEMA_TEXT),
+    }
+    whole = kept_tokens(
+        raw_generate(guided_worker, session_id=whole_sid, prompt_ids=prompt, **fields)
+    )
+    first = kept_tokens(
+        raw_generate(
+            guided_worker, session_id=src, prompt_ids=prompt, **{**fields, "max_tokens": 5}
+        )
+    )
+    fork = c.fork(src, at_step=first[-1].step).session.session_id
+    resume = {"session_id": fork, "at_step": first[-1].step, "generated_before": 5, **fields}
+    # the fork's log starts at the fork: without the tokens, the matcher cannot be rebuilt
+    refused = raw_generate(guided_worker, **resume)
+    assert [r.stopped.reason for r in refused] == ["GENERATE_AT_STEP"]
+    ids = [t.token_id for t in first]
+    rest = kept_tokens(raw_generate(guided_worker, generated_ids=ids, **resume))
+    assert [t.token_id for t in first + rest] == [t.token_id for t in whole]

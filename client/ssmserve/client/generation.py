@@ -252,6 +252,10 @@ async def _generate(
     session_id = base.session_id
     stop = set(base.stop_token_ids)
     received, last_token = 0, -1
+    # A constrained or monitored generation's tokens, sent with a resumed call: the worker
+    # rebuilds its matcher from them where the session's log no longer holds them.
+    guided = base.HasField("constraint") or base.HasField("monitor")
+    kept: list[int] = []
     retracted: int | None = None  # a retraction not yet passed on with a token
     backoff = Backoff(router.retry)
     address = router.owner_of(session_id)
@@ -259,6 +263,8 @@ async def _generate(
         request = pb.GenerateRequest()
         request.CopyFrom(base)
         request.at_step, request.generated_before = at, received
+        if guided:
+            request.generated_ids.extend(kept)  # the ``received`` tokens
         request.prompt_ids.extend(prompt.ids)
         request.prompt_text = prompt.text
         call = router.worker(address).sessions.Generate(
@@ -272,6 +278,7 @@ async def _generate(
                 if reply.HasField("retracted_after_step"):  # before this reply's tokens
                     back = reply.retracted_after_step
                     received, at = received - max(at - back, 0), min(at, back)
+                    del kept[received:]
                     retracted = back if retracted is None else min(retracted, back)
                     base.monitor_retries = reply.monitor_retries  # a resumed call's draws
                 for i, t in enumerate(reply.tokens):
@@ -281,6 +288,8 @@ async def _generate(
                     yield _token(t, reply if last else None, retracted)
                     retracted = None
                     received, last_token, at = received + 1, t.token_id, t.step
+                    if guided:
+                        kept.append(t.token_id)
                     prompt.fed()
                 if prompt and _prompt_fed(reply, at, prompt):
                     at = reply.session_step

@@ -50,7 +50,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before", "stop", "ignore_eos", "logprobs", "top_logprobs", "constraint", "monitor", "monitor_retries")
+    __slots__ = ("session_id", "at_step", "prompt_ids", "prompt_text", "max_tokens", "sampling", "stop_token_ids", "generated_before", "stop", "ignore_eos", "logprobs", "top_logprobs", "constraint", "monitor", "monitor_retries", "generated_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class GenerateRequest(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     MONITOR_FIELD_NUMBER: _ClassVar[int]
     MONITOR_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     at_step: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +82,8 @@ class GenerateRequest(_message.Message):
     constraint: Constraint
     monitor: TextMonitor
     monitor_retries: int
-    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., monitor: _Optional[_Union[TextMonitor, _Mapping]] = ..., monitor_retries: _Optional[int] = ...) -> None: ...
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., at_step: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_before: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., monitor: _Optional[_Union[TextMonitor, _Mapping]] = ..., monitor_retries: _Optional[int] = ..., generated_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "regex", "lark_grammar", "json_object")

@@ -24,7 +24,8 @@ def rules_from_pb(request: pb.GenerateRequest) -> OutputRules | None:
         )
     if constraint is None and monitor is None and not request.monitor_retries:
         return None
-    return OutputRules(constraint, monitor, request.monitor_retries)
+    generated = tuple(request.generated_ids)
+    return OutputRules(constraint, monitor, request.monitor_retries, generated)
 
 
 def _constraint(message: pb.Constraint | pb.TextMonitor, kind: str | None) -> Constraint:

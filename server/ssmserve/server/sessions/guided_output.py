@@ -43,6 +43,8 @@ class OutputRules:
     constraint: Constraint | None = None
     monitor: TextMonitor | None = None
     monitor_retries: int = 0  # a resumed call: the retractions it received
+    # A resumed call: the tokens it received, for a session whose log no longer holds them
+    generated: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
