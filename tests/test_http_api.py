@@ -15,6 +15,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ import openai
 import pytest
 
 from ssmserve.server.http.listener import HttpListenError, HttpSettings
-from ssmserve.server.worker import Worker, WorkerSettings
+from ssmserve.server.main import build_parser, settings_from_args
+from ssmserve.server.worker import (
+    ExposedWithoutAuthError,
+    Worker,
+    WorkerSettings,
+    check_exposure,
+)
 from tests.harness import WorkerHarness
 from tests.http_models import write_chat_model
 
@@ -437,3 +444,20 @@ def test_a_taken_port_refuses_the_start_and_a_stop_closes_the_kept_sessions(
         assert kept not in [s.session_id for s in other.client.list_sessions()]
     finally:
         other.stop()
+
+
+def test_http_is_refused_beyond_loopback_without_tokens_and_with_workers(tmp_path):
+    exposed = WorkerSettings(
+        models=(), listen="127.0.0.1:0", http=HttpSettings(listen="0.0.0.0:8000")
+    )
+    with pytest.raises(ExposedWithoutAuthError, match=r"refusing to listen on 0\.0\.0\.0:8000"):
+        check_exposure(exposed)
+    check_exposure(replace(exposed, auth_tokens=tmp_path / "tokens.toml"))  # with tokens: served
+    args = build_parser().parse_args(["--demo", "--data-dir", str(tmp_path), "--http",
+                                      "127.0.0.1:8000", "--workers", "2"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--http serves from one worker process"):
+        settings_from_args(args)
+    args = build_parser().parse_args(["--demo", "--data-dir", str(tmp_path), "--http",
+                                      "127.0.0.1:8000", "--http-prefix-cache", "3"])  # fmt: skip
+    http = settings_from_args(args).http
+    assert (http.listen, http.prefix_cache, http.max_requests) == ("127.0.0.1:8000", 3, 256)

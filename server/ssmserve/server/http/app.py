@@ -202,14 +202,14 @@ def build_app(
             except BaseException:
                 await updates.aclose()
                 raise
-            events = completions.stream(prepared, caller, first, updates)
-            response = StreamingResponse(
-                _events(events, updates, limits),
+            events = _events(completions.stream(prepared, caller, first, updates), updates, limits)
+            handed = True  # from here ``events`` leaves the limit, however the stream ends
+            head = await anext(events)
+            return StreamingResponse(
+                _sent(head, events),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-            handed = True
-            return response
         finally:
             if not handed:
                 limits.leave()
@@ -219,9 +219,12 @@ def build_app(
 
 async def _events(
     events: AsyncGenerator[str, None], updates: AsyncGenerator[Any, None], limits: Limits
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The stream's events; when it ends (or the client goes away) the generation is
-    closed (its session kept or closed) and the request leaves the limit."""
+    closed (its session kept or closed) and the request leaves the limit. It is started
+    (its first event taken) before the response is handed over: a started generator is
+    closed even when the response never sends it (the client left first), as Python
+    finalizes one that is dropped."""
     try:
         async for event in events:
             yield event
@@ -231,3 +234,13 @@ async def _events(
             await updates.aclose()
         finally:
             limits.leave()
+
+
+async def _sent(head: str, events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """``head``, then the rest of ``events`` (closed however the response ends)."""
+    try:
+        yield head
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()

@@ -319,7 +319,8 @@ class Completions:
             while update is not None:
                 if isinstance(update, Token):
                     answer.add(update)
-                    yield _event(chunk(update.text, [update], None))
+                    if update.text or want:  # a token that releases no text yet: no event
+                        yield _event(chunk(update.text, [update], None))
                     update = await anext(rest, None)
                     continue
                 reason = _finish_reason(update, caller)

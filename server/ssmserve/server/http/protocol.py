@@ -13,7 +13,7 @@ implement (``n`` > 1, ``best_of``, ``echo``, ``suffix``, tools) are refused by
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -185,6 +185,3 @@ def model_list(keys: list[str], created: int) -> dict[str, Any]:
             for key in keys
         ],
     }
-
-
-Role = Literal["system", "user", "assistant", "tool", "developer"]
