@@ -11,6 +11,7 @@ fork, a rollback and a resumed call.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import replace
 
 import grpc
@@ -18,10 +19,13 @@ import numpy as np
 import pytest
 
 from ssmserve.client.errors import InvalidArgument
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.client.sync import Client
 from ssmserve.server.sessions.logits import adjusted, logprobs
 from ssmserve.server.sessions.sampling import SamplingParams, draw
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.test_generate import PARAMS, PROMPT, raw_generate, sampling
+from tests.worker_process import WorkerProcess
 
 PENALTIES = {
     "repetition_penalty": 1.3,
@@ -175,3 +179,62 @@ def test_a_greedy_draw_takes_the_argmax_of_the_adjusted_logits(worker, served_mo
         out = o[0]
     with pytest.raises(grpc.RpcError):
         raw_generate(worker, session_id=sid, max_tokens=3, top_logprobs=21)
+
+
+def test_a_migration_mid_generation_changes_no_penalized_token_or_logprob(
+    start_worker, served_models
+):
+    """The session moves to another worker after 50 tokens: the penalties' window there
+    comes from the session's carried history, so the tokens and logprobs go on the same."""
+    a, b = start_worker(), start_worker()
+    sid = a.client.create_session("lm", snapshot_every=64).session_id
+    n = 400
+    tokens, chosen, _ = offline_penalized(served_models["lm"], PROMPT, n)
+    got, moved = [], []
+    with Client([a.address, b.address]) as client:
+        extra = {**PENALTIES, "logit_bias": BIAS}
+        for t in client.generate(sid, n, prompt_ids=PROMPT, logprobs=True, **PARAMS, **extra):
+            got.append(t)
+            if len(got) == 50:
+                moved.append(a.client.migrate(sid, b.address))
+        assert client.get_session(sid).owner == b.address
+    assert len(PROMPT) + 50 <= moved[0].step < len(PROMPT) + n  # it moved mid-generation
+    assert [t.token_id for t in got] == tokens
+    np.testing.assert_allclose([t.unfiltered_logprob for t in got], chosen, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_owner_mid_generation_changes_no_penalized_token(
+    model_dirs, served_models, redis_url, tmp_path
+):
+    """The owner is killed after 100 penalized tokens; the other worker takes over (the
+    session rebuilt from its snapshot and log) and the generation goes on the same."""
+    workers = [
+        WorkerProcess({"lm": model_dirs["lm"]}, redis_url, tmp_path / f"w{i}", lease_ttl_s=1.0)
+        for i in range(2)
+    ]
+    threads = [threading.Thread(target=w.start) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        assert all(w.alive for w in workers)
+        addresses = [w.address for w in workers]
+        sid = Client(addresses[0]).create_session("lm", snapshot_every=32).session_id
+        n = 600
+        tokens = offline_penalized(served_models["lm"], PROMPT, n)[0]
+        got = []
+        policy = RetryPolicy(keepalive_time_s=0.5, keepalive_timeout_s=0.5, call_timeout_s=5.0)
+        extra = {**PENALTIES, "logit_bias": BIAS}
+        with Client(addresses, retry=policy) as client:
+            for t in client.generate(sid, n, prompt_ids=PROMPT, **PARAMS, **extra):
+                got.append(t)
+                if len(got) == 100:
+                    workers[0].kill()
+            info = client.get_session(sid)
+        assert info.owner == addresses[1] and info.step == len(PROMPT) + n
+        assert [t.token_id for t in got] == tokens
+    finally:
+        for w in workers:
+            w.kill()
