@@ -25,6 +25,7 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.harness import WorkerHarness
 from tests.test_generate import PARAMS, PROMPT, offline, raw_generate
 from tests.test_generate_text import train_tokenizer
+from tests.test_service import stub
 
 
 def test_text_that_may_begin_a_stop_string_is_held_until_it_cannot():
@@ -283,3 +284,24 @@ def test_the_cli_takes_stop_texts_penalties_and_prints_logprobs_and_the_end(
     assert main(["--server", stop_worker.address, "models"]) == 0
     listed = capsys.readouterr().out
     assert f"tokenizer yes\teos {eos_id}" in listed and "tokenizer no\teos none" in listed
+
+
+def test_a_generation_the_worker_hands_off_ends_cancelled_saying_where_to_go_on(start_worker):
+    """A migration mid-generation: the raw call's last message is FINISH_CANCELLED with the
+    step error that names the new owner (the Python client follows it)."""
+    a, b = start_worker(), start_worker()
+    sid = a.client.create_session("lm").session_id
+    call = stub(a).Generate(
+        pb.GenerateRequest(session_id=sid, max_tokens=3000, prompt_ids=PROMPT,
+                           sampling=pb.SamplingParams(**PARAMS)),
+        timeout=30,
+    )  # fmt: skip
+    replies = []
+    for reply in call:
+        replies.append(reply)
+        if len(tokens_of(replies)) == 20:
+            a.client.migrate(sid, b.address)
+    last = replies[-1]
+    assert last.finish_reason == pb.GenerateResponse.FINISH_CANCELLED, last
+    assert b.address in last.stopped.message or last.stopped.owner == b.address
+    assert last.session_step == tokens_of(replies)[-1].step
