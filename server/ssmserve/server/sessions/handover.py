@@ -58,7 +58,8 @@ class HandOver:
             if left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._moved.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._moved.wait()
             except TimeoutError:
                 return False
         return True
