@@ -305,3 +305,18 @@ def test_a_generation_the_worker_hands_off_ends_cancelled_saying_where_to_go_on(
     assert last.finish_reason == pb.GenerateResponse.FINISH_CANCELLED, last
     assert b.address in last.stopped.message or last.stopped.owner == b.address
     assert last.session_step == tokens_of(replies)[-1].step
+
+
+def test_the_go_on_command_of_a_cut_generation_keeps_the_stop_rules_and_penalties():
+    import argparse
+
+    from ssmserve.client import cli_sampling
+
+    parser = argparse.ArgumentParser()
+    cli_sampling.add_flags(parser)
+    given = ["--stop-text", "a b", "--stop-text", "\n", "--ignore-eos", "--presence-penalty",
+             "0.5", "--penalty-last-n", "0", "--logit-bias", "3=-2", "--logprobs", "2"]  # fmt: skip
+    args = parser.parse_args(given)
+    again = parser.parse_args(cli_sampling.go_on_flags(args))
+    assert again == args and cli_sampling.options(again) == cli_sampling.options(args)
+    assert cli_sampling.go_on_flags(parser.parse_args([])) == []

@@ -328,6 +328,7 @@ def _generate_advice(args: argparse.Namespace, received: int, at: int, reached: 
             command += [f"--{name.replace('_', '-')}", str(value)]
     for stop in args.stop:
         command += ["--stop", str(stop)]
+    command += cli_sampling.go_on_flags(args)
     if not received and args.prompt_ids is not None:
         command += ["--prompt-ids", str(args.prompt_ids)]
     if not received and args.prompt is not None:

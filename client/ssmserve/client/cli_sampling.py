@@ -85,3 +85,21 @@ def finish_note(last: GeneratedToken | None) -> str:
         return ""
     matched = f" {last.stop_string!r}" if last.stop_string else ""
     return f", finished: {last.finish_reason}{matched}"
+
+
+def go_on_flags(args: argparse.Namespace) -> list[str]:
+    """These flags as given (the defaults left out), for the command that goes on with a
+    cut generation: the same settings draw the same tokens."""
+    flags: list[str] = [arg for text in args.stop_text for arg in ("--stop-text", text)]
+    if args.ignore_eos:
+        flags.append("--ignore-eos")
+    defaults = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    for name, default in defaults.items():
+        if getattr(args, name) != default:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.penalty_last_n is not None:
+        flags += ["--penalty-last-n", str(args.penalty_last_n)]
+    flags += [arg for token, bias in args.logit_bias for arg in ("--logit-bias", f"{token}={bias}")]
+    if args.logprobs is not None:
+        flags += ["--logprobs", str(args.logprobs)]
+    return flags
