@@ -413,11 +413,17 @@ class Generation:
 
     async def _rebuild_guide(self, at: int, before: int) -> None:
         """Feed the guide this generation's tokens up to ``at`` (steps
-        ``at - before + 1 ..``, from the log): the masks and verdicts go on as an
-        undisturbed call's. A log that no longer reaches them: GenerateAtStepError."""
-        assert self.guide is not None
-        tokens = await self._logged(at - before, at)
-        if not self.guide.rebuild([int(t) for t in tokens], self.eos):
+        ``at - before + 1 ..``, from the log, else the request's ``generated_ids``): the
+        masks and verdicts go on as an undisturbed call's. Neither: GenerateAtStepError."""
+        assert self.guide is not None and self.request.rules is not None
+        given = self.request.rules.generated
+        try:
+            tokens = [int(t) for t in await self._logged(at - before, at)]
+        except GenerateAtStepError:
+            if len(given) != before:  # a fork, a trimmed log: the client's tokens
+                raise
+            tokens = list(given)
+        if not self.guide.rebuild(tokens, self.eos):
             raise GenerateAtStepError(
                 f"the tokens of session {self.session.id!r} up to step {at} are not this "
                 f"generation's (its constraint or text monitor refuses them, or monitor_retries "
