@@ -278,7 +278,9 @@ def _id_at(z: np.ndarray, ranked: np.ndarray, position: int) -> int:
     """The id at ``position`` of the ids ordered by value descending, ties by id
     ascending: among the ids holding ``ranked[position]``, the one of its rank among the
     equal values before it. (Distinct float32 logits stay distinct over a temperature in
-    (0, 100] except where they overflow to -Inf, and those have probability 0.)"""
+    (0, 100] except where they overflow to -Inf, and those have probability 0. Float64
+    logits the penalties adjusted can meet after the division, rarely: such ids are
+    ordered by their value before it, larger first.)"""
     value = ranked[position]
     first = int(np.count_nonzero(ranked[:position] > value))
     return int(np.flatnonzero(z == value)[position - first])
