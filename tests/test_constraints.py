@@ -229,3 +229,17 @@ def test_rules_a_model_without_tokenizer_or_a_greedy_monitor_cannot_take(tokeniz
     ]:
         with pytest.raises(BadConstraintError, match=message):
             guide(tokenizer, OutputRules(monitor=monitor))
+
+
+def test_a_json_monitor_reads_json_whitespace_a_json_constraint_writes_none(tokenizer):
+    spaced = tokenizer.encode('{"a": 12, "ok": true}').ids
+    rules = OutputRules(monitor=TextMonitor(Constraint("json_schema", json.dumps(SCHEMA))))
+    g = guide(tokenizer, rules)
+    verdicts = [g.after(t, frozenset({EOS})) for t in spaced]
+    assert verdicts[-1] is Verdict.COMPLETE and set(verdicts[:-1]) == {Verdict.GOES_ON}
+    unfinished = guide(tokenizer, rules)
+    assert unfinished.rebuild(spaced[:-1], frozenset({EOS}))
+    assert unfinished.after(EOS, frozenset({EOS})) is Verdict.REJECTED  # not complete yet
+    constrained = guide(tokenizer, OutputRules(Constraint("json_schema", json.dumps(SCHEMA))))
+    assert not constrained.rebuild(spaced, frozenset({EOS}))  # compact: no space allowed
+    assert constrained.matcher is not None

@@ -66,9 +66,12 @@ class Constraint:
     kind: ConstraintKind
     text: str = ""
 
-    def grammar(self) -> str:
+    def grammar(self, compact: bool = True) -> str:
         """The llguidance grammar of this constraint (its syntax checked by
-        :func:`compile_constraint`), or BadConstraintError."""
+        :func:`compile_constraint`), or BadConstraintError. ``compact``: JSON without
+        whitespace between tokens (what a constraint writes); else JSON's own whitespace
+        allowed (what a monitor reads)."""
+        defaults = JSON_DEFAULTS if compact else None
         from llguidance import LLMatcher
 
         if self.kind not in KINDS:
@@ -79,7 +82,7 @@ class Constraint:
                 f"{MAX_CONSTRAINT_CHARS}; give a smaller one"
             )
         if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults)
         if not self.text:
             raise BadConstraintError(f"the {self.kind} is empty: give one, or no constraint")
         if self.kind == "regex":
@@ -96,7 +99,7 @@ class Constraint:
         if not isinstance(schema, dict | bool):
             raise BadConstraintError("a json_schema is a JSON object (or true / false)")
         try:
-            return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_DEFAULTS)
+            return LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)
         except ValueError as exc:
             raise BadConstraintError(f"json_schema: {_bounded(str(exc))}") from None
 
@@ -181,13 +184,15 @@ class CompiledConstraint:
         return TokenMatcher(self)
 
 
-def compile_constraint(constraint: Constraint, tokenizer: GrammarTokenizer) -> CompiledConstraint:
-    """``constraint`` compiled for ``tokenizer``, or BadConstraintError with llguidance's
-    message (bounded): a regex that does not parse, a schema it cannot compile, an
-    unknown rule, a grammar over the size limit."""
+def compile_constraint(
+    constraint: Constraint, tokenizer: GrammarTokenizer, compact: bool = True
+) -> CompiledConstraint:
+    """``constraint`` compiled for ``tokenizer`` (``compact``: as ``Constraint.grammar``),
+    or BadConstraintError with llguidance's message (bounded): a regex that does not
+    parse, a schema it cannot compile, an unknown rule, a grammar over the size limit."""
     from llguidance import LLMatcher
 
-    grammar = constraint.grammar()
+    grammar = constraint.grammar(compact)
     message = LLMatcher.validate_grammar(grammar, tokenizer.tokenizer, limits=_limits())
     if message and not message.startswith("WARNING"):
         raise BadConstraintError(f"{constraint.kind}: {_bounded(message)}")

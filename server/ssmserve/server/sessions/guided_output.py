@@ -155,7 +155,8 @@ async def prepare_guide(
             matcher = compile_constraint(rules.constraint, grammar_tokenizer).matcher()
         watch = None
         if monitor is not None:
-            check = compile_constraint(monitor.check, grammar_tokenizer)
+            # a monitor reads what the model wrote: JSON's whitespace is fine there
+            check = compile_constraint(monitor.check, grammar_tokenizer, compact=False)
             watch = TextWatch(monitor, check, rules.monitor_retries)
         return Guide(matcher, watch)
 
