@@ -532,3 +532,38 @@ def test_a_fork_mid_constrained_generation_goes_on_as_the_source(guided_worker, 
     ids = [t.token_id for t in first]
     rest = kept_tokens(raw_generate(guided_worker, generated_ids=ids, **resume))
     assert [t.token_id for t in first + rest] == [t.token_id for t in whole]
+
+
+def test_a_migration_mid_guided_generation_changes_no_token(
+    guided_dirs, jm_model, json_tokenizer, redis_url
+):
+    """The session moves to another worker after 40 constrained and monitored tokens:
+    the matcher there is rebuilt from the carried log, the same tokens go on."""
+    a, b = WorkerHarness(guided_dirs, redis_url), WorkerHarness(guided_dirs, redis_url)
+    try:
+        prompt = json_tokenizer.encode("hello").ids
+        sid = a.client.create_session("jm", snapshot_every=16).session_id
+        n, shape = 200, r"[a-z ,.]*"
+        rules = OutputRules(
+            Constraint("regex", shape), TextMonitor(Constraint("regex", r"[^a]*"), 2, 64)
+        )
+        expected, retractions, _ = offline_guided(
+            jm_model, json_tokenizer, prompt, n, rules, GUIDED_PARAMS, eos=frozenset()
+        )
+        assert retractions
+        monitor = constraints.text_monitor(regex=r"[^a]*", rollback_tokens=2, max_retries=64)
+        got, moved = [], []
+        with Client([a.address, b.address]) as client:
+            for t in client.generate(
+                sid, n, prompt_ids=prompt, constraint=constraints.regex(shape),
+                monitor=monitor, ignore_eos=True, **GUIDED_PARAMS,
+            ):  # fmt: skip
+                got.append(t)
+                if len(got) == 40:
+                    moved.append(a.client.migrate(sid, b.address))
+            assert client.get_session(sid).owner == b.address
+        assert len(prompt) < moved[0].step < len(prompt) + n  # it moved mid-generation
+        assert [t.token_id for t in client_kept(got)] == expected
+    finally:
+        a.stop()
+        b.stop()
