@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -70,7 +71,7 @@ def counts(harness: WorkerHarness) -> Any:
 
 def forget_kept(harness: WorkerHarness) -> None:
     """Close every kept session: the next request prefills afresh."""
-    harness.call(harness.worker.http_door.runs.stop())
+    harness.call(harness.worker.http_door.runs.forget())
 
 
 def kept_histories(harness: WorkerHarness) -> list[list[int]]:
@@ -461,3 +462,32 @@ def test_http_is_refused_beyond_loopback_without_tokens_and_with_workers(tmp_pat
                                       "127.0.0.1:8000", "--http-prefix-cache", "3"])  # fmt: skip
     http = settings_from_args(args).http
     assert (http.listen, http.prefix_cache, http.max_requests) == ("127.0.0.1:8000", 3, 256)
+
+
+def test_a_stop_gives_a_stream_in_flight_its_grace_then_ends_it(http_dirs, redis_server):
+    dirs, _ = http_dirs
+    harness = WorkerHarness(
+        {"chat": dirs["chat"]}, redis_server.url, http=HttpSettings(listen="127.0.0.1:0")
+    )  # shutdown_grace_s 1 (the harness's)
+    stream = client_of(harness).completions.create(
+        model="chat", prompt="hello", max_tokens=4000, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    (running,) = [s for s in harness.manager.resident_ids() if s.startswith("http-")]
+    stopper = threading.Thread(target=harness.stop)
+    started = time.monotonic()
+    stopper.start()
+    received = 1
+    with pytest.raises(openai.APIError):  # cut at the grace: no [DONE]
+        for _ in chunks:
+            received += 1
+    stopper.join(30)
+    assert not stopper.is_alive() and time.monotonic() - started < 15
+    assert 1 < received < 4000  # it went on streaming during the grace
+    other = WorkerHarness({"chat": dirs["chat"]}, redis_server.url)
+    try:  # the generation's session was closed, not left behind
+        assert running not in [s.session_id for s in other.client.list_sessions()]
+    finally:
+        other.stop()

@@ -306,7 +306,7 @@ class Worker:
         s = self.settings
         check_exposure(s)  # before anything starts: refuse, or warn
         check_engine(s)
-        self.http_door = bound_http_door(s.http)  # a taken port refuses the start at once
+        self.http_door = bound_http_door(s)  # a taken port refuses the start at once
         pin_blas_threads(s.blas_threads)
         models: dict[str, Engine] = {}
         tokenizers: dict[str, ModelTokenizer | None] = {}
@@ -668,13 +668,14 @@ def check_fits(key: str, model: Engine, limit: int) -> None:
         )
 
 
-def bound_http_door(s: HttpSettings) -> HttpDoor | None:
-    """With ``--http``: the door, its port taken (HttpListenError names one in use)."""
-    if not s.listen:
+def bound_http_door(s: WorkerSettings) -> HttpDoor | None:
+    """With ``--http``: the door, its port taken (HttpListenError names one in use); its
+    requests in flight get the worker's ``shutdown_grace_s`` when it stops."""
+    if not s.http.listen:
         return None
     from ssmserve.server.http.door import HttpDoor
 
-    door = HttpDoor(s)
+    door = HttpDoor(replace(s.http, shutdown_grace_s=s.shutdown_grace_s))
     door.bind()
     return door
 

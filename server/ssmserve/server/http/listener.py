@@ -40,7 +40,7 @@ class HttpSettings:
     max_requests: int = 256  # requests running at once; past it a 429
     prefix_cache: int = 8  # kept sessions per tenant and model (0: none)
     start_timeout_s: float = 10.0  # uvicorn's start, at most
-    shutdown_grace_s: float = 5.0  # requests in flight when the worker stops
+    shutdown_grace_s: float = 5.0  # requests in flight when it stops (the worker's own)
 
 
 def split_listen(listen: str) -> tuple[str, int]:

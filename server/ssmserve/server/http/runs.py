@@ -16,7 +16,6 @@ end) is closed, since where it stopped is not known for sure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator
@@ -105,6 +104,10 @@ class CompletionRuns:
         self.settings = settings
         self.cache = PrefixCache(settings.prefix_cache, self._close_later)
         self._closing: set[asyncio.Task[None]] = set()
+        # Generations running, by session: what ``stop`` ends and closes, whether or not
+        # their responses are ever finalized (a stream cut while it writes is not).
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._stopped = False
 
     async def run(
         self, caller: Caller, model_key: str, ids: np.ndarray, request: GenerateRequest
@@ -115,6 +118,7 @@ class CompletionRuns:
         key: CacheKey = (caller.tenant, model_key)
         placed, generation = await self._start(caller, key, model_key, ids, request)
         task = asyncio.create_task(generation.run(), name="http-generate")
+        self._running[placed.session_id] = task
         generated: list[int] = []
         finish: Finish | None = None
         try:
@@ -147,12 +151,13 @@ class CompletionRuns:
         finally:
             task.cancel()  # done, or the client went away: stop generating
             await asyncio.gather(task, return_exceptions=True)
-            history = np.concatenate([ids, np.asarray(generated, np.int64)])
-            clean = finish is not None and finish.error is None
-            if clean and finish is not None and finish.session_step == len(history):
-                self.cache.keep(key, placed.session_id, history)
-            else:
-                self._close_later(placed.session_id)
+            if self._running.pop(placed.session_id, None) is not None:  # (else: stop's)
+                history = np.concatenate([ids, np.asarray(generated, np.int64)])
+                clean = finish is not None and finish.error is None and not self._stopped
+                if clean and finish is not None and finish.session_step == len(history):
+                    self.cache.keep(key, placed.session_id, history)
+                else:
+                    self._close_later(placed.session_id)
 
     async def _start(
         self,
@@ -251,10 +256,25 @@ class CompletionRuns:
             # Moved to another worker, or gone already: nothing of it is the door's.
             log.info("http: session %s not closed (%s)", session_id, exc)
 
-    async def stop(self) -> None:
-        """Close every kept session and wait for the closes (each bounded)."""
+    async def forget(self) -> None:
+        """Close every kept session (the next requests prefill afresh); wait for the
+        closes (each bounded)."""
         for session_id in self.cache.drain():
             self._close_later(session_id)
+        await self._closed()
+
+    async def stop(self) -> None:
+        """End the generations still running, close their sessions and every kept one;
+        wait for the closes (each bounded). Nothing is kept after."""
+        self._stopped = True
+        running, self._running = self._running, {}
+        for task in running.values():
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
+        for session_id in running:
+            self._close_later(session_id)
+        await self.forget()
+
+    async def _closed(self) -> None:
         if self._closing:
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*self._closing, return_exceptions=True)
+            await asyncio.gather(*self._closing, return_exceptions=True)
