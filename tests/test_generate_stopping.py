@@ -320,3 +320,13 @@ def test_the_go_on_command_of_a_cut_generation_keeps_the_stop_rules_and_penaltie
     again = parser.parse_args(cli_sampling.go_on_flags(args))
     assert again == args and cli_sampling.options(again) == cli_sampling.options(args)
     assert cli_sampling.go_on_flags(parser.parse_args([])) == []
+
+
+def test_a_ggufs_eos_id_is_its_tokenizer_ggml_eos_token_id():
+    """The converted fixtures store the tokenizer's EOS (id 0, GPT-NeoX's <|endoftext|>)."""
+    import gguf
+
+    data = Path(__file__).parent / "data" / "gguf"
+    for name in ("mamba1-f32.gguf", "mamba2-q8_0.gguf"):
+        field = gguf.GGUFReader(data / name).fields["tokenizer.ggml.eos_token_id"]
+        assert read_eos_ids(data / name, 384) == (int(field.contents()),) == (0,)
