@@ -281,6 +281,8 @@ def test_a_body_past_the_limit_or_not_json_is_refused(door):
     assert status == 413 and "limit of 65536 bytes" in body["error"]["message"]
     status, body = _post(door, "/v1/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = _post(door, "/v1/embeddings", b"{}")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
 
 
 # ---------------------------------------------------------------------------- prefix cache

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ssmserve.server.api.auth import ALLOWED, SESSION_SERVICE, Authenticator
@@ -161,6 +162,13 @@ def build_app(
         message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
         error = HttpError(400, message[:500], "invalid_request_error", param, None)
         return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # An unknown route (404) or method (405): in OpenAI's shape too.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = HttpError(exc.status_code, str(exc.detail), kind, None, None)
+        return JSONResponse(error.body(), status_code=exc.status_code)
 
     @app.exception_handler(SsmserveError)
     async def typed(_request: Request, exc: SsmserveError) -> JSONResponse:
