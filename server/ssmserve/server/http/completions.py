@@ -130,7 +130,7 @@ class Completions:
     ) -> None:
         self.manager, self.runs, self.generate = manager, runs, generate
         self.model_path = model_path  # a served key's directory (its tokenizer config)
-        self._templates: dict[str, ChatTemplate | None] = {}
+        self._templates: dict[tuple[str, Path], ChatTemplate | None] = {}
 
     # ------------------------------------------------------------------ preparing
 
@@ -203,10 +203,14 @@ class Completions:
             raise error from None
 
     def _template(self, key: str) -> ChatTemplate | None:
-        if key not in self._templates:
-            path = self.model_path(key)
-            self._templates[key] = None if path is None else load_chat_template(path)
-        return self._templates[key]
+        """``key``'s chat template, read once per model directory (a key loaded again
+        from another directory reads that one's)."""
+        path = self.model_path(key)
+        if path is None:
+            return None
+        if (key, path) not in self._templates:
+            self._templates[(key, path)] = load_chat_template(path)
+        return self._templates[(key, path)]
 
     def _check_chars(self, n: int) -> None:
         limit = self.generate.max_prompt_chars
