@@ -13,7 +13,7 @@ Each round, interleaved so that all figures share the machine's load:
 * ``served_prompt_ms``: a ``--prompt``-token prompt sent to a new session as one Stream
   message with ``last_outputs_only`` (packed outputs): from the write to the answer, whose
   last result carries the logits (the worker prefills it in chunks of its
-  ``prefill_batch_steps``);
+  ``prefill_chunk``);
 * ``engine_prefill_ms``: ``engine.bench.bench_prefill`` (what ``ssmserve model bench DIR
   --prefill 512`` runs) on the same prompt length, in this process: the engine alone;
 * ``served_step_ms``: ``--stepped`` steps of a session sent one per message (ping-pong),

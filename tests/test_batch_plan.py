@@ -142,7 +142,7 @@ def test_a_batch_plan_has_as_many_rounds_as_its_longest_session(demo_model):
 
 # ---------------------------------------------------------------------------- prefill
 
-PREFILL = PrefillLimits(min_steps=8, batch_steps=64)
+PREFILL = PrefillLimits(min_steps=8, batch_tokens=64, chunk=64)
 
 
 def long_run(model: MambaModel, first: int, count: int, last_only: bool = False) -> StepRun:
@@ -215,15 +215,17 @@ def test_runs_that_are_not_prefilled(demo_model, count, config, why):
 
 
 def test_a_prompt_among_decoding_sessions_is_prefilled_and_they_step(demo_model):
+    """Three decoding sessions' steps count first against the budget of 64; the prompt
+    prefills the 61 left, computing only its chunk's last output."""
     decoding = [session(demo_model, 10, snapshot_every=64) for _ in range(3)]
     for d in decoding:
         d.queue.append(job(demo_model, 11))
     prompt = session(demo_model, 0, snapshot_every=64)
     prompt.queue.append(long_run(demo_model, 1, 512, last_only=True))
     p = plan([*decoding, prompt], MAX_TICKS, PREFILL)
-    assert [sp.segments for sp in p.sessions] == [[1], [1], [1], [64]]
+    assert [sp.segments for sp in p.sessions] == [[1], [1], [1], [61]]
     assert [sp.prefilled(0) for sp in p.sessions] == [False, False, False, True]
-    assert p.sessions[3].rows[0].tolist() == [63] and p.rounds == 1
+    assert p.sessions[3].rows[0].tolist() == [60] and p.rounds == 1 and p.steps == 64
 
 
 def test_the_budget_is_shared_and_many_runs_step_batched_instead(demo_model):
@@ -237,12 +239,100 @@ def test_the_budget_is_shared_and_many_runs_step_batched_instead(demo_model):
             s.queue.append(long_run(demo_model, 1, 100))
         return out
 
-    four = plan(sessions(4), MAX_TICKS, PrefillLimits(8, 64))
+    four = plan(sessions(4), MAX_TICKS, PrefillLimits(8, 64, 64))
     assert [sp.segments for sp in four.sessions] == [[16]] * 4
     assert all(sp.prefilled(0) for sp in four.sessions)
-    wider = plan(sessions(4), MAX_TICKS, PrefillLimits(8, 128))
+    wider = plan(sessions(4), MAX_TICKS, PrefillLimits(8, 128, 128))
     assert [sp.segments for sp in wider.sessions] == [[32]] * 4  # a share above max_ticks
-    nine = plan(sessions(9), MAX_TICKS, PrefillLimits(8, 64))
+    nine = plan(sessions(9), MAX_TICKS, PrefillLimits(8, 64, 64))
     assert [sp.segments for sp in nine.sessions] == [[MAX_TICKS]] * 9
     assert not any(sp.rows for sp in nine.sessions)
     assert plan(sessions(1), MAX_TICKS).sessions[0].rows == []  # NO_PREFILL: never
+
+
+# ---------------------------------------------------------------------------- token budget
+
+
+def decoders(model: MambaModel, n: int) -> list[Session]:
+    """``n`` sessions at step 10, each with its next step queued (a generated token)."""
+    out = [session(model, 10, snapshot_every=64) for _ in range(n)]
+    for d in out:
+        d.queue.append(job(model, 11))
+    return out
+
+
+def prompts(model: MambaModel, n: int, count: int = 1024) -> list[Session]:
+    out = [session(model, 0, snapshot_every=1024) for _ in range(n)]
+    for s in out:
+        s.queue.append(long_run(model, 1, count, last_only=True))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("decoding", "chunk"),
+    [
+        (0, 16),  # alone: the chunk, not the budget (32) nor max_ticks
+        (3, 16),  # 29 left: still the chunk
+        (20, 12),  # 12 left after the decode steps
+        (40, 8),  # the decode steps take the whole budget: min_steps, so the prompt goes on
+    ],
+)
+def test_decode_steps_count_first_and_a_prompt_chunk_fills_what_is_left(
+    demo_model, decoding, chunk
+):
+    limits = PrefillLimits(min_steps=8, batch_tokens=32, chunk=16)
+    (prompt,) = prompts(demo_model, 1)
+    p = plan([*decoders(demo_model, decoding), prompt], MAX_TICKS, limits)
+    *stepping, prefilling = p.sessions
+    assert all(sp.segments == [1] and not sp.rows for sp in stepping)
+    assert prefilling.segments == [chunk] and prefilling.prefilled(0)
+    assert kinds(prefilling) == [(APPLY, 1, chunk)]
+
+
+def test_a_chunk_above_max_ticks_is_taken_whole(demo_model):
+    """The chunk bounds a prompt's steps per batch, not max_ticks (a stream's steps)."""
+    (prompt,) = prompts(demo_model, 1)
+    (p,) = plan([prompt], MAX_TICKS, PrefillLimits(8, 256, 96)).sessions
+    assert p.segments == [96] and p.prefilled(0)
+
+
+def test_prompts_share_what_the_decode_steps_leave(demo_model):
+    """Two decoding sessions and a stream's short run (under min_steps: it steps) take 6
+    of the budget of 40: two prompts get 17 each, under their chunk of 32."""
+    short = session(demo_model, 4, snapshot_every=64)
+    short.queue.append(long_run(demo_model, 5, 4))
+    p = plan(
+        [*decoders(demo_model, 2), short, *prompts(demo_model, 2)],
+        MAX_TICKS,
+        PrefillLimits(8, 40, 32),
+    )
+    assert [sp.segments for sp in p.sessions] == [[1], [1], [4], [17], [17]]
+
+
+def test_the_phases_run_the_sessions_that_step_before_those_that_prefill(demo_model):
+    """Given a prompt first, then two decoding sessions: the batch runs the two (in
+    their order), answered before the prompt's chunk computes; without a prompt, one
+    phase."""
+    (prompt,) = prompts(demo_model, 1)
+    a, b = decoders(demo_model, 2)
+    p = plan([prompt, a, b], MAX_TICKS, PrefillLimits(8, 32, 16))
+    assert [[sp.session for sp in phase] for phase in p.phases] == [[a, b], [prompt]]
+    assert p.steps == 18
+    only = plan(decoders(demo_model, 3), MAX_TICKS, PrefillLimits(8, 32, 16))
+    assert len(only.phases) == 1 and len(only.phases[0]) == 3
+    assert plan([], MAX_TICKS, PrefillLimits(8, 32, 16)).phases == []
+
+
+def test_a_paused_prefill_takes_nothing_of_the_prompts_while_others_step(demo_model):
+    """Paused (the stepper's share of time for prefill is spent): the decoding sessions
+    step and the prompt is left queued, in no phase; a batch of prompts alone prefills
+    even so (nothing else would run)."""
+    limits = PrefillLimits(8, 32, 16)
+    (prompt,) = prompts(demo_model, 1)
+    a, b = decoders(demo_model, 2)
+    p = plan([prompt, a, b], MAX_TICKS, limits, paused=True)
+    assert p.sessions[0].pieces == [] and p.sessions[0].advance == 0
+    assert [[sp.session for sp in phase] for phase in p.phases] == [[a, b]]
+    assert p.steps == 2
+    (alone,) = plan([prompt], MAX_TICKS, limits, paused=True).sessions
+    assert alone.segments == [16] and alone.prefilled(0)

@@ -138,7 +138,10 @@ class Rig:
 
 
 def _with_rig(
-    redis_server: EmbeddedRedis, model: MambaModel, body: Callable[[Rig], Awaitable[None]]
+    redis_server: EmbeddedRedis,
+    model: MambaModel,
+    body: Callable[[Rig], Awaitable[None]],
+    settings: StepperSettings = StepperSettings(),  # noqa: B008 - frozen, shared
 ):
     async def main() -> None:
         store = Store(StoreSettings(url=redis_server.url, key_prefix=f"t{new_incarnation()}"))
@@ -153,7 +156,7 @@ def _with_rig(
         checkpoints = Checkpoints(store, residents, writes_in_flight=2)
         lane = RecordingLane(model)
         replay = Replay(store, residents, checkpoints, {MODEL: lane})
-        stepper = Stepper(model, store, residents, checkpoints, replay, StepperSettings(), lane)
+        stepper = Stepper(model, store, residents, checkpoints, replay, settings, lane)
         rig = Rig(model, store, ownership, residents, checkpoints, replay, lane, stepper)
         stepper.start()
         try:
@@ -361,3 +364,42 @@ def test_a_session_to_be_proven_ours_first_is_proven_apart_and_holds_up_no_batch
         assert await rig.logged(u, 4) == u.codec.encode(xu)
 
     _with_rig(redis_server, demo_model, body)
+
+
+def test_a_decode_step_is_answered_before_the_prompt_beside_it_prefills_then_prefill_pauses(
+    redis_server: EmbeddedRedis, demo_model: MambaModel
+) -> None:
+    """Queued together: step 1 of ``d`` alone (a generated token) and a run of 100 of
+    ``p`` (a prompt). The token budget is 32: ``d``'s step counts first and ``p``
+    prefills the 31 left, in the batch's second phase, so ``d`` is answered while ``p`` is
+    still at step 0. That prefill ran beside a decode step, so prefill pauses (its share
+    is 0.1): ``d``'s step 2 runs in a batch of its own while ``p`` waits, then ``p`` goes
+    on in chunks of 32. Every output is the bits of stepping one step at a time."""
+    xd, xp = random_inputs(demo_model, 2, seed=4), random_inputs(demo_model, 100, seed=5)
+    settings = StepperSettings(max_batch_tokens=32, prefill_chunk=32, prefill_share=0.1)
+
+    async def body(rig: Rig) -> None:
+        d = await rig.session("d", durability=Durability.LOG)
+        p = await rig.session("p", durability=Durability.LOG, snapshot_every=1024)
+        seen: list[tuple[int, list[int]]] = []  # p's step and the prefills, at d's answers
+
+        def note(_future: asyncio.Future) -> None:
+            seen.append((p.step, list(rig.lane.replays)))
+
+        first = rig.one(d, 1, xd[0])
+        first.add_done_callback(note)
+        run_p = rig.run(p, 1, xp)
+        (first,) = await _answers(first)
+        second = rig.one(d, 2, xd[1])  # queued while p's first chunk computes
+        second.add_done_callback(note)
+        second, run_p = await _answers(second, run_p)
+
+        assert seen == [(0, []), (31, [31])]
+        # The last 5 steps of p, under min_steps, are stepped.
+        assert rig.lane.replays == [31, 32, 32] and rig.lane.calls == [(1, 1), (1, 1), (5, 1)]
+        assert [o.error for o in (first, second)] == [None, None]
+        assert_bit_equal(np.stack([first.output, second.output]), reference(demo_model, xd))
+        assert_bit_equal(_run_outputs(run_p), reference(demo_model, xp))
+        assert await rig.logged(p, 100) == p.codec.encode(xp)
+
+    _with_rig(redis_server, demo_model, body, settings)

@@ -68,6 +68,7 @@ from ssmserve.server.sessions.config import SessionDefaults
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.sessions.models import KEY_PATTERN
 from ssmserve.server.sessions.rebalance import RebalanceSettings
+from ssmserve.server.sessions.stepper import MAX_BATCH_TOKENS, StepperSettings
 from ssmserve.server.state.redis_topology import BadRedisUrlError, RedisUrl, topology_of
 from ssmserve.server.supervisor import MAX_WORKERS, SupervisorSettings, supervise
 from ssmserve.server.worker import Worker, WorkerSettings
@@ -324,6 +325,35 @@ def build_parser() -> argparse.ArgumentParser:
         "forecasts and imports being decoded, all together; past it they are refused "
         "(default 0: three quarters of the machine's memory; env SSMSERVE_MEMORY_BUDGET)",
     )
+    stepper = StepperSettings()
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=int(env("SSMSERVE_MAX_BATCH_TOKENS", str(stepper.max_batch_tokens))),
+        metavar="N",
+        help="steps one stepper batch computes: decode steps first, then prompt chunks fill "
+        "what is left (vLLM's chunked prefill); lower keeps the sessions that decode beside "
+        f"a long prompt faster, higher prefills it sooner (default {stepper.max_batch_tokens}; "
+        "env SSMSERVE_MAX_BATCH_TOKENS)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=int(env("SSMSERVE_PREFILL_CHUNK", str(stepper.prefill_chunk))),
+        metavar="N",
+        help=f"the most prompt steps one session prefills per batch, at least "
+        f"{stepper.prefill_min_steps} (default {stepper.prefill_chunk}; env "
+        "SSMSERVE_PREFILL_CHUNK)",
+    )
+    parser.add_argument(
+        "--prefill-share",
+        type=float,
+        default=float(env("SSMSERVE_PREFILL_SHARE", str(stepper.prefill_share))),
+        metavar="F",
+        help="the share of the stepper's time prompts' prefill takes while other sessions "
+        "decode: after a chunk beside them prefill pauses so that theirs is the rest; 1 "
+        f"never pauses (default {stepper.prefill_share}; env SSMSERVE_PREFILL_SHARE)",
+    )
     parser.add_argument(
         "--demo",
         nargs="?",
@@ -448,6 +478,21 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         raise SystemExit("ssmserve-server: error: --rebalance-every must be 0 (off) or 1..3600 s")
     if args.memory_budget < 0:
         raise SystemExit("ssmserve-server: error: --memory-budget must be 0 (auto) or more")
+    least = StepperSettings.prefill_min_steps
+    if not 1 <= args.max_batch_tokens <= MAX_BATCH_TOKENS:
+        raise SystemExit(
+            f"ssmserve-server: error: --max-batch-tokens must be 1..{MAX_BATCH_TOKENS}, got "
+            f"{args.max_batch_tokens}"
+        )
+    if not least <= args.prefill_chunk <= MAX_BATCH_TOKENS:
+        raise SystemExit(
+            f"ssmserve-server: error: --prefill-chunk must be {least}..{MAX_BATCH_TOKENS} "
+            f"(a shorter run is stepped, not prefilled), got {args.prefill_chunk}"
+        )
+    if not 0.01 <= args.prefill_share <= 1:
+        raise SystemExit(
+            f"ssmserve-server: error: --prefill-share must be 0.01..1, got {args.prefill_share}"
+        )
     if args.require_signed_checkpoints and not args.checkpoint_key:
         raise SystemExit(
             "ssmserve-server: error: --require-signed-checkpoints needs --checkpoint-key"
@@ -494,6 +539,11 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         keepalive_time_s=args.keepalive,
         keepalive_timeout_s=args.keepalive_timeout,
         manager=ManagerSettings(
+            stepper=StepperSettings(
+                max_batch_tokens=args.max_batch_tokens,
+                prefill_chunk=args.prefill_chunk,
+                prefill_share=args.prefill_share,
+            ),
             memory_budget_bytes=args.memory_budget or None,
             defaults=SessionDefaults(spread_snapshots=args.spread_snapshots),
         ),

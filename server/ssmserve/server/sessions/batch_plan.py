@@ -23,16 +23,35 @@ then also says which of its outputs the prefill computes (``SessionPlan.rows``):
 answered with an output, and the segment's last (a snapshot due there, and the session's
 newest output, keep it). Prefill reads each weight once per segment where batched steps
 read it once per step for all the sessions that step together, so it pays when the run is
-long and few sessions have one: the sessions whose queue starts with a run of at least
-``min_steps`` next steps (*candidates*) share ``PrefillLimits.batch_steps`` prefilled steps
-per batch, each taking up to its share (at least ``max_ticks``). When the share is under
-``min_steps`` (many sessions each sending runs: a multiplexed stream), batched steps
-already amortize the weights over the sessions, and nothing is prefilled. A session whose
-snapshots fall due more often than every ``min_steps`` steps is no candidate (its segments
-would be too short), so a candidate's segments that step instead (before its first due
-snapshot, after its last) are under ``min_steps`` each.
+long and few sessions have one. A session whose queue starts with a run of at least
+``min_steps`` next steps is a *candidate*; a session whose snapshots fall due more often
+than every ``min_steps`` steps is none (its segments would be too short), so a
+candidate's segments that step instead (before its first due snapshot, after its last)
+are under ``min_steps`` each.
 
-A session takes at most ``max_ticks`` steps per batch (a prefill candidate its share;
+**The token budget** (vLLM's chunked prefill, ``vllm/v1/core/sched/scheduler.py``): a batch
+computes at most ``PrefillLimits.batch_tokens`` steps, decode first. The sessions that are
+no candidates (a generated token, a stream's step: up to ``max_ticks`` each) are planned
+first and their advance counts against the budget; the candidates share what is left,
+each a chunk of at most ``PrefillLimits.chunk`` steps. What is left is never under
+``min_steps``, so a prompt goes on however many sessions decode. When a candidate's share
+is under ``min_steps`` (many sessions each sending runs: a multiplexed stream), batched
+steps already amortize the weights over the sessions, and every session steps instead,
+``max_ticks`` each.
+
+**Pause.** On a CPU a prefill call reads every weight once, as a decode step does, so
+even a short chunk costs the sessions decoding beside it a step's time. The stepper
+therefore gives prefill a share of its time while sessions decode
+(``StepperSettings.prefill_share``): after a prefill beside decode steps it pauses
+prefill, and a batch planned ``paused`` takes nothing of the candidates while other
+sessions step (a batch of candidates alone prefills: a prompt never waits for nothing).
+
+**Phases.** The batch runs in two phases (``BatchPlan.phases``): the sessions that only
+step, then the sessions that prefill. The stepper answers the first phase before the
+second computes, so a decode step's answer is never held behind prefill work planned
+after it, and its session's next step is queued while the prefill runs.
+
+A session takes at most ``max_ticks`` steps per batch (a prefill candidate its chunk;
 resends and gaps count), so one session cannot hold the others' answers for long; a
 control operation queued behind its steps (a rollback, a snapshot) ends what the batch
 takes. The plan reads the sessions
@@ -57,11 +76,12 @@ class PrefillLimits:
     """When a session's run is prefilled (see the module's docstring)."""
 
     min_steps: int  # the shortest segment prefilled; 0: never prefill
-    batch_steps: int  # prefilled steps per batch, shared by the candidates
+    batch_tokens: int  # steps per batch: decode steps first, then prefill chunks
+    chunk: int  # the most steps one session prefills per batch
 
 
 #: No prefill: every segment is stepped (``plan``'s default).
-NO_PREFILL = PrefillLimits(0, 0)
+NO_PREFILL = PrefillLimits(0, 0, 0)
 
 
 @dataclass(slots=True)
@@ -122,32 +142,53 @@ class SessionPlan:
 
 @dataclass(slots=True)
 class BatchPlan:
-    sessions: list[SessionPlan]
+    sessions: list[SessionPlan]  # in the order the batch was given them
 
     @property
     def rounds(self) -> int:
         """Engine rounds the batch runs: the most segments any session has."""
         return max((len(p.segments) for p in self.sessions), default=0)
 
+    @property
+    def phases(self) -> list[list[SessionPlan]]:
+        """The sessions in the order the batch runs them: those that only step, then
+        those that prefill (the module's docstring tells why); a session the batch takes
+        nothing of (a prompt whose prefill is paused) and empty phases left out."""
+        stepping = [p for p in self.sessions if p.pieces and not p.rows]
+        prefilling = [p for p in self.sessions if p.rows]
+        return [phase for phase in (stepping, prefilling) if phase]
+
+    @property
+    def steps(self) -> int:
+        """Steps the batch computes (its token count): every session's advance."""
+        return sum(p.advance for p in self.sessions)
+
 
 def plan(
-    sessions: Sequence[Session], max_ticks: int, prefill: PrefillLimits = NO_PREFILL
+    sessions: Sequence[Session],
+    max_ticks: int,
+    prefill: PrefillLimits = NO_PREFILL,
+    paused: bool = False,
 ) -> BatchPlan:
-    """The plan of a batch of ``sessions`` (each with a step at the head of its queue)."""
+    """The plan of a batch of ``sessions`` (each with a step at the head of its queue).
+    ``paused``: prefill is paused (the stepper's share of time for it is spent): the
+    batch takes nothing of the candidates while other sessions step."""
     least = prefill.min_steps
     if not least:
         return BatchPlan([plan_session(s, max_ticks) for s in sessions])
     candidates = {id(s) for s in sessions if prefill_candidate(s, least)}
-    share = prefill.batch_steps // len(candidates) if candidates else 0
-    if share < least:
+    if not candidates:
         return BatchPlan([plan_session(s, max_ticks) for s in sessions])
-    limit = max(max_ticks, share)
-    return BatchPlan(
-        [
-            plan_session(s, limit, least) if id(s) in candidates else plan_session(s, max_ticks)
-            for s in sessions
-        ]
-    )
+    # Decode first: the sessions that step take their steps, counted against the budget.
+    stepping = {id(s): plan_session(s, max_ticks) for s in sessions if id(s) not in candidates}
+    decoded = sum(p.advance for p in stepping.values())
+    if paused and decoded:
+        return BatchPlan([stepping.get(id(s)) or SessionPlan(s, s.step) for s in sessions])
+    left = max(prefill.batch_tokens - decoded, least)
+    share = min(prefill.chunk, left // len(candidates))
+    if share < least:
+        return BatchPlan([stepping.get(id(s)) or plan_session(s, max_ticks) for s in sessions])
+    return BatchPlan([stepping.get(id(s)) or plan_session(s, share, least) for s in sessions])
 
 
 def prefill_candidate(s: Session, min_steps: int) -> bool:

@@ -30,7 +30,11 @@ each one method of :meth:`Stepper._batch`:
    recorded.
 
 Only then is every step answered (``SessionWork.answer``), so an answer always reports
-what happened to its step.
+what happened to its step. A batch runs these phases twice when it prefills
+(``BatchPlan.phases``): first for the sessions that only step, answered before the prefills
+compute, then for the sessions that prefill; the plan holds the steps of both within one
+token budget, decode steps first (``max_batch_tokens``, ``prefill_chunk``), so a prompt
+holds the answers of the sessions decoding beside it for one chunk at most.
 
 A session that must first be proven this worker's (its lease lapsed by this worker's
 clock, or a write's outcome is unknown: ``ResidentSessions.revalidate``) is kept out of
@@ -47,9 +51,10 @@ ones inline (``offload_min_flop``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +64,7 @@ from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError, being_cancelled
-from ssmserve.server.sessions.batch_plan import PrefillLimits, plan
+from ssmserve.server.sessions.batch_plan import PrefillLimits, plan, prefill_candidate
 from ssmserve.server.sessions.batch_work import GuardedStep, SessionWork
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability
@@ -85,6 +90,12 @@ from ssmserve.server.state.store import Store
 log = logging.getLogger(__name__)
 
 
+#: The largest token budget or prefill chunk a worker takes (a prefill's memory is bounded
+#: by its 512-row chunks, not by this; it keeps a typo from holding every answer for
+#: minutes).
+MAX_BATCH_TOKENS = 65_536
+
+
 @dataclass(frozen=True)
 class StepperSettings:
     max_batch: int = 256  # sessions per engine call
@@ -101,10 +112,17 @@ class StepperSettings:
     # it inside a batch of 8 such runs from ~8; the demo model's prefill overtakes batch-1
     # stepping at 6-8 steps (a prefill's fixed cost is ~0.25 ms).
     prefill_min_steps: int = 8
-    # Prefilled steps per batch, shared by the sessions that prefill in it: bounds how long
-    # a long prompt holds the other sessions' answers. 64 steps of mamba-130m take ~130 ms
-    # on 2 threads; a prompt of 512 in chunks of 64 costs ~5% more than in one piece.
-    prefill_batch_steps: int = 64
+    # The token budget (``batch_plan``, vLLM's chunked prefill): steps computed per batch,
+    # decode steps first, then prompt chunks of at most ``prefill_chunk`` steps a session
+    # fill what is left. They bound how long a prompt holds the steps of the sessions
+    # that decode beside it (bench/bench_fair_prefill.py chose them; docs/serving.md).
+    max_batch_tokens: int = 32
+    prefill_chunk: int = 32
+    # The share of the stepper's time prefill takes while other sessions decode: a prefill
+    # call reads every weight once, as a decode step does, so a chunk in every batch would
+    # at least double their time between tokens. After a prefill phase of t seconds while
+    # sessions decode, prefill pauses for t * (1 - share) / share (1: never pauses).
+    prefill_share: float = 0.25
 
 
 #: Every durability, once: iterating the enum class each batch cost more than its dict.
@@ -151,6 +169,77 @@ class ApartProofs:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class PrefillPause:
+    """Prefill's share of the stepper's time while other sessions decode
+    (``StepperSettings.prefill_share``; ``batch_plan``'s docstring tells why).
+
+    Sessions decode while a phase of steps ended within :attr:`ACTIVE_S`; a prefill that
+    runs then (beside them or alone, between two of their steps) pauses prefill for the
+    decode time that keeps its share. While only prompts are ready, they wait for a
+    decode step until the pause ends, and just after a phase of steps for a grace of
+    that phase's time (at most :attr:`GRACE_S`): its sessions' next steps are on their
+    way (a generation hands its token to gRPC first, a stream's client answers), and a
+    chunk started alone would hold them."""
+
+    ACTIVE_S = 0.5
+    GRACE_S = 0.1
+
+    def __init__(
+        self, share: float, min_steps: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.share = share
+        self.min_steps = min_steps  # a prefill candidate's shortest run
+        self.clock = clock
+        self.resumes_at = 0.0  # clock() at which a paused prefill goes on
+        self.decoded_at = -float("inf")  # clock() at the end of the last phase of steps
+        self.decode_s = 0.0  # how long that phase took
+
+    def paused(self) -> bool:
+        return self.clock() < self.resumes_at
+
+    def decoded(self, seconds: float) -> None:
+        """A phase of steps ended, after ``seconds``."""
+        self.decoded_at, self.decode_s = self.clock(), seconds
+
+    def prefilled(self, seconds: float) -> None:
+        """A prefill phase ended, after ``seconds``: if sessions decode, pause prefill."""
+        now = self.clock()
+        if now - self.decoded_at <= self.ACTIVE_S + seconds:
+            self.resumes_at = now + seconds * (1 - self.share) / self.share
+
+    def holds_until(self) -> float:
+        """Until when prompts alone wait for a decode step (see the class docstring)."""
+        grace = self.decoded_at + min(self.decode_s, self.GRACE_S)
+        return max(self.resumes_at, grace)
+
+    async def wait_for_decode(self, ready: Iterable[Session], wake: asyncio.Event) -> bool:
+        """While only prompts (prefill candidates) are ready and :meth:`holds_until` has
+        not passed: wait for a step to be queued (``wake``), or that time (the bound).
+        True if it waited (the caller looks at what is ready again)."""
+        left = self.holds_until() - self.clock()
+        if left <= 0 or not all(prefill_candidate(s, self.min_steps) for s in ready):
+            return False
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), left)
+        return True
+
+
+def _take_all(phases: list[list[SessionWork]]) -> None:
+    """Every phase's steps off the queues, before anything runs; a failure (a bug) answers
+    every step with it, none applied."""
+    try:
+        for phase in phases:
+            for w in phase:
+                w.take()
+    except BaseException as exc:
+        error = SessionGoneError(f"step failed: {exc!r}")
+        for w in (w for phase in phases for w in phase):
+            w.take_back(error)
+            w.answer()
+        raise
+
+
 class Stepper:
     """Runs the batches of one model's sessions (the module's docstring tells how).
 
@@ -180,8 +269,9 @@ class Stepper:
         self._proofs = ApartProofs(residents, self.notify)
         self.engine = engine  # the model's lane, shared with forecasts and replays
         self._prefill_limits = PrefillLimits(
-            settings.prefill_min_steps, settings.prefill_batch_steps
+            settings.prefill_min_steps, settings.max_batch_tokens, settings.prefill_chunk
         )
+        self._pause = PrefillPause(settings.prefill_share, self._prefill_limits.min_steps)
         self.steps = 0
         # Metric children resolved once: a labelled lookup per step would cost more.
         m = store.metrics
@@ -222,6 +312,8 @@ class Stepper:
             await self._wake.wait()
             self._wake.clear()
             while self._ready:
+                if await self._pause.wait_for_decode(self._ready.values(), self._wake):
+                    continue
                 take = list(self._ready.values())[: self.settings.max_batch]
                 for s in take:
                     del self._ready[s.id]
@@ -255,16 +347,38 @@ class Stepper:
                         s.touch(now)
                         s.open_gate()
                         self.notify(s)
+                # Callers its answers woke that step again at once queue their next steps
+                # before the next batch is planned, so they are in it.
+                await asyncio.sleep(0)
 
     async def _batch(self, sessions: list[Session]) -> None:
-        work = [
-            SessionWork(p, p.session.state, p.session.guard_state)
-            for p in plan(sessions, self.settings.max_ticks, self._prefill_limits).sessions
+        """Plan the batch, take what it says off the queues, then run its phases in turn,
+        each answered before the next computes (``BatchPlan.phases``); each phase's time
+        goes to the prefill pause (:class:`PrefillPause`)."""
+        batch = plan(sessions, self.settings.max_ticks, self._prefill_limits, self._pause.paused())
+        phases = [
+            [SessionWork(p, p.session.state, p.session.guard_state) for p in phase]
+            for phase in batch.phases
         ]
+        _take_all(phases)
+        for i, phase in enumerate(phases):
+            try:
+                started = time.monotonic()
+                await self._phase(phase)
+                took = time.monotonic() - started
+                (self._pause.prefilled if phase[0].plan.rows else self._pause.decoded)(took)
+            except BaseException:  # the later phases applied nothing: answered with why
+                for later in phases[i + 1 :]:
+                    for w in later:
+                        w.take_back(SessionGoneError("step failed: its batch failed first"))
+                        w.answer()
+                raise
+
+    async def _phase(self, work: list[SessionWork]) -> None:
+        """One phase of a batch, its steps already taken: log ahead, execute, settle, then
+        every step answered."""
         ahead = LogAhead(self.store)
         try:
-            for w in work:
-                w.take()
             await ahead.send(
                 [
                     (w.session, InputBlock(w.start + 1, w.plan.advance, w.raw))
@@ -275,7 +389,7 @@ class Stepper:
             await self._execute(work)
             await self._settle(work, ahead)
         except BaseException as exc:
-            await self._failed(work, ahead, exc)
+            await _failed(work, ahead, exc, self.residents)
             raise
         finally:
             for w in work:
@@ -524,24 +638,27 @@ class Stepper:
             if w.appended:  # Redis holds steps that memory just gave back: reload
                 self.residents.drop(w.session, error)
 
-    async def _failed(self, work: list[SessionWork], ahead: LogAhead, exc: BaseException) -> None:
-        """The batch failed (a bug, a cancelled engine call or write): every session is put
-        back where the batch found it and its steps are answered with the error. Sessions
-        whose steps Redis holds, or may hold, and memory just gave back leave memory; the
-        next request reloads them from Redis."""
-        error = exc if isinstance(exc, SsmserveError) else SessionGoneError(f"step failed: {exc!r}")
-        for w in work:
-            w.take_back(error)
-        dropped = set()
-        for w in work:
-            if w.appended:
-                self.residents.drop(w.session, error)
-                dropped.add(w.session.id)
-        for s, lease, refused in await ahead.abandon():
-            if refused is not None:  # not written; lost() drops it if not ours now
-                self.residents.lost(s, lease, refused)
-            elif s.id not in dropped:
-                self.residents.drop(s, error)
+
+async def _failed(
+    work: list[SessionWork], ahead: LogAhead, exc: BaseException, residents: ResidentSessions
+) -> None:
+    """A batch's phase failed (a bug, a cancelled engine call or write): every session is
+    put back where the batch found it and its steps are answered with the error. Sessions
+    whose steps Redis holds, or may hold, and memory just gave back leave memory; the next
+    request reloads them from Redis."""
+    error = exc if isinstance(exc, SsmserveError) else SessionGoneError(f"step failed: {exc!r}")
+    for w in work:
+        w.take_back(error)
+    dropped = set()
+    for w in work:
+        if w.appended:
+            residents.drop(w.session, error)
+            dropped.add(w.session.id)
+    for s, lease, refused in await ahead.abandon():
+        if refused is not None:  # not written; lost() drops it if not ours now
+            residents.lost(s, lease, refused)
+        elif s.id not in dropped:
+            residents.drop(s, error)
 
 
 async def _guard_rollbacks(

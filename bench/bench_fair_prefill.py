@@ -1,0 +1,203 @@
+"""A generating session's time between tokens while another session prefills a prompt,
+beside its time alone, in one run (issue 50: fair scheduling of prefill beside decode).
+
+Usage (from the repo root)::
+
+    .venv/bin/python bench/bench_fair_prefill.py [--model-dir DIR] [--prompt 1024]
+        [--tokens 24] [--rounds 3] [--worker-arg=--max-batch-tokens=32 ...] [--json OUT]
+
+One redis-server (private), one ``ssmserve-server`` serving a mamba-130m-shaped causal LM
+(``bench/make_mamba_130m.py`` writes it into a temp dir unless ``--model-dir`` names one),
+started with the ``--worker-arg`` flags; this process is the client
+(``ssmserve.client.aio.AsyncClient``). Each round, interleaved so that all figures share
+the machine's load:
+
+* ``alone``: session D, fed a 4-token prompt, generates ``--tokens`` tokens (greedy) with
+  nothing else on the worker: its time between tokens (the mean gap after the first);
+* ``prompt alone``: session P generates 1 token after a ``--prompt``-token prompt
+  (Generate feeds it as runs of 512, prefilled in chunks): the time to that token;
+* ``beside``: D generates while P's prompt runs: D starts, and once it has yielded 3
+  tokens P's Generate starts; every gap between D's tokens that ends inside P's window
+  (its call to its token) is counted; D stops once P has its token.
+
+Figures (medians over the rounds): D's mean gap alone and beside the prompt, and their
+ratio (the goal: <= 1.5); the largest single gap beside the prompt; the prompt's time
+alone and beside D (what fairness costs the prompt). Prints a table and one JSON object on
+its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_migration import Workers, server_cmd
+from common import table
+from make_mamba_130m import config_for
+
+from ssmserve.client.aio import AsyncClient
+from ssmserve.client.retry import RetryPolicy
+from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
+from ssmserve.server.engine.demo import random_tensors
+from ssmserve.server.engine.loader import save_model
+
+DECODE_PROMPT = [3, 1, 4, 1]
+#: Tokens the decoder may generate in one round beside the prompt (it stops before).
+DECODE_BOUND = 4000
+CALL_S = 600.0  # bound on a round: a 1,024-token prompt on a loaded 2-core host
+
+
+async def new_session(client: AsyncClient) -> str:
+    return (await client.create_session("m")).session_id
+
+
+async def decode_alone(client: AsyncClient, tokens: int) -> list[float]:
+    """The gaps (s) between D's tokens, generating ``tokens`` alone."""
+    sid = await new_session(client)
+    arrivals = []
+    async for _ in client.generate(sid, tokens, prompt_ids=DECODE_PROMPT, at_step=0):
+        arrivals.append(time.perf_counter())
+    await client.close_session(sid)
+    return list(np.diff(arrivals))
+
+
+async def prompt_alone(client: AsyncClient, prompt: np.ndarray) -> float:
+    """Seconds from P's Generate call to its one token."""
+    sid = await new_session(client)
+    started = time.perf_counter()
+    async for _ in client.generate(sid, 1, prompt_ids=prompt.tolist(), at_step=0):
+        pass
+    took = time.perf_counter() - started
+    await client.close_session(sid)
+    return took
+
+
+async def beside(client: AsyncClient, prompt: np.ndarray) -> tuple[list[float], float]:
+    """D generating while P's prompt runs: the gaps between D's tokens that end inside
+    P's window, and P's time to its token."""
+    d, p = await new_session(client), await new_session(client)
+    arrivals: list[float] = []
+    window: list[float] = []  # P's call, P's token
+    three = asyncio.Event()
+    done = asyncio.Event()
+
+    async def decoder() -> None:
+        generation = client.generate(d, DECODE_BOUND, prompt_ids=DECODE_PROMPT, at_step=0)
+        async for _ in generation:
+            arrivals.append(time.perf_counter())
+            if len(arrivals) == 3:
+                three.set()
+            if done.is_set():
+                break
+        await generation.aclose()
+
+    async def prompter() -> None:
+        await three.wait()
+        window.append(time.perf_counter())
+        async for _ in client.generate(p, 1, prompt_ids=prompt.tolist(), at_step=0):
+            pass
+        window.append(time.perf_counter())
+        done.set()
+
+    await asyncio.wait_for(asyncio.gather(decoder(), prompter()), CALL_S)
+    start, end = window
+    gaps = [b - a for a, b in itertools.pairwise(arrivals) if start < b <= end]
+    # The gap that spans P's end is beside the prompt too (D waited through its last part).
+    after = [b - a for a, b in itertools.pairwise(arrivals) if b > end]
+    if after:
+        gaps.append(after[0])
+    for sid in (d, p):
+        await client.close_session(sid)
+    return gaps, end - start
+
+
+async def bench(address: str, args: argparse.Namespace) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    vocab = config_for("mamba").vocab_size
+    rows: dict[str, list[float]] = {
+        "decode_gap_alone_ms": [],
+        "decode_gap_beside_prompt_ms": [],
+        "decode_gap_beside_prompt_max_ms": [],
+        "prompt_alone_ms": [],
+        "prompt_beside_decode_ms": [],
+    }
+    # A prompt's Generate sends nothing until it is fed: its stall bound is the round's.
+    retry = RetryPolicy(stall_timeout_s=CALL_S, give_up_after_s=CALL_S)
+    async with AsyncClient(address, retry=retry) as client:
+        await decode_alone(client, 4)  # warm: the first steps and prefills compile nothing
+        await prompt_alone(client, rng.integers(0, vocab, 64))
+        for r in range(args.rounds):
+            prompt = rng.integers(0, vocab, args.prompt)
+            alone = await decode_alone(client, args.tokens)
+            rows["decode_gap_alone_ms"].append(statistics.fmean(alone) * 1e3)
+            rows["prompt_alone_ms"].append(await prompt_alone(client, prompt) * 1e3)
+            gaps, took = await beside(client, prompt)
+            rows["decode_gap_beside_prompt_ms"].append(statistics.fmean(gaps) * 1e3)
+            rows["decode_gap_beside_prompt_max_ms"].append(max(gaps) * 1e3)
+            rows["prompt_beside_decode_ms"].append(took * 1e3)
+            print(f"round {r + 1}/{args.rounds}: "
+                  + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rows.items())
+                  + f" ({len(gaps)} gaps beside)", flush=True)  # fmt: skip
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out["gap_ratio"] = out["decode_gap_beside_prompt_ms"] / out["decode_gap_alone_ms"]
+    pairs = zip(rows["decode_gap_alone_ms"], rows["decode_gap_beside_prompt_ms"], strict=True)
+    out["gap_ratio_per_round_max"] = max(b / a for a, b in pairs)
+    out["prompt_ratio"] = out["prompt_beside_decode_ms"] / out["prompt_alone_ms"]
+    out["prompt"] = args.prompt
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, help="a mamba-130m-shaped model directory")
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (1024)")
+    parser.add_argument("--tokens", type=int, default=24, help="tokens D generates alone (24)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (3)")
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for ssmserve-server (repeatable), e.g. --worker-arg=--prefill-chunk=16",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = args.model_dir
+        if model_dir is None:
+            model_dir = root / "mamba-130m"
+            config = config_for("mamba")
+            save_model(model_dir, config, random_tensors(config, 0))
+        workers = Workers(root)
+        with EmbeddedRedis(EmbeddedRedisSettings(data_dir=root / "redis")) as redis:
+            try:
+                cmd = server_cmd([("m", model_dir)], redis.url, root / "w0") + args.worker_arg
+                _proc, address = workers.start(cmd, "w0")
+                report = asyncio.run(bench(address, args))
+            finally:
+                workers.close()
+    report_args = " ".join(args.worker_arg) or "(defaults)"
+    print(f"worker flags: {report_args}")
+    print(table(["figure", "value"], [[k, f"{v:.2f}"] for k, v in report.items()]))
+    line = json.dumps(report)
+    if args.json:
+        args.json.write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
