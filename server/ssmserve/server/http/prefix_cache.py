@@ -72,20 +72,22 @@ class PrefixCache:
     _kept: dict[CacheKey, OrderedDict[str, KeptSession]] = field(default_factory=dict)
 
     def match(self, key: CacheKey, ids: np.ndarray, min_fork: int) -> PrefixMatch | None:
-        """The kept session of ``key`` sharing the longest prefix with ``ids``: one whose
-        whole history is a prefix (at least one id), else one sharing ``min_fork`` ids or
-        more; None when none does."""
-        best: PrefixMatch | None = None
+        """The kept session of ``key`` to start ``ids`` from: the one whose whole history
+        is the longest prefix of ``ids``, unless another shares ``min_fork`` ids more (a
+        fork replays up to a snapshot interval: it must save more than that); else the
+        one sharing the longest prefix of ``min_fork`` ids or more; None when none does."""
+        whole: PrefixMatch | None = None
+        fork: PrefixMatch | None = None
         for kept in self._kept.get(key, {}).values():
             n = common_prefix(kept.history, ids)
-            if n == 0:
-                continue
-            candidate = PrefixMatch(kept, n)
-            if best is None or (n, candidate.whole) > (best.length, best.whole):
-                best = candidate
-        if best is None or not (best.whole or best.length >= min_fork):
-            return None
-        return best
+            found = PrefixMatch(kept, n)
+            if n and found.whole and (whole is None or n > whole.length):
+                whole = found
+            elif n >= min_fork and not found.whole and (fork is None or n > fork.length):
+                fork = found
+        if fork is not None and (whole is None or fork.length > whole.length + min_fork):
+            return fork
+        return whole
 
     def take(self, key: CacheKey, session_id: str) -> None:
         """Take a session out while a request continues it (nobody else may step it)."""
