@@ -458,15 +458,7 @@ class Generation:
         return None
 
     async def _logged(self, at: int, t: int) -> np.ndarray:
-        s = self.session
-        _count, oldest = await self.parent.replay.store.snapshot_count_and_oldest(s.id)
-        if oldest is None or at < oldest:
-            raise GenerateAtStepError(
-                f"session {s.id!r} no longer holds the inputs after step {at} (its oldest "
-                f"kept snapshot is at step {oldest}); generate from its step {t}",
-                t,
-            )
-        return s.codec.decode_many(await self.parent.replay.inputs(s, at + 1, t))
+        return await logged_inputs(self.parent.replay, self.session, at, t)
 
     async def _resend(self, start: int, tokens: np.ndarray) -> None:
         """The tokens of steps ``start + 1 ..``, generated before this call: each checked
@@ -520,26 +512,7 @@ class Generation:
             self.window.extend(int(t) for t in inputs)
 
     async def _outputs(self, first: int, last: int) -> list[np.ndarray]:
-        """The (guarded) logits of steps ``first..last``: memory, else replayed."""
-        s = self.session
-        held = [s.recent.output_at(step) for step in range(first, last + 1)]
-        if all(o is not None for o in held):
-            return held  # type: ignore[return-value]
-        store = self.parent.replay.store
-        record = await store.snapshot_at_or_before(s.id, first)
-        rebuilt = None if record is None else await self.parent.replay.rebuild(s, last, record)
-        found: dict[int, np.ndarray | None] = {}
-        if rebuilt is not None:
-            found = {rebuilt.record.step + 1 + i: o for i, o in enumerate(rebuilt.outputs)}
-            found.setdefault(rebuilt.record.step, rebuilt.checkpoint.output)
-        outputs = [found.get(step) for step in range(first, last + 1)]
-        if any(o is None for o in outputs):
-            raise GenerateAtStepError(
-                f"the logits of steps {first}..{last} of session {s.id!r} can no longer be "
-                f"rebuilt; generate from its step {self.step}",
-                self.step,
-            )
-        return outputs  # type: ignore[return-value]
+        return await logged_outputs(self.parent.replay, self.session, first, last, self.step)
 
     # ------------------------------------------------------------------ running
 
@@ -717,3 +690,40 @@ class Generation:
                 f"one no longer in memory to compare): something else steps this session "
                 f"while it generates; generate again from its current step"
             )
+
+
+async def logged_inputs(replay: Replay, s: Session, at: int, t: int) -> np.ndarray:
+    """The session's inputs of steps ``at + 1 .. t`` from its log (or memory);
+    GenerateAtStepError when the log no longer reaches back to ``at``."""
+    _count, oldest = await replay.store.snapshot_count_and_oldest(s.id)
+    if oldest is None or at < oldest:
+        raise GenerateAtStepError(
+            f"session {s.id!r} no longer holds the inputs after step {at} (its oldest "
+            f"kept snapshot is at step {oldest}); generate from its step {t}",
+            t,
+        )
+    return s.codec.decode_many(await replay.inputs(s, at + 1, t))
+
+
+async def logged_outputs(
+    replay: Replay, s: Session, first: int, last: int, step: int
+) -> list[np.ndarray]:
+    """The (guarded) logits of steps ``first..last``: memory, else replayed;
+    GenerateAtStepError (with ``step``, where the generation is) when they cannot be."""
+    held = [s.recent.output_at(at) for at in range(first, last + 1)]
+    if all(o is not None for o in held):
+        return held  # type: ignore[return-value]
+    record = await replay.store.snapshot_at_or_before(s.id, first)
+    rebuilt = None if record is None else await replay.rebuild(s, last, record)
+    found: dict[int, np.ndarray | None] = {}
+    if rebuilt is not None:
+        found = {rebuilt.record.step + 1 + i: o for i, o in enumerate(rebuilt.outputs)}
+        found.setdefault(rebuilt.record.step, rebuilt.checkpoint.output)
+    outputs = [found.get(at) for at in range(first, last + 1)]
+    if any(o is None for o in outputs):
+        raise GenerateAtStepError(
+            f"the logits of steps {first}..{last} of session {s.id!r} can no longer be "
+            f"rebuilt; generate from its step {step}",
+            step,
+        )
+    return outputs  # type: ignore[return-value]
