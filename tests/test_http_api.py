@@ -240,6 +240,11 @@ def test_chat_needs_a_chat_template(door):
         ({"logprobs": 9}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+            "response_format",
+        ),
         ({"prompt": None}, "prompt"),
     ],
 )
@@ -493,3 +498,40 @@ def test_a_stop_gives_a_stream_in_flight_its_grace_then_ends_it(http_dirs, redis
         assert running not in [s.session_id for s in other.client.list_sessions()]
     finally:
         other.stop()
+
+
+BOOLEAN_OBJECT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_schema", "json_schema": {"name": "verdict", "schema": BOOLEAN_OBJECT}},
+        {"type": "json_object"},
+    ],
+)
+def test_response_format_constrains_the_reply_to_json(door, response_format):
+    """A random-weight model writes JSON only under the constraint: the reply parses
+    (and, with a schema, is one of the two documents it allows), the same at one seed."""
+    replies = []
+    for _ in range(2):
+        reply = client_of(door).chat.completions.create(
+            model="chat",
+            messages=[SYSTEM, {"role": "user", "content": "Answer in JSON."}],
+            max_tokens=200,
+            seed=11,
+            temperature=0.8,
+            response_format=response_format,
+        )
+        replies.append(reply.choices[0].message.content)
+        assert reply.choices[0].finish_reason == "stop"
+    assert replies[0] == replies[1]
+    document = json.loads(replies[0])
+    assert isinstance(document, dict)
+    if response_format["type"] == "json_schema":
+        assert document in ({"ok": True}, {"ok": False})

@@ -17,13 +17,15 @@ repetition_penalty
 logit_bias             ``logit_bias`` (token id strings -> bias)
 logprobs,              ``logprobs`` and ``top_logprobs`` (completions: ``logprobs`` N is
 top_logprobs           the top N; chat: ``logprobs`` true, ``top_logprobs`` N)
-response_format        ``text`` only for now (see ``response_format``)
+response_format        ``text``; ``json_object`` and ``json_schema`` (its ``schema``) become
+                       the request's constraint (``sessions.constraints``, llguidance)
 n, best_of             1 only
 =====================  ===============================================================
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 
 import numpy as np
@@ -36,7 +38,13 @@ from ssmserve.server.http.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from ssmserve.server.sessions.constraints import (
+    BadConstraintError,
+    Constraint,
+    check_constraint,
+)
 from ssmserve.server.sessions.generation import GenerateRequest
+from ssmserve.server.sessions.guided_output import OutputRules
 from ssmserve.server.sessions.sampling import BadSamplingError, SamplingParams
 
 #: Completions' ``logprobs`` at most (OpenAI's limit); chat's ``top_logprobs`` at most.
@@ -84,23 +92,40 @@ def _refuse_unsupported(body: SamplingFields) -> None:
             "with different seeds for more)",
             "n",
         )
-    response_format(body)
 
 
-def response_format(body: SamplingFields) -> None:
-    """``response_format``: ``text`` (or none) is plain generation.
-
-    The place for structured output: ``json_object`` and ``json_schema`` map to a
-    constraint field of ``GenerateRequest`` once generation takes one; until then they
-    are refused by name, never ignored (a client relying on them would get free text)."""
+def response_format(body: SamplingFields) -> OutputRules | None:
+    """The constraint ``response_format`` asks for: none for ``text`` (or no field);
+    ``json_object``: any JSON object; ``json_schema``: a document valid under its
+    ``json_schema.schema``. The schema is checked here (llguidance reads it), before a
+    session is made for the request; an unknown type is refused by name, never ignored
+    (a client relying on it would get free text)."""
     fmt = body.response_format
-    if fmt is None or fmt.get("type") in (None, "text"):
-        return
-    raise bad_request(
-        f"response_format type {str(fmt.get('type'))[:40]!r} is not supported yet; omit "
-        f"response_format or use type 'text'",
-        "response_format",
-    )
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        constraint = Constraint("json_object")
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema") if fmt is not None else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema: a JSON schema object",
+                "response_format",
+            )
+        constraint = Constraint("json_schema", json.dumps(schema))
+    else:
+        raise bad_request(
+            f"response_format type {str(kind)[:40]!r} is not supported; use 'text', "
+            f"'json_object' or 'json_schema'",
+            "response_format",
+        )
+    try:
+        check_constraint(constraint)
+    except BadConstraintError as exc:
+        raise bad_request(f"response_format: {exc}", "response_format") from None
+    return OutputRules(constraint=constraint)
 
 
 def _request(
@@ -154,6 +179,7 @@ def _request(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        rules=response_format(body),
     )
 
 

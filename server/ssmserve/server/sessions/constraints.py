@@ -184,6 +184,17 @@ class CompiledConstraint:
         return TokenMatcher(self)
 
 
+def check_constraint(constraint: Constraint) -> None:
+    """BadConstraintError when llguidance refuses ``constraint`` whatever the tokenizer
+    (its syntax, a schema it cannot compile, the size limits): what a caller checks
+    before it makes anything for a request."""
+    from llguidance import LLMatcher
+
+    message = LLMatcher.validate_grammar(constraint.grammar(), None, limits=_limits())
+    if message and not message.startswith("WARNING"):
+        raise BadConstraintError(f"{constraint.kind}: {_bounded(message)}")
+
+
 def compile_constraint(
     constraint: Constraint, tokenizer: GrammarTokenizer, compact: bool = True
 ) -> CompiledConstraint:
