@@ -13,16 +13,19 @@ started with the ``--worker-arg`` flags; this process is the client
 the machine's load:
 
 * ``alone``: session D, fed a 4-token prompt, generates ``--tokens`` tokens (greedy) with
-  nothing else on the worker: its time between tokens (the mean gap after the first);
+  nothing else on the worker: its time between tokens (the mean gap after the first), once
+  before and once after the other two (the host's load drifts within a round);
 * ``prompt alone``: session P generates 1 token after a ``--prompt``-token prompt
   (Generate feeds it as runs of 512, prefilled in chunks): the time to that token;
 * ``beside``: D generates while P's prompt runs: D starts, and once it has yielded 3
   tokens P's Generate starts; every gap between D's tokens that ends inside P's window
   (its call to its token) is counted; D stops once P has its token.
 
-Figures (medians over the rounds): D's mean gap alone and beside the prompt, and their
-ratio (the goal: <= 1.5); the largest single gap beside the prompt; the prompt's time
-alone and beside D (what fairness costs the prompt). Prints a table and one JSON object on
+Figures (medians over the rounds): D's mean gap alone and beside the prompt, and the
+median of each round's ratio of the two (the goal: <= 1.5); the largest single gap beside
+the prompt; the prompt's time alone and beside D, and their ratio (what fairness costs the
+prompt). The worker's flags for these are ``--max-batch-tokens``, ``--prefill-chunk`` and
+``--prefill-share`` (docs/serving.md). Prints a table and one JSON object on
 its last line.
 """
 
@@ -123,7 +126,7 @@ async def beside(client: AsyncClient, prompt: np.ndarray) -> tuple[list[float], 
     return gaps, end - start
 
 
-async def bench(address: str, args: argparse.Namespace) -> dict[str, float]:
+async def bench(address: str, args: argparse.Namespace) -> dict[str, float | str]:
     rng = np.random.default_rng(0)
     vocab = config_for("mamba").vocab_size
     rows: dict[str, list[float]] = {
@@ -140,22 +143,28 @@ async def bench(address: str, args: argparse.Namespace) -> dict[str, float]:
         await prompt_alone(client, rng.integers(0, vocab, 64))
         for r in range(args.rounds):
             prompt = rng.integers(0, vocab, args.prompt)
-            alone = await decode_alone(client, args.tokens)
-            rows["decode_gap_alone_ms"].append(statistics.fmean(alone) * 1e3)
+            before = await decode_alone(client, args.tokens)
             rows["prompt_alone_ms"].append(await prompt_alone(client, prompt) * 1e3)
             gaps, took = await beside(client, prompt)
+            after = await decode_alone(client, args.tokens)
+            # Alone on both sides of the window: the host's load drifts over a round.
+            rows["decode_gap_alone_ms"].append(statistics.fmean(before + after) * 1e3)
             rows["decode_gap_beside_prompt_ms"].append(statistics.fmean(gaps) * 1e3)
             rows["decode_gap_beside_prompt_max_ms"].append(max(gaps) * 1e3)
             rows["prompt_beside_decode_ms"].append(took * 1e3)
             print(f"round {r + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rows.items())
                   + f" ({len(gaps)} gaps beside)", flush=True)  # fmt: skip
-    out = {k: statistics.median(v) for k, v in rows.items()}
-    out["gap_ratio"] = out["decode_gap_beside_prompt_ms"] / out["decode_gap_alone_ms"]
+    out: dict[str, float | str] = {k: statistics.median(v) for k, v in rows.items()}
     pairs = zip(rows["decode_gap_alone_ms"], rows["decode_gap_beside_prompt_ms"], strict=True)
-    out["gap_ratio_per_round_max"] = max(b / a for a, b in pairs)
-    out["prompt_ratio"] = out["prompt_beside_decode_ms"] / out["prompt_alone_ms"]
+    ratios = [b / a for a, b in pairs]
+    out["gap_ratio"] = statistics.median(ratios)  # of each round's ratio
+    out["gap_ratio_per_round_max"] = max(ratios)
+    prompts = zip(rows["prompt_alone_ms"], rows["prompt_beside_decode_ms"], strict=True)
+    out["prompt_ratio"] = statistics.median(b / a for a, b in prompts)
+    out["rounds"] = args.rounds
     out["prompt"] = args.prompt
+    out["worker_flags"] = " ".join(args.worker_arg)
     return out
 
 
@@ -191,7 +200,12 @@ def main() -> int:
                 workers.close()
     report_args = " ".join(args.worker_arg) or "(defaults)"
     print(f"worker flags: {report_args}")
-    print(table(["figure", "value"], [[k, f"{v:.2f}"] for k, v in report.items()]))
+    print(
+        table(
+            ["figure", "value"],
+            [[k, v if isinstance(v, str) else f"{v:.2f}"] for k, v in report.items()],
+        )
+    )
     line = json.dumps(report)
     if args.json:
         args.json.write_text(line + "\n")

@@ -396,6 +396,18 @@ def _accuracy(preset: str) -> Callable[[dict[str, Any]], Cells]:
     return cells
 
 
+def _fair_prefill(d: dict[str, Any]) -> Cells:
+    """bench_fair_prefill: a generating session's mean time between tokens while another
+    session's prompt is prefilled, beside its time alone (the ratio: the median of each
+    round's), and what the prompt pays."""
+    return (
+        fmt(d["decode_gap_beside_prompt_ms"]),
+        f"alone: {fmt(d['decode_gap_alone_ms'])} (goal <= 1.5x; the prompt took "
+        f"{fmt(d['prompt_ratio'])}x its time alone)",
+        fmt(d["gap_ratio"]),
+    )
+
+
 def _http_chat(d: dict[str, Any]) -> Cells:
     """bench_http_chat: time to first token of the chat's last turn and the mean of its
     turns after the first, with the prefix cache beside without it."""
@@ -543,6 +555,9 @@ FIGURES = [
            "`bench/bench_forecast.py`", _forecast),
     Figure("10-turn chat over --http, mamba-130m-shaped, time to first token at turn 10 / "
            "mean of turns 2-10, ms", "http_chat", "`bench/bench_http_chat.py`", _http_chat),
+    Figure("time between generated tokens beside another session's 1,024-token prompt, "
+           "mamba-130m-shaped, mean ms", "fair_prefill", "`bench/bench_fair_prefill.py`",
+           _fair_prefill),
     Figure("served steps/s, 2 workers on a 3-master Redis Cluster", "scale",
            "`bench/bench_scale.py`", _workers),
     Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale",

@@ -114,10 +114,11 @@ class StepperSettings:
     prefill_min_steps: int = 8
     # The token budget (``batch_plan``, vLLM's chunked prefill): steps computed per batch,
     # decode steps first, then prompt chunks of at most ``prefill_chunk`` steps a session
-    # fill what is left. They bound how long a prompt holds the steps of the sessions
-    # that decode beside it (bench/bench_fair_prefill.py chose them; docs/serving.md).
-    max_batch_tokens: int = 32
-    prefill_chunk: int = 32
+    # fill what is left. A chunk of 64 of mamba-130m takes ~130-200 ms on 2 threads: the
+    # longest a token beside a prompt waits, while a prompt alone prefills as fast as in
+    # chunks of 64 before (bench/bench_fair_prefill.py; docs/serving.md).
+    max_batch_tokens: int = 64
+    prefill_chunk: int = 64
     # The share of the stepper's time prefill takes while other sessions decode: a prefill
     # call reads every weight once, as a decode step does, so a chunk in every batch would
     # at least double their time between tokens. After a prefill phase of t seconds while
