@@ -33,7 +33,7 @@ from ssmserve.server.sessions.session import (
     StepOutcome,
     StepRun,
 )
-from ssmserve.server.sessions.stepper import Stepper, StepperSettings
+from ssmserve.server.sessions.stepper import PrefillPause, Stepper, StepperSettings
 from ssmserve.server.state.input_log import RecentSteps
 from ssmserve.server.state.lease import SessionLease, lease_clock, new_incarnation
 from ssmserve.server.state.store import Store
@@ -403,3 +403,25 @@ def test_a_decode_step_is_answered_before_the_prompt_beside_it_prefills_then_pre
         assert await rig.logged(p, 100) == p.codec.encode(xp)
 
     _with_rig(redis_server, demo_model, body, settings)
+
+
+def test_the_prefill_pause_keeps_prefill_to_its_share_while_sessions_decode() -> None:
+    """PrefillPause on a clock of its own: a chunk of 0.2 s while sessions decode pauses
+    prefill 0.6 s at share 0.25; a chunk with nobody decoding (no phase of steps within
+    ACTIVE_S) pauses nothing; just after a phase of steps, prompts alone are held for that
+    phase's time, at most GRACE_S."""
+    now = [100.0]
+    pause = PrefillPause(0.25, 8, clock=lambda: now[0])
+    assert not pause.paused() and pause.holds_until() < now[0]
+    pause.decoded(0.03)  # a phase of steps of 30 ms ends at 100.0
+    assert pause.holds_until() == pytest.approx(100.03)  # its steps' grace
+    now[0] = 100.2
+    pause.prefilled(0.2)  # a chunk right after it: sessions decode
+    assert pause.paused() and pause.resumes_at == pytest.approx(100.8)
+    now[0] = 100.81
+    assert not pause.paused()
+    now[0] = 102.0
+    pause.prefilled(0.2)  # 2 s after the last phase of steps: nobody decodes
+    assert not pause.paused()
+    pause.decoded(0.5)  # a slow phase of steps: the grace is bounded
+    assert pause.holds_until() == pytest.approx(102.0 + PrefillPause.GRACE_S)
