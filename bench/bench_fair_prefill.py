@@ -136,7 +136,8 @@ async def bench(address: str, args: argparse.Namespace) -> dict[str, float | str
         "prompt_alone_ms": [],
         "prompt_beside_decode_ms": [],
     }
-    # A prompt's Generate sends nothing until it is fed: its stall bound is the round's.
+    # A round's calls give up with the round (a prompt's progress messages, one per run
+    # of 512 ids, keep the default stall bound satisfied).
     retry = RetryPolicy(stall_timeout_s=CALL_S, give_up_after_s=CALL_S)
     async with AsyncClient(address, retry=retry) as client:
         await decode_alone(client, 4)  # warm: the first steps and prefills compile nothing

@@ -29,7 +29,7 @@ from ssmserve.server.engine.tokenizer import TOKENIZER_FILE, load_tokenizer
 from ssmserve.server.errors import ModelFormatError
 from ssmserve.v1 import ssmserve_pb2 as pb
 from tests.harness import WorkerHarness
-from tests.test_generate import PARAMS, offline, raw_generate
+from tests.test_generate import PARAMS, offline, raw_generate, stub
 
 VOCAB = 37  # the token fixture model's (tests/conftest.py token_config)
 SENTENCES = ["café crème brûlée", "日本 日本語", "hi 🙂 ok 🙂", "hello world, hello café"]
@@ -265,3 +265,45 @@ def test_the_cli_prints_the_text_as_it_streams(text_worker, tokenizer, capsys, t
     both = ["--prompt", "hi", "--prompt-ids", str(tmp_path / "ids.npy")]
     assert main([*args, *both]) == 2
     assert "give --prompt-ids or --prompt, not both" in capsys.readouterr().err
+
+
+def test_a_long_prompt_reports_its_progress_and_a_cut_call_resumes_from_it(
+    text_worker, served_models, tokenizer
+):
+    """A prompt of more than one run (512 ids) sends a message per run fed, so a client's
+    stall bound sees progress; a call cut after one resumes from its step with the ids
+    left (a prompt_text's, as the worker encoded them) and gives the undisturbed tokens."""
+    c = text_worker.client
+    text = " ".join(TEXTS * 12)
+    ids = tokenizer.encode(text).ids
+    assert 1100 < len(ids) < 1536, len(ids)
+    whole_id = c.create_session("lmt").session_id
+    replies = raw_generate(
+        text_worker, session_id=whole_id, at_step=0, prompt_text=text, max_tokens=20,
+        sampling=pb.SamplingParams(**PARAMS),
+    )  # fmt: skip
+    fed = [r for r in replies if r.HasField("prompt_fed_step")]
+    assert [r.prompt_fed_step for r in fed] == [512, 1024]
+    assert list(fed[0].prompt_ids_left) == ids[512:] and not fed[1].prompt_ids_left
+    tokens = [t.token_id for r in replies for t in r.tokens]
+    assert tokens == offline(served_models["lm"], ids, 20)[0]
+
+    cut_id = c.create_session("lmt").session_id
+    call = stub(text_worker).Generate(
+        pb.GenerateRequest(
+            session_id=cut_id, at_step=0, prompt_text=text, max_tokens=20,
+            sampling=pb.SamplingParams(**PARAMS),
+        ),
+        timeout=30,
+    )  # fmt: skip
+    first = next(r for r in call if r.HasField("prompt_fed_step"))
+    call.cancel()
+    again = raw_generate(
+        text_worker, session_id=cut_id, at_step=first.prompt_fed_step,
+        prompt_ids=list(first.prompt_ids_left), max_tokens=20,
+        sampling=pb.SamplingParams(**PARAMS),
+    )  # fmt: skip
+    assert [t.token_id for r in again for t in r.tokens] == tokens
+    # the client reads the progress messages on its way (a text becomes the worker's ids)
+    by_client = c.generate(c.create_session("lmt").session_id, 20, prompt_text=text, **PARAMS)
+    assert [t.token_id for t in by_client] == tokens

@@ -291,6 +291,12 @@ async def _generate(
                     if guided:
                         kept.append(t.token_id)
                     prompt.fed()
+                if prompt and reply.HasField("prompt_fed_step"):  # part of a long prompt
+                    if prompt.text:  # the worker's ids of the text: a retry sends the rest
+                        prompt.ids, prompt.text = list(reply.prompt_ids_left), ""
+                    else:
+                        prompt.ids = prompt.ids[reply.prompt_fed_step - at :]
+                    at = reply.prompt_fed_step
                 if prompt and _prompt_fed(reply, at, prompt):
                     at = reply.session_step
                     prompt.fed()

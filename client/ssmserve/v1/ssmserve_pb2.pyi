@@ -138,7 +138,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, step: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., guard_events: _Optional[_Iterable[_Union[GuardEvent, _Mapping]]] = ..., unfiltered_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "stopped", "session_step", "stop_string", "text", "retracted_after_step", "monitor_retries")
+    __slots__ = ("tokens", "finish_reason", "stopped", "session_step", "stop_string", "text", "prompt_fed_step", "prompt_ids_left", "retracted_after_step", "monitor_retries")
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FINISH_UNSPECIFIED: _ClassVar[GenerateResponse.FinishReason]
@@ -161,6 +161,8 @@ class GenerateResponse(_message.Message):
     SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FED_STEP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     RETRACTED_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     MONITOR_RETRIES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
@@ -169,9 +171,11 @@ class GenerateResponse(_message.Message):
     session_step: int
     stop_string: str
     text: str
+    prompt_fed_step: int
+    prompt_ids_left: _containers.RepeatedScalarFieldContainer[int]
     retracted_after_step: int
     monitor_retries: int
-    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ..., retracted_after_step: _Optional[int] = ..., monitor_retries: _Optional[int] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., finish_reason: _Optional[_Union[GenerateResponse.FinishReason, str]] = ..., stopped: _Optional[_Union[StepError, _Mapping]] = ..., session_step: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ..., prompt_fed_step: _Optional[int] = ..., prompt_ids_left: _Optional[_Iterable[int]] = ..., retracted_after_step: _Optional[int] = ..., monitor_retries: _Optional[int] = ...) -> None: ...
 
 class UpgradeRequest(_message.Message):
     __slots__ = ("session_id", "model")

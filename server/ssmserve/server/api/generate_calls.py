@@ -25,6 +25,7 @@ from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import SsmserveError
 from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.sessions.generation import (
+    Fed,
     Finish,
     GenerateAtStepError,
     GenerateRequest,
@@ -187,6 +188,8 @@ def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
             response.session_step = update.step
         elif isinstance(update, Start):
             response.session_step = update.session_step
+        elif isinstance(update, Fed):
+            _add_fed(response, update)
         elif isinstance(update, Retraction):
             add_retraction(response, update)
         else:
@@ -198,3 +201,15 @@ def _response(batch: list[Update], scope: TenantScope) -> pb.GenerateResponse:
             if update.error is not None:
                 response.stopped.CopyFrom(status.step_error(update.error, scope.clean))
     return response
+
+
+def _add_fed(response: pb.GenerateResponse, fed: Fed) -> None:
+    """``fed`` into ``response``: a later one (same message) moves the step on and trims
+    the ids left that an earlier one carried."""
+    if response.HasField("prompt_fed_step") and len(response.prompt_ids_left):
+        taken = fed.session_step - response.prompt_fed_step
+        del response.prompt_ids_left[:taken]
+    elif fed.ids_left is not None:
+        response.prompt_ids_left.extend(fed.ids_left.tolist())
+    response.prompt_fed_step = fed.session_step
+    response.session_step = fed.session_step

@@ -179,7 +179,17 @@ class Start:
     session_step: int
 
 
-Update = Start | Token | Finish | Retraction
+@dataclass(frozen=True)
+class Fed:
+    """Part of a long prompt is fed: the session took it up to ``session_step``. A retry
+    goes on from there with the rest; ``ids_left`` (the first one of a ``prompt_text``):
+    the encoded ids still to feed, which the client cannot know otherwise."""
+
+    session_step: int
+    ids_left: np.ndarray | None = None
+
+
+Update = Start | Fed | Token | Finish | Retraction
 
 
 class Generations:
@@ -665,6 +675,10 @@ class Generation:
             self.step += len(chunk)
             self.output = output
             self._saw(chunk)
+            rest = prompt[lo + PROMPT_CHUNK :]
+            if len(rest):  # progress a client's stall bound sees, and a retry resumes from
+                text = self.request.prompt_text and lo == 0
+                self.updates.put_nowait(Fed(self.step, rest.copy() if text else None))
 
     def _run_result(self, run: StepRun, chunk: np.ndarray) -> np.ndarray | None:
         """The last output of a prompt run; raises the error of its first failed step."""
