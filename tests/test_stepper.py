@@ -425,3 +425,10 @@ def test_the_prefill_pause_keeps_prefill_to_its_share_while_sessions_decode() ->
     assert not pause.paused()
     pause.decoded(0.5)  # a slow phase of steps: the grace is bounded
     assert pause.holds_until() == pytest.approx(102.0 + PrefillPause.GRACE_S)
+    pause.prefilled(3.0)  # a chunk a slow store held 3 s: the pause is bounded
+    assert pause.resumes_at == pytest.approx(102.0 + PrefillPause.MAX_PAUSE_S)
+    now[0] = 102.0 + PrefillPause.ACTIVE_S + 0.01  # the decoders stopped: nothing holds
+    assert pause.paused() and pause.holds_until() < now[0]
+    never = PrefillPause(0.25, 0, clock=lambda: now[0])  # prefill_min_steps 0: none
+    never.decoded(0.05)
+    assert not asyncio.run(never.wait_for_decode([], asyncio.Event()))  # holds nothing

@@ -184,6 +184,10 @@ class PrefillPause:
 
     ACTIVE_S = 0.5
     GRACE_S = 0.1
+    # A pause is at most this long: a chunk's phase that a slow store held for seconds
+    # (its time counts the log and commit round trips) or a tiny share must not stop a
+    # prompt for longer than a decoder's client would notice.
+    MAX_PAUSE_S = 2.0
 
     def __init__(
         self, share: float, min_steps: int, clock: Callable[[], float] = time.monotonic
@@ -206,17 +210,22 @@ class PrefillPause:
         """A prefill phase ended, after ``seconds``: if sessions decode, pause prefill."""
         now = self.clock()
         if now - self.decoded_at <= self.ACTIVE_S + seconds:
-            self.resumes_at = now + seconds * (1 - self.share) / self.share
+            pause = seconds * (1 - self.share) / self.share
+            self.resumes_at = now + min(pause, self.MAX_PAUSE_S)
 
     def holds_until(self) -> float:
-        """Until when prompts alone wait for a decode step (see the class docstring)."""
+        """Until when prompts alone wait for a decode step (see the class docstring): the
+        pause only while sessions decode (a phase of steps ended within ACTIVE_S)."""
         grace = self.decoded_at + min(self.decode_s, self.GRACE_S)
-        return max(self.resumes_at, grace)
+        decoding = self.clock() - self.decoded_at <= self.ACTIVE_S
+        return max(self.resumes_at if decoding else 0.0, grace)
 
     async def wait_for_decode(self, ready: Iterable[Session], wake: asyncio.Event) -> bool:
         """While only prompts (prefill candidates) are ready and :meth:`holds_until` has
         not passed: wait for a step to be queued (``wake``), or that time (the bound).
         True if it waited (the caller looks at what is ready again)."""
+        if self.min_steps <= 0:  # nothing prefills: there is no prompt to hold
+            return False
         left = self.holds_until() - self.clock()
         if left <= 0 or not all(prefill_candidate(s, self.min_steps) for s in ready):
             return False
@@ -357,6 +366,14 @@ class Stepper:
         each answered before the next computes (``BatchPlan.phases``); each phase's time
         goes to the prefill pause (:class:`PrefillPause`)."""
         batch = plan(sessions, self.settings.max_ticks, self._prefill_limits, self._pause.paused())
+        # A phase of steps counts as decoding only when it steps a session that is no
+        # prompt (prompts stepped for a short budget share or a snapshot cut are not
+        # decoders whose next step a prompt should wait for).
+        min_steps = self._prefill_limits.min_steps
+        decodes = [
+            any(not prefill_candidate(p.session, min_steps) for p in phase)
+            for phase in batch.phases
+        ]
         phases = [
             [SessionWork(p, p.session.state, p.session.guard_state) for p in phase]
             for phase in batch.phases
@@ -367,7 +384,10 @@ class Stepper:
                 started = time.monotonic()
                 await self._phase(phase)
                 took = time.monotonic() - started
-                (self._pause.prefilled if phase[0].plan.rows else self._pause.decoded)(took)
+                if phase[0].plan.rows:
+                    self._pause.prefilled(took)
+                elif decodes[i]:
+                    self._pause.decoded(took)
             except BaseException:  # the later phases applied nothing: answered with why
                 for later in phases[i + 1 :]:
                     for w in later:
