@@ -54,7 +54,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,7 @@ from ssmserve.server.engine.interface import Engine
 from ssmserve.server.engine.lane import EngineLane
 from ssmserve.server.engine.recurrent_state import SessionState
 from ssmserve.server.errors import SsmserveError, being_cancelled
-from ssmserve.server.sessions.batch_plan import PrefillLimits, plan, prefill_candidate
+from ssmserve.server.sessions.batch_plan import BatchPlan, PrefillLimits, plan, prefill_candidate
 from ssmserve.server.sessions.batch_work import GuardedStep, SessionWork
 from ssmserve.server.sessions.checkpoints import Checkpoints
 from ssmserve.server.sessions.config import Durability
@@ -235,6 +235,59 @@ class PrefillPause:
         return True
 
 
+async def run_phases(
+    batch: BatchPlan,
+    run: Callable[[list[SessionWork]], Awaitable[None]],
+    pause: PrefillPause,
+) -> None:
+    """``batch``'s steps taken off the queues, then its phases ``run`` in turn, each
+    answered before the next computes; each phase's time goes to ``pause``."""
+    # A phase of steps counts as decoding only when it steps a session that is no prompt
+    # (prompts stepped for a short budget share or a snapshot cut are not decoders whose
+    # next step a prompt should wait for).
+    decodes = [
+        any(not prefill_candidate(p.session, pause.min_steps) for p in phase)
+        for phase in batch.phases
+    ]
+    phases = [
+        [SessionWork(p, p.session.state, p.session.guard_state) for p in phase]
+        for phase in batch.phases
+    ]
+    _take_all(phases)
+    for i, phase in enumerate(phases):
+        if i:  # a session that left memory while an earlier phase ran: its error
+            phase = _still_resident(phase)
+            if not phase:
+                continue
+        try:
+            started = time.monotonic()
+            await run(phase)
+            took = time.monotonic() - started
+            if phase[0].plan.rows:
+                pause.prefilled(took)
+            elif decodes[i]:
+                pause.decoded(took)
+        except BaseException:  # the later phases applied nothing: answered with why
+            for later in phases[i + 1 :]:
+                for w in later:
+                    w.take_back(SessionGoneError("step failed: its batch failed first"))
+                    w.answer()
+            raise
+
+
+def _still_resident(phase: list[SessionWork]) -> list[SessionWork]:
+    """The work of ``phase`` whose sessions are still in memory; the others' steps are
+    taken back, nothing applied, and answered with what dropped them."""
+    kept: list[SessionWork] = []
+    for w in phase:
+        if w.session.gone is None:
+            kept.append(w)
+        else:
+            w.take_back(w.session.gone)
+            w.answer()
+    return kept
+
+
 def _take_all(phases: list[list[SessionWork]]) -> None:
     """Every phase's steps off the queues, before anything runs; a failure (a bug) answers
     every step with it, none applied."""
@@ -366,34 +419,7 @@ class Stepper:
         each answered before the next computes (``BatchPlan.phases``); each phase's time
         goes to the prefill pause (:class:`PrefillPause`)."""
         batch = plan(sessions, self.settings.max_ticks, self._prefill_limits, self._pause.paused())
-        # A phase of steps counts as decoding only when it steps a session that is no
-        # prompt (prompts stepped for a short budget share or a snapshot cut are not
-        # decoders whose next step a prompt should wait for).
-        min_steps = self._prefill_limits.min_steps
-        decodes = [
-            any(not prefill_candidate(p.session, min_steps) for p in phase)
-            for phase in batch.phases
-        ]
-        phases = [
-            [SessionWork(p, p.session.state, p.session.guard_state) for p in phase]
-            for phase in batch.phases
-        ]
-        _take_all(phases)
-        for i, phase in enumerate(phases):
-            try:
-                started = time.monotonic()
-                await self._phase(phase)
-                took = time.monotonic() - started
-                if phase[0].plan.rows:
-                    self._pause.prefilled(took)
-                elif decodes[i]:
-                    self._pause.decoded(took)
-            except BaseException:  # the later phases applied nothing: answered with why
-                for later in phases[i + 1 :]:
-                    for w in later:
-                        w.take_back(SessionGoneError("step failed: its batch failed first"))
-                        w.answer()
-                raise
+        await run_phases(batch, self._phase, self._pause)
 
     async def _phase(self, work: list[SessionWork]) -> None:
         """One phase of a batch, its steps already taken: log ahead, execute, settle, then
