@@ -238,3 +238,13 @@ def test_kill_9_of_the_owner_mid_generation_changes_no_penalized_token(
     finally:
         for w in workers:
             w.kill()
+
+
+def test_the_top_logprobs_leave_out_ids_of_probability_zero():
+    """A constraint's mask (or a -Inf logit) leaves fewer finite ids than asked for: the
+    top list holds only those (a -Inf entry is no token anyone could get, and no number
+    JSON carries)."""
+    z = np.array([0.0, -np.inf, 1.0, -np.inf], np.float64)
+    lp = logprobs(z, 2, 4)
+    assert [i for i, _ in lp.top] == [2, 0]
+    assert all(np.isfinite(p) for _, p in lp.top) and np.isfinite(lp.chosen)

@@ -553,6 +553,22 @@ def test_sessions_spread_over_workers_as_they_join(start_worker, served_models):
         assert_bit_equal(got, reference(model, x)[6:])
 
 
+def test_rebalancing_leaves_the_http_doors_sessions_on_their_worker(start_worker):
+    """The HTTP door's sessions (its prefix cache, labelled created-by=http) stay where
+    the door that closes them is; the others spread as usual."""
+    a = start_worker()
+    door = [
+        a.client.create_session("demo", labels={"created-by": "http"}).session_id for _ in range(6)
+    ]
+    others = [a.client.create_session("demo").session_id for _ in range(4)]
+    b = start_worker()
+    for w in (a, b):
+        w.call(w.worker.ownership.heartbeat())
+    assert a.call(a.worker.rebalancer.round()) > 0
+    assert set(door) <= set(a.manager.resident_ids())
+    assert set(b.manager.resident_ids()) <= set(others)
+
+
 def test_a_joining_worker_is_filled_by_the_timer_and_drains_give_nothing_back(
     start_worker, served_models
 ):

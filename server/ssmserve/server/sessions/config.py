@@ -26,6 +26,17 @@ class Durability(enum.IntEnum):
     NONE = 3  # write only when asked (Snapshot, Close with a final snapshot, eviction)
 
 
+#: The label of the sessions the HTTP door makes (``ssmserve sessions`` shows it). They
+#: stay on the worker that made them: the door keeps them as its prefix cache and closes
+#: them itself, so rebalancing leaves them where they are.
+DOOR_LABELS: Mapping[str, str] = MappingProxyType({"created-by": "http"})
+
+
+def stays_here(labels: Mapping[str, str]) -> bool:
+    """Whether a session with ``labels`` is one rebalancing leaves on its worker."""
+    return all(labels.get(k) == v for k, v in DOOR_LABELS.items())
+
+
 class SessionConfigError(SsmserveError):
     """A session setting is out of range (INVALID_ARGUMENT)."""
 

@@ -38,7 +38,7 @@ import numpy as np
 from ssmserve.server.sessions.replay import Replay
 from ssmserve.server.sessions.sampling import SamplingParams
 from ssmserve.server.sessions.session import Session
-from ssmserve.server.state.store_errors import StoreError
+from ssmserve.server.state.store_errors import StoreError, StoreUnavailableError
 
 
 def adjusted(logits: np.ndarray, params: SamplingParams, window: Sequence[int]) -> np.ndarray:
@@ -67,7 +67,8 @@ class Logprobs:
 
 def logprobs(z: np.ndarray, chosen: int, top_n: int) -> Logprobs:
     """The log-softmax of ``z`` (float64, as :func:`adjusted` gives; float32 is widened)
-    at ``chosen`` and its ``top_n`` largest entries. -Inf logits have logprob -Inf."""
+    at ``chosen`` and its ``top_n`` largest finite entries (fewer when fewer are finite:
+    a constraint's mask)."""
     z = np.asarray(z, np.float64)
     top = float(z.max())
     with np.errstate(under="ignore"):
@@ -78,7 +79,9 @@ def logprobs(z: np.ndarray, chosen: int, top_n: int) -> Logprobs:
         threshold = np.partition(z, len(z) - n)[len(z) - n]
         candidates = np.flatnonzero(z >= threshold)  # ascending ids, ties included
         order = candidates[np.argsort(-z[candidates], kind="stable")][:n]
-        ranked = tuple((int(i), float(z[i] - log_total)) for i in order)
+        # A masked or -Inf id has probability 0: never one of the most likely (and -Inf
+        # is no number JSON can carry).
+        ranked = tuple((int(i), float(z[i] - log_total)) for i in order if z[i] > -np.inf)
     return Logprobs(float(z[chosen] - log_total), ranked)
 
 
@@ -100,6 +103,8 @@ async def penalty_window(replay: Replay, s: Session, step: int, n: int) -> deque
         low = max(first, (oldest or 0) + 1)
         try:
             older = await replay.inputs(s, low, at) if low <= at else []
+        except StoreUnavailableError:
+            raise  # not known: a window guessed smaller would draw other tokens
         except StoreError:
             older = []  # the log no longer holds them: the window is what memory has
     raw_inputs = older + held

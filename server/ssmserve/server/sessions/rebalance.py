@@ -12,6 +12,8 @@ workers and a newcomer is filled over a few rounds rather than all at once by ev
 
 The loads are the registry's (each worker's resident sessions as of its last
 heartbeat, a few seconds old); the moves of the current round are counted on top of them.
+Sessions the HTTP door keeps as its prefix cache stay (``config.stays_here``): the door
+closes them itself, and one moved away would be left open on the other worker.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from ssmserve.server.cluster.ownership import Ownership, least_loaded
 from ssmserve.server.errors import SsmserveError
+from ssmserve.server.sessions.config import stays_here
 from ssmserve.server.sessions.loading import SessionLoader
 from ssmserve.server.sessions.migration import Migrator
 from ssmserve.server.sessions.residency import ResidentSessions
@@ -113,6 +116,8 @@ class Rebalancer:
                 break
             try:
                 s = await self.loader.session(session_id)
+                if stays_here(s.config.labels):
+                    continue
                 targets = ownership.targets_among(workers, s.model_name, ownership.numerics)
                 if not targets:
                     continue
