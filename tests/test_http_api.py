@@ -535,3 +535,60 @@ def test_response_format_constrains_the_reply_to_json(door, response_format):
     assert isinstance(document, dict)
     if response_format["type"] == "json_schema":
         assert document in ({"ok": True}, {"ok": False})
+
+
+# ---------------------------------------------------------------------------- sessions left
+
+
+def _wait_until(check: Any, timeout: float = 15.0) -> bool:
+    """Poll ``check`` until it is true, at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _running(harness: WorkerHarness) -> set[str]:
+    async def running() -> set[str]:
+        return set(harness.worker.http_door.runs._running)
+
+    return harness.call(running())
+
+
+def _open_stream(harness: WorkerHarness, body: dict[str, Any], events: int) -> socket.socket:
+    """A streaming request on a raw socket, left open after its first ``events`` events."""
+    host, port = harness.worker.http_door.address.rsplit(":", 1)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    received = b""
+    while received.count(b"data: ") < events:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    return sock
+
+
+def test_a_client_that_drops_its_stream_leaves_no_session(door):
+    """Starlette cancels a dropped stream's task again at every wait: the door's cleanup
+    (its session closed, its run forgotten) must happen anyway."""
+    body = {"model": "chat", "prompt": "hello", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    before = _running(door)
+    sockets = [_open_stream(door, body, 3) for _ in range(3)]
+    streaming = _running(door) - before
+    assert len(streaming) == 3
+    for sock in sockets:
+        sock.close()
+
+    def released() -> bool:
+        resident = set(door.manager.resident_ids())
+        return not streaming & (_running(door) | resident)
+
+    assert _wait_until(released), (streaming, _running(door), door.manager.resident_ids())

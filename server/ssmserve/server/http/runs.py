@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -149,15 +150,43 @@ class CompletionRuns:
                     yield update
                     return
         finally:
-            task.cancel()  # done, or the client went away: stop generating
-            await asyncio.gather(task, return_exceptions=True)
-            if self._running.pop(placed.session_id, None) is not None:  # (else: stop's)
-                history = np.concatenate([ids, np.asarray(generated, np.int64)])
-                clean = finish is not None and finish.error is None and not self._stopped
-                if clean and finish is not None and finish.session_step == len(history):
-                    self.cache.keep(key, placed.session_id, history)
-                else:
-                    self._close_later(placed.session_id)
+            # Started before anything here awaits: a dropped stream's task is cancelled
+            # again at every wait (anyio's cancel scope), and the session must still be
+            # kept or closed. The request waits for it (a next one finds it kept), the
+            # settling goes on whatever cancels that wait.
+            history = np.concatenate([ids, np.asarray(generated, np.int64)])
+            settling = self._in_background(
+                self._settle(key, placed.session_id, task, history, finish),
+                f"http-settle-{placed.session_id}",
+            )
+            await asyncio.shield(settling)
+
+    async def _settle(
+        self,
+        key: CacheKey,
+        session_id: str,
+        task: asyncio.Task[None],
+        history: np.ndarray,
+        finish: Finish | None,
+    ) -> None:
+        """Stop a completion's generation (done, or the client went away), then keep its
+        session (it ended cleanly where ``history`` says) or close it."""
+        task.cancel()
+        ended = True
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(task, return_exceptions=True), self.settings.close_timeout_s
+            )
+        except TimeoutError:
+            ended = False
+            log.warning("http: generation on %s did not stop within the bound", session_id)
+        if self._running.pop(session_id, None) is None:
+            return  # ``stop`` took it, and closes it
+        clean = ended and finish is not None and finish.error is None and not self._stopped
+        if clean and finish is not None and finish.session_step == len(history):
+            self.cache.keep(key, session_id, history)
+        else:
+            self._close_later(session_id)
 
     async def _start(
         self,
@@ -181,6 +210,11 @@ class CompletionRuns:
                     raise
                 log.info("http: kept session %s not used (%s)", placed.session_id, exc)
                 self._close_later(placed.session_id)
+            except BaseException:
+                # Cancelled (the client went away) while the generation started: where
+                # the session stands is not known for sure.
+                self._close_later(placed.session_id)
+                raise
         placed = await self._new(caller, model_key)
         self.cache.counts.missed += 1
         try:
@@ -212,11 +246,13 @@ class CompletionRuns:
             self.cache.take(key, sid)
             self.cache.counts.continued += 1
             return Placed(sid, found.length, "continued")
+        new_id = self._new_id(caller)
         try:
             await self.budgets.check_new_session(caller.scope.tenant, caller.scope.prefix)
-            result = await self.manager.fork(
-                sid, RollbackTarget(step=found.length), self._new_id(caller)
-            )
+            result = await self.manager.fork(sid, RollbackTarget(step=found.length), new_id)
+        except asyncio.CancelledError:
+            self._close_later(new_id)  # the fork may have made it (not found: nothing)
+            raise
         except SsmserveError as exc:
             log.info("http: could not fork kept session %s (%s)", sid, exc)
             if exc.kind in (ErrorKind.NOT_FOUND, ErrorKind.FAILED_PRECONDITION):
@@ -227,9 +263,12 @@ class CompletionRuns:
 
     async def _new(self, caller: Caller, model_key: str) -> Placed:
         await self.budgets.check_new_session(caller.scope.tenant, caller.scope.prefix)
-        view = await self.manager.create(
-            model_key, self._new_id(caller), SessionConfig(labels=ORIGIN_LABELS)
-        )
+        new_id = self._new_id(caller)
+        try:
+            view = await self.manager.create(model_key, new_id, SessionConfig(labels=ORIGIN_LABELS))
+        except asyncio.CancelledError:
+            self._close_later(new_id)  # the create may have made it (not found: nothing)
+            raise
         return Placed(view.session_id, 0, "new")
 
     @staticmethod
@@ -240,11 +279,15 @@ class CompletionRuns:
 
     def _close_later(self, session_id: str) -> None:
         """Close a session the door no longer keeps, in the background (bounded)."""
-        task = asyncio.get_running_loop().create_task(
-            self._close(session_id), name=f"http-close-{session_id}"
-        )
+        self._in_background(self._close(session_id), f"http-close-{session_id}")
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """``work`` as a task of its own (no cancel of a request's reaches it), held
+        until it ends; ``forget`` and ``stop`` wait for it."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        return task
 
     async def _close(self, session_id: str) -> None:
         try:
