@@ -26,6 +26,8 @@ import pytest
 
 from ssmserve.server.http.listener import HttpListenError, HttpSettings
 from ssmserve.server.main import build_parser, settings_from_args
+from ssmserve.server.sessions.config import SessionDefaults
+from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.worker import (
     ExposedWithoutAuthError,
     Worker,
@@ -592,3 +594,36 @@ def test_a_client_that_drops_its_stream_leaves_no_session(door):
         return not streaming & (_running(door) | resident)
 
     assert _wait_until(released), (streaming, _running(door), door.manager.resident_ids())
+
+
+def test_a_fork_past_the_snapshots_reach_keeps_the_session_and_prefills(http_dirs, redis_server):
+    """Snapshots every 4 steps, 2 kept: a kept session forks only within its last ~8
+    steps; a request that shares an older prefix prefills afresh, the kept session stays
+    kept (not dropped from the cache while it stays open)."""
+    dirs, _ = http_dirs
+    harness = WorkerHarness(
+        {"chat": dirs["chat"]}, redis_server.url, http=HttpSettings(listen="127.0.0.1:0"),
+        manager=ManagerSettings(defaults=SessionDefaults(snapshot_every=4, max_snapshots=2)),
+    )  # fmt: skip
+    try:
+        c = client_of(harness)
+        prompt = list(range(5, 45))
+        common: dict[str, Any] = {"model": "chat", "max_tokens": 40, "seed": 3}
+        common["extra_body"] = {"ignore_eos": True}
+        c.completions.create(prompt=prompt, **common)
+        (first,) = kept_histories(harness)
+        edited = [*prompt[:36], 7, 7, 7]
+        missed, forked = counts(harness).missed, counts(harness).forked
+        answer = c.completions.create(prompt=edited, **common)
+        assert counts(harness).missed == missed + 1 and counts(harness).forked == forked
+        histories = kept_histories(harness)
+        assert first in histories and len(histories) == 2  # the old one kept, the new one
+        kept = {k for kept in harness.worker.http_door.runs.cache._kept.values() for k in kept}
+        resident = {s for s in harness.manager.resident_ids() if "http-" in s}
+        assert resident == kept  # every open session of the door's is in the cache
+        forget_kept(harness)
+        assert (
+            answer.choices[0].text == c.completions.create(prompt=edited, **common).choices[0].text
+        )
+    finally:
+        harness.stop()

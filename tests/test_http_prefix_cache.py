@@ -52,3 +52,13 @@ def test_the_least_recent_is_evicted_and_taken_ones_are_not_found():
     off = PrefixCache(0, evicted.append)
     off.keep(KEY, "d", ids(1))
     assert evicted[-1] == "d" and len(off) == 0
+
+
+def test_a_forgotten_session_is_handed_over_to_be_closed():
+    closed: list[str] = []
+    cache = PrefixCache(4, closed.append)
+    cache.keep(KEY, "a", ids(1, 2))
+    cache.forget(KEY, "a")
+    cache.forget(KEY, "a")  # not kept any more: nothing to close
+    cache.forget(("tenant-b", "chat"), "b")
+    assert closed == ["a"] and len(cache) == 0

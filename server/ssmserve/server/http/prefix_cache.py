@@ -17,7 +17,8 @@ A session's state after a step is a pure function of its inputs, so either way t
 logits (and the seeded draws) are those of a fresh prefill of the whole prompt.
 
 This module is the bookkeeping only (no I/O): the door creates, forks and closes the
-sessions; a session pushed out of a full list is handed to ``on_evict`` to be closed.
+sessions; a session pushed out of a full list, or forgotten, is handed to ``on_evict``
+to be closed.
 """
 
 from __future__ import annotations
@@ -110,8 +111,12 @@ class PrefixCache:
             self.on_evict(old.session_id)
 
     def forget(self, key: CacheKey, session_id: str) -> None:
-        """Drop a kept session that can no longer be used (moved, closed): not closed."""
-        self.take(key, session_id)
+        """Drop a kept session that can no longer be used (moved, closed, broken): it
+        goes to ``on_evict`` to be closed, as every session that leaves the cache does
+        (one gone already is not found there, which is harmless)."""
+        kept = self._kept.get(key)
+        if kept is not None and kept.pop(session_id, None) is not None:
+            self.on_evict(session_id)
 
     def drain(self) -> list[str]:
         """Every kept session id, the cache emptied (the door stops)."""

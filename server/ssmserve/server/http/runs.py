@@ -30,6 +30,7 @@ from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.http.prefix_cache import CacheKey, PrefixCache
 from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.errors import RollbackRangeError
 from ssmserve.server.sessions.generation import (
     Finish,
     GenerateRequest,
@@ -253,10 +254,15 @@ class CompletionRuns:
         except asyncio.CancelledError:
             self._close_later(new_id)  # the fork may have made it (not found: nothing)
             raise
+        except RollbackRangeError as exc:
+            # The common prefix is older than the session's snapshots reach: it stays
+            # kept (a request that extends it continues it), this one prefills afresh.
+            log.info("http: kept session %s not forked (%s)", sid, exc)
+            return None
         except SsmserveError as exc:
             log.info("http: could not fork kept session %s (%s)", sid, exc)
             if exc.kind in (ErrorKind.NOT_FOUND, ErrorKind.FAILED_PRECONDITION):
-                self.cache.forget(key, sid)
+                self.cache.forget(key, sid)  # closed, as whatever leaves the cache is
             return None
         self.cache.counts.forked += 1
         return Placed(result.view.session_id, found.length, "forked")
