@@ -34,6 +34,7 @@ from ssmserve.server.worker import (
     WorkerSettings,
     check_exposure,
 )
+from tests.conftest import make_token
 from tests.harness import WorkerHarness
 from tests.http_models import write_chat_model
 
@@ -625,5 +626,34 @@ def test_a_fork_past_the_snapshots_reach_keeps_the_session_and_prefills(http_dir
         assert (
             answer.choices[0].text == c.completions.create(prompt=edited, **common).choices[0].text
         )
+    finally:
+        harness.stop()
+
+
+def test_a_client_does_not_continue_an_admins_sessions(http_dirs, redis_server, tokens, capsys):
+    """An admin's sessions are stored without a tenant (plain ``http-...`` ids): a client
+    of the admin's own tenant does not find them in the prefix cache, nor they its."""
+    dirs, _ = http_dirs
+    ops_client = make_token(capsys, tokens["path"], "ops", "client")
+    settings = HttpSettings(listen="127.0.0.1:0")
+    harness = WorkerHarness(
+        {"chat": dirs["chat"]}, redis_server.url, auth_tokens=tokens["path"], http=settings
+    )
+    try:
+        ask = {"model": "chat", "prompt": "hello world", "max_tokens": 4, "seed": 1}
+        admin = client_of(harness, tokens["admin"])
+        admin.completions.create(**ask)
+        (admins,) = kept_histories(harness)
+        ask["prompt"] = [*admins, 9, 9]  # extends the admin's kept session
+        missed = counts(harness).missed
+        client = client_of(harness, ops_client)
+        client.completions.create(**ask)
+        assert counts(harness).missed == missed + 1  # prefilled in its own tenant
+        assert any(i.startswith("ops~http-") for i in harness.manager.resident_ids())
+        client.completions.create(**{**ask, "prompt": "the quick brown fox"})
+        clients = [h for h in kept_histories(harness) if h[: len(admins)] != admins]
+        ask["prompt"] = [*clients[0], 8]  # extends only the client's
+        admin.completions.create(**ask)
+        assert counts(harness).missed == missed + 3 and counts(harness).continued == 0
     finally:
         harness.stop()

@@ -3,8 +3,9 @@
 A session that answered a request holds the model's state after its prompt and its
 reply: everything a next request that starts with those tokens (a chat's next turn: the
 previous prompt, the reply, the new user turn) would prefill again. The door keeps such
-sessions, per tenant and model, in a least-recently-used list of at most ``per_key``;
-for a new prompt it finds the kept history with the longest common prefix:
+sessions, per namespace (a client's tenant; none for an admin) and model, in a
+least-recently-used list of at most ``per_key``; for a new prompt it finds the kept
+history with the longest common prefix:
 
 - the whole history is a prefix of the prompt: the request continues that session (taken
   out of the list while it runs, put back with its longer history after), feeding only
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-#: (tenant, model key): whose sessions, of which model.
+#: (namespace, model key): whose sessions (their stored-id prefix: a client's tenant, ''
+#: for an admin's or without auth), of which model.
 CacheKey = tuple[str, str]
 
 
@@ -67,7 +69,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 @dataclass
 class PrefixCache:
-    per_key: int  # sessions kept per (tenant, model); 0: none
+    per_key: int  # sessions kept per (namespace, model); 0: none
     on_evict: Callable[[str], None]
     counts: CacheCounts = field(default_factory=CacheCounts)
     _kept: dict[CacheKey, OrderedDict[str, KeptSession]] = field(default_factory=dict)

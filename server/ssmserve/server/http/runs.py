@@ -69,13 +69,16 @@ class Caller:
     scope: TenantScope
 
     @property
-    def tenant(self) -> str:
-        return self.principal.tenant if self.principal is not None else ""
+    def namespace(self) -> str:
+        """The stored-id prefix of the sessions the caller makes ('': none, as for an
+        admin or without auth, whatever the principal's tenant): the prefix cache's key,
+        so a caller only ever continues sessions of its own namespace."""
+        return self.scope.prefix
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    prefix_cache: int = 8  # sessions kept per tenant and model (0: none; each is closed)
+    prefix_cache: int = 8  # sessions kept per namespace and model (0: none; each is closed)
     # A kept session is forked at a shorter common prefix only from this many ids: a fork
     # reads a snapshot and replays up to a snapshot interval, more than a short prefill.
     min_fork_prefix: int = 32
@@ -117,7 +120,7 @@ class CompletionRuns:
         """The tokens of one completion of ``ids`` on ``model_key``, then its Finish.
         ``request`` gives everything but the session and the prompt. Raises what refuses
         the request before any token (a typed error), as ``Generations.start`` does."""
-        key: CacheKey = (caller.tenant, model_key)
+        key: CacheKey = (caller.namespace, model_key)
         placed, generation = await self._start(caller, key, model_key, ids, request)
         task = asyncio.create_task(generation.run(), name="http-generate")
         self._running[placed.session_id] = task
