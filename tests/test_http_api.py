@@ -26,6 +26,7 @@ import pytest
 
 from ssmserve.server.http.listener import HttpListenError, HttpSettings
 from ssmserve.server.main import build_parser, settings_from_args
+from ssmserve.server.sessions import generation as generation_module
 from ssmserve.server.sessions.config import SessionDefaults
 from ssmserve.server.sessions.manager import ManagerSettings
 from ssmserve.server.worker import (
@@ -657,3 +658,25 @@ def test_a_client_does_not_continue_an_admins_sessions(http_dirs, redis_server, 
         assert counts(harness).missed == missed + 3 and counts(harness).continued == 0
     finally:
         harness.stop()
+
+
+def test_a_generation_the_handover_bound_stops_is_an_error(door, monkeypatch):
+    """A generation whose token is not taken within the handover bound (a stream not
+    read; here a bound of 0, so it stops after its first token) ends "cancelled": not
+    a clean stop, so an error (503; in a stream, an error event) and no session kept."""
+    monkeypatch.setattr(generation_module, "HANDOVER_BOUND_S", 0.0)
+    forget_kept(door)
+    c = client_of(door)
+    ask: dict[str, Any] = {"model": "chat", "prompt": "hello", "max_tokens": 50}
+    ask["extra_body"] = {"ignore_eos": True}
+    with pytest.raises(openai.InternalServerError) as caught:
+        c.completions.create(**ask)
+    assert caught.value.status_code == 503 and caught.value.type == "service_unavailable"
+    assert "not taken" in caught.value.message
+    chunks = []
+    with pytest.raises(openai.APIError, match="not taken"):
+        for chunk in c.completions.create(stream=True, **ask):
+            chunks.append(chunk)
+    assert len(chunks) < 50 and all(ch.choices[0].finish_reason is None for ch in chunks)
+    assert _wait_until(lambda: not _running(door))
+    assert kept_histories(door) == []  # neither session kept

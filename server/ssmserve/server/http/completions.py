@@ -41,8 +41,9 @@ from ssmserve.server.sessions.generation import (
 )
 from ssmserve.server.sessions.manager import SessionManager
 
-#: Internal finish reasons -> OpenAI's ("stop": a stop string, a stop id or EOS).
-FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "stop"}
+#: Internal finish reasons -> OpenAI's ("stop": a stop string, a stop id or EOS). A
+#: generation ended "cancelled" is an error (``_finish_reason``), never a clean stop.
+FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
 
 
 @dataclass(frozen=True)
@@ -352,9 +353,20 @@ class Completions:
 
 
 def _finish_reason(finish: Finish, caller: Caller) -> str:
-    """OpenAI's finish reason; a generation a step's error ended raises it."""
+    """OpenAI's finish reason; a generation a step's error ended raises it, and one that
+    stopped because its tokens were not taken in time (``cancelled``: the answer is cut
+    short) raises a 503."""
     if finish.error is not None:
         raise from_error(finish.error, caller.scope.clean(str(finish.error)))
+    if finish.reason == "cancelled":
+        raise HttpError(
+            503,
+            "the generation stopped: its tokens were not taken within the server's bound "
+            "(a stream not read); the answer is incomplete, send the request again",
+            "service_unavailable",
+            None,
+            "generation_stalled",
+        )
     return FINISH_REASONS.get(finish.reason, "stop")
 
 

@@ -186,7 +186,13 @@ class CompletionRuns:
             log.warning("http: generation on %s did not stop within the bound", session_id)
         if self._running.pop(session_id, None) is None:
             return  # ``stop`` took it, and closes it
-        clean = ended and finish is not None and finish.error is None and not self._stopped
+        clean = (
+            ended
+            and finish is not None
+            and finish.error is None
+            and finish.reason != "cancelled"  # cut short: not where the answer ended
+            and not self._stopped
+        )
         if clean and finish is not None and finish.session_step == len(history):
             self.cache.keep(key, session_id, history)
         else:
