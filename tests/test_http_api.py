@@ -241,6 +241,10 @@ def test_chat_needs_a_chat_template(door):
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [5, 999]}, "prompt"),
+        ({"prompt": [5, 2**63]}, "prompt"),  # past int64: a 400, not an overflow
+        ({"prompt": [[5, 2**64]]}, "prompt"),
+        ({"prompt": [-(2**63) - 1]}, "prompt"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
         ({"logprobs": 9}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -262,6 +266,20 @@ def test_bad_requests_are_400_naming_the_field(door, request_body, param):
     assert caught.value.param == param
     assert caught.value.type == "invalid_request_error" and caught.value.message
     assert len(door.manager.resident_ids()) == before  # no session was made
+
+
+def test_a_repetition_penalty_of_0_is_off(door):
+    """As over gRPC (its proto's zero default): 0 is 1, no penalty."""
+    ask: dict[str, Any] = {"model": "chat", "prompt": "the quick brown", "max_tokens": 12}
+    ask.update(seed=6, temperature=0.9)
+    texts = [
+        client_of(door)
+        .completions.create(extra_body={"ignore_eos": True, "repetition_penalty": penalty}, **ask)
+        .choices[0]
+        .text
+        for penalty in (0, 1)
+    ]
+    assert texts[0] == texts[1]
 
 
 def test_an_unknown_model_is_404(door):

@@ -154,6 +154,7 @@ class Completions:
                 )
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
         else:
+            self._check_prompt_ids(prompt, key)  # before int64 (a larger id overflows it)
             ids = np.asarray(prompt, np.int64)
         self._check_ids(ids, key, request)
         include = bool(body.stream_options and body.stream_options.include_usage)
@@ -218,6 +219,16 @@ class Completions:
         if n > limit:
             raise bad_request(
                 f"the prompt is {n} characters, over this server's limit of {limit}", "prompt"
+            )
+
+    def _check_prompt_ids(self, ids: list[int], key: str) -> None:
+        """A prompt given as ids: each inside the model's vocabulary."""
+        vocab = self.manager.models[key].config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} (prompt) is outside [0, {vocab}) of model {key!r}",
+                "prompt",
             )
 
     def _check_ids(self, ids: np.ndarray, key: str, request: GenerateRequest) -> None:

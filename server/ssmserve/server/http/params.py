@@ -12,8 +12,8 @@ stop                   ``stop`` (strings, matched on the text; at most 4, as Ope
 stop_token_ids         ``stop_ids``
 ignore_eos             ``ignore_eos``
 presence_penalty,      the same (over the session's last ``penalty_last_n`` inputs, the
-frequency_penalty,     prompt's included)
-repetition_penalty
+frequency_penalty,     prompt's included); ``repetition_penalty`` 0 is 1 (off), as over
+repetition_penalty     gRPC
 logit_bias             ``logit_bias`` (token id strings -> bias)
 logprobs,              ``logprobs`` and ``top_logprobs`` (completions: ``logprobs`` N is
 top_logprobs           the top N; chat: ``logprobs`` true, ``top_logprobs`` N)
@@ -160,7 +160,8 @@ def _request(
         top_p=1.0 if body.top_p is None else body.top_p,
         min_p=body.min_p or 0.0,
         seed=secrets.randbits(64) if seed is None else seed,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        # 0 is off, as over gRPC (its proto's zero default) and as the range's message says
+        repetition_penalty=body.repetition_penalty or 1.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=_logit_bias(body.logit_bias),
