@@ -29,7 +29,7 @@ from ssmserve.server.api.budgets import Budgets
 from ssmserve.server.api.tenancy import TenantScope
 from ssmserve.server.errors import ErrorKind, SsmserveError
 from ssmserve.server.http.prefix_cache import CacheKey, PrefixCache
-from ssmserve.server.sessions.config import SessionConfig
+from ssmserve.server.sessions.config import DOOR_LABELS, SessionConfig
 from ssmserve.server.sessions.errors import RollbackRangeError
 from ssmserve.server.sessions.generation import (
     Finish,
@@ -43,9 +43,6 @@ from ssmserve.server.sessions.manager import SessionManager
 from ssmserve.server.sessions.records import RollbackTarget
 
 log = logging.getLogger(__name__)
-
-#: The label every session the door creates carries (``ssmserve sessions`` shows it).
-ORIGIN_LABELS = {"created-by": "http"}
 
 
 class TokenWaitError(SsmserveError):
@@ -280,7 +277,7 @@ class CompletionRuns:
         await self.budgets.check_new_session(caller.scope.tenant, caller.scope.prefix)
         new_id = self._new_id(caller)
         try:
-            view = await self.manager.create(model_key, new_id, SessionConfig(labels=ORIGIN_LABELS))
+            view = await self.manager.create(model_key, new_id, SessionConfig(labels=DOOR_LABELS))
         except asyncio.CancelledError:
             self._close_later(new_id)  # the create may have made it (not found: nothing)
             raise
