@@ -146,9 +146,10 @@ class AsyncGenerateCalls:
         the step the session is at before the prompt (default: its step now). When the
         call is cut it resumes wherever the session is served; each token is yielded
         once, with ``text`` (a model with a tokenizer: the whole characters it releases).
-        Closed early (``aclose()``, a ``break``), the session is rolled back to the step
-        of the last token yielded if this generation went past it
-        (``take_back_on_close``): it holds no token the caller did not get.
+        Closed early (``aclose()`` or ``close()``, a ``break``), the session is rolled
+        back to the step of the last token yielded if this generation went past it
+        (``take_back_on_close``), and the worker takes back a step it still had in flight
+        once it lands: settled, the session holds no token the caller did not get.
         Raises InvalidArgument (bad parameters, ids outside the vocabulary, prompt_text
         or stop strings for a model without a tokenizer; the session is untouched),
         FailedPrecondition (a signal model, or a session not at ``at_step``), StepFailed

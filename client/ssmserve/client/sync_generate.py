@@ -63,21 +63,33 @@ class GenerateCalls:
         call from the same step gives the same tokens. Generation ends after
         ``max_tokens`` tokens, a token of ``stop_token_ids`` (yielded), one of the model's
         end-of-sequence ids (yielded, without text; unless ``ignore_eos``) or, a model
-        with a tokenizer, when its text contains a string of ``stop`` (not sent); the last
-        token says why (``finish_reason``, ``stop_string``). The penalties, logit_bias,
-        logprobs and top_logprobs are AsyncClient.generate's. ``at_step``:
+        with a tokenizer, when its text contains a string of ``stop`` (at most 16; not
+        sent: the text that may begin one is held back until it cannot); the last token
+        says why (``finish_reason``, ``stop_string``). Before temperature, the logits are
+        adjusted by ``repetition_penalty`` (1: off), ``presence_penalty`` and
+        ``frequency_penalty`` (0: off) over the session's last ``penalty_last_n`` inputs
+        (None: 64) and ``logit_bias`` ({id: bias in [-100, 100]}). ``logprobs`` /
+        ``top_logprobs`` (0..20): each token carries its ``unfiltered_logprob`` and the
+        most likely tokens of that adjusted distribution. ``at_step``:
         the step the session is at before the prompt (default: its step now). When the
         call is cut it resumes wherever the session is served; each token is yielded
         once, with ``text`` (a model with a tokenizer: the whole characters it releases).
-        Closed early (``close()``, a ``break``), the session is rolled back to the step of
-        the last token yielded if the generation went past it (``take_back_on_close``).
+        Closed early (``aclose()`` or ``close()``, a ``break``), the session is rolled
+        back to the step of the last token yielded if this generation went past it
+        (``take_back_on_close``), and the worker takes back a step it still had in flight
+        once it lands: settled, the session holds no token the caller did not get.
         Raises InvalidArgument (bad parameters, ids outside the vocabulary, prompt_text
         or stop strings for a model without a tokenizer; the session is untouched),
         FailedPrecondition (a signal model, or a session not at ``at_step``), StepFailed
         (a guard rejected or rolled back the next step, or something else stepped the
-        session: the tokens before it were yielded), NotFound. ``constraint``, ``monitor``
-        (a retraction: the next token's ``retracted_after_step``) and ``monitor_retries``
-        are AsyncClient.generate's."""
+        session: the tokens before it were yielded), NotFound.
+
+        A model with a tokenizer: ``constraint`` (``ssmserve.client.constraints``: a JSON
+        schema, regex, Lark grammar or any JSON object) holds the output to it; ``monitor``
+        checks the text after each token and retracts what it rejects: the next token
+        yielded carries ``retracted_after_step`` (drop the tokens after it), and past its
+        max_retries StepFailed (MONITOR_REJECTED) is raised. ``monitor_retries``: the
+        attempt of the seed to draw with (``ssmserve.client.monitored``)."""
         return self._iterate(
             self._aio.generate(
                 session,

@@ -344,6 +344,7 @@ class Generation:
         # The penalties' window: the session's inputs up to ``step`` (None: no penalties).
         self.window: deque[int] | None = None
         self.pending: Token | None = None  # the token of the step taken last (or being)
+        self.in_flight: asyncio.Future[StepOutcome] | None = None  # its step, unanswered
         self.ended: Finish | None = None  # a retry after the generation's last token
         self.resent_verdict = Verdict.GOES_ON  # the guide's verdict on the last resent token
         self.rejected_step: int | None = None  # a resent step the text monitor rejects
@@ -628,6 +629,8 @@ class Generation:
         if drawn is None or drawn.step <= self.handover.last:
             return
         try:
+            if self.in_flight is not None:  # queued: it lands after the cancel unless awaited
+                await asyncio.wait_for(asyncio.shield(self.in_flight), HANDOVER_BOUND_S)
             await asyncio.wait_for(
                 take_back(self.parent.replay, self.session, drawn.step, drawn.token),
                 HANDOVER_BOUND_S,
@@ -647,7 +650,11 @@ class Generation:
                 future = await intake.submit(sid, step, token)
         except SsmserveError as exc:
             return StepOutcome(sid, step, error=exc)
-        outcome = await future
+        # Shielded: a cancelled call leaves the step queued, and ``_cancelled`` waits for
+        # its outcome before it takes it back.
+        self.in_flight = future
+        outcome = await asyncio.shield(future)
+        self.in_flight = None
         if outcome.replayed and outcome.error is None:
             self._check_same(step, np.asarray([token], np.int64))
         return outcome
