@@ -127,6 +127,7 @@ async def answer(
                 # generation where its tokens stop, from the session's owner.
                 lapsed = answer_fence.lapsed(request.session_id, response.tokens[0].step)
                 await status.abort(context, lapsed, scope.clean)
+            generation.handover.offer(response.session_step)  # the client may get it now
             yield response
             # Written to gRPC: the generation may take its next step (``handover``).
             generation.handover.hand(response.session_step)

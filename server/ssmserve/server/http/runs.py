@@ -141,6 +141,7 @@ class CompletionRuns:
                             "the request again"
                         )
                     generated.append(update.token)
+                    generation.handover.offer(update.step)  # the client may get it now
                     yield update
                     # Taken by the response: the generation may take its next step.
                     generation.handover.hand(update.step)

@@ -626,7 +626,7 @@ class Generation:
         """The step of the last token drawn, if taken but not handed to the client, taken
         back by the session's rollback path (bounded)."""
         drawn = self.pending
-        if drawn is None or drawn.step <= self.handover.last:
+        if drawn is None or drawn.step <= max(self.handover.last, self.handover.offered):
             return
         try:
             if self.in_flight is not None:  # queued: it lands after the cancel unless awaited

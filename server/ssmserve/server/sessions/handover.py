@@ -7,7 +7,8 @@ whose token was not handed: the one drawn while the last token went out. That st
 taken back through the session's rollback path (``Replay.resolve`` and
 ``Replay.restore_to``, as the Rollback RPC does; recorded as a rollback with cause
 ``cancel``), so a cancelled generation leaves the session at the step of the last token
-handed over.
+handed over. A token whose write was under way when the call was cancelled may have
+reached the client (:meth:`HandOver.offer`): its step is never taken back.
 
 What gRPC was handed may still be on its way: a client that stops reading after token
 ``k`` while token ``k + 1`` is in flight has the session at ``k + 1``. The Python client
@@ -42,7 +43,13 @@ class HandOver:
 
     def __init__(self) -> None:
         self.last = -1
+        # The session step of the last response given to gRPC, its write maybe not done:
+        # the client may have it, so a cancel never takes its step back.
+        self.offered = -1
         self._moved = asyncio.Event()
+
+    def offer(self, step: int) -> None:
+        self.offered = step
 
     def hand(self, step: int) -> None:
         self.last = step
