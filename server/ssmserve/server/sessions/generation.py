@@ -213,6 +213,9 @@ class Generations:
         # A model's end-of-sequence ids (generation_config.json / config.json / GGUF).
         self.eos_of = eos_of or loader.models.eos_ids
         self.grammar_tokenizers = GrammarTokenizers()  # constraints' view of tokenizers
+        # The newest generation started on each session: a cancelled older one takes no
+        # step back once a newer call (a retry) has resumed from what the session holds.
+        self.latest: dict[str, Generation] = {}
 
     async def start(self, request: GenerateRequest) -> Generation:
         """A generation ready to run, or the error that refuses it (session untouched)."""
@@ -247,7 +250,13 @@ class Generations:
             request.sampling.temperature, self.grammar_tokenizers,
         )  # fmt: skip
         generation = Generation(self, s, request, tokenizer, eos, guide)
-        await generation.resume()
+        self.latest[s.id] = generation
+        try:
+            await generation.resume()
+        except BaseException:
+            if self.latest.get(s.id) is generation:
+                del self.latest[s.id]
+            raise
         return generation
 
     async def _encoded(
@@ -534,7 +543,7 @@ class Generation:
         try:
             finish = await self._run()
         except asyncio.CancelledError:
-            await self._cancelled()
+            await _take_back_cancelled(self)
             raise
         except SsmserveError as exc:  # a prompt step's, or logits that cannot be drawn from
             finish = self._stopped(exc)
@@ -542,6 +551,9 @@ class Generation:
             log.error("generate: internal error", exc_info=exc)
             failed = GenerateFailedError(f"internal error ({type(exc).__name__})")
             finish = Finish("", self.step, failed)
+        finally:
+            if self.parent.latest.get(self.session.id) is self:
+                del self.parent.latest[self.session.id]
         self.updates.put_nowait(finish)
 
     async def _run(self) -> Finish:
@@ -622,25 +634,6 @@ class Generation:
             return Finish("cancelled", self.step, error)
         return Finish("", self.step, error)
 
-    async def _cancelled(self) -> None:
-        """The step of the last token drawn, if taken but not handed to the client, taken
-        back by the session's rollback path (bounded)."""
-        drawn = self.pending
-        if drawn is None or drawn.step <= max(self.handover.last, self.handover.offered):
-            return
-        try:
-            if self.in_flight is not None:  # queued: it lands after the cancel unless awaited
-                await asyncio.wait_for(asyncio.shield(self.in_flight), HANDOVER_BOUND_S)
-            await asyncio.wait_for(
-                take_back(self.parent.replay, self.session, drawn.step, drawn.token),
-                HANDOVER_BOUND_S,
-            )
-        except (SsmserveError, TimeoutError) as exc:
-            log.warning(
-                "generate: session %s: step %d, taken for a cancelled call, stays (%s)",
-                self.session.id, drawn.step, exc,
-            )  # fmt: skip
-
     async def _submit(self, step: int, token: int) -> StepOutcome:
         """Step ``step`` with input ``token``, through the intake like a Stream step."""
         intake, sid = self.parent.intake, self.session.id
@@ -711,6 +704,28 @@ class Generation:
                 f"one no longer in memory to compare): something else steps this session "
                 f"while it generates; generate again from its current step"
             )
+
+
+async def _take_back_cancelled(g: Generation) -> None:
+    """The step of the last token drawn, if taken but not handed to the client, taken
+    back by the session's rollback path (bounded)."""
+    drawn = g.pending
+    if drawn is None or drawn.step <= max(g.handover.last, g.handover.offered):
+        return
+    try:
+        if g.in_flight is not None:  # queued: it lands after the cancel unless awaited
+            await asyncio.wait_for(asyncio.shield(g.in_flight), HANDOVER_BOUND_S)
+        if g.parent.latest.get(g.session.id) is not g:
+            return  # a retry resumed from the session meanwhile: the step is its now
+        await asyncio.wait_for(
+            take_back(g.parent.replay, g.session, drawn.step, drawn.token),
+            HANDOVER_BOUND_S,
+        )
+    except (SsmserveError, TimeoutError) as exc:
+        log.warning(
+            "generate: session %s: step %d, taken for a cancelled call, stays (%s)",
+            g.session.id, drawn.step, exc,
+        )  # fmt: skip
 
 
 async def logged_inputs(replay: Replay, s: Session, at: int, t: int) -> np.ndarray:
