@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ssmserve.server.errors import SessionMovedError, SsmserveError
 from ssmserve.server.state.store_errors import (
@@ -33,7 +33,6 @@ from ssmserve.server.state.store_facts import StoreIdentity
 
 if TYPE_CHECKING:
     from ssmserve.server.cluster.store_guard import StoreGuard
-    from ssmserve.server.sessions.residency import ResidentSessions
     from ssmserve.server.sessions.session import Session
 
 log = logging.getLogger(__name__)
@@ -46,6 +45,16 @@ REMEMBERED = 100_000
 _NOT_RELOADED = (SessionMovedError, SessionMissingError, SessionClosedError, StoreResetError)
 
 
+class ResidentTable(Protocol):
+    """What a reset needs of the table of resident sessions
+    (``residency.ResidentSessions``): it reads which sessions are resident and drops
+    them. Named here so that this module stays below ``residency``, which owns one."""
+
+    by_id: dict[str, Session]
+
+    def drop(self, s: Session, error: SsmserveError) -> None: ...
+
+
 class StoreResets:
     """What this worker remembers of sessions it expects the store to hold, and of those
     the store lost. ``residents`` is the table they are resident in; ``guard``'s identity
@@ -53,7 +62,7 @@ class StoreResets:
 
     def __init__(
         self,
-        residents: ResidentSessions,
+        residents: ResidentTable,
         guard: StoreGuard | None = None,
         remembered: int = REMEMBERED,
     ) -> None:
