@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from ssmserve.client import plot
-from ssmserve.client.errors import CliError, NotFound, SsmserveClientError, StepFailed
+from ssmserve.client.cli_errors import CliError
+from ssmserve.client.errors import NotFound, SsmserveClientError, StepFailed
 from ssmserve.client.sync import Client
 from ssmserve.v1 import ssmserve_pb2 as pb
 

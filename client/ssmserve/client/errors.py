@@ -11,8 +11,6 @@ from __future__ import annotations
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-# CliError lives in the light cli_errors (the CLI loads it before gRPC); here for imports.
-from ssmserve.client.cli_errors import CliError as CliError
 from ssmserve.v1 import ssmserve_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"

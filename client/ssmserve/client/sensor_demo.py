@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ssmserve.client.cli_errors import CliError
 from ssmserve.client.demo import DemoSessions, start_server
-from ssmserve.client.errors import CliError
 from ssmserve.client.guards import guard_rule
 from ssmserve.client.sync import Client
 from ssmserve.v1 import ssmserve_pb2 as pb
