@@ -128,7 +128,6 @@ def _init_preset(directory: Path, args: argparse.Namespace) -> None:
     checking that it fits on the disk and could be loaded here (``presets.check_room``).
     The F32 presets are written whole and loaded back; the BF16 ones (billions of
     parameters) one tensor at a time, their fingerprint hashed as they are written."""
-    from ssmserve.server.cli import DEMO_DEFAULTS
     from ssmserve.server.engine.demo import random_tensor
     from ssmserve.server.engine.loader import available_memory, save_model_streamed
     from ssmserve.server.engine.presets import (
@@ -139,7 +138,10 @@ def _init_preset(directory: Path, args: argparse.Namespace) -> None:
         preset_needs,
     )
 
-    clashes = [f for f in _SHAPE_FLAGS if getattr(args, f) != DEMO_DEFAULTS[f]]
+    # A flag left at its default is the engine's ``DemoSpec()`` field (``cli`` writes
+    # the same defaults out, checked by tests/test_cli.py).
+    defaults = DemoSpec()
+    clashes = [f for f in _SHAPE_FLAGS if getattr(args, f) != getattr(defaults, f)]
     if clashes:
         flags = ", ".join("--" + f.replace("_", "-") for f in clashes)
         raise CliError(f"--preset sets every dimension of the model; drop {flags}")
