@@ -52,7 +52,8 @@ The headline (``crossings``, ``modules`` of each trace) is the server side: the 
 side is given beside it (``client``). Each trace is taken ``--repeats`` times (default 5;
 1 with ``--quick``) and the headline is the run with the fewest server-side crossings:
 the workers' background work (lease renewals, heartbeats, metrics) lands in a trace now
-and then and only ever adds; every run's count is kept (``runs``).
+and then and only ever adds; every run's count is kept (``runs``; between components,
+``component_runs``).
 
 ``--json`` makes the last line of the output one JSON object, ``{"stream_step":
 {"crossings": N, "modules": M, ...}, "migrate": {...}, ...}``; ``--json OUT`` also writes
@@ -331,6 +332,7 @@ def measure(repeats: int, settle_s: float) -> dict[str, Any]:
         result[trace] = {
             **server.summary(),
             "runs": [s.crossings for s, _ in sides],
+            "component_runs": [s.component_crossings for s, _ in sides],
             "client": client.summary(),
             "path": server.paths,
         }
