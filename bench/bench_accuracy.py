@@ -38,7 +38,7 @@ Reported per preset: the largest absolute logit error over all positions and the
 against the reference, of ssmserve and of transformers float32, their ratio, the largest
 |logit| (scale), and in how many of the positions the argmax agrees with the reference's.
 
-``--diagnose`` (Mamba-1 presets) adds the attribution of bench/accuracy_diagnosis.py: a
+``--diagnose`` (Mamba-1 presets) adds the attribution of bench/tools/accuracy_diagnosis.py: a
 float64 re-implementation of the engine's step in which ssmserve's float32 kernels are
 swapped in one piece at a time (see that module).
 
@@ -259,7 +259,7 @@ def main() -> int:
             model_dir = ensure_model(models, preset)
             results[preset] = measure(preset, model_dir, str(peer), args.tokens, work)
             if args.diagnose and not preset.startswith("mamba2"):
-                sys.path.insert(0, str(Path(__file__).resolve().parent))
+                sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
                 from accuracy_diagnosis import diagnose
 
                 reference = np.load(work / f"{preset}-reference-keep.npy")
@@ -276,7 +276,7 @@ def main() -> int:
 
 def print_table(results: dict[str, Any]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import table
+    from harness import table
 
     rows = []
     for preset, r in results.items():

@@ -29,7 +29,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table
+from harness import table
 
 from ssmserve.server.engine.recurrent_state import LayerState, SessionState
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory

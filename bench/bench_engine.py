@@ -27,14 +27,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median_seconds, table
+from harness import mamba_130m_model, median_seconds, table
 
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import build_model
 from ssmserve.server.engine.mamba import MambaBlockWeights, MambaModel
 from ssmserve.server.engine.numerics import RowStableLinear, blas_signature
-from ssmserve.server.engine.presets import preset_config
 from ssmserve.server.engine.recurrent_state import BatchState
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -63,17 +62,6 @@ def kizzasi_flops(d: int, layers: int, n: int, i: int, o: int, r: int = 8) -> tu
     products = 2 * i * d + 2 * d * o + layers * (4 * d * r + 2 * d * n)
     total = 2 * i * d + 2 * d * o + 9 * d + layers * (4 * d * r + 7 * d * n + 11 * d)
     return products, total
-
-
-def mamba_130m_model() -> MambaModel:
-    config = mamba_130m_config()
-    return build_model(config, random_tensors(config, 0), name="mamba-130m-shaped")
-
-
-def mamba_130m_config() -> MambaConfig:
-    """state-spaces/mamba-130m's dims (random weights stand in for the real ones): the
-    ``init-demo --preset mamba-130m`` config."""
-    return preset_config("mamba-130m")
 
 
 def inputs_for(model: MambaModel, batch: int, rng: np.random.Generator) -> np.ndarray:
@@ -163,7 +151,7 @@ def measure_peer() -> dict[str, float] | None:
     installed) spin beside OpenBLAS's on 2 cores and slowed our step ~30x in one run."""
     try:
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("kizzasi_peer.py")),
+            [sys.executable, str(Path(__file__).parent / "tools" / "kizzasi_peer.py"),
              "--steps", "3000", "--warmup", "300"],
             capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip

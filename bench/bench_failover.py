@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_migration import FOLLOW_TIMEOUT_S, Stream, pct
-from common import table
+from harness import table
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy

@@ -7,7 +7,7 @@ Usage (from the repo root)::
         [--tokens 24] [--rounds 3] [--worker-arg=--max-batch-tokens=32 ...] [--json OUT]
 
 One redis-server (private), one ``ssmserve-server`` serving a mamba-130m-shaped causal LM
-(``bench/make_mamba_130m.py`` writes it into a temp dir unless ``--model-dir`` names one),
+(``bench/tools/make_mamba_130m.py`` writes it into a temp dir unless ``--model-dir`` names one),
 started with the ``--worker-arg`` flags; this process is the client
 (``ssmserve.client.aio.AsyncClient``). Each round, interleaved so that all figures share
 the machine's load:
@@ -46,9 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_migration import Workers, server_cmd
-from common import table
-from make_mamba_130m import config_for
+from harness import Workers, config_for, table, worker_args
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
@@ -194,7 +192,7 @@ def main() -> int:
         workers = Workers(root)
         with EmbeddedRedis(EmbeddedRedisSettings(data_dir=root / "redis")) as redis:
             try:
-                cmd = server_cmd([("m", model_dir)], redis.url, root / "w0") + args.worker_arg
+                cmd = worker_args([("m", model_dir)], redis.url, root / "w0") + args.worker_arg
                 _proc, address = workers.start(cmd, "w0")
                 report = asyncio.run(bench(address, args))
             finally:

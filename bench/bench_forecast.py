@@ -36,9 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import mamba_130m_config
-from bench_migration import Workers, server_cmd
-from common import table
+from harness import Workers, mamba_130m_config, table, worker_args
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -185,8 +183,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, object]:
         workers = Workers(tmp)
         try:
             spec = list(models.items())
-            _, addr_a = workers.start(server_cmd(spec, redis.url, tmp / "a"), "a")
-            _, addr_b = workers.start(server_cmd(spec, redis.url, tmp / "b"), "b")
+            _, addr_a = workers.start(worker_args(spec, redis.url, tmp / "a"), "a")
+            _, addr_b = workers.start(worker_args(spec, redis.url, tmp / "b"), "b")
             async with AsyncClient(addr_a) as client:
                 out = {}
                 for name, model in offline.items():

@@ -61,7 +61,7 @@ from bench_replication import (
     parse_list,
     pct,
 )
-from common import cpu_seconds, table
+from harness import cpu_seconds, table
 
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.v1 import ssmserve_pb2 as pb

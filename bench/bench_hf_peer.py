@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
+from harness import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
 
 TORCH_THREADS = 2
 TARGET_RATIO = 0.7
@@ -61,7 +61,7 @@ def token_ids(vocab: int, count: int) -> np.ndarray:
 
 
 def child_ours(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
-    from bench_engine import mamba_130m_model
+    from harness import mamba_130m_model
 
     from ssmserve.server.engine.numerics import blas_signature, pin_blas_threads
     from ssmserve.server.engine.recurrent_state import BatchState
@@ -101,7 +101,7 @@ def child_ours(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
 def child_torch(warmup: int, tokens: int, out_dir: Path) -> dict[str, object]:
     import torch
     import transformers
-    from bench_engine import mamba_130m_model
+    from harness import mamba_130m_model
     from transformers import DynamicCache, MambaForCausalLM
     from transformers import MambaConfig as HFMambaConfig
 

@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai
-from bench_migration import Workers, server_cmd
-from common import table
+from harness import Workers, table, worker_args
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.presets import preset_config
@@ -95,7 +94,7 @@ def run(turns: int, rounds: int) -> dict[str, Any]:
             clients = {}
             for name, cache in (("cached", 8), ("uncached", 0)):
                 port = free_port()
-                cmd = server_cmd([("chat", root / "chat")], redis.url, root / name)
+                cmd = worker_args([("chat", root / "chat")], redis.url, root / name)
                 cmd += ["--http", f"127.0.0.1:{port}", "--http-prefix-cache", str(cache)]
                 workers.start(cmd, name)
                 clients[name] = openai.OpenAI(

@@ -2,7 +2,7 @@
 
 Usage (from the repo root)::
 
-    .venv/bin/python bench/make_mamba_130m.py MODEL_DIR [--arch mamba2]
+    .venv/bin/python bench/tools/make_mamba_130m.py MODEL_DIR [--arch mamba2]
     PEER/bin/python CONVERT_HF_TO_GGUF MODEL_DIR --outtype f32 --outfile MODEL.gguf
     .venv/bin/python bench/bench_llama_cpp.py --model MODEL_DIR --gguf MODEL.gguf
         [--peer-python PEER/bin/python] [--converter CONVERT_HF_TO_GGUF]
@@ -413,7 +413,7 @@ def peer_missing(args: argparse.Namespace) -> str | None:
     if probe.returncode != 0:
         return f"llama_cpp does not import in {args.peer_python}"
     if not args.model.joinpath("config.json").is_file():
-        maker = Path(__file__).resolve().parent / "make_mamba_130m.py"
+        maker = Path(__file__).resolve().parent / "tools" / "make_mamba_130m.py"
         cmd = [sys.executable, str(maker), str(args.model), "--arch", args.arch]
         subprocess.run(cmd, check=True, timeout=600)
     if not args.gguf.is_file():
@@ -585,7 +585,7 @@ def main() -> int:
         "--arch",
         choices=("mamba", "mamba2"),
         default="mamba",
-        help="the model bench/make_mamba_130m.py writes when --model has none (mamba)",
+        help="the model bench/tools/make_mamba_130m.py writes when --model has none (mamba)",
     )
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (512)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")

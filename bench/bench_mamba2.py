@@ -69,7 +69,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
+from harness import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
 from ssmserve.server.engine.mamba import MambaModel

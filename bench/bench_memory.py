@@ -57,7 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table
+from harness import table
 
 from ssmserve.server.engine.mamba import MambaModel
 
@@ -79,7 +79,7 @@ def trim() -> None:
 
 def build(which: str) -> MambaModel:
     if which == "130m":
-        from bench_engine import mamba_130m_model
+        from harness import mamba_130m_model
 
         return mamba_130m_model()
     from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors

@@ -38,7 +38,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_checkpoint import mamba130m_checkpoint
-from common import table
+from harness import Workers, table, worker_args
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
@@ -66,55 +65,6 @@ FOLLOW_TIMEOUT_S = 15.0  # no answer from the new owner for this long: report an
 
 
 # ---------------------------------------------------------------------------- processes
-
-
-class Workers:
-    """Worker subprocesses; every one is killed and reaped on exit."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, args: list[str], name: str) -> tuple[subprocess.Popen[str], str]:
-        env = {**os.environ, "SSMSERVE_LOG_LEVEL": "WARNING"}
-        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env
-        )
-        log.close()
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "listening on" not in line:
-            proc.kill()
-            proc.wait()
-            tail = (self.logs / f"{name}.log").read_text()[-2000:]
-            raise SystemExit(f"worker {name} did not start:\n{tail}")
-        return proc, line.split()[-1]
-
-    def stop(self, proc: subprocess.Popen[str]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def close(self) -> None:
-        for proc in self.procs:
-            self.stop(proc)
-
-
-def server_cmd(
-    models: list[tuple[str, Path]], redis_url: str, data_dir: Path, lease_ttl: float = 5.0
-) -> list[str]:
-    """``ssmserve-server`` (ssmserve.server.main) on a free loopback port."""
-    cmd = ["-m", "ssmserve.server.main", "--listen", "127.0.0.1:0", "--redis-url", redis_url]
-    cmd += ["--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl)]
-    for name, directory in models:
-        cmd += ["--model", f"{name}={directory}"]
-    return cmd
 
 
 def big_model(directory: Path) -> Path:
@@ -310,8 +260,8 @@ async def bench(tmp: Path, redis_url: str, workers: Workers, quick: bool) -> dic
     big_dir = big_model(tmp / "models" / "m130")
     print(f"(wrote the mamba-130m-shaped signal model in {time.perf_counter() - t0:.1f} s)\n")
     models = [("demo", demo_dir), ("m130", big_dir)]
-    _, a = workers.start(server_cmd(models, redis_url, tmp / "a"), "migrate-a")
-    _, b = workers.start(server_cmd(models, redis_url, tmp / "b"), "migrate-b")
+    _, a = workers.start(worker_args(models, redis_url, tmp / "a"), "migrate-a")
+    _, b = workers.start(worker_args(models, redis_url, tmp / "b"), "migrate-b")
     runs = [
         await migration_run([a, b], "demo", 10 if quick else 40, 0.05),
         await migration_run([a, b], "m130", 6 if quick else 20, 0.05),
@@ -349,13 +299,13 @@ async def bench(tmp: Path, redis_url: str, workers: Workers, quick: bool) -> dic
     rows = []
     for ttl in ttls:
         survivor_proc, survivor = workers.start(
-            server_cmd(demo, redis_url, tmp / "s", ttl), f"b-{ttl}"
+            worker_args(demo, redis_url, tmp / "s", ttl), f"b-{ttl}"
         )
         try:
             samples = [
                 await recovery_once(
                     workers,
-                    server_cmd(demo, redis_url, tmp / f"k{i}", ttl),
+                    worker_args(demo, redis_url, tmp / f"k{i}", ttl),
                     f"a-{ttl}-{i}",
                     survivor,
                     ttl,

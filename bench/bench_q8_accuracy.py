@@ -66,7 +66,7 @@ def main() -> int:
     if not Path(args.peer_python).is_file():
         return skipped(f"no llama.cpp peer interpreter at {args.peer_python}", args.json)
     if not args.model.joinpath("config.json").is_file():
-        maker = Path(__file__).resolve().parent / "make_mamba_130m.py"
+        maker = Path(__file__).resolve().parent / "tools" / "make_mamba_130m.py"
         subprocess.run([sys.executable, str(maker), str(args.model), "--arch", args.arch],
                        check=True, timeout=600)  # fmt: skip
     ggufs = {outtype: _gguf(args, outtype) for outtype in ("f32", "q8_0")}

@@ -51,7 +51,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cpu_seconds, table
+from harness import cpu_seconds, table
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.main import ensure_demo_model

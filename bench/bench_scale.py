@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table
+from harness import table
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings

@@ -56,7 +56,7 @@ from bench_server_cpu import (
     server_variants,
     start_demo_server,
 )
-from common import table
+from harness import table
 
 from ssmserve.server.engine.loader import read_config
 from ssmserve.server.main import ensure_demo_model

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
 from bench_checkpoint import mamba130m_checkpoint
-from common import cpu_seconds, start_server, table
+from harness import cpu_seconds, start_server, table
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
@@ -55,7 +55,7 @@ from ssmserve.server.state.store_records import SnapshotRecord
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
-ECHO = Path(__file__).resolve().parent / "echo_server.py"
+ECHO = Path(__file__).resolve().parent / "tools" / "echo_server.py"
 
 
 def pct(samples: list[float], q: float) -> float:

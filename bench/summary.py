@@ -1,18 +1,18 @@
-"""BENCHMARKS.md's table of current figures, from the JSON the benchmarks write.
+"""BENCHMARKS.md's table of current figures, from the result files the benchmarks write.
 
 Usage::
 
+    ./dev bench --summary                                         # RESULTS_DIR: bench/results
     python bench/summary.py [RESULTS_DIR]                         # print the rows
     python bench/summary.py RESULTS_DIR --write BENCHMARKS.md     # and update its table
 
-``bench/run`` (``./dev bench``) runs every benchmark with ``--json RESULTS_DIR/NAME.json``
-(``bench/results`` by default) and ends with the second line. Each headline figure below
-is one row: the figure, what it measured, its peer or limit (measured in the same run, or
-a goal), the ratio of the two, the command that produced it, and the date (the day its
-result file was written). ``--write`` replaces, in the table between the markers of the
-page, every row whose result file is there, and keeps the other rows as they stand, so
-the table always shows the latest measurement of each figure; a benchmark run on its own
-with ``--json bench/results/NAME.json`` updates just its rows.
+Each headline figure below is one row: the figure, what it measured, its peer or limit
+(measured in the same run, or a goal), the ratio of the two, the command that produced it
+(the result file's own ``command``, else the run's in ``bench/suite.py``'s manifest), and
+the date (the result file's ``date``, else the day it was written). ``--write`` replaces,
+in the table between the markers of the page, every row whose result file is there, and
+keeps the other rows as they stand, so the table always shows the latest measurement of
+each figure; one benchmark run on its own (``./dev bench NAME``) updates just its rows.
 """
 
 from __future__ import annotations
@@ -20,12 +20,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import suite
 
 BEGIN = "<!-- current figures: bench/summary.py writes the rows between these markers -->"
 END = "<!-- end of current figures -->"
@@ -52,8 +57,7 @@ def joined(values: Sequence[float]) -> str:
 @dataclass(frozen=True)
 class Figure:
     name: str  # the row's first cell: the key the page's table is merged on
-    source: str  # RESULTS_DIR/<source>.json
-    command: str
+    source: str  # RESULTS_DIR/<source>.json: a run's result in bench/suite.py's manifest
     cells: Callable[[dict[str, Any]], Cells]
 
 
@@ -445,14 +449,6 @@ def _group_commit(d: dict[str, Any]) -> Cells:
     )
 
 
-def _cli_start(d: dict[str, Any]) -> Cells:
-    ms = [
-        d["commands"][c]["current"]["median_ms"]
-        for c in ("ssmserve --help", "ssmserve session list")
-    ]
-    return joined(ms), "goal <= 400", joined([v / 400 for v in ms])
-
-
 def _path(trace: str, goals: tuple[int, ...]) -> Callable[[dict[str, Any]], Cells]:
     """bench/trace_path.py's server side of one trace: crossings / modules, against the
     goals for the crossings (and the modules, when there are two), and the baseline
@@ -474,127 +470,211 @@ def _path(trace: str, goals: tuple[int, ...]) -> Callable[[dict[str, Any]], Cell
     return cells
 
 
-_BIG_7B = "`bench/bench_big_model.py --preset falcon-mamba-7b --quantize q8_0`"
-
 FIGURES = [
-    Figure("mamba-130m-shaped decode, batch 1, ms per token (p50)", "hf_peer",
-           "`bench/bench_hf_peer.py`", _hf_peer),
-    Figure("mamba2-130m-shaped decode, batch 1, ms per token (p50)", "mamba2",
-           "`bench/bench_mamba2.py`", _mamba2_token),
-    Figure("mamba2-130m-shaped decode, batch 64, tokens/s", "mamba2",
-           "`bench/bench_mamba2.py`", _mamba2_batch),
-    Figure("mamba-130m-shaped 512-token prompt, last logits, ms", "llama_cpp",
-           "`bench/bench_llama_cpp.py`", _llama_prefill),
-    Figure("mamba2-130m-shaped 512-token prompt, last logits, ms", "llama_cpp_mamba2",
-           "`bench/bench_llama_cpp.py --arch mamba2`", _llama_prefill),
-    Figure("mamba-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms", "llama_cpp",
-           "`bench/bench_llama_cpp.py`", _llama_decode),
-    Figure("mamba2-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms",
-           "llama_cpp_mamba2", "`bench/bench_llama_cpp.py --arch mamba2`", _llama_decode),
-    Figure("mamba-130m-shaped Q8_0 decode step beside llama.cpp's Q8_0, batch 1 / 8, ms",
-           "llama_cpp_q8", "`bench/bench_llama_cpp.py --quantize q8_0`", _llama_decode),
-    Figure("mamba2-130m-shaped Q8_0 decode step beside llama.cpp's Q8_0, batch 1 / 8, ms",
-           "llama_cpp_mamba2_q8", "`bench/bench_llama_cpp.py --arch mamba2 --quantize q8_0`",
-           _llama_decode),
-    Figure("mamba-130m-shaped Q8_0 max abs logit error vs the float32 model, 16 rows",
-           "q8_accuracy_mamba", "`bench/bench_q8_accuracy.py`", _q8_accuracy),
-    Figure("mamba2-130m-shaped Q8_0 max abs logit error vs the float32 model, 16 rows",
-           "q8_accuracy_mamba2", "`bench/bench_q8_accuracy.py --arch mamba2`", _q8_accuracy),
-    Figure("mamba-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp",
-           "`bench/bench_llama_cpp.py`", _llama_save),
-    Figure("mamba2-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp_mamba2",
-           "`bench/bench_llama_cpp.py --arch mamba2`", _llama_save),
-    Figure("mamba-130m-shaped max abs logit error vs float64, 16 tokens", "accuracy",
-           "`bench/bench_accuracy.py`", _accuracy("mamba-130m")),
-    Figure("mamba2-130m-shaped max abs logit error vs float64, 16 tokens", "accuracy",
-           "`bench/bench_accuracy.py`", _accuracy("mamba2-130m")),
-    Figure("mamba-790m-shaped max abs logit error vs float64, 16 tokens", "accuracy",
-           "`bench/bench_accuracy.py`", _accuracy("mamba-790m")),
-    Figure("engine step, signal 256x4 model, batch 1, us", "engine",
-           "`bench/bench_engine.py`", _engine_batch_1),
-    Figure("engine steps/s, signal 256x4 model, batch 64", "engine",
-           "`bench/bench_engine.py`", _engine_batch_64),
-    Figure("engine step / floor, signal 256x4 model, batch 1 / 64 / 256", "engine",
-           "`bench/bench_engine.py`", _engine_floor),
-    Figure("served step p50, one session, durability log, ms", "service",
-           "`bench/bench_service.py`", _served_p50),
-    Figure("step p99 while snapshots are written, 64 lockstep sessions, ms", "service",
-           "`bench/bench_service.py`", _snapshot_p99),
-    Figure("snapshot write of a 2.8 MiB state to Redis, p50 ms", "service",
-           "`bench/bench_service.py`", _snapshot_write),
-    Figure("rollback with 32 replayed steps, p50 ms", "service",
-           "`bench/bench_service.py`", _rollback),
-    Figure("server CPU per step, 3,000 sessions, 8 steps of each per message, us", "server_cpu",
-           "`bench/bench_server_cpu.py --sessions 3000 --orders session,step`", _server_cpu),
-    Figure("served steps/s, 3,000 sessions, 8 steps of each per message", "server_cpu",
-           "`bench/bench_server_cpu.py --sessions 3000 --orders session,step`", _served_at_scale),
-    Figure("memory per resident session, demo model, served, 40 steps, KiB", "served_memory",
-           "`bench/bench_served_memory.py --sessions 3000 --steps 40`", _served_memory),
-    Figure("memory per resident session, mamba-130m-shaped, KiB", "memory",
-           "`bench/bench_memory.py`", _memory_130m),
-    Figure("migration downtime p50, demo / 2.81 MiB state, ms", "migration",
-           "`bench/bench_migration.py`", _migration),
-    Figure("checkpoint encode / decode, 2.81 MiB state, ms", "checkpoint",
-           "`bench/bench_checkpoint.py`", _checkpoint),
-    Figure("takeover after kill -9, p50 ms, lease TTL 0.5 / 1 / 2 s", "failover",
-           "`bench/bench_failover.py`", _takeover("kill -9", [2.0, 2.0])),
-    Figure("takeover after a freeze, client keepalive 2 s + 2 s, p50 ms, TTL 0.5 / 1 / 2 s",
-           "failover", "`bench/bench_failover.py`", _takeover("freeze", [2.0, 2.0])),
-    Figure("served steps/s on Sentinel + 1 replica, 1 session, 1 step per message", "replication",
-           "`bench/bench_replication.py`", _replication(1, 1)),
-    Figure("served steps/s on Sentinel + 1 replica, 64 sessions, 8 steps per message",
-           "replication", "`bench/bench_replication.py`", _replication(64, 8)),
-    Figure("appendfsync always / everysec, served steps/s, 1 session x 1 step / 64 sessions x 8 "
-           "steps per message", "fsync", "`bench/bench_fsync.py`", _fsync([(1, 1), (64, 8)])),
-    Figure("served steps/s with TLS and tokens, 64 sessions", "security",
-           "`bench/bench_security.py`", _side_by_side("TLS + token", "plaintext", "goal: >= 0.9x")),
-    Figure("served steps/s with metrics scraped every second, 64 sessions", "metrics",
-           "`bench/bench_metrics.py`",
-           _side_by_side("metrics on, scraped 1/s", "metrics off", "goal: >= 0.97x")),
-    Figure("forecast of 128 steps, demo model, ms", "forecast",
-           "`bench/bench_forecast.py`", _forecast),
-    Figure("10-turn chat over --http, mamba-130m-shaped, time to first token at turn 10 / "
-           "mean of turns 2-10, ms", "http_chat", "`bench/bench_http_chat.py`", _http_chat),
-    Figure("time between generated tokens beside another session's 1,024-token prompt, "
-           "mamba-130m-shaped, mean ms", "fair_prefill", "`bench/bench_fair_prefill.py`",
-           _fair_prefill),
-    Figure("served steps/s, 2 workers on a 3-master Redis Cluster", "scale",
-           "`bench/bench_scale.py`", _workers),
-    Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale",
-           "`bench/bench_scale.py`", _group_commit),
-    Figure("mamba-130m-shaped BF16 model kept 16-bit: resident memory / stored bytes", "bf16",
-           "`bench/bench_bf16.py`", _bf16_memory),
-    Figure("mamba-130m-shaped Q8_0 decode (--quantize q8_0), batch 1 / 8, ms per token", "bf16",
-           "`bench/bench_bf16.py`", _q8_decode),
-    Figure("mamba-130m-shaped BF16 decode, batch 1 / 8, ms per token", "bf16",
-           "`bench/bench_bf16.py`", _bf16_decode),
-    Figure("mamba-2.8b-shaped BF16 model served: worker resident memory, GB", "big_model",
-           "`bench/bench_big_model.py`", _big_memory),
-    Figure("mamba-2.8b-shaped BF16 served decode, batch 1, ms per token", "big_model",
-           "`bench/bench_big_model.py`", _big_decode),
-    Figure("mamba-2.8b-shaped BF16 served, 16 sessions generating at once, tokens/s",
-           "big_model", "`bench/bench_big_model.py`", _big_16),
-    Figure("mamba-2.8b-shaped BF16 served, 64 sessions at once: memory per session, MiB",
-           "big_model", "`bench/bench_big_model.py`", _big_64),
-    Figure("falcon-mamba-7b-shaped Q8_0 model served: worker resident memory, GB",
-           "big_model_7b_q8", _BIG_7B, _big_memory),
-    Figure("falcon-mamba-7b-shaped Q8_0 served decode, batch 1, ms per token",
-           "big_model_7b_q8", _BIG_7B, _big_decode),
-    Figure("falcon-mamba-7b-shaped Q8_0 served, 16 sessions generating at once, tokens/s",
-           "big_model_7b_q8", _BIG_7B, _big_16),
-    Figure("falcon-mamba-7b-shaped Q8_0 served, 64 sessions at once: memory per session, MiB",
-           "big_model_7b_q8", _BIG_7B, _big_64),
-    Figure("trained CGM model (examples/), one-step MAE on held-out readings, training stds",
-           "signal_model", "`bench/bench_signal_model.py`", _signal_model("mae")),
-    Figure("trained CGM model (examples/), one-step RMSE on held-out readings, training stds",
-           "signal_model", "`bench/bench_signal_model.py`", _signal_model("rmse")),
-    Figure("`ssmserve --help` / `ssmserve session list` start-up, median ms", "cli_start",
-           "`bench/bench_cli_start.py`", _cli_start),
-    Figure("one Stream step, server side: ssmserve module crossings / modules", "trace_path",
-           "`bench/trace_path.py`", _path("stream_step", (35, 12))),
-    Figure("one Migrate, server side: ssmserve module crossings / modules", "trace_path",
-           "`bench/trace_path.py`", _path("migrate", (45,))),
-]  # fmt: skip
+    Figure("mamba-130m-shaped decode, batch 1, ms per token (p50)", "hf_peer", _hf_peer),
+    Figure("mamba2-130m-shaped decode, batch 1, ms per token (p50)", "mamba2", _mamba2_token),
+    Figure("mamba2-130m-shaped decode, batch 64, tokens/s", "mamba2", _mamba2_batch),
+    Figure("mamba-130m-shaped 512-token prompt, last logits, ms", "llama_cpp", _llama_prefill),
+    Figure(
+        "mamba2-130m-shaped 512-token prompt, last logits, ms", "llama_cpp_mamba2", _llama_prefill
+    ),
+    Figure(
+        "mamba-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms",
+        "llama_cpp",
+        _llama_decode,
+    ),
+    Figure(
+        "mamba2-130m-shaped decode step beside llama.cpp, batch 1 / 8, ms",
+        "llama_cpp_mamba2",
+        _llama_decode,
+    ),
+    Figure(
+        "mamba-130m-shaped Q8_0 decode step beside llama.cpp's Q8_0, batch 1 / 8, ms",
+        "llama_cpp_q8",
+        _llama_decode,
+    ),
+    Figure(
+        "mamba2-130m-shaped Q8_0 decode step beside llama.cpp's Q8_0, batch 1 / 8, ms",
+        "llama_cpp_mamba2_q8",
+        _llama_decode,
+    ),
+    Figure(
+        "mamba-130m-shaped Q8_0 max abs logit error vs the float32 model, 16 rows",
+        "q8_accuracy_mamba",
+        _q8_accuracy,
+    ),
+    Figure(
+        "mamba2-130m-shaped Q8_0 max abs logit error vs the float32 model, 16 rows",
+        "q8_accuracy_mamba2",
+        _q8_accuracy,
+    ),
+    Figure(
+        "mamba-130m-shaped session state saved (checkpoint encode), ms", "llama_cpp", _llama_save
+    ),
+    Figure(
+        "mamba2-130m-shaped session state saved (checkpoint encode), ms",
+        "llama_cpp_mamba2",
+        _llama_save,
+    ),
+    Figure(
+        "mamba-130m-shaped max abs logit error vs float64, 16 tokens",
+        "accuracy",
+        _accuracy("mamba-130m"),
+    ),
+    Figure(
+        "mamba2-130m-shaped max abs logit error vs float64, 16 tokens",
+        "accuracy",
+        _accuracy("mamba2-130m"),
+    ),
+    Figure(
+        "mamba-790m-shaped max abs logit error vs float64, 16 tokens",
+        "accuracy",
+        _accuracy("mamba-790m"),
+    ),
+    Figure("engine step, signal 256x4 model, batch 1, us", "engine", _engine_batch_1),
+    Figure("engine steps/s, signal 256x4 model, batch 64", "engine", _engine_batch_64),
+    Figure("engine step / floor, signal 256x4 model, batch 1 / 64 / 256", "engine", _engine_floor),
+    Figure("served step p50, one session, durability log, ms", "service", _served_p50),
+    Figure(
+        "step p99 while snapshots are written, 64 lockstep sessions, ms", "service", _snapshot_p99
+    ),
+    Figure("snapshot write of a 2.8 MiB state to Redis, p50 ms", "service", _snapshot_write),
+    Figure("rollback with 32 replayed steps, p50 ms", "service", _rollback),
+    Figure(
+        "server CPU per step, 3,000 sessions, 8 steps of each per message, us",
+        "server_cpu",
+        _server_cpu,
+    ),
+    Figure(
+        "served steps/s, 3,000 sessions, 8 steps of each per message",
+        "server_cpu",
+        _served_at_scale,
+    ),
+    Figure(
+        "memory per resident session, demo model, served, 40 steps, KiB",
+        "served_memory",
+        _served_memory,
+    ),
+    Figure("memory per resident session, mamba-130m-shaped, KiB", "memory", _memory_130m),
+    Figure("migration downtime p50, demo / 2.81 MiB state, ms", "migration", _migration),
+    Figure("checkpoint encode / decode, 2.81 MiB state, ms", "checkpoint", _checkpoint),
+    Figure(
+        "takeover after kill -9, p50 ms, lease TTL 0.5 / 1 / 2 s",
+        "failover",
+        _takeover("kill -9", [2.0, 2.0]),
+    ),
+    Figure(
+        "takeover after a freeze, client keepalive 2 s + 2 s, p50 ms, TTL 0.5 / 1 / 2 s",
+        "failover",
+        _takeover("freeze", [2.0, 2.0]),
+    ),
+    Figure(
+        "served steps/s on Sentinel + 1 replica, 1 session, 1 step per message",
+        "replication",
+        _replication(1, 1),
+    ),
+    Figure(
+        "served steps/s on Sentinel + 1 replica, 64 sessions, 8 steps per message",
+        "replication",
+        _replication(64, 8),
+    ),
+    Figure(
+        "appendfsync always / everysec, served steps/s, 1 session x 1 step / 64 sessions x 8 "
+        "steps per message",
+        "fsync",
+        _fsync([(1, 1), (64, 8)]),
+    ),
+    Figure(
+        "served steps/s with TLS and tokens, 64 sessions",
+        "security",
+        _side_by_side("TLS + token", "plaintext", "goal: >= 0.9x"),
+    ),
+    Figure(
+        "served steps/s with metrics scraped every second, 64 sessions",
+        "metrics",
+        _side_by_side("metrics on, scraped 1/s", "metrics off", "goal: >= 0.97x"),
+    ),
+    Figure("forecast of 128 steps, demo model, ms", "forecast", _forecast),
+    Figure(
+        "10-turn chat over --http, mamba-130m-shaped, time to first token at turn 10 / "
+        "mean of turns 2-10, ms",
+        "http_chat",
+        _http_chat,
+    ),
+    Figure(
+        "time between generated tokens beside another session's 1,024-token prompt, "
+        "mamba-130m-shaped, mean ms",
+        "fair_prefill",
+        _fair_prefill,
+    ),
+    Figure("served steps/s, 2 workers on a 3-master Redis Cluster", "scale", _workers),
+    Figure("log appends/s, 64 sessions a tick, Redis Cluster", "scale", _group_commit),
+    Figure(
+        "mamba-130m-shaped BF16 model kept 16-bit: resident memory / stored bytes",
+        "bf16",
+        _bf16_memory,
+    ),
+    Figure(
+        "mamba-130m-shaped Q8_0 decode (--quantize q8_0), batch 1 / 8, ms per token",
+        "bf16",
+        _q8_decode,
+    ),
+    Figure("mamba-130m-shaped BF16 decode, batch 1 / 8, ms per token", "bf16", _bf16_decode),
+    Figure(
+        "mamba-2.8b-shaped BF16 model served: worker resident memory, GB", "big_model", _big_memory
+    ),
+    Figure("mamba-2.8b-shaped BF16 served decode, batch 1, ms per token", "big_model", _big_decode),
+    Figure(
+        "mamba-2.8b-shaped BF16 served, 16 sessions generating at once, tokens/s",
+        "big_model",
+        _big_16,
+    ),
+    Figure(
+        "mamba-2.8b-shaped BF16 served, 64 sessions at once: memory per session, MiB",
+        "big_model",
+        _big_64,
+    ),
+    Figure(
+        "falcon-mamba-7b-shaped Q8_0 model served: worker resident memory, GB",
+        "big_model_7b_q8",
+        _big_memory,
+    ),
+    Figure(
+        "falcon-mamba-7b-shaped Q8_0 served decode, batch 1, ms per token",
+        "big_model_7b_q8",
+        _big_decode,
+    ),
+    Figure(
+        "falcon-mamba-7b-shaped Q8_0 served, 16 sessions generating at once, tokens/s",
+        "big_model_7b_q8",
+        _big_16,
+    ),
+    Figure(
+        "falcon-mamba-7b-shaped Q8_0 served, 64 sessions at once: memory per session, MiB",
+        "big_model_7b_q8",
+        _big_64,
+    ),
+    Figure(
+        "trained CGM model (examples/), one-step MAE on held-out readings, training stds",
+        "signal_model",
+        _signal_model("mae"),
+    ),
+    Figure(
+        "trained CGM model (examples/), one-step RMSE on held-out readings, training stds",
+        "signal_model",
+        _signal_model("rmse"),
+    ),
+    Figure(
+        "one Stream step, server side: ssmserve module crossings / modules",
+        "trace_path",
+        _path("stream_step", (35, 12)),
+    ),
+    Figure(
+        "one Migrate, server side: ssmserve module crossings / modules",
+        "trace_path",
+        _path("migrate", (45,)),
+    ),
+]
 
 
 # ---------------------------------------------------------------------------- the table
@@ -614,9 +694,23 @@ def rows_from(results: Path) -> dict[str, list[str]]:
         except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
             print(f"({figure.source}.json: no {figure.name!r}: {exc!r})", file=sys.stderr)
             continue
-        day = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.UTC).date()
-        rows[figure.name] = [figure.name, *cells, figure.command, day.isoformat()]
+        day = data.get("date") or (
+            datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.UTC).date().isoformat()
+        )
+        command = data.get("command")
+        if not (isinstance(command, str) and command.startswith("./dev bench ")):
+            command = suite.row_command(figure.source)  # a result written outside the suite
+        rows[figure.name] = [figure.name, *cells, f"`{command}`", day]
     return rows
+
+
+def suite_command(cell: str) -> str:
+    """A kept row's command in the suite's form: ``bench/bench_NAME.py ARGS`` (or
+    ``bench/NAME.py``) as ``./dev bench NAME ARGS``; any other command as it is."""
+    match = re.fullmatch(r"`bench/(?:bench_)?(\w+)\.py( [^`]*)?`", cell)
+    if match is None or match[1] not in suite.BY_NAME:
+        return cell
+    return f"`./dev bench {match[1]}{match[2] or ''}`"
 
 
 def render(rows: Sequence[Sequence[str]]) -> str:
@@ -648,6 +742,7 @@ def merge(page: str, fresh: dict[str, list[str]]) -> str:
     kept = {}
     for line in body.strip().splitlines()[2:]:
         cells = _cells_of(line)
+        cells[4] = suite_command(cells[4])
         kept[cells[0]] = cells
     order = [f.name for f in FIGURES] + [name for name in kept if name not in fresh]
     rows = [

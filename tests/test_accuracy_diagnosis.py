@@ -1,4 +1,4 @@
-"""The accuracy diagnosis (``bench/accuracy_diagnosis.py``) re-implements the Mamba-1 step
+"""The accuracy diagnosis (``bench/tools/accuracy_diagnosis.py``) re-implements the Mamba-1 step
 in float64 with the engine's kernels swappable piece by piece; its figures in
 BENCHMARKS.md mean something only if, with every piece swapped in, it is the engine."""
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _diagnosis() -> ModuleType:
-    path = REPO / "bench" / "accuracy_diagnosis.py"
+    path = REPO / "bench" / "tools" / "accuracy_diagnosis.py"
     spec = importlib.util.spec_from_file_location("accuracy_diagnosis", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

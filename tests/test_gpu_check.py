@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py --smoke`` and ``ssmserve model run/bench --engine``: the device
+"""``bench/tools/gpu_check.py --smoke`` and ``ssmserve model run/bench --engine``: the device
 check runs end to end on the CPU (Triton's interpreter, tiny models) and reports every
 check passed; ``--engine cuda`` runs under the interpreter, and without torch / triton
 it is refused in one line naming ``ssmserve[cuda]``. The refusal and the cpu default run
@@ -56,7 +56,7 @@ def test_the_plain_install_does_not_pull_torch_or_triton() -> None:
 
 @needs_torch
 def test_the_device_check_passes_on_the_cpu_interpreter() -> None:
-    result = run("bench/gpu_check.py", "--smoke")
+    result = run("bench/tools/gpu_check.py", "--smoke")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert (report["ok"], report["smoke"], report["device"]) == (

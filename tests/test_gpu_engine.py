@@ -7,7 +7,7 @@ the state); a state exported through a checkpoint continues with the same bits; 
 agree with the CPU engine within 1e-4; a product is the CPU engine's micro-kernel's bits
 by either launch. The interpreter runs the kernels' per-element operations (its fma
 rounds once), not the device's exp/log: the bits on a GPU are checked by
-``bench/gpu_check.py`` on the device.
+``bench/tools/gpu_check.py`` on the device.
 
 Skipped only when torch or triton is not installed (``pip install 'ssmserve[cuda]'``;
 ``./dev test`` installs CPU builds of both).

@@ -273,7 +273,7 @@ def rms_norm_rows(
     Why float64: the residual stream ``h`` and its norm carry 11-12% of a float32 stream's
     logit error variance against a float64 reference, and with the k-blocked products the
     largest logit errors; a float64 stream costs d doubles per row and nothing measurable
-    per step (``bench/accuracy_diagnosis.py``, ``bench/bench_accuracy.py``)."""
+    per step (``bench/tools/accuracy_diagnosis.py``, ``bench/bench_accuracy.py``)."""
     d = h.shape[1]
     for row in range(b):
         hr = h[row]

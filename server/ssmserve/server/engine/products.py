@@ -72,7 +72,7 @@ ROWS = 4
 #: from 0.0, the block sums added in order. A constant of the numerics (never of the batch
 #: or the CPU). Why 64: a single chain over k = 768..1,536 carried 80-83% of the logit
 #: error's variance against float64; blocks of 64 bring it below transformers float32's
-#: at a cost of 12 loads, adds and stores per 64 x 12 fmas (``bench/accuracy_diagnosis.py``,
+#: at a cost of 12 loads, adds and stores per 64 x 12 fmas (``bench/tools/accuracy_diagnosis.py``,
 #: ``bench/bench_accuracy.py``, ``bench/bench_engine.py``).
 K_BLOCK = 64
 _LANES = _vector_lanes()  # floats per vector register (narrower machines split it, same bits)

@@ -10,7 +10,7 @@ promise, tested at every batch size), and the rows past b are never read back.
 
 Batches above the largest bucket run eagerly: there the launches are a small part of the
 step. Without a GPU (Triton's interpreter) the same padding runs eagerly, so the tests
-exercise everything here but the capture itself; ``bench/gpu_check.py`` checks on the
+exercise everything here but the capture itself; ``bench/tools/gpu_check.py`` checks on the
 device that a replay gives the eager step's bits.
 
 Glossary: b sessions in the batch, B its bucket (b <= B).

@@ -2,8 +2,8 @@
 
 Usage (from the repo root, on a machine with a GPU and ``pip install -e '.[cuda]'``)::
 
-    .venv/bin/python bench/gpu_check.py [--models mamba-130m,mamba2-130m] [--json OUT]
-    .venv/bin/python bench/gpu_check.py --smoke    # CPU, Triton's interpreter, tiny models
+    .venv/bin/python bench/tools/gpu_check.py [--models mamba-130m,mamba2-130m] [--json OUT]
+    .venv/bin/python bench/tools/gpu_check.py --smoke    # CPU, Triton's interpreter, tiny models
 
 For each model (random weights at the preset's shapes, ``engine/presets.py``, written to a
 temp dir as ``ssmserve model init-demo --preset`` does):
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench" / "tools"))
 
 
 @dataclass(frozen=True)

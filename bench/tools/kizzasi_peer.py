@@ -13,7 +13,7 @@ version :data:`KIZZASI_VERSION`), configured to match our reference model:
 :func:`measure_kizzasi` needs the package. To keep it out of the main
 environment, run it as a subprocess from a private venv, e.g.::
 
-    /tmp/kz-venv/bin/python bench/kizzasi_peer.py --steps 2000 --warmup 200
+    /tmp/kz-venv/bin/python bench/tools/kizzasi_peer.py --steps 2000 --warmup 200
 
 which prints one JSON object on stdout (exit status 2 if kizzasi is missing).
 """

@@ -1,4 +1,4 @@
-"""The GPU engine's peers in ``bench/gpu_check.py``: a plain PyTorch step (cuBLAS products,
+"""The GPU engine's peers in ``bench/tools/gpu_check.py``: a plain PyTorch step (cuBLAS products,
 torch elementwise ops; eager and, on a GPU, replayed as a CUDA graph) and transformers'
 ``*ForCausalLM`` where it is installed.
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ssmserve.server.engine import kernels
 from ssmserve.server.engine.products import NO_SCALES, pack_panels, product_rows

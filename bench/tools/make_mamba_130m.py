@@ -5,7 +5,7 @@ measured on.
 The same model as ``ssmserve model init-demo DIR --preset mamba-130m|mamba2-130m``.
 Usage (from the repo root)::
 
-    .venv/bin/python bench/make_mamba_130m.py DIR [--arch mamba|mamba2] [--seed N]
+    .venv/bin/python bench/tools/make_mamba_130m.py DIR [--arch mamba|mamba2] [--seed N]
     .venv/bin/ssmserve model bench DIR --prefill 512 --steps 40 --json
 
 ``--arch mamba`` (the default): state-spaces/mamba-130m's dims
@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import random_tensors
