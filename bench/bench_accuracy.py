@@ -219,7 +219,10 @@ def measure(preset: str, model_dir: Path, peer: str, tokens: int, work: Path) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from harness import standard_parser, write_result
+
+    parser = standard_parser(__doc__)
     parser.add_argument("--models", type=Path, default=None, help="model cache directory")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     parser.add_argument("--tokens", type=int, default=16, help="token ids per run (16)")
@@ -229,7 +232,6 @@ def main() -> int:
         help="python of the venv with torch and transformers",
     )
     parser.add_argument("--diagnose", action="store_true", help="attribute ssmserve's error")
-    parser.add_argument("--json", type=Path, help="also write the JSON object here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("child_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -247,7 +249,7 @@ def main() -> int:
         print(f"bench_accuracy.py: skipped ({reason})")
         result = {"skipped": 1, "notes": f"skipped: {reason}"}
         if args.json:
-            args.json.write_text(json.dumps(result) + "\n")
+            write_result(args.json, result, line=False)
         print(json.dumps(result))
         return 0
     models = args.models or default_models()
@@ -269,7 +271,7 @@ def main() -> int:
     print_table(results)
     summary = {"presets": results, "peer": str(peer), "models": str(models)}
     if args.json:
-        args.json.write_text(json.dumps(summary) + "\n")
+        write_result(args.json, summary, line=False)
     print(json.dumps(summary))
     return 0
 

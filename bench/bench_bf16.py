@@ -15,9 +15,6 @@ same values stored as float32, then loads three models: ``bf16`` (the BF16 file,
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import standard_parser, write_result
 from safetensors.numpy import load_file
 
 from ssmserve.server.engine.loader import (
@@ -87,11 +85,9 @@ def decode_ms(models: dict[str, object], batch: int, steps: int, rounds: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__, rounds=7)
     parser.add_argument("--preset", default="mamba-130m")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         bf16_dir, f32_dir = write_pair(Path(tmp), args.preset)
@@ -111,7 +107,6 @@ def main() -> None:
         }
         decode = {b: decode_ms(models, b, args.steps, args.rounds) for b in (1, 8)}
     result = {
-        "date": datetime.date.today().isoformat(),
         "preset": args.preset,
         "stored_bytes": stored,
         "resident_bytes": held,
@@ -135,8 +130,7 @@ def main() -> None:
         ratio = result[f"decode_{name}_over_f32"]
         print(f"{name} / f32 decode time: batch 1 {ratio['1']:.3f}, batch 8 {ratio['8']:.3f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, result, line=False)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import itertools
 import json
 import os
@@ -51,6 +50,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from harness import standard_parser, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -274,7 +275,7 @@ def engine_alone(model_dir: Path, quantize: str, steps_1: int, steps_16: int) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--preset", default="mamba-2.8b")
     parser.add_argument("--quantize", choices=("none", "q8_0"), default="none")
     parser.add_argument("--model-dir", type=Path, help="default bench/results/models/PRESET")
@@ -282,7 +283,6 @@ def main() -> int:
     parser.add_argument("--tokens-16", type=int, default=16, help="tokens each of 16 sessions")
     parser.add_argument("--tokens-64", type=int, default=8, help="tokens each of 64 sessions")
     parser.add_argument("--no-engine-peer", action="store_true", help="skip the engine alone")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if max(len(PROMPT) + 2 + args.tokens, len(PROMPT) + args.tokens_16) >= 64:
         parser.error("keep every session below step 64 (its first periodic snapshot)")
@@ -313,8 +313,6 @@ def main() -> int:
         peer = engine_alone(model_dir, args.quantize, 8, 4)
     footprint = config.state_bytes + 64 * 4 * config.output_dim  # state + kept outputs
     out: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join([sys.executable, *sys.argv]),
         "server_command": server.command,
         "preset": args.preset,
         "quantize": args.quantize,
@@ -343,8 +341,7 @@ def main() -> int:
         }
     print(json.dumps(out, indent=2))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.json, out, line=False)
     return 0
 
 

@@ -14,9 +14,7 @@ the goal for format 2 is encode within 3x of it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +27,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import table
+from harness import standard_parser, table, write_result
 
 from ssmserve.server.engine.recurrent_state import LayerState, SessionState
 from ssmserve.server.state.checkpoint import Checkpoint, InputHistory
@@ -63,9 +61,7 @@ def medians_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=50, help="timed rounds (50)")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser = standard_parser(__doc__, rounds=50)
     args = parser.parse_args()
     ckpt = mamba130m_checkpoint()
     packed = replace(ckpt, state=ckpt.state.copy())
@@ -133,7 +129,7 @@ def main() -> int:
             "encode_over_memcpy": ms["encode"] / copy,
             "decode_over_memcpy": ms["decode"] / copy,
         }
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        write_result(args.json, figures, line=False)
     return 0
 
 

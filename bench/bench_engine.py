@@ -16,7 +16,6 @@ shapes at 64 rows, divided by the model's matmul FLOPs per session-step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import mamba_130m_model, median_seconds, table
+from harness import mamba_130m_model, median_seconds, standard_parser, table, write_result
 
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
@@ -238,9 +237,8 @@ def bench_model(model: MambaModel, big: bool) -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--skip-130m", action="store_true", help="only the small signal model")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     print(f"# engine benchmark\nBLAS: {blas_signature()}")
 
@@ -306,7 +304,7 @@ def main() -> int:
     if not args.skip_130m:
         report["mamba_130m"] = bench_model(mamba_130m_model(), big=True)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+        write_result(args.json, report, line=False)
     return 0
 
 

@@ -46,7 +46,6 @@ process) is this checkout's for both. The last line of the output is one JSON ob
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -66,11 +65,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_migration import FOLLOW_TIMEOUT_S, Stream, pct
-from harness import table
+from harness import private_redis, standard_parser, table, write_result
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 from tests.worker_process import WorkerProcess
 
@@ -525,10 +523,8 @@ def baseline_env(tree: Path) -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds each (smoke run)")
+    parser = standard_parser(__doc__, quick="3 rounds each (smoke run)")
     parser.add_argument("--rounds", type=int, help="rounds per configuration (default 20)")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument("--baseline-tree", type=Path, metavar="PATH",
                         help="also run workers of the server code in this checkout, "
                              "interleaved with this one's, and report the ratios")  # fmt: skip
@@ -542,8 +538,7 @@ def main() -> int:
         models = {"demo": ensure_demo_model(Path(tmp) / "models" / "demo")}
         groups: dict[GroupKey, Group] = {}
         for code, env in envs.items():  # each code on a redis-server of its own
-            settings = EmbeddedRedisSettings(data_dir=Path(tmp) / f"redis-{code}")
-            redis_server = stack.enter_context(EmbeddedRedis(settings))
+            redis_server = stack.enter_context(private_redis(Path(tmp) / f"redis-{code}"))
             for ttl in TTLS:
                 groups[(code, ttl)] = Group((code, ttl), models, redis_server.url, Path(tmp), env)
         workers = [w for g in groups.values() for w in g.workers]
@@ -579,7 +574,7 @@ def main() -> int:
                        "rounds_per_config": reps, "seconds": elapsed,
                        "rounds": [r.to_json() for r in rounds],
                        "redone": [r.to_json() for r in redone]}  # fmt: skip
-        args.json.write_text(json.dumps(report_json, indent=2) + "\n")
+        write_result(args.json, report_json, line=False)
     summary = {"rows": [{k: v for k, v in d.items() if k != "takeover_ms"} for d in data],
                "comparison": ratios, "rounds_per_config": reps, "redone": len(redone),
                "seconds": round(elapsed, 1)}  # fmt: skip

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -46,11 +45,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Workers, config_for, table, worker_args
+from harness import (
+    Workers,
+    config_for,
+    private_redis,
+    standard_parser,
+    table,
+    worker_args,
+    write_result,
+)
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.demo import random_tensors
 from ssmserve.server.engine.loader import save_model
 
@@ -168,11 +174,10 @@ async def bench(address: str, args: argparse.Namespace) -> dict[str, float | str
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = standard_parser(__doc__, rounds=3)
     parser.add_argument("--model-dir", type=Path, help="a mamba-130m-shaped model directory")
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (1024)")
     parser.add_argument("--tokens", type=int, default=24, help="tokens D generates alone (24)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (3)")
     parser.add_argument(
         "--worker-arg",
         action="append",
@@ -180,7 +185,6 @@ def main() -> int:
         metavar="FLAG",
         help="a flag for ssmserve-server (repeatable), e.g. --worker-arg=--prefill-chunk=16",
     )
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -190,7 +194,7 @@ def main() -> int:
             config = config_for("mamba")
             save_model(model_dir, config, random_tensors(config, 0))
         workers = Workers(root)
-        with EmbeddedRedis(EmbeddedRedisSettings(data_dir=root / "redis")) as redis:
+        with private_redis(root / "redis") as redis:
             try:
                 cmd = worker_args([("m", model_dir)], redis.url, root / "w0") + args.worker_arg
                 _proc, address = workers.start(cmd, "w0")
@@ -205,10 +209,7 @@ def main() -> int:
             [[k, v if isinstance(v, str) else f"{v:.2f}"] for k, v in report.items()],
         )
     )
-    line = json.dumps(report)
-    if args.json:
-        args.json.write_text(line + "\n")
-    print(line)
+    write_result(args.json, report)
     return 0
 
 

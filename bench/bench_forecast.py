@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -36,10 +35,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Workers, mamba_130m_config, table, worker_args
+from harness import (
+    Workers,
+    mamba_130m_config,
+    private_redis,
+    standard_parser,
+    table,
+    worker_args,
+    write_result,
+)
 
 from ssmserve.client.aio import AsyncClient
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.demo import random_tensors
 from ssmserve.server.engine.loader import load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
@@ -179,7 +185,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, object]:
     if not args.skip_130m:
         models["m130"] = save_130m(tmp / "m130")
     offline = {n: load_model(d, name=n) for n, d in models.items()}
-    with EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp / "redis")) as redis:
+    with private_redis(tmp / "redis") as redis:
         workers = Workers(tmp)
         try:
             spec = list(models.items())
@@ -224,16 +230,14 @@ def report(results: dict[str, object]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one repeat each (smoke run)")
+    parser = standard_parser(__doc__, quick="one repeat each (smoke run)")
     parser.add_argument("--skip-130m", action="store_true")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-forecast-") as tmp:
         results = asyncio.run(run(args, Path(tmp)))
     report(results)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_result(args.json, results, line=False)
     return 0
 
 

@@ -34,7 +34,6 @@ printed at the end. The last line of the output is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -61,7 +60,7 @@ from bench_replication import (
     parse_list,
     pct,
 )
-from harness import cpu_seconds, table
+from harness import cpu_seconds, standard_parser, table, write_result
 
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.v1 import ssmserve_pb2 as pb
@@ -238,14 +237,12 @@ def ratios(rows: list[dict[str, object]]) -> list[dict[str, object]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 0.5 s blocks")
+    parser = standard_parser(__doc__, quick="2 rounds of 0.5 s blocks")
     parser.add_argument("--rounds", type=int, help="rounds (default 20; --quick 2)")
     parser.add_argument("--block-s", type=float, help="seconds per block (default 2; quick 0.5)")
     parser.add_argument("--sessions", type=parse_list, default=[1, 64], help="K (1,64)")
     parser.add_argument("--per-message", type=parse_list, default=[1, 8],
                         help="steps of a session per message (1,8)")  # fmt: skip
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 20)
     seconds = args.block_s or (0.5 if args.quick else 2.0)
@@ -331,7 +328,7 @@ def main() -> int:
               "worker_logs": {c: {"store": v[0], "warnings_or_errors": len(v[1])}
                               for c, v in logs.items()}}  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.json, report, line=False)
     print(json.dumps(report))
     return 1 if problems else 0
 

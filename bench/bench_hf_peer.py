@@ -47,7 +47,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
+from harness import (
+    median_seconds,
+    peer_skipped,
+    percentiles_ms,
+    run_peer_child,
+    standard_parser,
+    table,
+    write_result,
+)
 
 TORCH_THREADS = 2
 TARGET_RATIO = 0.7
@@ -189,10 +197,9 @@ def run_child(which: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--warmup", type=int, default=5, help="tokens discarded first")
     parser.add_argument("--tokens", type=int, default=30, help="tokens timed")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument("--child", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -285,7 +292,7 @@ def main() -> int:
             "load_average_1m": load[0],
             "notes": notes,
         }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.json, report, line=False)
     return 0
 
 

@@ -22,8 +22,6 @@ sends it once the first token is drawn). The replies must be the same on both wo
 
 from __future__ import annotations
 
-import argparse
-import json
 import socket
 import statistics
 import sys
@@ -36,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai
-from harness import Workers, table, worker_args
+from harness import Workers, standard_parser, table, worker_args, write_result
 
 from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.presets import preset_config
@@ -143,10 +141,8 @@ def _prompt_tokens(client: openai.OpenAI, messages: list[dict[str, str]]) -> int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = standard_parser(__doc__, rounds=3)
     parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = run(args.turns, args.rounds)
     cached, uncached = result["ttft_ms"]["cached"], result["ttft_ms"]["uncached"]
@@ -156,7 +152,7 @@ def main() -> int:
     ]
     print(table(["turn", "prompt tokens", "cached ms", "uncached ms", "ratio"], rows))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_result(args.json, result, line=False)
     return 0
 
 

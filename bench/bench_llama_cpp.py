@@ -87,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import standard_parser, write_result
 
 THREADS = 2
 #: Token ids below this are real tokens of the GPT-NeoX vocabulary both engines use.
@@ -398,7 +399,7 @@ class Child:
 def skipped(reason: str, json_path: Path | None) -> int:
     print(f"bench_llama_cpp: skipped ({reason}); see the usage in bench/bench_llama_cpp.py")
     if json_path:
-        json_path.write_text(json.dumps({"skipped": 1, "notes": f"skipped: {reason}"}) + "\n")
+        write_result(json_path, {"skipped": 1, "notes": f"skipped: {reason}"}, line=False)
     return 0
 
 
@@ -524,7 +525,7 @@ def parent_main(args: argparse.Namespace) -> int:
     report["save_goal_met"] = report["ssmserve_save_over_memcpy"] <= SAVE_OVER_MEMCPY_GOAL
     print_table(report)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.json, report, line=False)
     print(json.dumps(report))
     return 0
 
@@ -568,7 +569,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = standard_parser(__doc__, rounds=5)
     parser.add_argument("--model", type=Path, required=True, help="HF-format model directory")
     parser.add_argument("--gguf", type=Path, required=True, help="that model as an F32 GGUF")
     parser.add_argument(
@@ -588,7 +589,6 @@ def main() -> int:
         help="the model bench/tools/make_mamba_130m.py writes when --model has none (mamba)",
     )
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (512)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     parser.add_argument("--steps", type=int, default=10, help="batch-1 steps a round (10)")
     parser.add_argument("--saves", type=int, default=5, help="state saves a round (5)")
     parser.add_argument("--batch", type=int, default=8, help="sessions stepped together (8)")
@@ -613,7 +613,6 @@ def main() -> int:
         help="load llama.cpp's weights without its extra buffer types (AMX repacking): "
         "its Q8_0 Mamba crashes with them on a CPU with AMX (llama-cpp-python 0.3.36)",
     )
-    parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--child", choices=("ours", "llama"), help=argparse.SUPPRESS)
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -69,7 +69,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import median_seconds, peer_skipped, percentiles_ms, run_peer_child, table
+from harness import (
+    median_seconds,
+    peer_skipped,
+    percentiles_ms,
+    run_peer_child,
+    standard_parser,
+    table,
+    write_result,
+)
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
 from ssmserve.server.engine.mamba import MambaModel
@@ -350,14 +358,13 @@ def run_child(which: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--warmup", type=int, help="batch-1 tokens discarded first (5)")
     parser.add_argument("--tokens", type=int, help="batch-1 tokens timed (20)")
     parser.add_argument("--batch", type=int, help="sessions stepped at once (64)")
     parser.add_argument("--batch-steps", type=int, help="batch ticks timed (10)")
     parser.add_argument("--snapshots", type=int, help="snapshots written and read (5)")
     parser.add_argument("--small", action="store_true", help="a tiny shape, few of each")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument("--child", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -489,7 +496,7 @@ def main() -> int:
             "config": c.canonical(),
             "notes": notes,
         }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.json, report, line=False)
     return 0
 
 

@@ -57,7 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import table
+from harness import standard_parser, table, write_result
 
 from ssmserve.server.engine.mamba import MambaModel
 
@@ -211,10 +211,9 @@ def run_child(which: str, pattern: str, n: int, steps: int) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--steps", type=int, default=10, help="engine steps per session")
     parser.add_argument("--skip-130m", action="store_true", help="only the demo model")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "PATTERN", "N", "STEPS"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
@@ -301,7 +300,7 @@ def main() -> int:
     report["steps"] = args.steps
     report["notes"] = notes
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.json, report, line=False)
     return 0
 
 

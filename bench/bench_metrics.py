@@ -20,9 +20,7 @@ Also, in this process, what one update costs: prometheus-client's Counter and Hi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import socket
 import sys
 import tempfile
@@ -34,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_security import Target, measure, side_by_side
-from harness import start_server, table
+from harness import private_redis, standard_parser, start_server, table, write_result
 
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 
 
@@ -105,14 +102,12 @@ def update_costs() -> list[list[object]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser = standard_parser(__doc__, quick="fewer samples (smoke run)")
     args = parser.parse_args()
     rounds, steps, sessions = (2, 40, 64) if args.quick else (6, 200, 64)
     with (
         tempfile.TemporaryDirectory() as tmp_dir,
-        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp_dir) / "redis")) as redis_server,
+        private_redis(Path(tmp_dir) / "redis") as redis_server,
     ):
         model = ensure_demo_model(Path(tmp_dir) / "demo")
         base = [sys.executable, "-m", "ssmserve.server.main", "--model", f"demo={model}",
@@ -150,7 +145,7 @@ def main() -> int:
     print(table(["one update", "prometheus-client ns", "loop metrics ns", "ratio"],
                 update_costs()))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(figures))
+        write_result(args.json, figures, line=False)
     return 0
 
 

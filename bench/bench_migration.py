@@ -29,12 +29,10 @@ Every step is checked to be answered exactly once and in order across moves and 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import random
 import signal
@@ -50,11 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_checkpoint import mamba130m_checkpoint
-from harness import Workers, table, worker_args
+from harness import Workers, private_redis, standard_parser, table, worker_args, write_result
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
 from ssmserve.server.engine.loader import save_model
 from ssmserve.server.main import ensure_demo_model
@@ -331,15 +328,13 @@ async def bench(tmp: Path, redis_url: str, workers: Workers, quick: bool) -> dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser = standard_parser(__doc__, quick="fewer samples (smoke run)")
     args = parser.parse_args()
     random.seed(0)
     started = time.perf_counter()
     with (
         tempfile.TemporaryDirectory() as tmp,
-        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / "redis")) as redis_server,
+        private_redis(Path(tmp) / "redis") as redis_server,
     ):
         (Path(tmp) / "logs").mkdir()
         workers = Workers(Path(tmp) / "logs")
@@ -355,7 +350,7 @@ def main() -> int:
             workers.close()
     print(f"\n(whole benchmark: {time.perf_counter() - started:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        write_result(args.json, figures, line=False)
     return 0
 
 

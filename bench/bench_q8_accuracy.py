@@ -23,8 +23,6 @@ ssmserve keeps activations float32 and widens the weights exactly.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import standard_parser, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_llama_cpp import DEFAULT_PEER, TOKEN_LIMIT, Child, skipped
@@ -56,12 +55,11 @@ def _child_args(args: argparse.Namespace, gguf: Path, quantize: str) -> argparse
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--model", type=Path, required=True, help="HF-format model directory")
     parser.add_argument("--converter", help="llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--peer-python", default=DEFAULT_PEER)
     parser.add_argument("--arch", choices=("mamba", "mamba2"), default="mamba")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not Path(args.peer_python).is_file():
         return skipped(f"no llama.cpp peer interpreter at {args.peer_python}", args.json)
@@ -102,7 +100,6 @@ def main() -> int:
         return float(np.max(np.abs(rows[a] - rows[b])))
 
     report: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
         "arch": args.arch,
         "model": str(args.model),
         "rows": ROWS,
@@ -118,8 +115,7 @@ def main() -> int:
     for key, value in report.items():
         print(f"{key:32} {value}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.json, report, line=False)
     return 0
 
 

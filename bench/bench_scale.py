@@ -25,9 +25,7 @@ started and stopped by this script (``tests/redis_topologies.py``'s harnesses).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -41,10 +39,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import table
+from harness import private_redis, standard_parser, table, write_result
 
 from ssmserve.client.aio import AsyncClient
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.lease import SessionLease, new_incarnation
@@ -265,9 +262,7 @@ def workers_rows(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser = standard_parser(__doc__, quick="short runs (a smoke test)")
     args = parser.parse_args()
     seconds = 0.5 if args.quick else 3.0
     sizes = [1, 16] if args.quick else [1, 16, 64]
@@ -276,7 +271,7 @@ def main() -> int:
         tmp = Path(name)
         model = ensure_demo_model(tmp / "demo")
         with (
-            EmbeddedRedis(EmbeddedRedisSettings(data_dir=tmp / "single")) as single,
+            private_redis(tmp / "single") as single,
             RedisClusterHarness(tmp / "cluster") as cluster,
         ):
             out["group_commit"] = asyncio.run(_both(single.url, cluster.url, sizes, seconds))
@@ -308,7 +303,7 @@ def main() -> int:
          for r in out["workers"]],
     ))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_result(args.json, out, line=False)
     return 0
 
 

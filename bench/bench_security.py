@@ -15,11 +15,9 @@ Measured:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import ipaddress
-import json
 import sys
 import tempfile
 import time
@@ -35,11 +33,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from harness import start_server, table
+from harness import private_redis, standard_parser, start_server, table, write_result
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.api.auth import token_entry, token_hash
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
@@ -162,14 +159,12 @@ def side_by_side(targets: list[Target], baseline: str, sessions: int) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser = standard_parser(__doc__, quick="fewer samples (smoke run)")
     args = parser.parse_args()
     rounds, steps, sessions = (2, 40, 64) if args.quick else (5, 200, 64)
     with (
         tempfile.TemporaryDirectory() as tmp_dir,
-        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp_dir) / "redis")) as redis_server,
+        private_redis(Path(tmp_dir) / "redis") as redis_server,
     ):
         tmp = Path(tmp_dir)
         model = ensure_demo_model(tmp / "demo")
@@ -201,7 +196,7 @@ def main() -> int:
     print()
     figures = side_by_side(targets, "plain", sessions)
     if args.json:
-        args.json.write_text(json.dumps(figures))
+        write_result(args.json, figures, line=False)
     return 0
 
 

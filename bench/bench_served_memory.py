@@ -26,10 +26,8 @@ servers within a step count, so drift on a shared machine hits them alike.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import math
 import shlex
 import sys
@@ -56,7 +54,7 @@ from bench_server_cpu import (
     server_variants,
     start_demo_server,
 )
-from harness import table
+from harness import standard_parser, table, write_result
 
 from ssmserve.server.engine.loader import read_config
 from ssmserve.server.main import ensure_demo_model
@@ -134,7 +132,7 @@ async def measure(label: str, address: str, pid: int, n: int, steps: int, state_
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--sessions", type=int, default=3000)
     parser.add_argument("--steps", default="40,80", help="comma-separated steps per session")
     parser.add_argument(
@@ -143,7 +141,6 @@ def main() -> int:
         metavar="PYTHON",
         help="also run another checkout's server (the Python of its venv)",
     )
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     step_counts = [int(s) for s in args.steps.split(",")]
     if args.sessions < 1 or not step_counts or min(step_counts) < 1:
@@ -176,9 +173,7 @@ def main() -> int:
     print("\nKiB = RSS growth per session since before the sessions were created")
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     if args.json:
-        args.json.write_text(
-            json.dumps({"command": [sys.executable, *sys.argv], "rows": [asdict(r) for r in rows]})
-        )
+        write_result(args.json, {"rows": [asdict(r) for r in rows]}, line=False)
     return 0
 
 

@@ -48,10 +48,8 @@ figure.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import shlex
@@ -71,10 +69,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
-from harness import cpu_seconds, start_server, table
+from harness import cpu_seconds, private_redis, standard_parser, start_server, table, write_result
 
 from ssmserve.client.aio import step_input
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.engine.loader import read_config
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.server.sessions.config import SessionDefaults
@@ -135,7 +132,7 @@ def start_demo_server(
     """A server (``cmd``) of the demo model on a Redis of its own in ``redis_dir`` (two
     workers on one Redis would form a cluster and share sessions), both stopped when
     ``stack`` closes; returns its address and pid."""
-    redis_server = stack.enter_context(EmbeddedRedis(EmbeddedRedisSettings(data_dir=redis_dir)))
+    redis_server = stack.enter_context(private_redis(redis_dir))
     proc, address = start_server(
         [*cmd, "--model", f"demo={model_dir}", "--listen", "127.0.0.1:0",
          "--redis-url", redis_server.url]
@@ -438,13 +435,12 @@ def report(rounds: list[Round]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--sessions", default="64,256,3000", help="comma-separated session counts")
     parser.add_argument("--steps", type=int, default=40, help="steps per session per round")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: sessions 64,256,500, 16 steps"
     )
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument(
         "--orders",
         default="session",
@@ -497,19 +493,14 @@ def main() -> int:
     print(f"ssmserve {version}, server numerics signature {numerics or '?'}, {os.cpu_count()} CPUs")
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "command": [sys.executable, *sys.argv],
-                    "version": version,
-                    "numerics": numerics,
-                    "state_bytes": state_bytes,
-                    "steps_per_session": steps,
-                    "rounds": [asdict(r) for r in rounds],
-                },
-                indent=2,
-            )
-        )
+        result = {
+            "version": version,
+            "numerics": numerics,
+            "state_bytes": state_bytes,
+            "steps_per_session": steps,
+            "rounds": [asdict(r) for r in rounds],
+        }
+        write_result(args.json, result, line=False)
     return 0
 
 

@@ -26,9 +26,7 @@ Measured:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -43,10 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc
 from bench_checkpoint import mamba130m_checkpoint
-from harness import cpu_seconds, start_server, table
+from harness import cpu_seconds, private_redis, standard_parser, start_server, table, write_result
 
 from ssmserve.client.aio import step_input
-from ssmserve.server.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings
 from ssmserve.server.main import ensure_demo_model
 from ssmserve.server.state.input_log import InputBlock
 from ssmserve.server.state.store import Store
@@ -516,17 +513,14 @@ async def bench(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser = standard_parser(__doc__, quick="fewer samples (smoke run)", rounds=2)
     parser.add_argument(
         "--only-snapshots", action="store_true", help="only the p99-while-snapshots section"
     )
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of it")
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory() as tmp,
-        EmbeddedRedis(EmbeddedRedisSettings(data_dir=Path(tmp) / "redis")) as redis_server,
+        private_redis(Path(tmp) / "redis") as redis_server,
     ):
         model_dir = ensure_demo_model(Path(tmp) / "demo")
         server, address = start_server(
@@ -549,7 +543,7 @@ def main() -> int:
                 )
             )
             if args.json:
-                args.json.write_text(json.dumps(report, indent=2))
+                write_result(args.json, report, line=False)
         finally:
             for proc in (server, echo):
                 proc.terminate()

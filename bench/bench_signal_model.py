@@ -20,13 +20,11 @@ channels (the headline). Needs the training part, so ``bokeh-sampledata`` (its s
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+from harness import standard_parser, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "ssmserve (cgm-mamba)"
@@ -62,11 +60,10 @@ def scaled_errors(pred: np.ndarray, want: np.ndarray, std: np.ndarray) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = standard_parser(__doc__)
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
     parser.add_argument("--warm", type=int, default=64)
     parser.add_argument("--ar-orders", default="1,2,4,8,16,32")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     train, _, heldout = split(load_series())
@@ -102,7 +99,6 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = {
-            "date": datetime.date.today().isoformat(),
             "readings": t - w - 1,
             "errors_over_std": {
                 name: {kind: {"channels": v, "mean": float(np.mean(v))} for kind, v in e.items()}
@@ -111,7 +107,7 @@ def main() -> None:
             "model": MODEL,
             "ar_order": best_ar[1],
         }
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.json, out, line=False)
 
 
 if __name__ == "__main__":

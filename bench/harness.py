@@ -3,7 +3,7 @@ a private redis-server, worker processes, interleaved rounds and their ratios, t
 the child processes of the side-by-side peers.
 
 A benchmark script (``bench/bench_NAME.py``, listed in ``bench/suite.py``'s manifest) is a
-plain script that builds its parser with :func:`parser`, measures, and ends with
+plain script that builds its parser with :func:`standard_parser`, measures, and ends with
 :func:`write_result`. Every figure of BENCHMARKS.md is a ratio against a peer or a limit
 measured in the same run, because this host is shared and its absolute figures drift by
 20-40% between runs: :func:`interleaved` runs the cases of one round one after the other,
@@ -50,7 +50,7 @@ WORKER_STOP_S = 20.0
 # ---------------------------------------------------------------------------- flags, results
 
 
-def parser(
+def standard_parser(
     doc: str | None, rounds: int | None = None, quick: str | None = None
 ) -> argparse.ArgumentParser:
     """The parser of a benchmark script: its description (the docstring's first paragraph)

@@ -6,7 +6,8 @@ acknowledged). The append needs the input, not the output, so the stepper sends 
 before the batch's first engine call and reads the reply after: the round trip and the
 computation overlap. It still waits for the reply before answering. For a lone session
 stepping one input at a time the two ran one after the other (in the served process
-~70 us of engine call, then ~260 us of append; ``bench/bench_lone_step.py``).
+~70 us of engine call, then ~260 us of append; docs/benchmark-history.md, "Issue 19,
+stop 37").
 
 Which steps go ahead is the batch plan's (``batch_plan``): a session's whole advance,
 when it is surely applied once computed: ``log`` durability, no guards (a guard may

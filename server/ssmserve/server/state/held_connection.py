@@ -6,7 +6,8 @@ connection from the pool and gives it back (an ``asyncio.Lock`` each way, a heal
 redis-py's event dispatch and operation metrics, its retry wrapper): ~35-40 us of the
 worker's CPU per call on top of the ~55 us the send and the reply cost themselves. The
 served process is CPU-bound on that path, so the saving comes off every lone step
-(``bench/bench_lone_step.py`` measures a lone step's server CPU beside another build's).
+(docs/benchmark-history.md, "Issue 19, stop 38": a lone step's server CPU beside the build
+without it).
 
 ``HeldConnection`` keeps one connection out of the pool (made by the pool, so it has the
 pool's address, credentials, TLS and, behind Sentinel, its master lookup) and sends on

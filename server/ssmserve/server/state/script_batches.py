@@ -145,8 +145,8 @@ class ScriptBatches:
 
         Why: a redis-py pipeline costs a task and three more event-loop turns on its way
         out (``Pipeline.reset`` shields a coroutine): ~35 us of client CPU per call
-        (``bench/bench_store_calls.py``). It goes on the held connection when that is free
-        (``held_connection``: ~35 us less again)."""
+        (docs/benchmark-history.md, "Issue 19, stop 31"). It goes on the held connection
+        when that is free (``held_connection``: ~35 us less again)."""
         keys, args = call
         for attempt in range(2):
             try:
