@@ -7,6 +7,8 @@ and moving them to other workers.
                      their unlogged inputs flushed
 ``loading``          sessions into memory and out: load, unload, park, idle eviction
 ``migration``        ``Migrator``: hand-offs to other workers, Migrate, Drain, placed forks
+``handoff``          ``HandOff``: one hand-off driven start to finish (snapshot, reserve,
+                     adopt, drop or take back)
 ``rebalance``        sessions spread over the workers as they join (hand-offs)
 ``replay``           the one rebuild: the newest snapshot at or before a step, plus replay
 ``lifecycle``        sessions born and ended: create, fork, import, close, export

@@ -73,6 +73,7 @@ class SessionLoader:
         self.memory = memory  # the worker's one memory budget
         self.max_unflushed = max_unflushed  # inputs a non-log session holds before a flush
         self._loading: dict[str, asyncio.Task[Session]] = {}  # loads under way, by session
+        self.lease_ms = self.ownership.lease_ms  # fixed for the worker's life
 
     async def session(self, session_id: str) -> Session:
         """The resident session, loading it from the store if it is not in memory.
@@ -196,7 +197,7 @@ class SessionLoader:
             raise await self.elsewhere(meta.model, f"serve session {session_id!r}")
         if meta.numerics and meta.numerics != self.ownership.numerics:
             raise await self._other_numerics(meta)
-        lease = await self._acquire(meta)
+        lease, held, snapshot_id = await self._acquire(meta)
         if meta.owner and meta.owner != self.ownership.worker_id:
             # Its owner neither released it nor handed it here: it crashed or froze, and
             # this worker saw its lease unrenewed for a whole TTL (``cluster.takeover``).
@@ -212,15 +213,17 @@ class SessionLoader:
             # snapshotted at its last step; one taken over, or reloaded here after a drop,
             # may come back behind steps that were answered (SESSION_REWOUND).
             return await self._restore(
-                session_id, model, meta.model, lease, may_be_behind=bool(meta.owner)
+                held, snapshot_id, model, lease, may_be_behind=bool(meta.owner)
             )
         except BaseException:
             with contextlib.suppress(SsmserveError):
                 await self.store.release(lease)
             raise
 
-    async def _acquire(self, meta: SessionMeta) -> SessionLease:
-        """Take the session's lease (a new token). An owner that never let it go is
+    async def _acquire(self, meta: SessionMeta) -> tuple[SessionLease, SessionMeta, str]:
+        """Take the session's lease (a new token); with it, what the load restores from:
+        the session's meta as the lease was taken and its newest snapshot's id
+        (``Store.acquire_to_load``, one round trip). An owner that never let it go is
         waited out: its lease watched for a whole TTL on this worker's clock
         (``cluster.takeover``), unless it is a predecessor of this worker known dead
         (``advertise_lock``): then the beat it left proves at once that nobody renews
@@ -230,9 +233,9 @@ class SessionLoader:
         for attempt in (1, 2):
             sent_at = lease_clock()
             try:
-                token = await self.store.acquire(
+                token, held, snapshot_id = await self.store.acquire_to_load(
                     meta.session_id, self.ownership.worker_id, self.ownership.address,
-                    self.ownership.lease_ms, numerics=self.ownership.numerics, proof=proof,
+                    self.lease_ms, numerics=self.ownership.numerics, proof=proof,
                 )  # fmt: skip
             except LeaseHeldError as held:
                 dead = held.owner_id in self.ownership.predecessors
@@ -242,7 +245,7 @@ class SessionLoader:
                 seen = takeovers.saw(meta.session_id, held)
                 raise self.ownership.not_to_self(meta.session_id, seen) from None
             takeovers.forget(meta.session_id)
-            return self.ownership.new_lease(meta.session_id, token, sent_at)
+            return self.ownership.new_lease(meta.session_id, token, sent_at), held, snapshot_id
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
@@ -266,16 +269,17 @@ class SessionLoader:
 
     async def _restore(
         self,
-        session_id: str,
+        meta: SessionMeta,
+        snapshot_id: str,
         model: Engine,
-        model_name: str,
         lease: SessionLease,
         may_be_behind: bool = False,
     ) -> Session:
-        """Rebuild an acquired session from its newest snapshot and its log."""
-        meta = await self.meta(session_id)  # read after acquiring: the last owner is done
+        """Rebuild an acquired session from its newest snapshot (``snapshot_id``) and its
+        log; ``meta`` as read when its lease was taken (the last owner is done)."""
+        session_id, model_name = meta.session_id, meta.model
         config = SessionConfig.from_bytes(meta.config)
-        record = await self.store.snapshot_at_or_before(session_id, meta.step)
+        record = await self.store.snapshot_by_id(session_id, snapshot_id) if snapshot_id else None
         if record is None:
             raise StoreDataError(f"session {session_id!r} has no snapshot to restore from")
         s = self.resident(

@@ -1,14 +1,14 @@
 """Moving sessions between workers: Migrate one, or Drain a whole worker.
 
-A migration is a hand-off (:meth:`Migrator.hand_off`): the owner stops the session
-between two steps, snapshots it, reserves its lease for the target, and asks the target
-(``Peers.adopt``) to acquire it (a new fencing token) and load it from that snapshot
-(:meth:`Migrator.adopt`, there: ``SessionLoader.session``). If the target fails, the
-reservation is taken back and the session goes on here as if nothing happened; if it
-took the session, the session leaves memory here and the steps queued meanwhile are
-answered with a redirect to the target. Streams that were talking to the source resume
-on the target; nothing is lost or applied twice, because every step carries its number
-and a resend of an applied step is answered, not re-run.
+A migration is a hand-off, driven start to finish by one owner (``handoff.HandOff``):
+the owner stops the session between two steps, snapshots it, reserves its lease for the
+target, and asks the target (``Peers.adopt``) to acquire it (a new fencing token) and
+load it from that snapshot (:meth:`Migrator.adopt`, there: ``SessionLoader.session``). If
+the target fails, the reservation is taken back and the session goes on here as if
+nothing happened; if it took the session, the session leaves memory here and the steps
+queued meanwhile are answered with a redirect to the target. Streams that were talking
+to the source resume on the target; nothing is lost or applied twice, because every step
+carries its number and a resend of an applied step is answered, not re-run.
 
 A drain marks the worker as draining (no new sessions, no loads; the registry shows it),
 then hands every resident session to the least loaded other live worker that serves its
@@ -25,19 +25,14 @@ from dataclasses import dataclass
 
 from ssmserve.server.cluster.ownership import Ownership, least_loaded
 from ssmserve.server.cluster.peers import Peers
-from ssmserve.server.errors import ErrorKind, SessionMovedError, SsmserveError, clip
+from ssmserve.server.errors import ErrorKind, SsmserveError, clip
 from ssmserve.server.sessions.checkpoints import Checkpoints
-from ssmserve.server.sessions.errors import HandOffError, ReloadingError
+from ssmserve.server.sessions.handoff import HandOff, HandOffParts
 from ssmserve.server.sessions.lifecycle import Lifecycle
 from ssmserve.server.sessions.loading import SessionLoader
 from ssmserve.server.sessions.residency import ResidentSessions
-from ssmserve.server.sessions.session import SessionGoneError
 from ssmserve.server.state.store import Store, WorkerRecord
-from ssmserve.server.state.store_errors import (
-    SessionMissingError,
-    StaleEpochError,
-    StoreOutcomeUnknownError,
-)
+from ssmserve.server.state.store_errors import SessionMissingError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +101,9 @@ class Migrator:
         self.settings = settings
         self._on_drain = on_drain
         self._on_undrain = on_undrain
+        self.parts = HandOffParts(
+            store, residents, checkpoints, peers, ownership.address, ownership.lease_ms
+        )
 
     @property
     def address(self) -> str:
@@ -117,6 +115,15 @@ class Migrator:
         return s.step, s.lease.epoch
 
     async def migrate(self, session_id: str, target_address: str) -> MigrationResult:
+        """Move ``session_id`` to the worker at ``target_address``. It runs as a task of
+        its own, named for the session, which this call awaits (cancelled, it is
+        cancelled too and settles as a hand-off cut short does): the hand-off's waits
+        return to it, not through the RPC's frames, and a task dump names it."""
+        return await asyncio.get_running_loop().create_task(
+            self._migrate(session_id, target_address), name=f"migrate-{session_id}"
+        )
+
+    async def _migrate(self, session_id: str, target_address: str) -> MigrationResult:
         started = time.perf_counter()
         if session_id in self.residents.by_id:
             if target_address == self.address:
@@ -144,12 +151,12 @@ class Migrator:
         self, session_id: str, target: WorkerRecord, started: float | None = None
     ) -> MigrationResult:
         """Hand a resident session to ``target`` (checked by the caller: live, serving the
-        model, same numerics), counted and logged as a migration."""
+        model, same numerics; ``HandOff`` drives it), counted and logged as a migration."""
         started = time.perf_counter() if started is None else started
         held = time.perf_counter()
         metrics = self.store.metrics
         try:
-            step, snapshot_id = await self._hand_off(session_id, target)
+            step, snapshot_id = await HandOff(self.parts, session_id, target).run()
         except BaseException:
             metrics.migrations.labels("failed").inc()
             raise
@@ -163,70 +170,6 @@ class Migrator:
                    "target": target.address},
         )  # fmt: skip
         return MigrationResult(session_id, self.address, target.address, step, snapshot_id, elapsed)
-
-    async def _hand_off(self, session_id: str, target: WorkerRecord) -> tuple[int, str]:
-        """Move a resident session to ``target``; returns (step, snapshot id it moved at).
-
-        Between two steps: snapshot (which flushes the log), reserve the lease for the
-        target, and let it acquire and load the session (``Peers.adopt``). If the target
-        fails, the reservation is taken back and the session goes on here as if nothing
-        happened.
-        """
-        s = self.residents.by_id.get(session_id)
-        if s is None or s.gone is not None:
-            raise SessionGoneError(f"session {session_id!r} is not resident on this worker")
-        async with self.residents.hold(s):
-            if s.step != s.last_snapshot_step or s.recent.unflushed:
-                record = await self.checkpoints.write(s, s.step, s.state, "migrate")
-            else:
-                record = await self.store.snapshot_at_or_before(s.id, s.step)
-            snapshot_id = record.snapshot_id if record else ""
-            lease = s.lease
-            await self.residents.write(
-                s, lambda lease: self.store.handoff(lease, target, self.ownership.lease_ms)
-            )
-            try:
-                await self.peers.adopt(target.address, session_id)
-            except asyncio.CancelledError:
-                # Given up under way (a Migrate whose client went away, a rebalance round
-                # stopped): whether the target took the session is unknown, so it is not
-                # kept here.
-                self.residents.lost(
-                    s, lease, StoreOutcomeUnknownError("a hand-off was cancelled under way")
-                )
-                raise
-            except Exception as exc:
-                try:
-                    await self.store.cancel_handoff(
-                        lease, self.ownership.address, target.worker_id, self.ownership.lease_ms
-                    )
-                except StaleEpochError:
-                    pass  # the target did acquire it (only its answer was lost): moved
-                except SsmserveError as cancel_error:
-                    # Whether the reservation still stands is not known (the target may
-                    # yet take it): answer nothing more from this memory; the session
-                    # reloads or is found at the target.
-                    self.residents.drop(
-                        s,
-                        ReloadingError(
-                            f"session {session_id!r}: its hand-off to {target.address} "
-                            f"could not be taken back ({cancel_error}); retry"
-                        ),
-                    )
-                    raise
-                else:
-                    raise HandOffError(
-                        f"worker {target.address} did not take session {session_id!r} ({exc}); "
-                        f"it stays on {self.ownership.address}"
-                    ) from None
-            self.residents.drop(
-                s,
-                SessionMovedError(
-                    f"session {session_id!r} moved to worker {target.address}",
-                    owner=target.address,
-                ),
-            )
-            return s.step, snapshot_id
 
     async def place(self, session_id: str, target_address: str) -> bool:
         """Move a session just made here (a fork) to ``target_address``; returns whether it
@@ -257,7 +200,9 @@ class Migrator:
         return True
 
     async def _target(self, address: str, model: str, numerics: str) -> WorkerRecord:
-        target = await self.ownership.worker_at(address)
+        # The registry read straight from the store (``Ownership.live_workers`` is the
+        # same read): a Migrate's one look at it.
+        target = next((w for w in await self.store.live_workers() if w.address == address), None)
         if target is None:
             raise UnknownWorkerError(f"no live worker is registered at {clip(address)}")
         if target.draining:

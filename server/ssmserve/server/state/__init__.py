@@ -10,6 +10,8 @@
 ``session_ids``   what a session id may be, as a client gives it and as stored
 ``store_records`` the records in Redis hashes (session metadata, workers, snapshots)
 ``store``         ``Store``: sessions, leases, the worker registry, input logs, events
+``store_leases``  leases taken, renewed, released, reserved for a hand-off and taken
+                  back, and their holder (``Store`` has them)
 ``snapshot_store``  snapshot commit (two phases), reads, retention (``Store`` has them)
 ``import_staging``  ImportCheckpoint's chunks staged in Redis (``Store`` has them)
 ``store_facts``   the store's identity, eviction policy and replicas, and their reads

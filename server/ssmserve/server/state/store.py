@@ -1,8 +1,8 @@
 """The session store: sessions, their leases, their input logs and events, and the
-worker registry, in Redis. ``Store`` is the one object the worker holds; its snapshot
-operations are ``snapshot_store``'s, its import staging ``import_staging``'s, what it
-knows about Redis itself ``store_facts``', and the rules every call follows (deadline,
-unknown outcomes, fencing) ``store_calls``'.
+worker registry, in Redis. ``Store`` is the one object the worker holds; its lease
+operations are ``store_leases``', its snapshot operations ``snapshot_store``'s, its
+import staging ``import_staging``'s, what it knows about Redis itself ``store_facts``',
+and the rules every call follows (deadline, unknown outcomes, fencing) ``store_calls``'.
 
 Key names and Lua scripts live in ``store_layout``; these modules run them and turn their
 replies into records (``store_records``), and into the typed errors of ``store_errors``.
@@ -28,7 +28,7 @@ from ssmserve.server.observability.metrics import Metrics
 from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.import_staging import ImportStaging
 from ssmserve.server.state.input_log import InputBlock
-from ssmserve.server.state.lease import SessionLease, new_incarnation, new_nonce
+from ssmserve.server.state.lease import SessionLease
 
 # sessions/manager.py imports the error of a bad session id from here.
 from ssmserve.server.state.session_ids import BadSessionIdError as BadSessionIdError
@@ -36,16 +36,14 @@ from ssmserve.server.state.session_ids import check_session_id
 from ssmserve.server.state.snapshot_store import SnapshotStore
 from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import (
-    LeaseHeldError,
     SessionExistsError,
     StoreError,
     StoreOutcomeUnknownError,
     StoreUnavailableError,
-    reply_fields,
 )
 from ssmserve.server.state.store_facts import StoreFactReads
+from ssmserve.server.state.store_leases import LeaseCalls
 from ssmserve.server.state.store_records import (
-    LeaseHolder,
     SessionMeta,
     SnapshotRecord,
     WorkerRecord,
@@ -54,7 +52,7 @@ from ssmserve.server.state.store_records import (
 EVENTS_KEPT = 1024  # per session: the newest rollbacks and guard events
 
 
-class Store(SnapshotStore, ImportStaging, StoreFactReads):
+class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
     """Async access to the session store. One per worker; safe to share between tasks."""
 
     def __init__(self, settings: StoreSettings, metrics: Metrics | None = None) -> None:
@@ -62,12 +60,6 @@ class Store(SnapshotStore, ImportStaging, StoreFactReads):
         self._index = f"{settings.key_prefix}:sessions"
         self._workers = f"{settings.key_prefix}:workers"
         self._create = self.redis.register_script(layout.CREATE)
-        self._acquire = self.redis.register_script(layout.ACQUIRE)
-        self._renew = self.redis.register_script(layout.RENEW)
-        self._renew_many = self.redis.register_script(layout.RENEW_MANY)
-        self._release = self.redis.register_script(layout.RELEASE)
-        self._handoff = self.redis.register_script(layout.HANDOFF)
-        self._cancel_handoff = self.redis.register_script(layout.CANCEL_HANDOFF)
         self._log_append = self.redis.register_script(layout.LOG_APPEND)
         self._log_append_many = self.redis.register_script(layout.LOG_APPEND_MANY)
         self._cut = self.redis.register_script(layout.ROLLBACK_CUT)
@@ -171,112 +163,6 @@ class Store(SnapshotStore, ImportStaging, StoreFactReads):
             await self._call(
                 "close_session", lambda: self.redis.zrem(self._index, lease.session_id)
             )
-
-    # ------------------------------------------------------------------ ownership
-
-    async def acquire(
-        self,
-        session_id: str,
-        worker_id: str,
-        address: str,
-        lease_ms: int,
-        expect: str = "",
-        numerics: str = "",
-        proof: str = "",
-    ) -> str:
-        """Take the session's lease; returns the new fencing token.
-
-        ``expect``: only if the session's token is still this one (nobody acquired it
-        since). ``numerics``: recorded for a session stored without a signature.
-        ``proof``: the beat this worker saw at least a lease TTL ago, needed to take over a
-        lease that ran out while its owner never let go (``cluster.takeover``). Raises
-        :class:`LeaseHeldError` (the owner's address, how long its lease still runs in
-        Redis, the beat now) when another worker holds it or may still trust it.
-        """
-        k = self.keys(session_id)
-        args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics, new_nonce(),
-                proof]  # fmt: skip
-        raw = await self._script("acquire", self._acquire, [k.meta, k.lease], args)
-        reply = reply_fields(raw)
-        if reply[0] == "ERR_OWNED":
-            owner, ttl, beat, owner_lease_ms = reply[2], reply[3], reply[4], reply[5]
-            owner_id = reply[6] if len(reply) > 6 else ""
-            raise LeaseHeldError(
-                f"session {session_id!r} is served by worker {owner or '(unknown)'}"
-                + ("" if ttl.isdigit() and int(ttl) > 0 else f" ({reply[1]})"),
-                owner=owner,
-                retry_after_ms=max(0, int(ttl) if ttl.isdigit() else 0),
-                beat=beat,
-                owner_lease_ms=int(owner_lease_ms) if owner_lease_ms.isdigit() else 0,
-                owner_id=owner_id,
-            )
-        self._check(raw)
-        return reply[1]
-
-    async def renew_leases(
-        self, leases: Sequence[SessionLease], lease_ms: int
-    ) -> list[SsmserveError | None]:
-        """Extend live leases in one round trip; one entry per lease: None when renewed
-        (or being handed off), else the error (:class:`StaleEpochError` when the session
-        is someone else's, :class:`LeaseExpiredError` when the lease ran out)."""
-        if not leases:
-            return []
-
-        if isinstance(self.redis, RedisCluster):  # one script per session: one slot each
-            calls = []
-            nonce = new_nonce()
-            for lease in leases:
-                k = self.keys(lease.session_id)
-                calls.append(([k.meta, k.lease], [lease.holder, lease.token, lease_ms, nonce]))
-            replies = await self._scripts("renew_leases", self._renew, calls)
-            return [self._outcome(r) for r in replies]
-        # One server: RENEW_MANY. Per session: holder, token.
-        per_session = []
-        for lease in leases:
-            k = self.keys(lease.session_id)
-            per_session.append(((k.meta, k.lease), (lease.holder, lease.token)))
-        return await self._many(
-            "renew_leases", self._renew_many, [lease_ms, new_nonce()], per_session, "renewal"
-        )
-
-    async def release(self, lease: SessionLease) -> None:
-        k = self.keys(lease.session_id)
-        reply = await self._script(
-            "release", self._release, [k.meta, k.lease], [lease.holder, lease.token]
-        )
-        self._fenced(reply)
-
-    async def handoff(self, lease: SessionLease, target: WorkerRecord, lease_ms: int) -> None:
-        """Reserve the session for ``target``: only it may acquire it next."""
-        k = self.keys(lease.session_id)
-        args = [lease.holder, lease.token, target.worker_id, target.address, lease_ms]
-        reply = await self._script("handoff", self._handoff, [k.meta, k.lease], args)
-        self._fenced(reply)
-
-    async def cancel_handoff(
-        self, lease: SessionLease, address: str, target_id: str, lease_ms: int
-    ) -> None:
-        """Take back a reservation the target never used; raises StaleEpochError if it did."""
-        k = self.keys(lease.session_id)
-        args = [lease.holder, lease.token, address, lease_ms, target_id, new_nonce()]
-        reply = await self._script("cancel_handoff", self._cancel_handoff, [k.meta, k.lease], args)
-        self._fenced(reply)
-
-    async def lease_holder(self, session_id: str) -> LeaseHolder | None:
-        """The session's current lease holder, or None when nobody holds it."""
-        k = self.keys(session_id)
-
-        async def run() -> list[Any]:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.get(k.lease)
-                pipe.pttl(k.lease)
-                pipe.hget(k.meta, "owner_addr")
-                return await pipe.execute()
-
-        holder, ttl, addr = await self._call("lease_holder", run)
-        if holder is None:
-            return None
-        return LeaseHolder(holder.decode(), (addr or b"").decode(), max(0, int(ttl)))
 
     # ------------------------------------------------------------------ worker registry
 

@@ -327,19 +327,21 @@ return err or {'OK'}
 """
 )
 
-# KEYS: meta, lease. ARGV: worker id, worker address, lease ms, expected token ('' for
-# any), a fresh incarnation and the worker's numerics signature (both used only by
-# sessions stored before the store recorded them), a fresh nonce, and the caller's proof
-# that the owner no longer trusts its lease ('' for none: the ``beat`` it saw stand for a
-# lease TTL by its own clock, or the beat of an owner it knows dead; ``cluster.takeover``).
-# A refusal names the owner's worker id beside its address and beat, so that the caller
-# can tell whether it knows that worker dead (``advertise_lock``).
-# Free (no lease), held by this worker, or reserved for it by a hand-off: take it with a
-# new token. With an expected token, only if nobody acquired it since that token. A lease
-# whose owner never let go is taken over only with the proof, whether or not its key ran
-# out in Redis: Redis expires keys by its wall clock, which can jump, so its expiry alone
-# never hands a session on (the owner may still trust its lease by its own clock), and a
-# proof holds while the key lingers (the beat did not move: nobody renewed it).
+# KEYS: meta, lease, and for a load snaps (the reply then also names the newest snapshot
+# at or before the durable step, and holds the meta hash's fields and values after it).
+# ARGV: worker id, worker address, lease ms, expected token ('' for any), a fresh
+# incarnation and the worker's numerics signature (both used only by sessions stored
+# before the store recorded them), a fresh nonce, and the caller's proof that the owner
+# no longer trusts its lease ('' for none: the ``beat`` it saw stand for a lease TTL by
+# its own clock, or the beat of an owner it knows dead; ``cluster.takeover``). A refusal
+# names the owner's worker id beside its address and beat, so that the caller can tell
+# whether it knows that worker dead (``advertise_lock``). Free (no lease), held by this
+# worker, or reserved for it by a hand-off: take it with a new token. With an expected
+# token, only if nobody acquired it since that token. A lease whose owner never let go
+# is taken over only with the proof, whether or not its key ran out in Redis: Redis
+# expires keys by its wall clock, which can jump, so its expiry alone never hands a
+# session on (the owner may still trust its lease by its own clock), and a proof holds
+# while the key lingers (the beat did not move: nobody renewed it).
 ACQUIRE = (
     _COMMON
     + """
@@ -385,6 +387,15 @@ local token = incarnation .. '.' .. int(epoch) .. '.' .. ARGV[7]
 redis.call('HSET', KEYS[1], 'token', token, 'owner', ARGV[1], 'owner_addr', ARGV[2],
     'lease_ms', ARGV[3], 'beat', token)
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+if KEYS[3] then
+    -- A load: what it restores from, read as the lease is taken (the last owner is
+    -- done): the newest snapshot at or before the durable step, and the session's meta.
+    local durable = redis.call('HGET', KEYS[1], 'step')
+    local newest = redis.call('ZREVRANGEBYSCORE', KEYS[3], durable, '-inf', 'LIMIT', 0, 1)
+    local reply = {'OK', token, newest[1] or ''}
+    for _, v in ipairs(redis.call('HGETALL', KEYS[1])) do reply[#reply + 1] = v end
+    return reply
+end
 return {'OK', token}
 """
 )
@@ -457,8 +468,10 @@ return {'OK'}
 """
 )
 
-# KEYS: meta, lease. ARGV: worker id, token, target id, target address, lease ms.
-# The owner reserves the session for one target worker, which acquires it next.
+# KEYS: meta, lease, snaps. ARGV: worker id, token, target id, target address, lease ms,
+# the session's step. The owner reserves the session for one target worker, which
+# acquires it next; the reply names the newest snapshot at or before the step (the one
+# the target loads from), '' when there is none.
 HANDOFF = (
     _COMMON
     + """
@@ -466,7 +479,8 @@ local err = fence(KEYS[1], ARGV[2])
 if err then return err end
 redis.call('SET', KEYS[2], 'handoff:' .. ARGV[3], 'PX', ARGV[5])
 redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'owner_addr', ARGV[4])
-return {'OK'}
+local newest = redis.call('ZREVRANGEBYSCORE', KEYS[3], ARGV[6], '-inf', 'LIMIT', 0, 1)
+return {'OK', newest[1] or ''}
 """
 )
 
