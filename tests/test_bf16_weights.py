@@ -16,8 +16,9 @@ import pytest
 
 from ssmserve.server.engine import products
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-from ssmserve.server.engine.loader import bf16_bits, load_bytes, load_model, save_model
+from ssmserve.server.engine.loader import bf16_bits, load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.model_tensors import load_bytes
 from ssmserve.server.engine.numerics import widened
 from ssmserve.server.engine.recurrent_state import BatchState
 from tests.conftest import token_config

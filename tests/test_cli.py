@@ -257,7 +257,7 @@ def test_server_commands_show_the_engines_own_defaults_and_limits() -> None:
 def test_init_demo_presets_have_the_released_shapes() -> None:
     """Each preset's config has its checkpoint's parameter count and state size (the
     weights are random; the costs are the real model's)."""
-    from ssmserve.server.engine.loader import expected_shapes
+    from ssmserve.server.engine.model_tensors import expected_shapes
     from ssmserve.server.engine.presets import PRESETS, preset_config
 
     def params(name: str) -> float:

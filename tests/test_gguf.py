@@ -5,7 +5,7 @@ random-weight Hugging Face language models and the GGUFs that llama.cpp's own
 ``convert_hf_to_gguf.py`` wrote of them, F32, F16, BF16 and Q8_0. A GGUF's tensors are the
 directory's, rounded as its type says; its A is the converter's ``-torch.exp(A_log)``,
 which numpy's float32 exp does not reproduce bit for bit, so the reference each GGUF is
-held to is the directory's model with A replaced by the GGUF's (``loader._decay``): the
+held to is the directory's model with A replaced by the GGUF's (``model_tensors._decay``): the
 same bits at batch 1 and 8, stepping and prefill, and the same fingerprint (which hashes
 every tensor). Its tokenizer, rebuilt from the metadata, is held to the ``tokenizer.json``
 it came from; bad files are refused by name; a real worker serves one and generates text.
@@ -26,17 +26,14 @@ import pytest
 from tokenizers import Tokenizer
 
 from ssmserve.client.sync import Client
-from ssmserve.server.engine.loader import (
-    bf16_bits,
+from ssmserve.server.engine.loader import bf16_bits, load_model, read_config, read_weights
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.model_tensors import (
     build_model,
     expected_shapes,
     kept_16bit,
     load_bytes,
-    load_model,
-    read_config,
-    read_weights,
 )
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.numerics import widened
 from ssmserve.server.engine.quantize import Q8Weight, quantizable, quantize_q8_0, to_blocks
 from ssmserve.server.engine.recurrent_state import BatchState

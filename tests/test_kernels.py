@@ -585,7 +585,7 @@ def test_a_batched_step_reuses_the_last_steps_pages() -> None:
 
     from ssmserve.server.engine.allocator import _LIBC, keep_freed_pages
     from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-    from ssmserve.server.engine.loader import build_model
+    from ssmserve.server.engine.model_tensors import build_model
 
     config = demo_config(DemoSpec(input_dim=8, output_dim=8, hidden=256, layers=4, state=16))
     model = build_model(config, random_tensors(config, 0), name="signal-256x4")
@@ -704,7 +704,7 @@ def test_the_fused_mixer_gives_the_bits_of_its_kernels_called_one_by_one(
     """``kernels.mamba_mixer`` (one compiled call per layer) against the same products and
     kernels called from Python (``mix_in_steps``): outputs and states bit for bit, alone
     and in a batch that is cut into row ranges on two threads."""
-    from ssmserve.server.engine.mamba import MambaBlockWeights
+    from ssmserve.server.engine.mamba1 import MambaBlockWeights
 
     model: MambaModel = request.getfixturevalue(fixture)
     runs = {}
@@ -731,7 +731,7 @@ import hashlib, json
 import numpy as np
 from ssmserve.server.engine import products
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-from ssmserve.server.engine.loader import build_model
+from ssmserve.server.engine.model_tensors import build_model
 from ssmserve.server.engine.numerics import RowStableLinear
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState
 rng = np.random.default_rng(3)

@@ -11,8 +11,9 @@ from safetensors.numpy import load_file, save_file
 
 from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-from ssmserve.server.engine.loader import fingerprint, load_model, save_model
+from ssmserve.server.engine.loader import load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.model_tensors import fingerprint
 from ssmserve.server.errors import ModelFormatError, ModelInputError
 from tests.conftest import HF_FIXTURES, token_config, write_model
 
@@ -209,21 +210,22 @@ def test_check_state(signal_model: MambaModel, token_model: MambaModel) -> None:
 def _too_big_for_this_machine(directory: Path) -> int:
     """A config.json (no weights) of a Mamba LM needing twice the memory available here
     even if its weights were BF16 kept 16-bit; returns the bytes it needs at least."""
-    from ssmserve.server.engine import loader
+    from ssmserve.server.engine.machine_memory import available_memory
+    from ssmserve.server.engine.model_tensors import load_bytes
 
-    have = loader.available_memory()
+    have = available_memory()
     if have is None:
         pytest.skip("no MemAvailable to read here (not Linux)")
     # two layers of the model, at the least a load of it can take (BF16 weights kept)
     two = token_config(hidden_size=4096, intermediate_size=8192, num_hidden_layers=2,
                        time_step_rank=256, vocab_size=8)  # fmt: skip
-    per_layer = loader.load_bytes(two, None, True) // 2
+    per_layer = load_bytes(two, None, True) // 2
     layers = min(4096, 2 * (2 * have // per_layer + 1))
     config = token_config(hidden_size=4096, intermediate_size=8192, num_hidden_layers=layers,
                           time_step_rank=256, vocab_size=8)  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_json()))
-    need = loader.load_bytes(config, None, True)
+    need = load_bytes(config, None, True)
     assert need > have
     return need
 

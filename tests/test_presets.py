@@ -23,7 +23,6 @@ from ssmserve.server.engine.config import MambaConfig
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensor
 from ssmserve.server.engine.loader import (
     bf16_bits,
-    expected_shapes,
     load_model,
     read_config,
     read_weights,
@@ -31,6 +30,7 @@ from ssmserve.server.engine.loader import (
     save_model_streamed,
     weights_file_bytes,
 )
+from ssmserve.server.engine.model_tensors import expected_shapes
 from ssmserve.server.engine.numerics import widened
 from ssmserve.server.engine.presets import PresetDoesNotFit, check_room, preset_needs
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-from ssmserve.server.engine.loader import kept_16bit, load_bytes, load_model, save_model
+from ssmserve.server.engine.loader import load_model, save_model
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.model_tensors import kept_16bit, load_bytes
 from ssmserve.server.engine.quantize import (
     Q8Weight,
     from_blocks,

@@ -41,7 +41,8 @@ from ssmserve.server.engine.config import (
     SIGNAL_ARCHITECTURE_NAME,
     MambaConfig,
 )
-from ssmserve.server.engine.loader import build_model, load_model, save_model
+from ssmserve.server.engine.loader import load_model, save_model
+from ssmserve.server.engine.model_tensors import build_model
 from ssmserve.server.errors import ModelFormatError
 
 #: Config fields the engine reads (beyond the architecture), per backbone.

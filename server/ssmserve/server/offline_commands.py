@@ -36,11 +36,11 @@ from ssmserve.server.engine.loader import (
     CONFIG_FILE,
     INDEX_FILE,
     WEIGHTS_FILE,
-    expected_shapes,
     load_model,
     read_config,
     save_model,
 )
+from ssmserve.server.engine.model_tensors import expected_shapes
 from ssmserve.server.engine.numerics import blas_signature
 from ssmserve.server.errors import ModelInputError, SsmserveError
 from ssmserve.server.state.checkpoint_bench import bench_checkpoint
@@ -129,7 +129,8 @@ def _init_preset(directory: Path, args: argparse.Namespace) -> None:
     The F32 presets are written whole and loaded back; the BF16 ones (billions of
     parameters) one tensor at a time, their fingerprint hashed as they are written."""
     from ssmserve.server.engine.demo import random_tensor
-    from ssmserve.server.engine.loader import available_memory, save_model_streamed
+    from ssmserve.server.engine.loader import save_model_streamed
+    from ssmserve.server.engine.machine_memory import available_memory
     from ssmserve.server.engine.presets import (
         PRESET_DTYPES,
         PresetDoesNotFit,

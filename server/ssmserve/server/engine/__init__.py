@@ -3,9 +3,14 @@
 ``interface``  ``Engine``: what the serving code asks of an engine (both below implement it)
 ``config``    what a model is (dims, architecture), parsed from ``config.json``
 ``numerics``  the BLAS settings and the batch-invariant matrix product
-``mamba``     the math: one recurrent step of a stack of Mamba blocks, batched, and the
-              Mamba-1 mixer
+``weights``   what the math reads: a block's weights (the mixers' protocol), a step's
+              workspace, a whole model's weights and the checks of its inputs and states
+``mamba1``    the Mamba-1 mixer (selective scan)
 ``mamba2``    the Mamba-2 mixer (multi-head SSD step, gated norm)
+``mamba``     the math: one recurrent step of a stack of Mamba blocks, batched
+              (``MambaModel``)
+``model_tensors``  a model's tensors in any file format: names and shapes, fingerprint,
+              the memory a load takes, and the model assembled from them
 ``loader``    Hugging Face ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` and signal-model
               directories (F32, F16, BF16, F64; sharded)
 ``gguf_model``  Mamba / Mamba-2 GGUF files as llama.cpp's ``convert_hf_to_gguf.py`` writes
@@ -38,7 +43,9 @@
               command runs it
 
 Imports: nothing else of the server (numpy, numba, safetensors; tokenizers for a
-model directory that has a ``tokenizer.json``; gguf for a GGUF file).
+model directory that has a ``tokenizer.json``; gguf for a GGUF file). Inside, they run
+one way: ``weights`` and ``kernels`` -> the mixers -> ``split_step`` and ``prefill`` ->
+``mamba`` -> ``model_tensors`` -> ``gguf_model`` and ``loader``.
 """
 
 from ssmserve.server.engine.compile_cache import key_numba_cache

@@ -25,7 +25,8 @@ import numba
 #: change outputs, so workers running different versions must not share a session, and
 #: their compiled kernels must not be reused).
 ENGINE_SOURCES = (
-    "kernels.py", "mamba.py", "mamba2.py", "numerics.py", "prefill.py", "products.py",
+    "kernels.py", "mamba.py", "mamba1.py", "mamba2.py", "numerics.py", "prefill.py",
+    "products.py", "weights.py",
 )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ engine adds it in float64. A GGUF has no Mamba-2 ``time_step_limit``: the defaul
 (transformers' ``mixer_rms_eps``; llama.cpp uses the layer norms' instead).
 
 **Tensor types.** F32 as is; F16 widened to float32 (exact); BF16 kept 16-bit for the
-products' weights and the embedding table (``loader.kept_16bit``), widened elsewhere;
+products' weights and the embedding table (``model_tensors.kept_16bit``), widened elsewhere;
 Q8_0 kept as :class:`~ssmserve.server.engine.quantize.Q8Weight` for those same weights
 (their int8 and float16 scales, exactly as stored) and dequantized to float32 elsewhere
 (exact). The converter writes 1-D tensors, norms, ``ssm_conv1d`` and ``ssm_a`` in F32
@@ -51,7 +51,7 @@ converted from, A excepted: the converter stores ``ssm_a = -torch.exp(A_log)``, 
 directory's A is ``-numpy.exp(A_log)``, and the two float32 exps differ (MKL's, which
 torch calls on x86, against numpy's: by 1 or 2 ulp for about 4 values in 10, measured);
 A_log cannot be recovered from A exactly (that would need torch's exp, bit for bit, on
-the converting machine). So the engine computes with A as stored (``loader._decay``), as
+the converting machine). So the engine computes with A as stored (``model_tensors._decay``), as
 llama.cpp does: a GGUF gives the bits of the directory with A replaced by the GGUF's
 (``tests/test_gguf.py``, steps at batch 1 and 8, prefill), and differs from the
 directory itself only through those last bits of A. F16 / BF16 GGUFs are the directory
@@ -60,14 +60,14 @@ GGUF's quantised weights are ``quantize.quantize_q8_0``'s of the same values
 (``gguf.quants`` is the reference both follow).
 
 **Fingerprint.** A GGUF's fingerprint hashes its A where a directory's hashes A_log
-(``loader._fingerprint_of``), so it never equals the fingerprint of the directory it
+(``model_tensors._fingerprint_of``), so it never equals the fingerprint of the directory it
 came from, and a checkpoint of one is refused by the other: their outputs differ.
 
 Loading is strict: an unreadable or cut-short file, an architecture other than these, a
 metadata key missing or out of range, a missing, unexpected or misshapen tensor, an
 unsupported tensor type, or a NaN or Inf is a
 :class:`~ssmserve.server.errors.ModelFormatError` that names the file and what is wrong.
-The memory check (``loader.check_memory``) runs on the header, before any tensor data is
+The memory check (``model_tensors.check_memory``) runs on the header, before any tensor data is
 read.
 """
 
@@ -84,14 +84,14 @@ import numpy as np
 
 from ssmserve.server.engine.allocator import return_freed_memory, trim_own_arena
 from ssmserve.server.engine.config import Architecture, MambaConfig
-from ssmserve.server.engine.loader import (
+from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.model_tensors import (
     build_model,
     check_memory,
     check_quantization,
     expected_shapes,
     kept_16bit,
 )
-from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.numerics import widened
 from ssmserve.server.engine.quantize import Q8Weight, from_blocks, quantizable, quantize_q8_0
 from ssmserve.server.errors import ModelFormatError, clip
@@ -375,7 +375,7 @@ def _read_tensors(
     shapes = expected_shapes(config)
     for hf_name, src in sources.items():
         value = _tensor(path, stored[src.name], hf_name, shapes[hf_name], quantize)
-        if hf_name.endswith(".A_log"):  # the stored A = -exp(A_log): loader._decay
+        if hf_name.endswith(".A_log"):  # the stored A = -exp(A_log): model_tensors._decay
             tensors[hf_name.removesuffix("_log")] = value
         else:
             tensors[hf_name] = value

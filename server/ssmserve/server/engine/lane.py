@@ -150,7 +150,7 @@ def warm_demo_kernels() -> float:
     keyed by types, not sizes); for images built ahead of time:
     ``python -m ssmserve.server.engine.lane``."""
     from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-    from ssmserve.server.engine.loader import build_model
+    from ssmserve.server.engine.model_tensors import build_model
 
     config = demo_config(DemoSpec())
     model = build_model(config, random_tensors(config, 0), name="warm-up")

@@ -33,8 +33,8 @@ from functools import cached_property
 import numpy as np
 
 from ssmserve.server.engine import kernels
-from ssmserve.server.engine.mamba import StepWorkspace
 from ssmserve.server.engine.numerics import RowStableLinear
+from ssmserve.server.engine.weights import StepWorkspace
 
 
 @dataclass(frozen=True)

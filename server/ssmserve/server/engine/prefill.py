@@ -46,21 +46,19 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 from numba import njit
 
 from ssmserve.server.engine import kernels, products
-from ssmserve.server.engine.mamba import BlockWeights, MambaBlockWeights, StepWorkspace
+from ssmserve.server.engine.mamba1 import MambaBlockWeights
 from ssmserve.server.engine.mamba2 import Mamba2BlockWeights
 from ssmserve.server.engine.numerics import RowStableLinear, padded, widened
 from ssmserve.server.engine.recurrent_state import SessionState, state_layout
 from ssmserve.server.engine.threads import run_ranges
+from ssmserve.server.engine.weights import BlockWeights, ModelWeights, StepWorkspace
 from ssmserve.server.errors import ModelInputError
-
-if TYPE_CHECKING:
-    from ssmserve.server.engine.mamba import MambaModel
 
 #: Which positions' outputs a prefill returns: every one, the last, none, or a boolean
 #: mask ``(T,)`` / strictly increasing int indices into the T positions.
@@ -170,7 +168,7 @@ class _Abandoned(Exception):
 
 
 def prefill(
-    model: MambaModel,
+    model: ModelWeights,
     inputs: np.ndarray,
     state: SessionState | None = None,
     outputs: OutputRows = "all",
@@ -276,7 +274,7 @@ def _run_runners(
 
 
 def _chunk(
-    model: MambaModel,
+    model: ModelWeights,
     x: np.ndarray,
     ws: StepWorkspace,
     carries: list[LayerCarry],

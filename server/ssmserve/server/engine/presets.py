@@ -52,7 +52,8 @@ import dataclasses
 import math
 
 from ssmserve.server.engine.config import Architecture, MambaConfig
-from ssmserve.server.engine.loader import expected_shapes, load_bytes, weights_file_bytes
+from ssmserve.server.engine.loader import weights_file_bytes
+from ssmserve.server.engine.model_tensors import expected_shapes, load_bytes
 
 
 def _mamba1(hidden: int, layers: int, vocab: int) -> MambaConfig:
@@ -134,7 +135,7 @@ class PresetNeeds:
     """What writing and serving a preset takes, in bytes."""
 
     disk: int  # model.safetensors (config.json is a few hundred bytes more)
-    memory: int  # loading it as stored (BF16 kept 16-bit): loader.load_bytes
+    memory: int  # loading it as stored (BF16 kept 16-bit): model_tensors.load_bytes
     memory_q8: int  # loading it with --quantize q8_0
 
 
@@ -159,7 +160,7 @@ DISK_MARGIN = 1 << 30
 def check_room(name: str, where: str, free_disk: int, available_memory: int | None) -> str:
     """Whether preset ``name`` can be written to ``where``, whose filesystem has
     ``free_disk`` bytes free, and served in ``available_memory`` bytes
-    (``loader.available_memory()``; None: unknown, not checked). Raises
+    (``machine_memory.available_memory()``; None: unknown, not checked). Raises
     :class:`PresetDoesNotFit` with the figures when it would not fit on the disk, or could
     not be loaded here even with ``--quantize q8_0``; returns a note (else ``''``) when it
     fits in memory only with ``--quantize q8_0``. The figures are parameters so that the

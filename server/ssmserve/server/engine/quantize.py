@@ -40,7 +40,7 @@ Q8_BLOCK_BYTES = 2 + Q8_BLOCK
 #: Values quantised at a time: a chunk's float32 temporaries (about six copies of it)
 #: bound the memory quantising takes beyond its result, whatever the weight's size.
 CHUNK_VALUES = 1 << 18
-#: Bytes quantising holds beyond the weight and its result (``loader.load_bytes``).
+#: Bytes quantising holds beyond the weight and its result (``model_tensors.load_bytes``).
 QUANTIZE_TRANSIENT_BYTES = 8 * 4 * CHUNK_VALUES
 #: The formats ``--quantize`` takes (``none`` keeps each weight at its stored precision).
 QUANTIZATIONS = ("none", "q8_0")

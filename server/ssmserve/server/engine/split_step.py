@@ -67,8 +67,8 @@ from ssmserve.server.engine.spin import barrier, join_as_helper, new_sync, open_
 from ssmserve.server.engine.threads import COLUMN_SPLIT_MIN_BYTES, engine_pool
 
 if TYPE_CHECKING:
-    from ssmserve.server.engine.mamba import MambaModel, StepWorkspace
     from ssmserve.server.engine.recurrent_state import BatchState
+    from ssmserve.server.engine.weights import ModelWeights, StepWorkspace
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 
@@ -286,7 +286,7 @@ def _bias(lin: Any) -> np.ndarray:
     return lin.bias if lin.bias is not None else _NO_BIAS
 
 
-def stack_weights(model: MambaModel) -> StackWeights:
+def stack_weights(model: ModelWeights) -> StackWeights:
     """The model's :class:`StackWeights` (cached on it)."""
     cached = getattr(model, "_stack_weights", None)
     if cached is not None:
@@ -352,7 +352,7 @@ def stack_weights(model: MambaModel) -> StackWeights:
     return weights
 
 
-def worth_sharing(model: MambaModel, threads: int) -> bool:
+def worth_sharing(model: ModelWeights, threads: int) -> bool:
     """Whether a small batch of ``model`` runs shared over ``threads`` threads."""
     return threads > 1 and model.weight_bytes >= MIN_MODEL_BYTES
 
@@ -364,7 +364,7 @@ def _runnable(arrays: tuple[np.ndarray, ...]) -> bool:
 
 
 def step_shared(
-    model: MambaModel,
+    model: ModelWeights,
     ws: StepWorkspace,
     state: BatchState,
     new_conv: tuple[np.ndarray, ...],
@@ -468,7 +468,7 @@ class OwnBuffers:
     bits: np.ndarray  # (T, ints)
 
 
-def _own_buffers(ws: StepWorkspace, model: MambaModel, threads: int) -> OwnBuffers:
+def _own_buffers(ws: StepWorkspace, model: ModelWeights, threads: int) -> OwnBuffers:
     """The workspace's :class:`OwnBuffers` for ``threads`` threads (made once)."""
     have: OwnBuffers | None = getattr(ws, "shared_buffers", None)
     if have is not None and have.h.shape[0] >= threads:

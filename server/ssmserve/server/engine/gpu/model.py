@@ -37,8 +37,9 @@ from ssmserve.server.engine.gpu.numerics import (
     gpu_numerics_signature,
 )
 from ssmserve.server.engine.gpu.runtime import default_device
-from ssmserve.server.engine.loader import fingerprint, is_gguf, read_config, read_weights
+from ssmserve.server.engine.loader import is_gguf, read_config, read_weights
 from ssmserve.server.engine.mamba import MambaModel
+from ssmserve.server.engine.model_tensors import fingerprint
 from ssmserve.server.engine.prefill import OutputRows, output_rows
 from ssmserve.server.engine.recurrent_state import BatchState, SessionState, state_layout
 from ssmserve.server.errors import ModelFormatError
@@ -135,7 +136,7 @@ class GpuMambaModel:
     ) -> GpuMambaModel:
         """Read and check a model directory as ``load_model`` does, onto ``device``."""
         path = Path(directory)
-        if is_gguf(path):  # its A is stored, not A_log (loader._decay): not on the GPU yet
+        if is_gguf(path):  # its A is stored, not A_log (model_tensors._decay): not on the GPU yet
             raise ModelFormatError(
                 f"{path.name}: the GPU engine does not read GGUF files yet; serve it with "
                 f"--engine cpu"
