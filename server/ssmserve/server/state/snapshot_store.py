@@ -222,8 +222,9 @@ class SnapshotStore(StoreCalls):
         return records[0] if records else None
 
     async def snapshot_by_id(self, session_id: str, snapshot_id: str) -> SnapshotRecord | None:
-        records = await self._records(session_id, [snapshot_id])
-        return records[0] if records else None
+        k = self.keys(session_id)
+        raw = await self._call("records", lambda: self.redis.hgetall(k.snap(snapshot_id)))
+        return SnapshotRecord.from_hash(snapshot_id, raw) if raw else None
 
     async def snapshot_by_label(self, session_id: str, label: str) -> SnapshotRecord | None:
         snapshot_id = await self._call(
