@@ -52,13 +52,12 @@ from harness import (
     standard_parser,
     table,
     worker_args,
+    write_preset_model,
     write_result,
 )
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.server.engine.demo import random_tensors
-from ssmserve.server.engine.loader import save_model
 
 DECODE_PROMPT = [3, 1, 4, 1]
 #: Tokens the decoder may generate in one round beside the prompt (it stops before).
@@ -190,9 +189,7 @@ def main() -> int:
         root = Path(tmp)
         model_dir = args.model_dir
         if model_dir is None:
-            model_dir = root / "mamba-130m"
-            config = config_for("mamba")
-            save_model(model_dir, config, random_tensors(config, 0))
+            model_dir = write_preset_model(root / "mamba-130m", config_for("mamba"))
         workers = Workers(root)
         with private_redis(root / "redis") as redis:
             try:

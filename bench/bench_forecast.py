@@ -5,7 +5,7 @@ Usage: ``.venv/bin/python bench/bench_forecast.py [--quick] [--skip-130m] [--jso
 Processes: one private redis-server (AOF on, appendfsync everysec) and two
 ``ssmserve-server`` workers on loopback sharing it; this process is the client
 (``ssmserve.client.aio.AsyncClient``). Models: the demo model (4 -> 4 signal) and a token model
-with mamba-130m's shape (``bench_engine.mamba_130m_model()``: vocab 50,280, so every
+with mamba-130m's shape (``harness.mamba_130m_model()``: vocab 50,280, so every
 forecast step returns 201 KB of logits), saved to a temp dir for the workers.
 
 Measured, each side by side in the same run:
@@ -42,12 +42,12 @@ from harness import (
     standard_parser,
     table,
     worker_args,
+    write_preset_model,
     write_result,
 )
 
 from ssmserve.client.aio import AsyncClient
-from ssmserve.server.engine.demo import random_tensors
-from ssmserve.server.engine.loader import load_model, save_model
+from ssmserve.server.engine.loader import load_model
 from ssmserve.server.engine.mamba import MambaModel
 from ssmserve.server.engine.recurrent_state import BatchState
 from ssmserve.server.main import ensure_demo_model
@@ -55,10 +55,8 @@ from ssmserve.v1 import ssmserve_pb2 as pb
 
 
 def save_130m(directory: Path) -> Path:
-    """The weights ``bench_engine.mamba_130m_model()`` uses, on disk for the workers."""
-    config = mamba_130m_config()
-    save_model(directory, config, random_tensors(config, 0))
-    return directory
+    """The weights ``harness.mamba_130m_model()`` uses, on disk for the workers."""
+    return write_preset_model(directory, mamba_130m_config())
 
 
 def engine_floor(model: MambaModel, warm: np.ndarray, horizon: int, repeats: int) -> float:

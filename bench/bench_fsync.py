@@ -44,27 +44,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replication import (
-    CALL_TIMEOUT_S,
     Case,
     Pool,
     Served,
     block,
     log_lines,
+    open_served,
     parse_list,
     pct,
 )
 from harness import cpu_seconds, standard_parser, table, write_result
 
 from ssmserve.server.main import ensure_demo_model
-from ssmserve.v1 import ssmserve_pb2 as pb
-from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 from tests.redis_topologies import _Processes, free_cluster_port
 from tests.worker_process import WorkerProcess
 
@@ -172,15 +169,7 @@ async def bench(
     blocks: list[dict[str, object]] = []
     try:
         for config, w in workers.items():
-            channel = grpc.aio.insecure_channel(w.address)
-            stub = pb_grpc.SessionServiceStub(channel)
-            served[config] = Served(config, w, channel, stub, {})
-            for _ in range(most):
-                request = pb.CreateSessionRequest(
-                    model="demo", config=pb.SessionConfig(durability=pb.DURABILITY_LOG)
-                )
-                info = await stub.CreateSession(request, timeout=CALL_TIMEOUT_S)
-                served[config].next_step[info.session_id] = info.step + 1
+            served[config] = await open_served(config, w, most)
         pools = {(c, config): FsyncPool() for c in cases for config in workers}
         # one short block of each first, not counted: imports, caches, connections
         for c in cases:

@@ -12,7 +12,7 @@ Needs torch and transformers in ``.venv-bench`` (not project dependencies)::
 does not move it.) Without them the script prints one line, writes ``{"skipped": 1, ...}``
 and exits 0.
 
-What is measured. One model, the mamba-130m shape of ``bench_engine.mamba_130m_model()``
+What is measured. One model, the mamba-130m shape of ``harness.mamba_130m_model()``
 (hidden 768, 24 layers, state 16, inner 1536, conv 4, Δ rank 48, vocab 50280, tied
 embeddings), with the SAME random weights on both sides: the numpy tensors of
 ``random_tensors(config, 0)`` loaded into ``transformers.MambaForCausalLM`` with a strict

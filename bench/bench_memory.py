@@ -7,7 +7,7 @@ Usage (from the repo root)::
 Models (random weights, deterministic):
   demo    the demo signal model, ``DemoSpec()`` defaults (hidden 64, 2 layers, state 16,
           in/out 4), N = 256 sessions
-  130m    mamba-130m-shaped token model (``bench_engine.mamba_130m_model()``), N = 32
+  130m    mamba-130m-shaped token model (``harness.mamba_130m_model()``), N = 32
 
 What is measured. Each (model, pattern) runs in a fresh subprocess so allocator state does
 not carry over. The child builds the model, then N sessions exactly as

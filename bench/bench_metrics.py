@@ -20,7 +20,6 @@ Also, in this process, what one update costs: prometheus-client's Counter and Hi
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 import tempfile
@@ -31,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_security import Target, measure, side_by_side
-from harness import private_redis, standard_parser, start_server, table, write_result
+from bench_security import Target, run_round, side_by_side
+from harness import interleaved, private_redis, standard_parser, start_server, table, write_result
 
 from ssmserve.server.main import ensure_demo_model
 
@@ -122,14 +121,16 @@ def main() -> int:
             off = Target("metrics off", off_address, None, None)
             on = Target("metrics on, scraped 1/s", on_address, None, None)
             scraper = Scraper(f"http://{metrics_at}/metrics")
-            for r in range(rounds):
-                for target in (off, on) if r % 2 == 0 else (on, off):
-                    if target is on:
-                        with scraper:
-                            asyncio.run(measure(target, steps, sessions))
-                        scraper = Scraper(scraper.url)  # a thread starts once
-                    else:
-                        asyncio.run(measure(target, steps, sessions))
+            scrapers = [scraper]
+
+            def scraped_round() -> float:
+                with scrapers[-1]:
+                    rate = run_round(on, steps, sessions)
+                scrapers.append(Scraper(scraper.url))  # a thread starts once
+                return rate
+
+            cases = {off.name: lambda: run_round(off, steps, sessions), on.name: scraped_round}
+            interleaved(cases, rounds)
             with urllib.request.urlopen(f"http://{metrics_at}/metrics", timeout=10) as reply:
                 exposition = reply.read()
         finally:

@@ -48,12 +48,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_checkpoint import mamba130m_checkpoint
-from harness import Workers, private_redis, standard_parser, table, worker_args, write_result
+from harness import (
+    Workers,
+    private_redis,
+    standard_parser,
+    table,
+    worker_args,
+    write_preset_model,
+    write_result,
+)
 
 from ssmserve.client.aio import AsyncClient
 from ssmserve.client.retry import RetryPolicy
-from ssmserve.server.engine.demo import DemoSpec, demo_config, random_tensors
-from ssmserve.server.engine.loader import save_model
+from ssmserve.server.engine.demo import DemoSpec, demo_config
 from ssmserve.server.main import ensure_demo_model
 
 BIG = DemoSpec(hidden=768, layers=24, state=16, expand=2, conv_kernel=4)
@@ -66,7 +73,7 @@ FOLLOW_TIMEOUT_S = 15.0  # no answer from the new owner for this long: report an
 
 def big_model(directory: Path) -> Path:
     config = demo_config(BIG)
-    save_model(directory, config, random_tensors(config, BIG.seed))
+    write_preset_model(directory, config, BIG.seed)
     state = int(config.num_hidden_layers * config.intermediate_size)
     state *= (config.conv_kernel + config.state_size) * 4
     assert state == mamba130m_checkpoint().state.nbytes, state

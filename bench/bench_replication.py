@@ -189,6 +189,20 @@ async def block(served: Served, case: Case, seconds: float, master_port: int, ou
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def open_served(config: str, worker: WorkerProcess, sessions: int) -> Served:
+    """A channel to ``worker`` and ``sessions`` demo sessions of log durability on it."""
+    channel = grpc.aio.insecure_channel(worker.address)
+    stub = pb_grpc.SessionServiceStub(channel)
+    served = Served(config, worker, channel, stub, {})
+    for _ in range(sessions):
+        request = pb.CreateSessionRequest(
+            model="demo", config=pb.SessionConfig(durability=pb.DURABILITY_LOG)
+        )
+        info = await stub.CreateSession(request, timeout=CALL_TIMEOUT_S)
+        served.next_step[info.session_id] = info.step + 1
+    return served
+
+
 async def bench(
     workers: dict[str, WorkerProcess],
     cases: list[Case],
@@ -203,15 +217,7 @@ async def bench(
     served: dict[str, Served] = {}
     try:
         for config, w in workers.items():
-            channel = grpc.aio.insecure_channel(w.address)
-            stub = pb_grpc.SessionServiceStub(channel)
-            served[config] = Served(config, w, channel, stub, {})
-            for _ in range(most):
-                request = pb.CreateSessionRequest(
-                    model="demo", config=pb.SessionConfig(durability=pb.DURABILITY_LOG)
-                )
-                info = await stub.CreateSession(request, timeout=CALL_TIMEOUT_S)
-                served[config].next_step[info.session_id] = info.step + 1
+            served[config] = await open_served(config, w, most)
         pools = {(c, config): Pool() for c in cases for config in workers}
         # one short block of each first, not counted: imports, caches, connections
         for c in cases:

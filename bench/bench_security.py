@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import ipaddress
 import sys
 import tempfile
@@ -33,7 +34,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from harness import private_redis, standard_parser, start_server, table, write_result
+from harness import (
+    interleaved,
+    private_redis,
+    ratio,
+    standard_parser,
+    start_server,
+    table,
+    write_result,
+)
 
 from ssmserve.client.aio import step_input
 from ssmserve.server.api.auth import token_entry, token_hash
@@ -131,7 +140,8 @@ async def ping_pong(target: Target, stub: pb_grpc.SessionServiceStub, steps: int
     return times
 
 
-async def measure(target: Target, steps: int, sessions: int) -> None:
+async def measure(target: Target, steps: int, sessions: int) -> float:
+    """One round of ``target``: its latency samples kept, its steps/s returned."""
     async with target.channel() as channel:
         stub = pb_grpc.SessionServiceStub(channel)
         times = await ping_pong(target, stub, steps)
@@ -140,10 +150,16 @@ async def measure(target: Target, steps: int, sessions: int) -> None:
         done = await asyncio.gather(*(ping_pong(target, stub, steps) for _ in range(sessions)))
         elapsed = time.perf_counter() - t0
         target.throughput.append(sum(len(d) for d in done) / elapsed)
+        return target.throughput[-1]
+
+
+def run_round(target: Target, steps: int, sessions: int) -> float:
+    return asyncio.run(measure(target, steps, sessions))
 
 
 def side_by_side(targets: list[Target], baseline: str, sessions: int) -> dict[str, dict]:
-    """Print latency and throughput of ``targets`` with ratios to the first; the figures."""
+    """Print latency and throughput of ``targets`` with ratios to the first; the figures,
+    with each target's steps/s over the first's round by round (median and range)."""
     base = targets[0].name
     p50 = {t.name: float(np.percentile(t.latency, 50)) * 1000 for t in targets}
     p99 = {t.name: float(np.percentile(t.latency, 99)) * 1000 for t in targets}
@@ -155,7 +171,8 @@ def side_by_side(targets: list[Target], baseline: str, sessions: int) -> dict[st
     ]  # fmt: skip
     print(table(["worker", "step p50 ms", "step p99 ms", f"p50 vs {baseline}",
                  f"steps/s ({sessions} sessions)", f"throughput vs {baseline}"], rows))  # fmt: skip
-    return {"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate}
+    per_round = {t.name: ratio(t.throughput, targets[0].throughput).as_dict() for t in targets}
+    return {"p50_ms": p50, "p99_ms": p99, "steps_per_s": rate, "steps_per_s_ratio": per_round}
 
 
 def main() -> int:
@@ -185,9 +202,8 @@ def main() -> int:
                 proc, address = start_server(base + extra)
                 procs.append(proc)
                 targets.append(Target(name, address, ca if use_ca else None, token))
-            for r in range(rounds):
-                for target in targets[r % 3 :] + targets[: r % 3]:  # rotate the order
-                    asyncio.run(measure(target, steps, sessions))
+            cases = {t.name: functools.partial(run_round, t, steps, sessions) for t in targets}
+            interleaved(cases, rounds)
         finally:
             for proc in procs:
                 proc.terminate()

@@ -6,6 +6,7 @@ benchmark is run here: each script is asked only for its ``--help``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -20,9 +21,28 @@ REPO = Path(__file__).resolve().parent.parent
 SUITE = REPO / "bench" / "suite.py"
 FIXTURES = Path(__file__).parent / "fixtures" / "bench"
 PAGE = REPO / "BENCHMARKS.md"
-#: Bound on all the scripts' ``--help`` at once: each imports numpy and ssmserve (1-3 s
-#: alone, 10-30 s each when 25 start together on a loaded 2-core host).
-HELP_TIMEOUT_S = 180
+#: Bound on every script's ``--help`` in one process (the imports are shared: ~10 s here,
+#: a minute on a loaded 2-core host).
+HELP_TIMEOUT_S = 300
+#: Runs each script given as ``__main__`` with ``--help`` in this one process; prints
+#: their outputs as one JSON object, by path, a script that failed to parse its
+#: ``--help`` giving its error instead.
+HELP_ALL = """
+import contextlib, io, json, runpy, sys, traceback
+out = {}
+for path in sys.argv[1:]:
+    buffer = io.StringIO()
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(buffer):
+            runpy.run_path(path, run_name="__main__")
+        out[path] = "did not exit on --help"
+    except SystemExit as exc:
+        out[path] = buffer.getvalue() if exc.code in (0, None) else f"exit {exc.code}"
+    except Exception:
+        out[path] = "error: " + traceback.format_exc()
+print(json.dumps(out))
+"""
 
 sys.path.insert(0, str(REPO / "bench"))
 import suite  # noqa: E402 - bench/ is not a package
@@ -41,21 +61,20 @@ def _suite(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, str]:
-    """Every benchmark script's ``--help`` output, by name (all started at once)."""
-    procs = {
-        bench.name: subprocess.Popen(
-            [sys.executable, str(bench.path), "--help"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for bench in suite.BENCHMARKS
-    }
-    out = {}
-    for name, proc in procs.items():
-        text, _ = proc.communicate(timeout=HELP_TIMEOUT_S)
-        assert proc.returncode == 0, f"{name} --help: {text[-2000:]}"
-        out[name] = text
+    """Every benchmark script's ``--help`` output, by name."""
+    paths = [str(bench.path) for bench in suite.BENCHMARKS]
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_ALL, *paths],
+        capture_output=True,
+        text=True,
+        timeout=HELP_TIMEOUT_S,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_path = json.loads(done.stdout.strip().splitlines()[-1])
+    out = {bench.name: by_path[str(bench.path)] for bench in suite.BENCHMARKS}
+    for name, text in out.items():
+        assert text.startswith("usage:"), f"{name} --help: {text[-2000:]}"
     return out
 
 

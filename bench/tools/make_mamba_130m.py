@@ -9,9 +9,9 @@ Usage (from the repo root)::
     .venv/bin/ssmserve model bench DIR --prefill 512 --steps 40 --json
 
 ``--arch mamba`` (the default): state-spaces/mamba-130m's dims
-(``bench_engine.mamba_130m_config``: hidden 768, 24 layers, state 16, expand 2, conv 4,
+(``harness.config_for("mamba")``: hidden 768, 24 layers, state 16, expand 2, conv 4,
 vocab 50280, tied embeddings). ``--arch mamba2``: state-spaces/mamba2-130m's dims
-(``bench_mamba2.mamba2_config``: hidden 768, 24 layers, state 128, head dim 64 so 24
+(``harness.config_for("mamba2")``: hidden 768, 24 layers, state 128, head dim 64 so 24
 heads, 1 group, expand 2, conv 4, tied embeddings) with its padded vocab of 50288 (a
 multiple of 16, as its checkpoint and llama.cpp's converter have it). The files are what
 ``engine/loader.py`` reads from a Hugging Face checkpoint (``config.json`` and
@@ -25,16 +25,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssmserve.server.engine.config import MambaConfig
-from ssmserve.server.engine.demo import random_tensors
-from ssmserve.server.engine.loader import save_model
-from ssmserve.server.engine.presets import preset_config
-
-
-def config_for(arch: str) -> MambaConfig:
-    """The ``init-demo`` preset of that architecture (``engine/presets.py``)."""
-    return preset_config("mamba2-130m" if arch == "mamba2" else "mamba-130m")
+from harness import config_for, write_preset_model
 
 
 def main() -> int:
@@ -45,8 +38,7 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed (0)")
     args = parser.parse_args()
-    config = config_for(args.arch)
-    save_model(args.dir, config, random_tensors(config, args.seed))
+    write_preset_model(args.dir, config_for(args.arch), args.seed)
     print(f"wrote a {args.arch}-130m-shaped model to {args.dir}")
     return 0
 
