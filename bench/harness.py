@@ -77,9 +77,42 @@ def run_command() -> str:
     return shlex.join([str(shown), *sys.argv[1:]])
 
 
+#: Bound on ``git describe`` for a result's commit.
+GIT_TIMEOUT_S = 10.0
+
+
+def checkout_commit() -> str:
+    """The commit this checkout's code is at (``-dirty`` with uncommitted changes), as asv
+    files each result under the commit it measured; ``?`` where git does not answer."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return done.stdout.strip() or "?"
+
+
+def host_cpu() -> str:
+    """The CPU's model name and count: this host is an AMD EPYC on some days, an Intel Xeon
+    on others, and absolute figures differ between them."""
+    model = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model} x {os.cpu_count()}"
+
+
 def write_result(path: Path | None, result: Mapping[str, Any], line: bool = True) -> None:
     """Print ``result`` as JSON on one line (the last line of a benchmark's output) unless
-    ``line`` is false, and write it to ``path`` with the date (UTC) and the command."""
+    ``line`` is false, and write it to ``path`` stamped with the date (UTC), the command,
+    the commit and the host's CPU."""
     if line:
         print(json.dumps(result, default=str))
     if path is None:
@@ -88,6 +121,8 @@ def write_result(path: Path | None, result: Mapping[str, Any], line: bool = True
         **result,
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "command": run_command(),
+        "commit": checkout_commit(),
+        "host": host_cpu(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stamped, indent=2, default=str) + "\n")

@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     first = args[0] if args else "--all"
     if first in ("-h", "--help"):
-        print(__doc__.split("\n\n")[1])
+        print("\n\n".join(__doc__.split("\n\n")[1:3]))
         return 0
     if first == "--list":
         print(listing())
@@ -252,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = ", ".join(BY_NAME)
         print(f"bench: no benchmark {first!r}; the benchmarks: {names}", file=sys.stderr)
         return 2
+    if {"-h", "--help"} & set(args[1:]):  # the script's own flags: no peers needed
+        return subprocess.run([sys.executable, str(bench.path), "--help"], cwd=REPO).returncode
     return run_benchmark(bench, args[1:], bench_python(), results)
 
 
