@@ -1,0 +1,80 @@
+"""The store's two scripts of a hand-off, on a real redis-server: the owner's reservation
+(``Store.handoff``) names the snapshot the target loads from, and the target's acquire
+(``Store.acquire_to_load``) reads the session's record and that snapshot's id in the
+same round trip as it takes the lease (``sessions/handoff.py`` drives them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from ssmserve.server.errors import SessionMovedError
+from ssmserve.server.state.lease import SessionLease, new_incarnation
+from ssmserve.server.state.store import Store
+from ssmserve.server.state.store_calls import StoreSettings
+from ssmserve.server.state.store_errors import StaleEpochError
+from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord, WorkerRecord
+
+LEASE_MS = 60_000
+STEP = 7  # the test session's step, where its one snapshot stands
+CONFIG = b"\x00\xffcfg\x80"  # a config that is not text: the record read back keeps its bytes
+TARGET = WorkerRecord("w2", "addr:2", ("demo",), 0, 1.0, 1.0, False)
+
+
+def run(redis_url: str, body: Callable[[Store], Awaitable[None]]) -> None:
+    async def main() -> None:
+        s = Store(StoreSettings(url=redis_url, piece_bytes=1 << 20))
+        try:
+            await body(s)
+        finally:
+            await s.aclose()
+
+    asyncio.run(main())
+
+
+async def new(s: Store, sid: str) -> tuple[SessionLease, str]:
+    """A session of worker w1 at ``STEP``, its first snapshot there: its lease and that
+    snapshot's id."""
+    lease = SessionLease(sid, f"{new_incarnation()}.1", "w1")
+    meta = SessionMeta(
+        sid, "demo", "f" * 64, STEP, STEP + 1, CONFIG, 1.0, 1.0, False, 1, "w1", "addr:1",
+        lease.token, "n" * 16,
+    )  # fmt: skip
+    snapshot = SnapshotRecord(f"{STEP:012d}-base", STEP, "", "test", 2.0, 4, 1)
+    await s.create_session(meta, LEASE_MS, snapshot, b"base", 16)
+    return lease, snapshot.snapshot_id
+
+
+def test_the_reservation_names_the_newest_snapshot_at_or_before_the_step(redis_url: str) -> None:
+    async def body(s: Store) -> None:
+        lease, snapshot_id = await new(s, "a")
+        assert await s.handoff(lease, TARGET, LEASE_MS, STEP) == snapshot_id
+        assert await s.handoff(lease, TARGET, LEASE_MS) == snapshot_id  # the newest of all
+        assert await s.handoff(lease, TARGET, LEASE_MS, STEP - 1) == ""  # none that early
+        assert (await s.lease_holder("a")).holder == "handoff:w2"
+
+    run(redis_url, body)
+
+
+def test_the_targets_acquire_reads_the_record_and_snapshot_it_loads_from(redis_url: str) -> None:
+    async def body(s: Store) -> None:
+        lease, snapshot_id = await new(s, "a")
+        await s.handoff(lease, TARGET, LEASE_MS, STEP)
+        # Only the target may take it.
+        with pytest.raises(SessionMovedError):
+            await s.acquire_to_load("a", "w3", "addr:3", LEASE_MS)
+        token, meta, newest = await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS)
+        # The record as the lease was taken: the new token and owner, the step, the bytes.
+        assert token != lease.token and meta.token == token
+        assert (meta.owner, meta.owner_addr) == ("w2", "addr:2")
+        assert (meta.step, meta.config, meta.model) == (STEP, CONFIG, "demo")
+        assert meta == await s.get_meta("a")
+        assert newest == snapshot_id
+        # The source's late take-back finds itself fenced: the target holds it.
+        with pytest.raises(StaleEpochError):
+            await s.cancel_handoff(lease, "addr:1", "w2", LEASE_MS)
+
+    run(redis_url, body)
