@@ -158,7 +158,7 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentine
 
 #: Where the store can live. A module that sets ``ALL_TOPOLOGIES = True`` runs each of its
 #: tests that use ``redis_url`` on every one (the cluster and Sentinel runs are slow-marked:
-#: ``./dev test`` and CI run them, the fast default does not).
+#: ``./dev test --all`` and CI run them, ``./dev test`` does not).
 TOPOLOGIES = [
     pytest.param("single", id="single"),
     pytest.param("cluster", id="cluster", marks=[pytest.mark.slow, pytest.mark.topology]),
