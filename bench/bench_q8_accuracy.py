@@ -23,6 +23,7 @@ ssmserve keeps activations float32 and widens the weights exactly.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,11 @@ def _child_args(args: argparse.Namespace, gguf: Path, quantize: str) -> argparse
 def main() -> int:
     parser = standard_parser(__doc__)
     parser.add_argument("--model", type=Path, required=True, help="HF-format model directory")
-    parser.add_argument("--converter", help="llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument(
+        "--converter",
+        default=os.environ.get("LLAMA_CPP_CONVERTER"),
+        help="llama.cpp's convert_hf_to_gguf.py ($LLAMA_CPP_CONVERTER)",
+    )
     parser.add_argument("--peer-python", default=DEFAULT_PEER)
     parser.add_argument("--arch", choices=("mamba", "mamba2"), default="mamba")
     args = parser.parse_args()
