@@ -61,7 +61,7 @@ def _check_side(side: dict[str, Any], threads: set[str], package: str) -> None:
 @pytest.fixture(scope="module")
 def trace_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     """One run of the script, ``REPEATS`` traces of each path: its JSON and the results
-    folder it wrote it to (as ``bench/run`` does)."""
+    folder it wrote it to (as ``./dev bench trace_path`` does)."""
     results = tmp_path_factory.mktemp("trace-path")
     out = results / "trace_path.json"
     proc = subprocess.run(
