@@ -126,17 +126,18 @@ def test_a_stamp_that_names_no_set_counts_as_everything_installed(tmp_path):
 
 
 def test_dev_test_leaves_the_slow_tests_out_and_all_takes_them_in(tmp_path):
-    """``./dev test``: pyproject's ``-m 'not slow'`` stands; ``--all``, wherever it is among
-    the arguments, runs every test; the other arguments go to pytest as they are."""
+    """``./dev test``: pyproject's ``-m 'not slow'`` stands, the files spread over a process
+    per CPU; ``--all``, wherever it is among the arguments, runs every test in one process;
+    the other arguments go to pytest as they are."""
     repo = checkout(tmp_path)
     assert dev(repo, "test", "tests/test_store.py", "-x").returncode == 0
-    assert calls(repo)[-1] == "-m pytest tests/test_store.py -x"
+    assert calls(repo)[-1] == "-m pytest -n logical --dist loadfile tests/test_store.py -x"
     assert dev(repo, "test", "--all", "--durations=30").returncode == 0
     assert calls(repo)[-1] == "-m pytest -m slow or not slow --durations=30"
     assert dev(repo, "test", "-k", "lease", "--all").returncode == 0
     assert calls(repo)[-1] == "-m pytest -m slow or not slow -k lease"
     assert dev(repo, "test").returncode == 0
-    assert calls(repo)[-1] == "-m pytest"
+    assert calls(repo)[-1] == "-m pytest -n logical --dist loadfile"
 
 
 def test_dev_without_a_task_prints_its_help(tmp_path):
