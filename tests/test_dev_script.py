@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RECORDER = """#!/usr/bin/env bash
 echo "$*" >> "$(dirname "$0")/../calls.log"
+echo "${PYTHONDONTWRITEBYTECODE:-}|${PYTHONPYCACHEPREFIX:-}" > "$(dirname "$0")/../bytecode.log"
 [[ "$*" == *"pip install"* && -n "${FAIL_PIP:-}" ]] && { echo "pip: no such package"; exit 1; }
 exit 0
 """
@@ -146,3 +147,17 @@ def test_dev_without_a_task_prints_its_help(tmp_path):
     assert run.returncode == 2
     assert "--all: every test" in run.stdout and "./dev soak N" in run.stdout
     assert not any(line and not line.startswith("#") for line in run.stdout.splitlines())
+
+
+def test_dev_test_has_the_bytecode_written_under_the_venv_where_the_environment_forbids_it(
+    tmp_path,
+):
+    """Where PYTHONDONTWRITEBYTECODE is set, every process the tests start would compile
+    its imports from source again (the server's: 1.7 s of CPU against 0.6): ``./dev test``
+    has it written under .venv; where it is not set, Python's own places stand."""
+    repo = checkout(tmp_path)
+    bytecode = repo / ".venv" / "bytecode.log"
+    assert dev(repo, "test", PYTHONDONTWRITEBYTECODE="1").returncode == 0
+    assert bytecode.read_text().strip() == f"|{repo / '.venv' / 'pycache'}"
+    assert dev(repo, "test").returncode == 0
+    assert bytecode.read_text().strip() == "|"
