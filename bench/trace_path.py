@@ -87,7 +87,7 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table
+from harness import table
 
 T = TypeVar("T")
 

@@ -99,7 +99,7 @@ def test_every_benchmark_is_a_script_that_takes_its_runs_arguments(helps: dict[s
 
 def test_every_script_in_bench_is_in_the_manifest() -> None:
     scripts = {p.name for p in (REPO / "bench").glob("*.py")}
-    shared = {"harness.py", "suite.py", "summary.py", "common.py"}
+    shared = {"harness.py", "suite.py", "summary.py"}
     assert scripts - shared == {b.path.name for b in suite.BENCHMARKS}
 
 
