@@ -137,10 +137,19 @@ class Ownership:
         return self.settings.lease_ms
 
     def new_lease(self, session_id: str, token: str, sent_at: float) -> SessionLease:
-        """The lease a create or acquire sent at ``sent_at`` (monotonic) just gave us."""
-        lease = SessionLease(session_id, token, self.worker_id)
-        lease.extend(sent_at, self.settings.lease_ttl_s, self.settings.margin_s)
-        return lease
+        """The lease a create or acquire sent at ``sent_at`` (monotonic) just gave us: it
+        runs until ``sent_at`` plus the TTL, less the margin (``SessionLease.extend``)."""
+        s = self.settings
+        return SessionLease(
+            session_id, token, self.worker_id, max(0.0, sent_at + s.lease_ttl_s - s.margin_s)
+        )
+
+    def acquired(self, session_id: str, token: str, sent_at: float) -> SessionLease:
+        """A load's acquire sent at ``sent_at`` gave this worker ``token``: a sighting of
+        the session held by another (``cluster.takeover``) proves nothing any more; the
+        new lease."""
+        self.takeovers.forget(session_id)
+        return self.new_lease(session_id, token, sent_at)
 
     async def start(self) -> None:
         await self.heartbeat()

@@ -128,14 +128,17 @@ class SessionLoader:
         history = max(config.history_window, 1) + unflushed
         return c.state_bytes + history * input_bytes + self.output_window * 4 * c.output_dim
 
-    def check_capacity(self, model: Engine, config: SessionConfig) -> None:
-        """Room here for one more session like that: the session count and the memory."""
+    def check_capacity(self, model: Engine, config: SessionConfig) -> int:
+        """Room here for one more session like that: the session count and the memory.
+        Returns its footprint (what ``ResidentSessions.add`` counts it for)."""
         count = len(self.residents.by_id)
         if count >= self.max_sessions:
             raise CapacityError(
                 f"this worker already holds {count} sessions (max_sessions {self.max_sessions})"
             )
-        self.memory.check(self.footprint(model, config), "one more session")
+        footprint = self.footprint(model, config)
+        self.memory.check(footprint, "one more session")
+        return footprint
 
     async def elsewhere(self, model: str, what: str) -> SessionMovedError:
         """This worker is draining: point the caller at the least loaded other worker."""
@@ -189,7 +192,7 @@ class SessionLoader:
                 f"(fingerprint {meta.fingerprint[:16]}, loaded {model.fingerprint[:16]}; "
                 f"the weights' format is part of it: --quantize must match too)"
             )
-        self.check_capacity(model, SessionConfig.from_bytes(meta.config))
+        footprint = self.check_capacity(model, SessionConfig.from_bytes(meta.config))
         if self.ownership.draining:
             holder = await self.store.lease_holder(session_id)
             if holder is not None and holder.owner_addr:
@@ -213,7 +216,7 @@ class SessionLoader:
             # snapshotted at its last step; one taken over, or reloaded here after a drop,
             # may come back behind steps that were answered (SESSION_REWOUND).
             return await self._restore(
-                held, snapshot_id, model, lease, may_be_behind=bool(meta.owner)
+                held, snapshot_id, model, lease, footprint, may_be_behind=bool(meta.owner)
             )
         except BaseException:
             with contextlib.suppress(SsmserveError):
@@ -229,9 +232,11 @@ class SessionLoader:
         (``advertise_lock``): then the beat it left proves at once that nobody renews
         it. A lease held under this worker's own address is never a redirect here."""
         takeovers = self.ownership.takeovers
-        proof = takeovers.proof(meta.session_id)
+        sent_at = lease_clock()
+        proof = takeovers.proof(meta.session_id, sent_at)
         for attempt in (1, 2):
-            sent_at = lease_clock()
+            if attempt == 2:
+                sent_at = lease_clock()
             try:
                 token, held, snapshot_id = await self.store.acquire_to_load(
                     meta.session_id, self.ownership.worker_id, self.ownership.address,
@@ -244,8 +249,7 @@ class SessionLoader:
                     continue
                 seen = takeovers.saw(meta.session_id, held)
                 raise self.ownership.not_to_self(meta.session_id, seen) from None
-            takeovers.forget(meta.session_id)
-            return self.ownership.new_lease(meta.session_id, token, sent_at), held, snapshot_id
+            return self.ownership.acquired(meta.session_id, token, sent_at), held, snapshot_id
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
@@ -273,6 +277,7 @@ class SessionLoader:
         snapshot_id: str,
         model: Engine,
         lease: SessionLease,
+        footprint: int,
         may_be_behind: bool = False,
     ) -> Session:
         """Rebuild an acquired session from its newest snapshot (``snapshot_id``) and its
@@ -289,17 +294,17 @@ class SessionLoader:
         # The outputs the session keeps to answer resends: a client resends what it was
         # not answered when its stream is cut (a failover) and gets them from memory.
         rebuilt = await self.replay.rebuild(s, meta.step, record, tail=self.output_window)
-        remember_history(s, rebuilt.checkpoint.history)
-        if rebuilt.checkpoint.output is not None and rebuilt.replayed <= self.output_window:
-            s.recent.remember_output(record.step, rebuilt.checkpoint.output)
-        s.recent.remember_inputs(record.step + 1, rebuilt.inputs)
-        for i, output in enumerate(rebuilt.outputs):
-            s.recent.remember_output(rebuilt.outputs_from + i, output)
+        ckpt, replayed = rebuilt.checkpoint, meta.step - record.step
+        s.recent.restored(
+            s.codec, ckpt.history.first_step, ckpt.history.inputs, record.step,
+            ckpt.output if replayed <= self.output_window else None,
+            rebuilt.inputs, meta.step - len(rebuilt.outputs) + 1, rebuilt.outputs,
+        )  # fmt: skip
         s.rebuilt_at(rebuilt.state, meta.step, record.step, may_be_behind, rebuilt.guards)
-        self.residents.add(s, self.footprint(model, config))
+        self.residents.add(s, footprint)
         log.info(
             "session %s restored at step %d, token %s (snapshot %d + %d replayed)",
-            session_id, meta.step, lease.token, record.step, rebuilt.replayed,
+            session_id, meta.step, lease.token, record.step, replayed,
         )  # fmt: skip
         return s
 

@@ -432,6 +432,29 @@ class RecentSteps:
         for i, raw_input in enumerate(raw):
             self.inputs.append(first + i, np.frombuffer(raw_input, np.uint8))
 
+    def restored(
+        self,
+        codec: InputCodec,
+        history_first: int,
+        history: np.ndarray,
+        step: int,
+        output: np.ndarray | None,
+        replayed: Sequence[bytes],
+        outputs_from: int,
+        outputs: Sequence[np.ndarray],
+    ) -> None:
+        """What a session rebuilt from its snapshot at ``step`` knows, all already in the
+        log: the snapshot's input history window (``history``, values of steps
+        ``history_first ..``) and output at ``step`` (None: not kept), the ``replayed``
+        inputs of the steps after it, and ``outputs`` of steps ``outputs_from ..``. One
+        call, so a load fills memory without going back and forth."""
+        self.remember_inputs(history_first, [codec.encode(value) for value in history])
+        if output is not None:
+            self.outputs.append(step, output)
+        self.remember_inputs(step + 1, replayed)
+        for i, row in enumerate(outputs):
+            self.outputs.append(outputs_from + i, row)
+
     def remember_output(self, step: int, output: np.ndarray) -> None:
         """The output of ``step`` known from elsewhere (a fork's first step)."""
         self.outputs.append(step, output)
