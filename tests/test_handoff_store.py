@@ -15,7 +15,7 @@ from ssmserve.server.errors import SessionMovedError
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_calls import StoreSettings
-from ssmserve.server.state.store_errors import StaleEpochError
+from ssmserve.server.state.store_errors import StaleEpochError, StoreError
 from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord, WorkerRecord
 
 LEASE_MS = 60_000
@@ -76,5 +76,29 @@ def test_the_targets_acquire_reads_the_record_and_snapshot_it_loads_from(redis_u
         # The source's late take-back finds itself fenced: the target holds it.
         with pytest.raises(StaleEpochError):
             await s.cancel_handoff(lease, "addr:1", "w2", LEASE_MS)
+
+    run(redis_url, body)
+
+
+def test_a_load_reads_the_snapshot_record_and_its_bytes_together(redis_url: str) -> None:
+    """``Store.snapshot_and_blob``: the record and its first piece in one pipeline, the
+    other pieces of a checkpoint over ``piece_bytes`` after; a lost piece is an error, a
+    snapshot that is not there is None."""
+
+    async def body(s: Store) -> None:
+        lease, snapshot_id = await new(s, "a")
+        assert await s.snapshot_and_blob("a", snapshot_id) == (
+            await s.snapshot_by_id("a", snapshot_id),
+            b"base",
+        )
+        big = bytes(range(256)) * ((2 << 20) // 256 + 3)  # three pieces of 1 MiB
+        record = SnapshotRecord(f"{STEP:012d}-big", STEP, "", "test", 3.0, len(big), 3)
+        await s.commit_snapshot(lease, record, big, 16)
+        read = await s.snapshot_and_blob("a", record.snapshot_id)
+        assert read is not None and read[0].pieces == 3 and read[1] == big
+        assert await s.snapshot_and_blob("a", "no-such-snapshot") is None
+        await s.redis.delete(s.keys("a").blob(record.snapshot_id, 2))
+        with pytest.raises(StoreError, match="lost pieces"):
+            await s.snapshot_and_blob("a", record.snapshot_id)
 
     run(redis_url, body)

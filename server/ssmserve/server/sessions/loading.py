@@ -284,16 +284,17 @@ class SessionLoader:
         log; ``meta`` as read when its lease was taken (the last owner is done)."""
         session_id, model_name = meta.session_id, meta.model
         config = SessionConfig.from_bytes(meta.config)
-        record = await self.store.snapshot_by_id(session_id, snapshot_id) if snapshot_id else None
-        if record is None:
+        read = await self.store.snapshot_and_blob(session_id, snapshot_id) if snapshot_id else None
+        if read is None:
             raise StoreDataError(f"session {session_id!r} has no snapshot to restore from")
+        record, blob = read
         s = self.resident(
             session_id, model, model_name, config, model.new_state(), record.step,
             meta.created_at, lease,
         )  # fmt: skip
         # The outputs the session keeps to answer resends: a client resends what it was
         # not answered when its stream is cut (a failover) and gets them from memory.
-        rebuilt = await self.replay.rebuild(s, meta.step, record, tail=self.output_window)
+        rebuilt = await self.replay.rebuild(s, meta.step, record, self.output_window, blob)
         ckpt, replayed = rebuilt.checkpoint, meta.step - record.step
         s.recent.restored(
             s.codec, ckpt.history.first_step, ckpt.history.inputs, record.step,

@@ -85,16 +85,18 @@ class Replay:
         step: int,
         record: SnapshotRecord | None = None,
         tail: int | None = None,
+        blob: bytes | None = None,
     ) -> Rebuilt:
         """The state of ``s`` at ``step``: snapshot ``record`` (default: the newest at or
         before ``step``) plus the logged inputs after it, replayed, with the outputs of the
         last ``tail`` replayed steps (None: all; a prefill computes the head only for
-        those). Changes nothing."""
+        those). ``blob``: ``record``'s checkpoint bytes, when the caller read them with it
+        (a load: ``Store.snapshot_and_blob``). Changes nothing."""
         if record is None:
             record = await self.store.snapshot_at_or_before(s.id, step)
             if record is None:
                 raise await self.out_of_range(s, step)
-        ckpt = await self._read_checkpoint(s.id, record, s.model)
+        ckpt = await self._read_checkpoint(s.id, record, s.model, blob)
         raw = await self.inputs(s, record.step + 1, step)
         guards = self.guards_at(s, ckpt)
         if not raw:
@@ -277,9 +279,10 @@ class Replay:
         )
 
     async def _read_checkpoint(
-        self, session_id: str, record: SnapshotRecord, model: Engine
+        self, session_id: str, record: SnapshotRecord, model: Engine, blob: bytes | None = None
     ) -> Checkpoint:
-        blob = await self.store.read_blob(session_id, record)
+        if blob is None:
+            blob = await self.store.read_blob(session_id, record)
         try:
             ckpt = Checkpoint.decode(blob)
             ckpt.check_model(model)

@@ -226,6 +226,30 @@ class SnapshotStore(StoreCalls):
         raw = await self._call("records", lambda: self.redis.hgetall(k.snap(snapshot_id)))
         return SnapshotRecord.from_hash(snapshot_id, raw) if raw else None
 
+    async def snapshot_and_blob(
+        self, session_id: str, snapshot_id: str
+    ) -> tuple[SnapshotRecord, bytes] | None:
+        """Snapshot ``snapshot_id`` and its checkpoint bytes (None when there is no such
+        snapshot): its record and first piece in one round trip, the other pieces (a
+        checkpoint over ``piece_bytes``, 1-4 MiB) in a second. A load reads both at once."""
+        k = self.keys(session_id)
+
+        async def run() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(k.snap(snapshot_id))
+                pipe.get(k.blob(snapshot_id, 0))
+                return await pipe.execute()
+
+        raw, first = await self._call("record_and_blob", run)
+        if not raw:
+            return None
+        record = SnapshotRecord.from_hash(snapshot_id, raw)
+        pieces: list[bytes | None] = [first][: record.pieces]
+        if record.pieces > 1:
+            rest = [k.blob(snapshot_id, i) for i in range(1, record.pieces)]
+            pieces += await self._call("read_blob", lambda: self.redis.mget(rest))
+        return record, self._joined(session_id, record, pieces)
+
     async def snapshot_by_label(self, session_id: str, label: str) -> SnapshotRecord | None:
         snapshot_id = await self._call(
             "snapshot_by_label", lambda: self.redis.hget(self.keys(session_id).labels, label)
@@ -238,9 +262,14 @@ class SnapshotStore(StoreCalls):
         k = self.keys(session_id)
         names = [k.blob(record.snapshot_id, i) for i in range(record.pieces)]
         pieces = await self._call("read_blob", lambda: self.redis.mget(names))
+        return self._joined(session_id, record, pieces)
+
+    @staticmethod
+    def _joined(session_id: str, record: SnapshotRecord, pieces: list[bytes | None]) -> bytes:
+        """The checkpoint bytes of ``record`` from its pieces, as read."""
         if any(p is None for p in pieces):
             raise StoreError(f"snapshot {record.snapshot_id} of {session_id!r} has lost pieces")
-        blob = b"".join(pieces)
+        blob = b"".join(p for p in pieces if p is not None)
         if len(blob) != record.size:
             raise StoreError(
                 f"snapshot {record.snapshot_id} is {len(blob)} bytes, index says {record.size}"
