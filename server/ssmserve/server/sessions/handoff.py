@@ -107,6 +107,14 @@ class HandOff:
         except Exception as exc:
             try:
                 await p.store.cancel_handoff(lease, p.address, target.worker_id, p.lease_ms)
+            except asyncio.CancelledError:
+                # Cut short while taking the reservation back: whether it was taken back,
+                # or the target holds the session, is unknown, so this memory answers
+                # nothing more (it holds nothing Redis lacks: the hold snapshotted it).
+                p.residents.lost(
+                    s, lease, StoreOutcomeUnknownError("a hand-off's take-back was cancelled")
+                )
+                raise
             except StaleEpochError:
                 return  # the target did acquire it (only its answer was lost): moved
             except SsmserveError as cancel_error:
