@@ -288,14 +288,15 @@ class SessionLoader:
         if read is None:
             raise StoreDataError(f"session {session_id!r} has no snapshot to restore from")
         record, blob = read
+        ckpt = self.replay.decode(session_id, record, model, blob)
         s = self.resident(
-            session_id, model, model_name, config, model.new_state(), record.step,
-            meta.created_at, lease,
+            session_id, model, model_name, config, ckpt.state, record.step, meta.created_at,
+            lease,
         )  # fmt: skip
         # The outputs the session keeps to answer resends: a client resends what it was
         # not answered when its stream is cut (a failover) and gets them from memory.
-        rebuilt = await self.replay.rebuild(s, meta.step, record, self.output_window, blob)
-        ckpt, replayed = rebuilt.checkpoint, meta.step - record.step
+        rebuilt = await self.replay.rebuild(s, meta.step, record, self.output_window, ckpt)
+        replayed = meta.step - record.step
         s.recent.restored(
             s.codec, ckpt.history.first_step, ckpt.history.inputs, record.step,
             ckpt.output if replayed <= self.output_window else None,

@@ -36,7 +36,7 @@ from ssmserve.server.sessions.guards import check_output
 from ssmserve.server.sessions.records import RollbackTarget, StatePoint
 from ssmserve.server.sessions.residency import ResidentSessions
 from ssmserve.server.sessions.session import Session
-from ssmserve.server.sessions.stateful_guards import state_of_checkpoint
+from ssmserve.server.sessions.stateful_guards import is_stateful, state_of_checkpoint
 from ssmserve.server.state.checkpoint import Checkpoint, GuardState, InputHistory
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_records import SnapshotRecord
@@ -85,18 +85,20 @@ class Replay:
         step: int,
         record: SnapshotRecord | None = None,
         tail: int | None = None,
-        blob: bytes | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> Rebuilt:
         """The state of ``s`` at ``step``: snapshot ``record`` (default: the newest at or
         before ``step``) plus the logged inputs after it, replayed, with the outputs of the
         last ``tail`` replayed steps (None: all; a prefill computes the head only for
-        those). ``blob``: ``record``'s checkpoint bytes, when the caller read them with it
-        (a load: ``Store.snapshot_and_blob``). Changes nothing."""
+        those). ``checkpoint``: ``record``'s, when the caller has it decoded (a load:
+        ``Store.snapshot_and_blob``, :meth:`decode`). Changes nothing."""
         if record is None:
             record = await self.store.snapshot_at_or_before(s.id, step)
             if record is None:
                 raise await self.out_of_range(s, step)
-        ckpt = await self._read_checkpoint(s.id, record, s.model, blob)
+        ckpt = checkpoint
+        if ckpt is None:
+            ckpt = await self._read_checkpoint(s.id, record, s.model)
         raw = await self.inputs(s, record.step + 1, step)
         guards = self.guards_at(s, ckpt)
         if not raw:
@@ -109,7 +111,10 @@ class Replay:
 
     @staticmethod
     def guards_at(s: Session, ckpt: Checkpoint) -> GuardState | None:
-        """The guard state ``s`` has at ``ckpt``'s step (``stateful_guards``)."""
+        """The guard state ``s`` has at ``ckpt``'s step (``stateful_guards``): None for
+        guards that carry none (the model's shape is not needed then)."""
+        if not is_stateful(s.config.guards):
+            return None
         c = s.model.config
         input_dim = 0 if c.is_token_model else c.input_dim
         return state_of_checkpoint(ckpt, s.config.guards, input_dim, c.output_dim)
@@ -279,10 +284,15 @@ class Replay:
         )
 
     async def _read_checkpoint(
-        self, session_id: str, record: SnapshotRecord, model: Engine, blob: bytes | None = None
+        self, session_id: str, record: SnapshotRecord, model: Engine
     ) -> Checkpoint:
-        if blob is None:
-            blob = await self.store.read_blob(session_id, record)
+        return self.decode(
+            session_id, record, model, await self.store.read_blob(session_id, record)
+        )
+
+    @staticmethod
+    def decode(session_id: str, record: SnapshotRecord, model: Engine, blob: bytes) -> Checkpoint:
+        """Snapshot ``record``'s checkpoint from its bytes, checked against ``model``."""
         try:
             ckpt = Checkpoint.decode(blob)
             ckpt.check_model(model)
