@@ -24,6 +24,11 @@ from redis.retry import Retry
 from ssmserve.server.embedded_redis import find_redis_server
 
 START_TIMEOUT_S = 30.0
+#: A master sends a replica its full copy (a new replica, one back after a restart or a
+#: failover) as soon as it asks: Redis 7 streams it from memory by default and first waits
+#: 5 s (repl-diskless-sync-delay) for more replicas to ask too, 5 s of every harness start
+#: and every rejoin here, where no other replica is coming.
+REPLICA_SYNC_AT_ONCE = ("--repl-diskless-sync-delay", "0")
 
 
 def redis_cli() -> str:
@@ -156,7 +161,7 @@ class RedisClusterHarness:
             "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-            "--protected-mode", "no",
+            "--protected-mode", "no", *REPLICA_SYNC_AT_ONCE,
         ]  # fmt: skip
 
     def start(self) -> RedisClusterHarness:
@@ -175,11 +180,19 @@ class RedisClusterHarness:
         return self
 
     def _replicas_in_sync(self) -> bool:
-        return all(
-            self.node(p).info("replication").get("master_link_status") == "up"
-            for p in self.ports
-            if self.node(p).info("replication")["role"] == "slave"
-        )
+        """Every replica's link up, and every master listing its replicas in the cluster's
+        table (``CLUSTER REPLICAS``, learnt by gossip a moment after the link): what a
+        worker counts when it settles how many replicas confirm a write."""
+        for port in self.ports:
+            with self.node(port) as r:
+                info = r.info("replication")
+                if info["role"] == "slave" and info.get("master_link_status") != "up":
+                    return False
+                if info["role"] == "master":
+                    me = r.cluster("myid").decode()
+                    if len(r.execute_command("CLUSTER", "REPLICAS", me)) < self.replicas:
+                        return False
+        return True
 
     def live_masters(self) -> list[int]:
         return [
@@ -302,7 +315,8 @@ class SentinelHarness:
         def args(port: int) -> list[str]:
             return [
                 "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-                "--appendfsync", "always", "--save", "", "--protected-mode", "no", *extra,
+                "--appendfsync", "always", "--save", "", "--protected-mode", "no",
+                *REPLICA_SYNC_AT_ONCE, *extra,
             ]  # fmt: skip
 
         return self.processes.start_on_free_port(port, args, self._ports)

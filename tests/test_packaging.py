@@ -123,8 +123,12 @@ def client_venv(client_wheel: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """A virtual environment with the client's wheel alone installed; its bin/."""
     env_dir = tmp_path_factory.mktemp("client-venv")
     venv.EnvBuilder(with_pip=True).create(env_dir)
+    # --no-compile: the few commands run here compile what they import, not pip every
+    # module of numpy, grpcio and protobuf up front (under ./dev test's PYTHONPYCACHEPREFIX
+    # that bytecode would outlive the venv).
     subprocess.run(
-        [str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet", str(client_wheel)],
+        [str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
+         str(client_wheel)],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     return env_dir / "bin"
