@@ -293,7 +293,7 @@ class Worker:
         self.metrics = Metrics(enabled=bool(settings.metrics_listen))  # off: no-ops
         self.worker_id = new_worker_id()  # in the registry, the leases and the logs
         self.metrics.tracing = Tracing(settings.trace_otlp_endpoint, self.worker_id)
-        self.peers.trace_context = self.metrics.tracing.outgoing
+        self.peers.metrics = self.metrics
         self.metrics_endpoint: MetricsEndpoint | None = None
         self.metrics_address = ""  # host:port of /metrics once started
         self._stored_sessions: int | None = None

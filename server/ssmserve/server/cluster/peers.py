@@ -8,7 +8,7 @@ a hand-off (and the session it holds) forever.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -16,6 +16,7 @@ import grpc
 from ssmserve.client.stall_bound import replies_within
 from ssmserve.client.tls import TlsConfig, TlsConfigError
 from ssmserve.server.errors import ErrorKind, SsmserveError
+from ssmserve.server.observability.metrics import Metrics
 from ssmserve.v1 import ssmserve_pb2 as pb
 from ssmserve.v1 import ssmserve_pb2_grpc as pb_grpc
 
@@ -54,8 +55,9 @@ class Peers:
         self.settings = settings or PeerSettings()
         self.tls = tls  # the workers' listeners speak TLS: so do these channels
         self.metadata = metadata  # the cluster secret, when workers require one
-        # The caller's trace context for the peer (observability.tracing; none when off).
-        self.trace_context: Callable[[], tuple[tuple[str, str], ...]] = tuple
+        # The worker's metrics, whose tracer (read at each call: it may be replaced) puts
+        # the caller's trace context on each peer call (none when tracing is off).
+        self.metrics = Metrics(enabled=False)
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterServiceStub]] = {}
 
     def _stub(self, address: str) -> pb_grpc.ClusterServiceStub:
@@ -86,7 +88,7 @@ class Peers:
             return await self._stub(address).AdoptSession(
                 pb.AdoptSessionRequest(session_id=session_id),
                 timeout=self.settings.adopt_timeout_s,
-                metadata=self.metadata + self.trace_context(),
+                metadata=self.metadata + self.metrics.tracing.outgoing(),
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
@@ -96,7 +98,7 @@ class Peers:
             return await self._stub(address).Undrain(
                 pb.UndrainRequest(worker=address),
                 timeout=self.settings.adopt_timeout_s,
-                metadata=self.metadata + self.trace_context(),
+                metadata=self.metadata + self.metrics.tracing.outgoing(),
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
@@ -105,7 +107,7 @@ class Peers:
         call = self._stub(address).Drain(
             pb.DrainRequest(worker=address),
             timeout=self.settings.drain_timeout_s,
-            metadata=self.metadata + self.trace_context(),
+            metadata=self.metadata + self.metrics.tracing.outgoing(),
         )
         stall = self.settings.drain_stall_s
         try:
