@@ -33,7 +33,7 @@ def queued_steps(worker) -> int:
 @pytest.mark.parametrize("packed", [True, False])
 def test_a_run_with_snapshots_due_inside_it_equals_single_steps(worker, served_models, packed):
     """Runs of 8 steps; a periodic snapshot every 5 steps at phase 3 falls inside most of
-    them. Each snapshot is of its own step, and a rollback to it continues exactly."""
+    them. Each snapshot kept is of its own step, and a rollback to it continues exactly."""
     model = served_models["demo"]
     x = random_inputs(model, 40, seed=11)
     sid = worker.client.create_session("demo", snapshot_every=5, snapshot_phase=3).session_id
@@ -49,9 +49,14 @@ def test_a_run_with_snapshots_due_inside_it_equals_single_steps(worker, served_m
     assert queued_steps(worker) == 0
     snapshots = {s.step for s in worker.client.list_snapshots(sid)} - {0}  # 0: creation
     periodic = [s for s in range(1, 41) if s % 5 == 3]
-    assert sorted(snapshots) == periodic[-len(snapshots) :] and len(snapshots) >= 3
+    # A due write that finds MAX_WAITING others waiting supersedes the oldest of them, by
+    # design (replay still reaches its step): under CPU load the writes fall behind the runs.
+    # The newest is always written, and the writer counts each one it dropped.
+    writer = worker.manager.resident(sid).snapshots
+    assert snapshots <= set(periodic) and max(snapshots) == periodic[-1] and len(snapshots) >= 3
+    assert len(snapshots) + writer.superseded == len(periodic), (snapshots, writer.superseded)
     for step in sorted(snapshots)[-2:]:
-        worker.client.rollback(sid, to_step=step)
+        assert worker.client.rollback(sid, to_step=step).replayed_steps == 0  # of its step
         again, _ = stream(worker, sid, x[step:], first_step=step + 1, per_message=8)
         assert_bit_equal(again, want[step:])
 
