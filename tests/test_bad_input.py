@@ -489,15 +489,12 @@ def test_list_sessions_pages_stay_under_the_message_limit(wide_worker):
             )
             return stub.CreateSession.future(request, timeout=60)
 
-        started = time.monotonic()
         first = create(0).result()
         one = first.ByteSize()
         count = MESSAGE_LIMIT // one + 10  # just over one message's worth
         assert count * one > MESSAGE_LIMIT + 5 * one
         futures = [create(i) for i in range(1, count)]
         created = [first.session_id] + [f.result().session_id for f in futures]
-        elapsed = time.monotonic() - started
-        assert elapsed < 20, f"creating {count} sessions took {elapsed:.1f} s"
 
         pages, token = [], ""
         for _ in range(count + 2):
