@@ -129,6 +129,15 @@ def keeps_socket_timeout(kind: Kind) -> bool:
     return kind == "cluster"
 
 
+#: Connections a worker's client opens to one Redis server at most (its pool, per node
+#: on a cluster). Each store call holds one for its duration, so this bounds the calls in
+#: flight at once; a call past it fails at once as UNAVAILABLE ("Too many connections").
+#: redis-py 8's default, 100, is below a burst of ~110 concurrent CreateSession calls
+#: (test_bad_input's paging test, beside CPU load). Redis's own maxclients is 10,000 by
+#: default: room for several workers at this bound.
+MAX_CONNECTIONS = 1024
+
+
 def connect(url: str, timeout_s: float) -> aioredis.Redis | RedisCluster:
     """A client for ``url`` (see the module docstring), not connected yet."""
     kind = topology_of(url)
@@ -137,6 +146,7 @@ def connect(url: str, timeout_s: float) -> aioredis.Redis | RedisCluster:
         "socket_timeout": timeout_s if keeps_socket_timeout(kind) else None,
         "socket_connect_timeout": timeout_s,
         "retry": Retry(NoBackoff(), 0),  # a lost answer is an unknown outcome, not a retry
+        "max_connections": MAX_CONNECTIONS,
     }
     if kind == "single":
         return aioredis.Redis.from_url(url, **common)
