@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import msgpack
+from msgpack.exceptions import UnpackException
 
-from ssmserve.server.errors import SsmserveError
+from ssmserve.server.errors import SsmserveError, clip
 from ssmserve.server.sessions.guards import MAX_RULES, GuardRule
+from ssmserve.server.state.store_errors import StoreDataError
 
 
 class Durability(enum.IntEnum):
@@ -141,18 +143,27 @@ class SessionConfig:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> SessionConfig:
-        d = msgpack.unpackb(raw, raw=False)
-        return cls(
-            snapshot_every=int(d["snapshot_every"]),
-            max_snapshots=int(d["max_snapshots"]),
-            history_window=int(d["history_window"]),
-            guards=tuple(GuardRule.from_dict(g) for g in d["guards"]),
-            durability=Durability(d["durability"]),
-            idle_ttl_s=float(d["idle_ttl_s"]),
-            labels=_own_labels(d["labels"]),
-            # A config stored without a phase snapshots at multiples of snapshot_every.
-            snapshot_phase=int(d.get("snapshot_phase") or 0),
-        )
+        """A config as :meth:`to_bytes` stored it. What Redis holds is untrusted: bytes that
+        do not decode to a config raise ``StoreDataError`` (DATA_LOSS for that session;
+        a listing skips it), never an unnamed decoder error."""
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            return cls(
+                snapshot_every=int(d["snapshot_every"]),
+                max_snapshots=int(d["max_snapshots"]),
+                history_window=int(d["history_window"]),
+                guards=tuple(GuardRule.from_dict(g) for g in d["guards"]),
+                durability=Durability(d["durability"]),
+                idle_ttl_s=float(d["idle_ttl_s"]),
+                labels=_own_labels(d["labels"]),
+                # A config stored without a phase snapshots at multiples of snapshot_every.
+                snapshot_phase=int(d.get("snapshot_phase") or 0),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError, UnpackException) as exc:
+            raise StoreDataError(
+                f"the session's stored config does not decode "
+                f"({type(exc).__name__}: {clip(str(exc))})"
+            ) from None
 
 
 def _own_labels(labels: Mapping[str, str]) -> Mapping[str, str]:
