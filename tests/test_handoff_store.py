@@ -15,7 +15,7 @@ from ssmserve.server.errors import SessionMovedError
 from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_calls import StoreSettings
-from ssmserve.server.state.store_errors import StaleEpochError, StoreError
+from ssmserve.server.state.store_errors import StaleEpochError, StoreDataError, StoreError
 from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord, WorkerRecord
 
 LEASE_MS = 60_000
@@ -35,16 +35,17 @@ def run(redis_url: str, body: Callable[[Store], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-async def new(s: Store, sid: str) -> tuple[SessionLease, str]:
-    """A session of worker w1 at ``STEP``, its first snapshot there: its lease and that
-    snapshot's id."""
+async def new(s: Store, sid: str, blob: bytes = b"base") -> tuple[SessionLease, str]:
+    """A session of worker w1 at ``STEP``, its first snapshot there (``blob``, in pieces of
+    1 MiB): its lease and that snapshot's id."""
     lease = SessionLease(sid, f"{new_incarnation()}.1", "w1")
     meta = SessionMeta(
         sid, "demo", "f" * 64, STEP, STEP + 1, CONFIG, 1.0, 1.0, False, 1, "w1", "addr:1",
         lease.token, "n" * 16,
     )  # fmt: skip
-    snapshot = SnapshotRecord(f"{STEP:012d}-base", STEP, "", "test", 2.0, 4, 1)
-    await s.create_session(meta, LEASE_MS, snapshot, b"base", 16)
+    pieces = max(1, -(-len(blob) // (1 << 20)))
+    snapshot = SnapshotRecord(f"{STEP:012d}-base", STEP, "", "test", 2.0, len(blob), pieces)
+    await s.create_session(meta, LEASE_MS, snapshot, blob, 16)
     return lease, snapshot.snapshot_id
 
 
@@ -66,9 +67,11 @@ def test_the_targets_acquire_reads_the_record_and_snapshot_it_loads_from(redis_u
         # Only the target may take it.
         with pytest.raises(SessionMovedError):
             await s.acquire_to_load("a", "w3", "addr:3", LEASE_MS)
-        token, meta, newest = await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS)
+        taken = await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS)
+        meta, newest, token = taken.meta, taken.snapshot_id, taken.lease.token
         # The record as the lease was taken: the new token and owner, the step, the bytes.
-        assert token != lease.token and meta.token == token
+        assert token != lease.token and meta.token == token and taken.lease.holder == "w2"
+        assert taken.snapshot is None  # no snapshot expected: the load reads it itself
         assert (meta.owner, meta.owner_addr) == ("w2", "addr:2")
         assert (meta.step, meta.config, meta.model) == (STEP, CONFIG, "demo")
         assert meta == await s.get_meta("a")
@@ -102,3 +105,51 @@ def test_a_load_reads_the_snapshot_record_and_its_bytes_together(redis_url: str)
             await s.snapshot_and_blob("a", record.snapshot_id)
 
     run(redis_url, body)
+
+
+def test_an_acquire_whose_record_does_not_parse_lets_the_lease_go(redis_url: str) -> None:
+    """The lease the script took is released before the record's error is raised: a
+    corrupt record must not leave the session held for a lease's TTL."""
+
+    async def body(s: Store) -> None:
+        lease, _ = await new(s, "a")
+        await s.release(lease)
+        await s.redis.hset(s.keys("a").meta, "created_at", "not a number")
+        with pytest.raises(StoreDataError, match="created_at"):
+            await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS)
+        assert await s.lease_holder("a") is None
+
+    run(redis_url, body)
+
+
+@pytest.mark.parametrize("blob", [b"base", bytes(range(256)) * 4097], ids=["1-piece", "2-pieces"])
+def test_a_load_reads_the_snapshot_it_expected_with_the_lease(redis_url: str, blob: bytes) -> None:
+    """The load's first read names the newest snapshot; its acquire reads that snapshot's
+    record and bytes with the lease (one piece or several). A snapshot committed between
+    the two is the newest at the acquire: then nothing is read with it."""
+
+    async def main() -> None:
+        s = Store(StoreSettings(url=redis_url, piece_bytes=1 << 20))
+        try:
+            lease, snapshot_id = await new(s, "a", blob)
+            meta, newest = await s.meta_to_load("a")
+            assert meta == await s.get_meta("a") and newest == snapshot_id
+            assert await s.meta_to_load("nobody") == (None, "")
+            await s.handoff(lease, TARGET, LEASE_MS, STEP)
+            taken = await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS, expected_snapshot=newest)
+            assert taken.snapshot is not None
+            record = taken.snapshot[0]
+            assert (record.snapshot_id, record.step, record.pieces) == (
+                snapshot_id,
+                STEP,
+                1 + (len(blob) > 4),
+            )
+            assert taken.snapshot[1] == blob
+            # Expecting another snapshot than the newest: none is read.
+            await s.release(taken.lease)
+            other = await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS, expected_snapshot="x")
+            assert other.snapshot is None and other.snapshot_id == snapshot_id
+        finally:
+            await s.aclose()
+
+    asyncio.run(main())

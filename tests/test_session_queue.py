@@ -85,15 +85,15 @@ def test_a_stream_cancelled_while_its_session_loads_does_not_fail_the_other_stre
     store = w.store
     gate = w.call(_make_event())
     load_started = threading.Event()
-    real_get_meta = store.get_meta
+    real_meta_to_load = store.meta_to_load
 
-    async def held_get_meta(session_id: str):  # the load waits until the test lets it go
+    async def held_meta_to_load(session_id: str):  # the load waits until the test lets it go
         if session_id == sid:
             load_started.set()
             await gate.wait()
-        return await real_get_meta(session_id)
+        return await real_meta_to_load(session_id)
 
-    store.get_meta = held_get_meta
+    store.meta_to_load = held_meta_to_load
     request = pb.StreamRequest(steps=[step_input(sid, 4, x[3])])
     keep_open = threading.Event()
 

@@ -937,8 +937,21 @@ def test_worker_registry_lists_live_workers_only(store):
         await asyncio.sleep(0.2)
         assert await s.live_workers() == [w1]
         assert await s.redis.smembers("ssm:workers") == {b"w1"}
-        await s.deregister_worker("w1")
-        assert await s.live_workers() == []
+        assert await s.worker_at("addr:1") == w1 and await s.worker_at("addr:2") is None
+        # A later worker at the same address: its copy there replaces the earlier one's,
+        # which then no longer forgets it when it stops.
+        w3 = WorkerRecord("w3", "addr:1", ("lm",), 0, 3.0, 4.0, False, "sig3")
+        await s.register_worker(w3, LEASE_MS)
+        assert await s.worker_at("addr:1") == w3
+        await s.deregister_worker("w1", "addr:1")
+        assert await s.live_workers() == [w3] and await s.worker_at("addr:1") == w3
+        # Without the copy (a worker of a version that keeps none) the registry decides.
+        await s.redis.delete("ssm:worker_at:addr:1")
+        assert await s.worker_at("addr:1") == w3
+        await s.register_worker(w3, LEASE_MS)
+        await s.deregister_worker("w3", "addr:1")
+        assert await s.live_workers() == [] and await s.worker_at("addr:1") is None
+        assert await s.redis.keys("ssm:worker*") == []
 
     run(store, body)
 

@@ -171,7 +171,7 @@ async def _forget(
                 record.worker_id, record.address,
             )  # fmt: skip
             with contextlib.suppress(SsmserveError):
-                await ownership.store.deregister_worker(record.worker_id)
+                await ownership.store.deregister_worker(record.worker_id, record.address)
 
 
 async def refuse_later_twin(

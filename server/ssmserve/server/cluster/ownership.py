@@ -144,13 +144,6 @@ class Ownership:
             session_id, token, self.worker_id, max(0.0, sent_at + s.lease_ttl_s - s.margin_s)
         )
 
-    def acquired(self, session_id: str, token: str, sent_at: float) -> SessionLease:
-        """A load's acquire sent at ``sent_at`` gave this worker ``token``: a sighting of
-        the session held by another (``cluster.takeover``) proves nothing any more; the
-        new lease."""
-        self.takeovers.forget(session_id)
-        return self.new_lease(session_id, token, sent_at)
-
     async def start(self) -> None:
         await self.heartbeat()
         self._task = asyncio.create_task(self._keep(), name="ownership")
@@ -163,7 +156,7 @@ class Ownership:
             self._task = None
         if deregister:
             with contextlib.suppress(SsmserveError):
-                await self.store.deregister_worker(self.worker_id)
+                await self.store.deregister_worker(self.worker_id, self.address)
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(
@@ -338,10 +331,7 @@ class Ownership:
         return await self.store.live_workers()
 
     async def worker_at(self, address: str) -> WorkerRecord | None:
-        for record in await self.live_workers():
-            if record.address == address:
-                return record
-        return None
+        return await self.store.worker_at(address)
 
     async def targets(self, model: str, numerics: str = "") -> list[WorkerRecord]:
         """Other live, non-draining workers serving ``model``, least loaded first; with

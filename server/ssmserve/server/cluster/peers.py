@@ -60,6 +60,12 @@ class Peers:
         self.metrics = Metrics(enabled=False)
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterServiceStub]] = {}
 
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """A peer call's metadata: the cluster secret, and the caller's trace context when
+        tracing is on."""
+        tracing = self.metrics.tracing
+        return self.metadata + tracing.outgoing() if tracing.enabled else self.metadata
+
     def _stub(self, address: str) -> pb_grpc.ClusterServiceStub:
         if address not in self._stubs:
             s = self.settings
@@ -88,7 +94,7 @@ class Peers:
             return await self._stub(address).AdoptSession(
                 pb.AdoptSessionRequest(session_id=session_id),
                 timeout=self.settings.adopt_timeout_s,
-                metadata=self.metadata + self.metrics.tracing.outgoing(),
+                metadata=self._call_metadata(),
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
@@ -98,7 +104,7 @@ class Peers:
             return await self._stub(address).Undrain(
                 pb.UndrainRequest(worker=address),
                 timeout=self.settings.adopt_timeout_s,
-                metadata=self.metadata + self.metrics.tracing.outgoing(),
+                metadata=self._call_metadata(),
             )
         except grpc.RpcError as exc:
             raise PeerError(f"worker {address}: {_describe(exc)}") from None
@@ -107,7 +113,7 @@ class Peers:
         call = self._stub(address).Drain(
             pb.DrainRequest(worker=address),
             timeout=self.settings.drain_timeout_s,
-            metadata=self.metadata + self.metrics.tracing.outgoing(),
+            metadata=self._call_metadata(),
         )
         stall = self.settings.drain_stall_s
         try:

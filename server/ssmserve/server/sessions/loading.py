@@ -43,7 +43,7 @@ from ssmserve.server.state.store_errors import (
     SessionClosedError,
     StoreDataError,
 )
-from ssmserve.server.state.store_records import SessionMeta
+from ssmserve.server.state.store_records import AcquiredLoad, SessionMeta
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class SessionLoader:
         self.max_unflushed = max_unflushed  # inputs a non-log session holds before a flush
         self._loading: dict[str, asyncio.Task[Session]] = {}  # loads under way, by session
         self.lease_ms = self.ownership.lease_ms  # fixed for the worker's life
+        # How long after its acquire was sent a lease is trusted (``Ownership.new_lease``).
+        self.lease_valid_s = self.ownership.settings.lease_ttl_s - self.ownership.settings.margin_s
 
     async def session(self, session_id: str) -> Session:
         """The resident session, loading it from the store if it is not in memory.
@@ -109,7 +111,12 @@ class SessionLoader:
         await asyncio.gather(*loads, return_exceptions=True)
 
     async def meta(self, session_id: str, allow_closed: bool = False) -> SessionMeta:
-        meta = await self.store.get_meta(session_id)
+        return await self._present(session_id, await self.store.get_meta(session_id), allow_closed)
+
+    async def _present(
+        self, session_id: str, meta: SessionMeta | None, allow_closed: bool = False
+    ) -> SessionMeta:
+        """``meta`` as read, if the session is there (and open, unless ``allow_closed``)."""
         if meta is None:  # NOT_FOUND, or DATA_LOSS when a wiped store took it
             raise await self.residents.resets.missing(session_id)
         if meta.closed and not allow_closed:
@@ -172,7 +179,8 @@ class SessionLoader:
         return s
 
     async def _load(self, session_id: str) -> Session:
-        meta = await self.meta(session_id)
+        stored, newest = await self.store.meta_to_load(session_id)
+        meta = await self._present(session_id, stored)
         model = self.models.get(meta.model)
         if model is None:  # pinned to a model (version) served elsewhere, or nowhere
             for worker in await self.ownership.targets(meta.model):
@@ -200,7 +208,8 @@ class SessionLoader:
             raise await self.elsewhere(meta.model, f"serve session {session_id!r}")
         if meta.numerics and meta.numerics != self.ownership.numerics:
             raise await self._other_numerics(meta)
-        lease, held, snapshot_id = await self._acquire(meta)
+        taken = await self._acquire(meta, newest)
+        lease = taken.lease
         if meta.owner and meta.owner != self.ownership.worker_id:
             # Its owner neither released it nor handed it here: it crashed or froze, and
             # this worker saw its lease unrenewed for a whole TTL (``cluster.takeover``).
@@ -215,17 +224,16 @@ class SessionLoader:
             # A session its owner let go (released: drained, evicted, parked) was
             # snapshotted at its last step; one taken over, or reloaded here after a drop,
             # may come back behind steps that were answered (SESSION_REWOUND).
-            return await self._restore(
-                held, snapshot_id, model, lease, footprint, may_be_behind=bool(meta.owner)
-            )
+            return await self._restore(taken, model, footprint, may_be_behind=bool(meta.owner))
         except BaseException:
             with contextlib.suppress(SsmserveError):
                 await self.store.release(lease)
             raise
 
-    async def _acquire(self, meta: SessionMeta) -> tuple[SessionLease, SessionMeta, str]:
+    async def _acquire(self, meta: SessionMeta, expected_snapshot: str) -> AcquiredLoad:
         """Take the session's lease (a new token); with it, what the load restores from:
-        the session's meta as the lease was taken and its newest snapshot's id
+        the session's meta as the lease was taken, its newest snapshot's id and, when that
+        is ``expected_snapshot`` (the newest when ``meta`` was read), the snapshot itself
         (``Store.acquire_to_load``, one round trip). An owner that never let it go is
         waited out: its lease watched for a whole TTL on this worker's clock
         (``cluster.takeover``), unless it is a predecessor of this worker known dead
@@ -238,18 +246,21 @@ class SessionLoader:
             if attempt == 2:
                 sent_at = lease_clock()
             try:
-                token, held, snapshot_id = await self.store.acquire_to_load(
+                taken = await self.store.acquire_to_load(
                     meta.session_id, self.ownership.worker_id, self.ownership.address,
                     self.lease_ms, numerics=self.ownership.numerics, proof=proof,
+                    valid_until=sent_at + self.lease_valid_s,
+                    expected_snapshot=expected_snapshot,
                 )  # fmt: skip
-            except LeaseHeldError as held:
-                dead = held.owner_id in self.ownership.predecessors
-                if attempt == 1 and dead and held.beat and held.beat != proof:
-                    proof = held.beat  # the store checks it is still the beat, atomically
+            except LeaseHeldError as refused:
+                dead = refused.owner_id in self.ownership.predecessors
+                if attempt == 1 and dead and refused.beat and refused.beat != proof:
+                    proof = refused.beat  # the store checks it is still the beat, atomically
                     continue
-                seen = takeovers.saw(meta.session_id, held)
+                seen = takeovers.saw(meta.session_id, refused)
                 raise self.ownership.not_to_self(meta.session_id, seen) from None
-            return self.ownership.acquired(meta.session_id, token, sent_at), held, snapshot_id
+            takeovers.forget(meta.session_id)  # a sighting of it held by another: void now
+            return taken
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _other_numerics(self, meta: SessionMeta) -> SsmserveError:
@@ -272,19 +283,15 @@ class SessionLoader:
         )
 
     async def _restore(
-        self,
-        meta: SessionMeta,
-        snapshot_id: str,
-        model: Engine,
-        lease: SessionLease,
-        footprint: int,
-        may_be_behind: bool = False,
+        self, taken: AcquiredLoad, model: Engine, footprint: int, may_be_behind: bool = False
     ) -> Session:
-        """Rebuild an acquired session from its newest snapshot (``snapshot_id``) and its
-        log; ``meta`` as read when its lease was taken (the last owner is done)."""
+        """Rebuild an acquired session from its newest snapshot and its log; its meta as
+        read when its lease was taken (the last owner is done)."""
+        meta, snapshot_id, lease, read = taken.meta, taken.snapshot_id, taken.lease, taken.snapshot
         session_id, model_name = meta.session_id, meta.model
         config = SessionConfig.from_bytes(meta.config)
-        read = await self.store.snapshot_and_blob(session_id, snapshot_id) if snapshot_id else None
+        if read is None and snapshot_id:
+            read = await self.store.snapshot_and_blob(session_id, snapshot_id)
         if read is None:
             raise StoreDataError(f"session {session_id!r} has no snapshot to restore from")
         record, blob = read

@@ -200,9 +200,7 @@ class Migrator:
         return True
 
     async def _target(self, address: str, model: str, numerics: str) -> WorkerRecord:
-        # The registry read straight from the store (``Ownership.live_workers`` is the
-        # same read): a Migrate's one look at it.
-        target = next((w for w in await self.store.live_workers() if w.address == address), None)
+        target = await self.store.worker_at(address)  # a Migrate's one look at the registry
         if target is None:
             raise UnknownWorkerError(f"no live worker is registered at {clip(address)}")
         if target.draining:

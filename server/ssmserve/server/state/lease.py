@@ -56,11 +56,11 @@ class SessionLease:
     token: str  # "<incarnation>.<epoch>[.<nonce>]"
     holder: str  # worker id
     valid_until: float = field(default=0.0)  # a lease_clock() bound; 0: not valid
+    # The acquisition count within this incarnation (for logs and operators).
+    epoch: int = field(init=False)
 
-    @property
-    def epoch(self) -> int:
-        """The acquisition count within this incarnation (for logs and operators)."""
-        return token_epoch(self.token)
+    def __post_init__(self) -> None:
+        self.epoch = token_epoch(self.token)
 
     def valid(self, now: float | None = None) -> bool:
         return (lease_clock() if now is None else now) < self.valid_until

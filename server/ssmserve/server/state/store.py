@@ -18,6 +18,7 @@ oldest kept snapshot, so any step in ``[log_start - 1, step]`` can be rebuilt ex
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,10 +41,12 @@ from ssmserve.server.state.store_errors import (
     StoreError,
     StoreOutcomeUnknownError,
     StoreUnavailableError,
+    reply_fields,
 )
 from ssmserve.server.state.store_facts import StoreFactReads
 from ssmserve.server.state.store_leases import LeaseCalls
 from ssmserve.server.state.store_records import (
+    AcquiredLoad,
     SessionMeta,
     SnapshotRecord,
     WorkerRecord,
@@ -65,6 +68,8 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         self._cut = self.redis.register_script(layout.ROLLBACK_CUT)
         self._close = self.redis.register_script(layout.CLOSE)
         self._record_events = self.redis.register_script(layout.RECORD_EVENTS)
+        self._forget_worker_at = self.redis.register_script(layout.FORGET_WORKER_AT)
+        self._meta_to_load = self.redis.register_script(layout.META_TO_LOAD)
 
     # ------------------------------------------------------------------ sessions
 
@@ -124,6 +129,57 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         raw = await self._call("get_meta", lambda: self.redis.hgetall(self.keys(session_id).meta))
         return SessionMeta.from_hash(session_id, raw) if raw else None
 
+    async def meta_to_load(self, session_id: str) -> tuple[SessionMeta | None, str]:
+        """:meth:`get_meta`, with the id of the newest snapshot at or before the durable
+        step ('' for none) in the same round trip: what a load checks before it acquires,
+        and the snapshot it asks :meth:`acquire_to_load` to read."""
+        k = self.keys(session_id)
+        raw = await self._call("get_meta", lambda: self._meta_to_load(keys=[k.meta, k.snaps]))
+        pairs = raw[1:]
+        if not pairs:
+            return None, ""
+        meta = SessionMeta.from_hash(session_id, dict(zip(pairs[::2], pairs[1::2], strict=True)))
+        return meta, raw[0].decode()
+
+    async def acquire_to_load(
+        self,
+        session_id: str,
+        worker_id: str,
+        address: str,
+        lease_ms: int,
+        numerics: str = "",
+        proof: str = "",
+        valid_until: float = 0.0,
+        expected_snapshot: str = "",
+    ) -> AcquiredLoad:
+        """:meth:`acquire` for a load, in the same round trip reading what the load
+        restores from (:class:`AcquiredLoad`): the session's meta as the lease is taken
+        (the last owner is done), its newest snapshot at or before the durable step, and,
+        when that is ``expected_snapshot``, its record and checkpoint bytes (a checkpoint
+        of several pieces reads the others in a second round trip). The lease is trusted
+        until ``valid_until``, a ``lease_clock()`` bound the caller takes from when it sent
+        the call. What does not parse is raised once the lease is let go again."""
+        raw = await self._acquire_reply(
+            session_id, worker_id, address, lease_ms, "", numerics, proof, load=True,
+            expected_snapshot=expected_snapshot,
+        )  # fmt: skip
+        fields = reply_fields(raw[:3])
+        lease = SessionLease(session_id, fields[1], worker_id, max(0.0, valid_until))
+        snapshot_id, record, first, pairs = fields[2], raw[3], raw[4], raw[5:]
+        try:
+            meta = SessionMeta.from_hash(
+                session_id, dict(zip(pairs[::2], pairs[1::2], strict=True))
+            )
+            read = None
+            if record:  # the snapshot expected is the newest
+                as_hash = dict(zip(record[::2], record[1::2], strict=True))
+                read = await self.snapshot_from(session_id, snapshot_id, as_hash, first)
+        except BaseException:
+            with contextlib.suppress(SsmserveError):
+                await self.release(lease)
+            raise
+        return AcquiredLoad(lease, meta, snapshot_id, read)
+
     async def count_sessions(self, prefix: str) -> int:
         """Stored sessions whose id starts with ``prefix`` (a tenant's, ending in '~')."""
         return int(
@@ -167,26 +223,53 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
     # ------------------------------------------------------------------ worker registry
 
     async def register_worker(self, record: WorkerRecord, ttl_ms: int) -> None:
-        """Write (or refresh) a worker's entry; it disappears ``ttl_ms`` after the last one."""
-        key = f"{self.settings.key_prefix}:worker:{record.worker_id}"
+        """Write (or refresh) a worker's entry and its copy at its address; both disappear
+        ``ttl_ms`` after the last one."""
+        key = self._worker_key(record.worker_id)
+        at = self._worker_at_key(record.address)
 
         async def run() -> None:
             # The entry and its expiry at once (one key, so one slot even on a cluster);
-            # the set of ids is another slot, and readers forget ids whose entry is gone.
+            # the copy at the address and the set of ids are other slots, and readers
+            # forget ids whose entry is gone. The copy is replaced whole, so nothing of an
+            # earlier worker at that address stays in it.
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=record.to_fields())
                 pipe.pexpire(key, ttl_ms)
+                await pipe.execute()
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(at)
+                pipe.hset(at, mapping=record.to_fields() | {"worker_id": record.worker_id})
+                pipe.pexpire(at, ttl_ms)
                 await pipe.execute()
             await self.redis.sadd(self._workers, record.worker_id)
 
         await self._call("register_worker", run)
 
-    async def deregister_worker(self, worker_id: str) -> None:
-        async def run() -> None:  # two slots on a cluster: two commands
-            await self.redis.delete(f"{self.settings.key_prefix}:worker:{worker_id}")
+    async def deregister_worker(self, worker_id: str, address: str) -> None:
+        async def run() -> None:  # three slots on a cluster: three commands
+            await self._forget_worker_at(keys=[self._worker_at_key(address)], args=[worker_id])
+            await self.redis.delete(self._worker_key(worker_id))
             await self.redis.srem(self._workers, worker_id)
 
         await self._call("deregister_worker", run)
+
+    async def worker_at(self, address: str) -> WorkerRecord | None:
+        """The live worker registered at ``address``, or None: its copy there, one round
+        trip (a Migrate's look at its target); without one (a worker of a version that
+        keeps none, or nobody there), the whole registry's read decides."""
+        raw = await self._call(
+            "worker_at", lambda: self.redis.hgetall(self._worker_at_key(address))
+        )
+        if raw.get(b"worker_id") and b"address" in raw:
+            return WorkerRecord.from_hash(raw[b"worker_id"].decode(), raw)
+        return next((w for w in await self.live_workers() if w.address == address), None)
+
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self.settings.key_prefix}:worker:{worker_id}"
+
+    def _worker_at_key(self, address: str) -> str:
+        return f"{self.settings.key_prefix}:worker_at:{address}"
 
     async def live_workers(self) -> list[WorkerRecord]:
         """Every worker whose entry has not expired, by address; forgets expired ones."""
@@ -200,7 +283,7 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         async def run() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for worker_id in ids:
-                    pipe.hgetall(f"{self.settings.key_prefix}:worker:{worker_id}")
+                    pipe.hgetall(self._worker_key(worker_id))
                 return await pipe.execute()
 
         raws = await self._call("live_workers", run)

@@ -107,7 +107,7 @@ class StoreCalls:
         StoreOutcomeUnknownError."""
         started = time.perf_counter()
         try:
-            if write:  # writes are traced (a no-op unless tracing is on)
+            if write and self.metrics.tracing.enabled:  # writes are traced
                 with self.metrics.tracing.span(f"redis.{op}"):
                     return await self._until_run(call, started)
             return await self._until_run(call, started)

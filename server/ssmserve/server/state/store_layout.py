@@ -11,6 +11,9 @@ tag, so all keys of one session sit in one slot and one script may touch them to
     P:workers                    SET    ids of registered workers (some may have expired)
     P:worker:<id>                HASH   address, models, load, started_at, draining,
                                         numerics (PX ttl)
+    P:worker_at:<address>        HASH   the same and worker_id: the entry of the worker
+                                        that registered at that address last (PX ttl),
+                                        a Migrate's one read of its target
     P:{sid}:meta                 HASH   model, fingerprint, numerics, step, log_start,
                                         config, times, incarnation, epoch, token,
                                         owner (worker id), owner_addr, lease_ms (the
@@ -327,8 +330,11 @@ return err or {'OK'}
 """
 )
 
-# KEYS: meta, lease, and for a load snaps (the reply then also names the newest snapshot
-# at or before the durable step, and holds the meta hash's fields and values after it).
+# KEYS: meta, lease, and for a load snaps, then, when the load expects to restore from a
+# snapshot (ARGV[9], its id), that snapshot's record and first piece. A load's reply also
+# names the newest snapshot at or before the durable step; when that is the one expected,
+# its record's fields and values (a list) and its first piece, else an empty list and nil;
+# then the meta hash's fields and values.
 # ARGV: worker id, worker address, lease ms, expected token ('' for any), a fresh
 # incarnation and the worker's numerics signature (both used only by sessions stored
 # before the store recorded them), a fresh nonce, and the caller's proof that the owner
@@ -392,7 +398,13 @@ if KEYS[3] then
     -- done): the newest snapshot at or before the durable step, and the session's meta.
     local durable = redis.call('HGET', KEYS[1], 'step')
     local newest = redis.call('ZREVRANGEBYSCORE', KEYS[3], durable, '-inf', 'LIMIT', 0, 1)
-    local reply = {'OK', token, newest[1] or ''}
+    local found = newest[1] or ''
+    local record, piece = {}, false
+    if KEYS[4] and found ~= '' and found == ARGV[9] then
+        record = redis.call('HGETALL', KEYS[4])
+        piece = redis.call('GET', KEYS[5])
+    end
+    local reply = {'OK', token, found, record, piece}
     for _, v in ipairs(redis.call('HGETALL', KEYS[1])) do reply[#reply + 1] = v end
     return reply
 end
@@ -656,6 +668,30 @@ redis.call('LTRIM', KEYS[2], -int(ARGV[2]), -1)
 return {'OK'}
 """
 )
+
+# KEYS: meta, snaps. What a load checks before it acquires: the id of the newest snapshot
+# at or before the durable step ('' for none), then the meta hash's fields and values
+# (none when the session does not exist). The load asks ACQUIRE to read that snapshot.
+META_TO_LOAD = """
+local fields = redis.call('HGETALL', KEYS[1])
+local durable = redis.call('HGET', KEYS[1], 'step')
+local found = ''
+if durable and tonumber(durable) then
+    found = redis.call('ZREVRANGEBYSCORE', KEYS[2], durable, '-inf', 'LIMIT', 0, 1)[1] or ''
+end
+local reply = {found}
+for _, v in ipairs(fields) do reply[#reply + 1] = v end
+return reply
+"""
+
+# KEYS: worker_at. ARGV: worker id. A worker that stops forgets the copy of its entry at
+# its address, unless a later worker at that address has written its own there.
+FORGET_WORKER_AT = """
+if redis.call('HGET', KEYS[1], 'worker_id') == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 # ---------------------------------------------------------------------------- Redis ACL
 

@@ -16,7 +16,7 @@ from ssmserve.server.state import store_layout as layout
 from ssmserve.server.state.lease import SessionLease, new_incarnation, new_nonce
 from ssmserve.server.state.store_calls import StoreCalls, StoreSettings
 from ssmserve.server.state.store_errors import LeaseHeldError, reply_fields
-from ssmserve.server.state.store_records import LeaseHolder, SessionMeta, WorkerRecord
+from ssmserve.server.state.store_records import LeaseHolder, WorkerRecord
 
 
 class LeaseCalls(StoreCalls):
@@ -55,27 +55,6 @@ class LeaseCalls(StoreCalls):
         )
         return reply_fields(raw)[1]
 
-    async def acquire_to_load(
-        self,
-        session_id: str,
-        worker_id: str,
-        address: str,
-        lease_ms: int,
-        numerics: str = "",
-        proof: str = "",
-    ) -> tuple[str, SessionMeta, str]:
-        """:meth:`acquire` for a load, in the same round trip reading what the load
-        restores from: the new token, the session's meta as the lease is taken (the last
-        owner is done), and the id of the newest snapshot at or before its durable step
-        ('' when there is none)."""
-        raw = await self._acquire_reply(
-            session_id, worker_id, address, lease_ms, "", numerics, proof, load=True
-        )
-        fields = reply_fields(raw[:3])
-        pairs = raw[3:]
-        meta = SessionMeta.from_hash(session_id, dict(zip(pairs[::2], pairs[1::2], strict=True)))
-        return fields[1], meta, fields[2]
-
     async def _acquire_reply(
         self,
         session_id: str,
@@ -86,12 +65,17 @@ class LeaseCalls(StoreCalls):
         numerics: str,
         proof: str,
         load: bool,
+        expected_snapshot: str = "",
     ) -> list[Any]:
-        """The ACQUIRE script's reply when it took the lease; raises its refusals."""
+        """The ACQUIRE script's reply when it took the lease; raises its refusals. A load
+        (``load``) that expects to restore from ``expected_snapshot`` reads its record and
+        first piece in the same call."""
         k = self.keys(session_id)
         args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics, new_nonce(),
-                proof]  # fmt: skip
+                proof, expected_snapshot]  # fmt: skip
         keys = [k.meta, k.lease, k.snaps] if load else [k.meta, k.lease]
+        if load and expected_snapshot:
+            keys += [k.snap(expected_snapshot), k.blob(expected_snapshot, 0)]
         raw = await self._script("acquire", self._acquire, keys, args)
         reply = reply_fields(raw)
         if reply[0] == "ERR_OWNED":

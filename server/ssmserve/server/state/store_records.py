@@ -80,6 +80,18 @@ class SessionMeta:
 
 
 @dataclass(frozen=True)
+class AcquiredLoad:
+    """What ``Store.acquire_to_load`` took and read in one round trip."""
+
+    lease: SessionLease
+    meta: SessionMeta  # as the lease was taken: the last owner is done
+    snapshot_id: str  # the newest snapshot at or before the durable step ('' for none)
+    # That snapshot's record and checkpoint bytes, when the load expected it (else None:
+    # the load reads them itself).
+    snapshot: tuple[SnapshotRecord, bytes] | None
+
+
+@dataclass(frozen=True)
 class LeaseHolder:
     """Who holds a session's lease right now (``holder`` may be ``handoff:<worker id>``)."""
 
