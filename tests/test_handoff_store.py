@@ -16,6 +16,7 @@ from ssmserve.server.state.lease import SessionLease, new_incarnation
 from ssmserve.server.state.store import Store
 from ssmserve.server.state.store_calls import StoreSettings
 from ssmserve.server.state.store_errors import StaleEpochError, StoreDataError, StoreError
+from ssmserve.server.state.store_leases import INLINE_CHECKPOINT_BYTES
 from ssmserve.server.state.store_records import SessionMeta, SnapshotRecord, WorkerRecord
 
 LEASE_MS = 60_000
@@ -122,11 +123,17 @@ def test_an_acquire_whose_record_does_not_parse_lets_the_lease_go(redis_url: str
     run(redis_url, body)
 
 
-@pytest.mark.parametrize("blob", [b"base", bytes(range(256)) * 4097], ids=["1-piece", "2-pieces"])
+@pytest.mark.parametrize(
+    "blob",
+    [b"base", b"b" * INLINE_CHECKPOINT_BYTES, b"c" * (INLINE_CHECKPOINT_BYTES + 1),
+     bytes(range(256)) * 4097],
+    ids=["small", "inline-bound", "past-the-bound", "2-pieces"],
+)  # fmt: skip
 def test_a_load_reads_the_snapshot_it_expected_with_the_lease(redis_url: str, blob: bytes) -> None:
     """The load's first read names the newest snapshot; its acquire reads that snapshot's
-    record and bytes with the lease (one piece or several). A snapshot committed between
-    the two is the newest at the acquire: then nothing is read with it."""
+    record and bytes with the lease: a small checkpoint in the same round trip, one over
+    INLINE_CHECKPOINT_BYTES (here 1 MiB and more, two pieces) in a second. A snapshot
+    committed between the two is the newest at the acquire: then nothing is read with it."""
 
     async def main() -> None:
         s = Store(StoreSettings(url=redis_url, piece_bytes=1 << 20))
@@ -136,14 +143,15 @@ def test_a_load_reads_the_snapshot_it_expected_with_the_lease(redis_url: str, bl
             assert meta == await s.get_meta("a") and newest == snapshot_id
             assert await s.meta_to_load("nobody") == (None, "")
             await s.handoff(lease, TARGET, LEASE_MS, STEP)
+            reads = []
+            mget = s.redis.mget
+            s.redis.mget = lambda *a, **kw: reads.append(a) or mget(*a, **kw)
             taken = await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS, expected_snapshot=newest)
             assert taken.snapshot is not None
+            assert len(reads) == (len(blob) > INLINE_CHECKPOINT_BYTES)  # a second round trip
             record = taken.snapshot[0]
-            assert (record.snapshot_id, record.step, record.pieces) == (
-                snapshot_id,
-                STEP,
-                1 + (len(blob) > 4),
-            )
+            assert (record.snapshot_id, record.step) == (snapshot_id, STEP)
+            assert record.pieces == 1 + (len(blob) > 1 << 20)
             assert taken.snapshot[1] == blob
             # Expecting another snapshot than the newest: none is read.
             await s.release(taken.lease)
@@ -153,3 +161,19 @@ def test_a_load_reads_the_snapshot_it_expected_with_the_lease(redis_url: str, bl
             await s.aclose()
 
     asyncio.run(main())
+
+
+def test_a_snapshot_record_missing_a_field_is_a_data_error_and_the_lease_goes(
+    redis_url: str,
+) -> None:
+    async def body(s: Store) -> None:
+        lease, snapshot_id = await new(s, "a")
+        await s.release(lease)
+        await s.redis.hdel(s.keys("a").snap(snapshot_id), "label")
+        with pytest.raises(StoreDataError, match="label"):
+            await s.acquire_to_load("a", "w2", "addr:2", LEASE_MS, expected_snapshot=snapshot_id)
+        assert await s.lease_holder("a") is None
+        with pytest.raises(StoreDataError, match="label"):
+            await s.snapshot_and_blob("a", snapshot_id)
+
+    run(redis_url, body)

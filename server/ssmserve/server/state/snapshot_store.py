@@ -243,18 +243,22 @@ class SnapshotStore(StoreCalls):
         raw, first = await self._call("record_and_blob", run)
         if not raw:
             return None
-        return await self.snapshot_from(session_id, snapshot_id, raw, first)
+        return await self.snapshot_from(session_id, snapshot_id, raw, [first])
 
     async def snapshot_from(
-        self, session_id: str, snapshot_id: str, raw: dict[bytes, bytes], first: bytes | None
+        self,
+        session_id: str,
+        snapshot_id: str,
+        raw: dict[bytes, bytes],
+        read: list[bytes | None],
     ) -> tuple[SnapshotRecord, bytes]:
         """Snapshot ``snapshot_id`` and its checkpoint bytes from its record's hash and
-        first piece as read (``raw``, ``first``); the other pieces are read here."""
+        the pieces already read, in order (``raw``, ``read``); the others are read here."""
         record = SnapshotRecord.from_hash(snapshot_id, raw)
-        pieces: list[bytes | None] = [first][: record.pieces]
-        if record.pieces > 1:
+        pieces = read[: record.pieces]
+        if len(pieces) < record.pieces:
             k = self.keys(session_id)
-            rest = [k.blob(snapshot_id, i) for i in range(1, record.pieces)]
+            rest = [k.blob(snapshot_id, i) for i in range(len(pieces), record.pieces)]
             pieces += await self._call("read_blob", lambda: self.redis.mget(rest))
         return record, self._joined(session_id, record, pieces)
 

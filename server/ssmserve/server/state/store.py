@@ -156,7 +156,7 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         restores from (:class:`AcquiredLoad`): the session's meta as the lease is taken
         (the last owner is done), its newest snapshot at or before the durable step, and,
         when that is ``expected_snapshot``, its record and checkpoint bytes (a checkpoint
-        of several pieces reads the others in a second round trip). The lease is trusted
+        over ``INLINE_CHECKPOINT_BYTES`` is read in a second round trip). The lease is trusted
         until ``valid_until``, a ``lease_clock()`` bound the caller takes from when it sent
         the call. What does not parse is raised once the lease is let go again."""
         raw = await self._acquire_reply(
@@ -173,7 +173,8 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
             read = None
             if record:  # the snapshot expected is the newest
                 as_hash = dict(zip(record[::2], record[1::2], strict=True))
-                read = await self.snapshot_from(session_id, snapshot_id, as_hash, first)
+                inline = [] if first is None else [first]  # a big one is not inline
+                read = await self.snapshot_from(session_id, snapshot_id, as_hash, inline)
         except BaseException:
             with contextlib.suppress(SsmserveError):
                 await self.release(lease)

@@ -18,6 +18,11 @@ from ssmserve.server.state.store_calls import StoreCalls, StoreSettings
 from ssmserve.server.state.store_errors import LeaseHeldError, reply_fields
 from ssmserve.server.state.store_records import LeaseHolder, WorkerRecord
 
+#: A load's ACQUIRE returns the checkpoint it restores from when it is at most this big
+#: (one round trip fewer); a bigger one is read on its own, where copying it through Lua
+#: would cost more than the round trip (2 ms more per MiB, measured beside a direct read).
+INLINE_CHECKPOINT_BYTES = 128 << 10
+
 
 class LeaseCalls(StoreCalls):
     """The store's lease operations (``Store`` has these methods)."""
@@ -72,12 +77,15 @@ class LeaseCalls(StoreCalls):
         first piece in the same call."""
         k = self.keys(session_id)
         args = [worker_id, address, lease_ms, expect, new_incarnation(), numerics, new_nonce(),
-                proof, expected_snapshot]  # fmt: skip
+                proof, expected_snapshot, INLINE_CHECKPOINT_BYTES]  # fmt: skip
         keys = [k.meta, k.lease, k.snaps] if load else [k.meta, k.lease]
         if load and expected_snapshot:
             keys += [k.snap(expected_snapshot), k.blob(expected_snapshot, 0)]
         raw = await self._script("acquire", self._acquire, keys, args)
-        reply = reply_fields(raw)
+        # A load's reply goes on after the token with the snapshot's piece (MiBs) and the
+        # meta's bytes, which are not text: of a success only the head is read as text.
+        head = raw[:3] if isinstance(raw, list) and raw and raw[0] == b"OK" else raw
+        reply = reply_fields(head)
         if reply[0] == "ERR_OWNED":
             owner, ttl, beat, owner_lease_ms = reply[2], reply[3], reply[4], reply[5]
             owner_id = reply[6] if len(reply) > 6 else ""
@@ -90,7 +98,7 @@ class LeaseCalls(StoreCalls):
                 owner_lease_ms=int(owner_lease_ms) if owner_lease_ms.isdigit() else 0,
                 owner_id=owner_id,
             )
-        self._check(raw)
+        self._check(head)
         result: list[Any] = raw
         return result
 

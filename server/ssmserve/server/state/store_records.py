@@ -189,15 +189,18 @@ class SnapshotRecord:
     @classmethod
     def from_hash(cls, snapshot_id: str, raw: dict[bytes, bytes]) -> SnapshotRecord:
         what = f"snapshot {snapshot_id!r}"
-        return cls(
-            snapshot_id=snapshot_id,
-            step=_int(raw, "step", what),
-            label=raw[b"label"].decode(),
-            reason=raw[b"reason"].decode(),
-            created_at=_float(raw, "created_at", what),
-            size=_int(raw, "size", what),
-            pieces=_int(raw, "pieces", what),
-        )
+        try:
+            return cls(
+                snapshot_id=snapshot_id,
+                step=_int(raw, "step", what),
+                label=raw[b"label"].decode(),
+                reason=raw[b"reason"].decode(),
+                created_at=_float(raw, "created_at", what),
+                size=_int(raw, "size", what),
+                pieces=_int(raw, "pieces", what),
+            )
+        except (KeyError, UnicodeDecodeError) as exc:
+            raise StoreDataError(f"{what}: its record is incomplete ({exc})") from None
 
 
 @dataclass(frozen=True)
