@@ -165,6 +165,12 @@ def test_a_token_with_two_owners_in_redis_fails():
     for at, token, owner in [(0.0, "t1", "a"), (1.0, "t2", "b"), (2.0, "t1", "handoff:b")]:
         h.token(TokenSighting("s", token, owner, T0 + at, "redis"))
     assert rules(h, {}, {}) == []
+    # ... or after that reservation ran out: no lease key, nobody holds it (the sampler
+    # records no owner; seed 5202 on Sentinel, 10 min, saw it).
+    h = History()
+    for at, token, owner in [(0.0, "t1", "a"), (1.0, "t2", "b"), (2.0, "t1", "")]:
+        h.token(TokenSighting("s", token, owner, T0 + at, "redis"))
+    assert rules(h, {}, {}) == []
 
 
 def test_a_request_without_an_outcome_fails():

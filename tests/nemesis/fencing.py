@@ -107,6 +107,11 @@ class TokenSampler:
                     held_by = (owner or b"").decode()
                     if lease.startswith(b"handoff:"):  # reserved for a migration's target
                         held_by = f"{HANDOFF}{held_by}"
+                    elif not lease:
+                        # Nobody holds it: released, its owner gone, or a hand-off's
+                        # reservation that ran out, whose owner_addr names the target under
+                        # the source's token (seen after a failover went back to it).
+                        held_by = ""
                     if self._last.get(sid) != value:  # only changes: a short record
                         self._last[sid] = value
                         self.history.token(TokenSighting(sid, value, held_by, time.time(), "redis"))
