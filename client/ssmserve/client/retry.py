@@ -100,6 +100,11 @@ class Backoff:
         """Seconds since the operation started or last made progress."""
         return time.monotonic() - self._since
 
+    @property
+    def since(self) -> float:
+        """When (``time.monotonic()``) the operation started or last made progress."""
+        return self._since
+
     def takeover_left(self) -> float:
         """Seconds left of the wait for a takeover (0 when it is over or never started)."""
         if self.takeover_since is None:

@@ -4,13 +4,16 @@ A request goes to the worker that last served its session (or the first address)
 redirect (``SessionMoved``) sends it to the owner at once; a worker that cannot be
 reached is marked unreachable and replaced by another known worker (the client also
 learns the live ones from ``ListWorkers``); a call never starts at a worker marked
-unreachable. An owner that froze or died keeps its lease until it runs out, so when a
-worker redirects to an owner that does not answer, the client goes back to that worker
-and waits as long as it says the lease still runs (``retry_after_ms``), until it takes
-the session over: at most ``RetryPolicy.takeover_wait`` (a WARNING on this module's
-logger says so when the wait starts; then :class:`OwnerUnreachable`). A call that is not
-idempotent does the same when it never reached the owner (no connection was made), and
-only then. How long all this may go on is the ``RetryPolicy``'s.
+unreachable. A redirect to a worker marked unreachable before the operation (or its
+last progress) first asks it once (a short GetSession): one that answers again
+(restarted, back from a pause) is gone to at once. An owner that froze or died keeps its
+lease until it runs out, so when a worker redirects to an owner that does not answer,
+the client goes back to that worker and waits as long as it says the lease still runs
+(``retry_after_ms``), until it takes the session over: at most
+``RetryPolicy.takeover_wait`` (a WARNING on this module's logger says so when the wait
+starts; then :class:`OwnerUnreachable`). A call that is not idempotent does the same when
+it never reached the owner (no connection was made), and only then. How long all this
+may go on is the ``RetryPolicy``'s.
 
 The one exception is a client no worker has answered yet (``reached`` is false): when
 connecting fails at every address it knows for ``RetryPolicy.connect_timeout_s``, it
@@ -92,6 +95,7 @@ class WorkerRouter:
         self._workers: dict[str, WorkerStubs] = {}
         self._owners: dict[str, str] = {}  # session id -> where it was last served
         self._unreachable: set[str] = set()
+        self._given_up_at: dict[str, float] = {}  # when each was marked unreachable last
         self.discover_pending = discover
         self.reached = False  # some worker has answered this client
 
@@ -217,13 +221,24 @@ class WorkerRouter:
             if backoff.expired():
                 raise error
             if owner and owner in self._unreachable:
+                if (
+                    backoff.takeover_since is None
+                    and self._given_up_at.get(owner, 0.0) < backoff.since
+                    and await self._answers_again(owner, session_id)
+                ):
+                    # Given up on before this operation, and it answers now (restarted,
+                    # or back from a pause): its lease is its own, so go there at once
+                    # rather than wait it out.
+                    backoff.redirects += 1
+                    backoff.redirected_by, backoff.redirected_to = address, owner
+                    return owner
                 return await self._wait_for_takeover(address, error, backoff, session_id)
             await backoff.wait()
             return address
         if error.code not in TRANSIENT or backoff.expired():
             raise error
         if not error.reason:  # the worker itself is unreachable or stopping
-            self._unreachable.add(address)
+            self._give_up_on(address)
             if not self.reached:  # nobody to ask for other workers, nothing to wait for
                 if self._unreachable >= set(self.addresses) and (
                     backoff.elapsed() >= self.retry.connect_timeout_s
@@ -246,6 +261,26 @@ class WorkerRouter:
             # worker may, and takes the session over once this one's lease runs out.
             return self.other(address)
         return address  # e.g. the session is being reloaded there: same worker
+
+    def _give_up_on(self, address: str) -> None:
+        self._unreachable.add(address)
+        self._given_up_at[address] = time.monotonic()
+
+    async def _answers_again(self, address: str, session_id: str) -> bool:
+        """Whether ``address``, marked unreachable, answers now: one GetSession within
+        ``RetryPolicy.connect_timeout_s`` (any answer but a transient failure counts). A
+        worker that died refuses the connection at once; a channel still waiting to
+        reconnect fails at once too, and then the takeover is waited for as before."""
+        request = pb.GetSessionRequest(session_id=session_id)
+        try:
+            await self.worker(address).sessions.GetSession(
+                request, timeout=self.retry.connect_timeout_s
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in TRANSIENT:  # type: ignore[attr-defined]
+                return False
+        self._unreachable.discard(address)
+        return True
 
     async def _wait_for_takeover(
         self, address: str, error: SessionMoved, backoff: Backoff, session_id: str
@@ -360,7 +395,7 @@ class WorkerRouter:
                 )
             except grpc.RpcError as exc:
                 if exc.code() in TRANSIENT:  # type: ignore[attr-defined]
-                    self._unreachable.add(candidate)
+                    self._give_up_on(candidate)
                     continue
                 return address
             self.reached = True
