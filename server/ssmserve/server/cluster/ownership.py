@@ -289,12 +289,21 @@ class Ownership:
         """Heartbeat and renew on a fixed schedule (monotonic, so it does not drift)."""
         period = self.settings.period_s
         due = time.monotonic() + period
+        finished = 0.0  # when the last round's store calls were done
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
             self.worst_late_s = max(self.worst_late_s, now - due)
             if now - due > period:
-                log.warning("lease renewal ran %.2f s late (the event loop was blocked)", now - due)
+                # Late because the last round's calls ran past this round's time (Redis
+                # slow or away: each call waits up to --redis-timeout), or because the
+                # sleep overslept its time.
+                why = (
+                    "the last round waited for Redis"
+                    if finished > due
+                    else "the event loop was blocked"
+                )
+                log.warning("lease renewal ran %.2f s late (%s)", now - due, why)
             due = max(due + period, now)
             checks = self.store_checks() if self.store_checks else asyncio.sleep(0)
             try:
@@ -303,6 +312,8 @@ class Ownership:
             except SsmserveError as exc:  # Redis away: keep trying; leases self-fence
                 self.store.metrics.lease_renewals_failed.inc()
                 log.warning("heartbeat/lease renewal failed: %s", exc)
+            finally:
+                finished = time.monotonic()
 
     def not_to_self(self, session_id: str, error: SsmserveError) -> SsmserveError:
         """``error``, unless it is a redirect naming this worker's own address: that one
