@@ -94,8 +94,8 @@ class WorkerRouter:
         self._max_message = max_message_bytes
         self._workers: dict[str, WorkerStubs] = {}
         self._owners: dict[str, str] = {}  # session id -> where it was last served
-        self._unreachable: set[str] = set()
-        self._given_up_at: dict[str, float] = {}  # when each was marked unreachable last
+        # The workers marked unreachable, each with when (time.monotonic()) it was.
+        self._unreachable: dict[str, float] = {}
         self.discover_pending = discover
         self.reached = False  # some worker has answered this client
 
@@ -154,7 +154,7 @@ class WorkerRouter:
     def served(self, session_id: str, address: str) -> None:
         """``address`` just answered for ``session_id``: it is reachable and the owner."""
         self.reached = True
-        self._unreachable.discard(address)
+        self._unreachable.pop(address, None)
         if session_id:
             self._owners[session_id] = address
 
@@ -223,7 +223,7 @@ class WorkerRouter:
             if owner and owner in self._unreachable:
                 if (
                     backoff.takeover_since is None
-                    and self._given_up_at.get(owner, 0.0) < backoff.since
+                    and self._unreachable[owner] < backoff.since
                     and await self._answers_again(owner, session_id)
                 ):
                     # Given up on before this operation, and it answers now (restarted,
@@ -240,7 +240,7 @@ class WorkerRouter:
         if not error.reason:  # the worker itself is unreachable or stopping
             self._give_up_on(address)
             if not self.reached:  # nobody to ask for other workers, nothing to wait for
-                if self._unreachable >= set(self.addresses) and (
+                if self._unreachable.keys() >= set(self.addresses) and (
                     backoff.elapsed() >= self.retry.connect_timeout_s
                 ):
                     raise server_unreachable(list(self.addresses), error)
@@ -263,8 +263,7 @@ class WorkerRouter:
         return address  # e.g. the session is being reloaded there: same worker
 
     def _give_up_on(self, address: str) -> None:
-        self._unreachable.add(address)
-        self._given_up_at[address] = time.monotonic()
+        self._unreachable[address] = time.monotonic()
 
     async def _answers_again(self, address: str, session_id: str) -> bool:
         """Whether ``address``, marked unreachable, answers now: one GetSession within
@@ -279,7 +278,7 @@ class WorkerRouter:
         except grpc.RpcError as exc:
             if exc.code() in TRANSIENT:  # type: ignore[attr-defined]
                 return False
-        self._unreachable.discard(address)
+        self._unreachable.pop(address, None)
         return True
 
     async def _wait_for_takeover(
@@ -298,7 +297,7 @@ class WorkerRouter:
         if backoff.waited_for == owner:
             # Its lease outlived our wait for it to run out: the owner renewed it, so it
             # is alive again (restarted, or back from a pause). Go there.
-            self._unreachable.discard(owner)
+            self._unreachable.pop(owner, None)
             backoff.waited_for = ""
             backoff.redirects += 1
             backoff.redirected_by, backoff.redirected_to = address, owner
@@ -399,7 +398,7 @@ class WorkerRouter:
                     continue
                 return address
             self.reached = True
-            self._unreachable.discard(candidate)
+            self._unreachable.pop(candidate, None)
             if info.owner and info.owner not in self._unreachable:
                 return info.owner
             # Nobody holds it, or its owner is unreachable: this worker takes it over

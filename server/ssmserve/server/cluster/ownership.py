@@ -77,6 +77,11 @@ class OwnershipSettings:
     def margin_s(self) -> float:
         return self.lease_ttl_s * self.lease_margin
 
+    @property
+    def lease_valid_s(self) -> float:
+        """How long after the call that set it was sent a new lease is trusted."""
+        return self.lease_ttl_s - self.margin_s
+
 
 #: Renewal outcomes that mean the session is not this worker's any more.
 _NOT_OURS = (SessionMovedError, SessionMissingError, SessionClosedError)
@@ -139,10 +144,8 @@ class Ownership:
     def new_lease(self, session_id: str, token: str, sent_at: float) -> SessionLease:
         """The lease a create or acquire sent at ``sent_at`` (monotonic) just gave us: it
         runs until ``sent_at`` plus the TTL, less the margin (``SessionLease.extend``)."""
-        s = self.settings
-        return SessionLease(
-            session_id, token, self.worker_id, max(0.0, sent_at + s.lease_ttl_s - s.margin_s)
-        )
+        valid_until = max(0.0, sent_at + self.settings.lease_valid_s)
+        return SessionLease(session_id, token, self.worker_id, valid_until)
 
     async def start(self) -> None:
         await self.heartbeat()

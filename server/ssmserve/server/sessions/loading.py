@@ -74,8 +74,7 @@ class SessionLoader:
         self.max_unflushed = max_unflushed  # inputs a non-log session holds before a flush
         self._loading: dict[str, asyncio.Task[Session]] = {}  # loads under way, by session
         self.lease_ms = self.ownership.lease_ms  # fixed for the worker's life
-        # How long after its acquire was sent a lease is trusted (``Ownership.new_lease``).
-        self.lease_valid_s = self.ownership.settings.lease_ttl_s - self.ownership.settings.margin_s
+        self.lease_valid_s = self.ownership.settings.lease_valid_s  # fixed too
 
     async def session(self, session_id: str) -> Session:
         """The resident session, loading it from the store if it is not in memory.

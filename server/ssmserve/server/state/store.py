@@ -50,6 +50,7 @@ from ssmserve.server.state.store_records import (
     SessionMeta,
     SnapshotRecord,
     WorkerRecord,
+    flat_hash,
 )
 
 EVENTS_KEPT = 1024  # per session: the newest rollbacks and guard events
@@ -138,7 +139,7 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         pairs = raw[1:]
         if not pairs:
             return None, ""
-        meta = SessionMeta.from_hash(session_id, dict(zip(pairs[::2], pairs[1::2], strict=True)))
+        meta = SessionMeta.from_hash(session_id, flat_hash(pairs))
         return meta, raw[0].decode()
 
     async def acquire_to_load(
@@ -167,14 +168,11 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         lease = SessionLease(session_id, fields[1], worker_id, max(0.0, valid_until))
         snapshot_id, record, first, pairs = fields[2], raw[3], raw[4], raw[5:]
         try:
-            meta = SessionMeta.from_hash(
-                session_id, dict(zip(pairs[::2], pairs[1::2], strict=True))
-            )
+            meta = SessionMeta.from_hash(session_id, flat_hash(pairs))
             read = None
             if record:  # the snapshot expected is the newest
-                as_hash = dict(zip(record[::2], record[1::2], strict=True))
                 inline = [] if first is None else [first]  # a big one is not inline
-                read = await self.snapshot_from(session_id, snapshot_id, as_hash, inline)
+                read = await self.snapshot_from(session_id, snapshot_id, flat_hash(record), inline)
         except BaseException:
             with contextlib.suppress(SsmserveError):
                 await self.release(lease)
@@ -228,6 +226,7 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         ``ttl_ms`` after the last one."""
         key = self._worker_key(record.worker_id)
         at = self._worker_at_key(record.address)
+        fields = record.to_fields()
 
         async def run() -> None:
             # The entry and its expiry at once (one key, so one slot even on a cluster);
@@ -235,12 +234,12 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
             # forget ids whose entry is gone. The copy is replaced whole, so nothing of an
             # earlier worker at that address stays in it.
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping=record.to_fields())
+                pipe.hset(key, mapping=fields)
                 pipe.pexpire(key, ttl_ms)
                 await pipe.execute()
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(at)
-                pipe.hset(at, mapping=record.to_fields() | {"worker_id": record.worker_id})
+                pipe.hset(at, mapping=fields | {"worker_id": record.worker_id})
                 pipe.pexpire(at, ttl_ms)
                 await pipe.execute()
             await self.redis.sadd(self._workers, record.worker_id)

@@ -13,6 +13,11 @@ from ssmserve.server.state.lease import SessionLease
 from ssmserve.server.state.store_errors import StoreDataError
 
 
+def flat_hash(pairs: list[Any]) -> dict[bytes, bytes]:
+    """A hash a script returned flat (HGETALL inside Lua: field, value, field, ...)."""
+    return dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
 def _int(raw: dict[bytes, bytes], name: str, what: str, default: bytes | None = None) -> int:
     value = raw.get(name.encode(), default)
     if value is None or not value.isdigit():
