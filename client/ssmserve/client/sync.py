@@ -117,6 +117,7 @@ class Client(ClusterCalls, GenerateCalls):
         if self._loop.is_closed():
             return
         self._run(self._aio.close())
+        self._run(_end_tasks_left())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -403,6 +404,19 @@ class Client(ClusterCalls, GenerateCalls):
                 blob, session_id, model=model, replace=replace, config=config, progress=progress
             )
         )
+
+
+async def _end_tasks_left() -> None:
+    """Cancel the tasks still on the loop and let them end, within ``_UNWIND_S``.
+
+    A closed channel can leave gRPC's own per-call tasks (``_handle_status_once_received``)
+    one loop turn from their end; a loop stopped then closes with them pending, and Python
+    prints "Task was destroyed but it is pending!" at exit, after the CLI's last line."""
+    left = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=_UNWIND_S)
 
 
 async def _aclose(agen: AsyncIterator[Any]) -> None:
