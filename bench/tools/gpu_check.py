@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ def check_model(directory: Path, plan: Plan, device: Any) -> dict[str, Any]:
         fidelity["gpu_vs_cpu_engine"] <= 1e-4 and fidelity.get("gpu_vs_transformers", 0) <= 1e-4
     )
     out["fidelity"] = fidelity
+    print(f"  fidelity {fidelity}", flush=True)  # each part as it ends: a cut run keeps it
 
     # ---- exactness: batch sizes and positions
     big = max(plan.batch_sizes)
@@ -239,6 +241,8 @@ def check_model(directory: Path, plan: Plan, device: Any) -> dict[str, Any]:
         "prefill_lengths_differing": bad_lengths,
         "checkpoint_continues": resumed_ok,
     }
+
+    print(f"  exact {exact}", flush=True)
 
     # ---- speed
     on_gpu = torch.device(device).type == "cuda"
@@ -363,11 +367,17 @@ def main(argv: list[str] | None = None) -> int:
             directory = Path(tmp) / name
             write_model(directory, config)
             t0 = time.perf_counter()
-            results[name] = check_model(directory, plan, device)
+            print(f"{name}:", flush=True)
+            try:
+                results[name] = check_model(directory, plan, device)
+                print(f"  speed {results[name]['speed']}", flush=True)
+            except Exception as exc:  # one model's failure still reports the other's
+                traceback.print_exc()
+                results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
             results[name]["seconds"] = round(time.perf_counter() - t0, 1)
-            r = results[name]
-            print(f"{name}: fidelity {r['fidelity']}\n  exact {r['exact']}\n  speed {r['speed']}")
-    ok = all(r["fidelity"]["ok"] and r["exact"]["ok"] for r in results.values())
+    ok = all(
+        "error" not in r and r["fidelity"]["ok"] and r["exact"]["ok"] for r in results.values()
+    )
     summary = {
         "check": "gpu_check",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
