@@ -56,7 +56,9 @@ BLOCK_N = 128
 BLOCK_R = 16
 BLOCK_C = 64
 BLOCK_E = 64
-SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x itself above it
+#: torch.nn.functional.softplus's default: x itself above it. A global a kernel reads must be
+#: a ``tl.constexpr`` (the compiler refuses others; the interpreter does not).
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 _ROWS = ["M", "T"]
 
