@@ -219,6 +219,89 @@ def test_a_failover_to_a_replica_that_missed_a_takeover_never_repeats_a_token(
             server.wait(10)
 
 
+@pytest.mark.slow
+def test_a_step_no_replica_confirmed_is_never_reported_then_lost(
+    start_worker, served_models, tmp_path
+):
+    """With replicas required (``--redis-wait-replicas 1``), a step the master applied but
+    no replica confirmed has an unknown outcome: a failover loses it. A master P and a
+    replica R replicating through a proxy; replication is black-holed; A's step 21 lands
+    on P alone (its outcome unknown: 0 of 1 replicas confirmed); A crashes and its lease
+    runs out. B, asked where the session stands, must not say 21 from P: R, with step 20,
+    is then promoted and P made its replica. B answers UNAVAILABLE while no replica
+    confirms, then 20, and step 21 sent again is applied once.
+
+    Before: B read P's meta and said step 21, which a client takes as applied (it resumes
+    after it), and then the session stood at 20: a step reported, then lost (the nemesis's
+    rule (a) on Sentinel, seeds 5202 and 5204)."""
+    import grpc
+
+    from ssmserve.server.cluster.ownership import OwnershipSettings
+    from ssmserve.server.embedded_redis import free_port
+    from tests.tcp_proxy import TcpProxy
+    from tests.test_service import stream, stub
+    from tests.test_store_guard import raw_step
+
+    model = served_models["demo"]
+    x = random_inputs(model, 21, seed=911)
+    primary, replica = free_port(), free_port()
+    args = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    servers = [
+        subprocess.Popen(
+            [find_redis_server(), "--port", str(port), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
+        for port in (primary, replica)
+    ]
+    try:
+        for port in (primary, replica):
+            wait_until(lambda p=port: redis.Redis(port=p).ping(), f"redis on {port}")
+        with (
+            TcpProxy("127.0.0.1", primary).start() as link,  # replication: P -> R
+            TcpProxy("127.0.0.1", primary).start() as front,  # the workers' "master"
+        ):
+            redis.Redis(port=replica).replicaof("127.0.0.1", link.port)
+            wait_until(
+                lambda: redis.Redis(port=replica).info("replication")["master_link_status"] == "up",
+                "the replica's initial sync",
+            )
+            short = OwnershipSettings(lease_ttl_s=1.0, worker_ttl_s=1.0)
+            a, b = (
+                start_worker(url=front.url, ownership=short, redis_wait_replicas=1)
+                for _ in range(2)
+            )
+            sid = a.client.create_session("demo").session_id  # log durability
+            stream(a, sid, x[:20])
+            link.black_hole()  # from here R misses every write
+            result = raw_step(a.address, sid, 21, x[20])
+            assert result.error.reason == "STORE_OUTCOME_UNKNOWN", result
+            meta = f"ssm:{{{sid}}}:meta"
+            assert int(redis.Redis(port=primary).hget(meta, "step")) == 21  # on P alone
+            a.crash()
+            wait_until(
+                lambda: not redis.Redis(port=primary).exists(f"ssm:{{{sid}}}:lease"),
+                "A's lease running out",
+            )
+            with pytest.raises(grpc.RpcError) as unconfirmed:
+                stub(b).GetSession(pb.GetSessionRequest(session_id=sid), timeout=30)
+            assert unconfirmed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "could not confirm" in unconfirmed.value.details()
+            # R is promoted and takes the master's address; P, as Sentinel would have it,
+            # becomes R's replica (and drops step 21 with its full resync).
+            redis.Redis(port=replica).replicaof("NO", "ONE")
+            front.retarget("127.0.0.1", replica)
+            redis.Redis(port=primary).replicaof("127.0.0.1", replica)
+            assert b.client.get_session(sid).step == 20
+            got = [o.output for o in b.client.stream_steps(sid, [x[20]], first_step=21)]
+            np.testing.assert_array_equal(got[0], model.run(x)[0][20])
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait(10)
+
+
 def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
     """Poll ``condition`` (errors count as not yet) until it holds, within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

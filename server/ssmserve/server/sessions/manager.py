@@ -306,7 +306,9 @@ class SessionManager:
             s = self.residents.by_id.get(session_id)
         if s is not None and s.gone is not None:
             s = None
-        meta = await self.store.get_meta(session_id)
+        # Memory's step is confirmed (each log append waited for the replicas); the store's
+        # is read confirmed: its master may hold a step no replica has yet.
+        meta = await (self.store.get_meta if s else self.store.meta_confirmed)(session_id)
         if meta is None:  # NOT_FOUND, or DATA_LOSS when a wiped store took it
             raise await self.residents.resets.missing(session_id)
         count, oldest = await self.store.snapshot_count_and_oldest(session_id)

@@ -71,6 +71,7 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         self._record_events = self.redis.register_script(layout.RECORD_EVENTS)
         self._forget_worker_at = self.redis.register_script(layout.FORGET_WORKER_AT)
         self._meta_to_load = self.redis.register_script(layout.META_TO_LOAD)
+        self._meta_confirmed = self.redis.register_script(layout.META_CONFIRMED)
 
     # ------------------------------------------------------------------ sessions
 
@@ -129,6 +130,24 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
     async def get_meta(self, session_id: str) -> SessionMeta | None:
         raw = await self._call("get_meta", lambda: self.redis.hgetall(self.keys(session_id).meta))
         return SessionMeta.from_hash(session_id, raw) if raw else None
+
+    async def meta_confirmed(self, session_id: str) -> SessionMeta | None:
+        """:meth:`get_meta` for telling a client where a session no worker holds stands.
+        When replicas must confirm writes (``wait_replicas``), only what they hold: a step
+        whose write the master applied but no replica confirmed (its outcome unknown) is
+        lost by a failover, so it is never reported. Raises StoreUnavailableError while
+        too few replicas confirm the read (the caller retries)."""
+        if not self.wait_replicas:
+            return await self.get_meta(session_id)
+        meta_key = self.keys(session_id).meta
+        try:
+            raw = await self._script("get_meta", self._meta_confirmed, [meta_key], [])
+        except StoreOutcomeUnknownError as exc:
+            raise StoreUnavailableError(
+                f"the session store could not confirm that its replicas hold session "
+                f"{session_id!r} as read ({exc}); retry"
+            ) from None
+        return SessionMeta.from_hash(session_id, flat_hash(raw)) if raw else None
 
     async def meta_to_load(self, session_id: str) -> tuple[SessionMeta | None, str]:
         """:meth:`get_meta`, with the id of the newest snapshot at or before the durable

@@ -687,6 +687,18 @@ for _, v in ipairs(fields) do reply[#reply + 1] = v end
 return reply
 """
 
+# KEYS: meta. The meta hash's fields and values (none when the session does not exist),
+# read by a call that writes: the step is written back unchanged, so that the WAIT after
+# it (on the same connection) returns only once the replicas hold everything read here
+# (a replica applies the master's writes in order). What a client is told of a session
+# no worker holds, when replicas must confirm writes (``Store.meta_confirmed``).
+META_CONFIRMED = """
+local fields = redis.call('HGETALL', KEYS[1])
+local step = redis.call('HGET', KEYS[1], 'step')
+if step then redis.call('HSET', KEYS[1], 'step', step) end
+return fields
+"""
+
 # KEYS: worker_at. ARGV: worker id. A worker that stops forgets the copy of its entry at
 # its address, unless a later worker at that address has written its own there.
 FORGET_WORKER_AT = """
