@@ -34,6 +34,7 @@ from typing import TypeVar
 from ssmserve.server.cluster.ownership import Ownership
 from ssmserve.server.cluster.store_guard import StoreGuard
 from ssmserve.server.errors import SessionMovedError, SsmserveError
+from ssmserve.server.sessions.config import Durability
 from ssmserve.server.sessions.errors import ReloadingError
 from ssmserve.server.sessions.locks_while_used import LocksWhileUsed
 from ssmserve.server.sessions.memory import WorkerMemory
@@ -306,6 +307,16 @@ class ResidentSessions:
             if unflushed and unflushed.first <= meta.step:
                 unflushed.drop(min(len(unflushed), meta.step - unflushed.first + 1))
             logged = unflushed.first - 1 if unflushed else s.step
+            if meta.step < logged and s.config.durability == Durability.LOG:
+                # Each of these steps was answered after the store took it: the store
+                # lost them (a failover to a replica that missed them, a restart that
+                # lost its last writes). The session reloads; its client resends them.
+                log.warning(
+                    "session %s: the store lost acknowledged steps %d..%d (its log ends "
+                    "at step %d); the session reloads from the store and its client is "
+                    "told it was rewound", s.id, meta.step + 1, logged, meta.step,
+                    extra={"session_id": s.id, "step": logged, "event": "store_lost_steps"},
+                )  # fmt: skip
             if meta.step != logged:
                 return LogDivergedError(
                     f"the store's log of session {s.id!r} ends at step {meta.step}, memory's "
