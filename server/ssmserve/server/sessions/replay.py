@@ -172,6 +172,14 @@ class Replay:
             s.recent.remember_inputs(rebuilt.record.step + 1, rebuilt.inputs)
             for i, output in enumerate(rebuilt.outputs):
                 s.recent.remember_output(rebuilt.outputs_from + i, output)
+        elif s.recent.output_at(target) is None:
+            # Memory keeps inputs for more steps than outputs (history_window against
+            # output_window): the target's output is what the replay made last, or the
+            # snapshot's own. A forecast or fork from here needs it, and a fork's first
+            # snapshot carries it (without it, the fork could never forecast once reloaded).
+            output = rebuilt.outputs[-1] if rebuilt.outputs else rebuilt.checkpoint.output
+            if output is not None:
+                s.recent.remember_output(target, output)
         return target, rebuilt.record.snapshot_id, rebuilt.replayed
 
     async def resolve(
