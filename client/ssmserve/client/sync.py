@@ -417,6 +417,10 @@ async def _end_tasks_left() -> None:
         task.cancel()
     if left:
         await asyncio.wait(left, timeout=_UNWIND_S)
+    for task in left:  # an error it ended with is retrieved: Python prints none at exit
+        if task.done() and not task.cancelled():
+            task.exception()
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 async def _aclose(agen: AsyncIterator[Any]) -> None:

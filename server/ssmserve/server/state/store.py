@@ -42,6 +42,7 @@ from ssmserve.server.state.store_errors import (
     StoreOutcomeUnknownError,
     StoreUnavailableError,
     reply_fields,
+    unknown_outcome_of,
 )
 from ssmserve.server.state.store_facts import StoreFactReads
 from ssmserve.server.state.store_leases import LeaseCalls
@@ -142,6 +143,8 @@ class Store(LeaseCalls, SnapshotStore, ImportStaging, StoreFactReads):
         meta_key = self.keys(session_id).meta
         try:
             raw = await self._script("get_meta", self._meta_confirmed, [meta_key], [])
+            if isinstance(raw, Exception):  # its write refused (OOM, READONLY): unconfirmed
+                raise unknown_outcome_of(raw) or StoreOutcomeUnknownError(str(raw))
         except StoreOutcomeUnknownError as exc:
             raise StoreUnavailableError(
                 f"the session store could not confirm that its replicas hold session "
