@@ -295,11 +295,8 @@ class SessionManager:
     async def view(self, session_id: str, owner_only: bool = False) -> SessionView:
         """What the session is now. ``owner_only`` (GetSession): a session another live
         worker holds is answered by that worker (SESSION_MOVED, which clients follow),
-        never from the store here, which lacks its steps since its last flush; and one
-        no worker holds is answered with the step the store's replicas confirm
-        (``Store.meta_confirmed``), since a client resumes after it. A listing reads the
-        store as it is (one confirmation per session would cost a page a round trip
-        each)."""
+        never from the store here, which lacks its steps since its last flush; one no
+        worker holds, with the step its replicas confirm (a client resumes after it)."""
         await self.checkpoints.settled(session_id)
         s = self.residents.by_id.get(session_id)
         if s is not None and s.gone is None and not s.answerable():
@@ -313,10 +310,9 @@ class SessionManager:
         lease = None if s else await self.store.lease_holder(session_id)
         if owner_only and lease is not None and lease.owner_addr != self.ownership.address:
             raise lease.redirect(session_id)
-        # Memory's step is confirmed (each log append waited for the replicas); the store's
-        # master may hold a step no replica has yet.
-        confirmed = owner_only and s is None
-        meta = await (self.store.meta_confirmed if confirmed else self.store.get_meta)(session_id)
+        # Memory's step is confirmed (each append waited for replicas); the master's may not be.
+        read = self.store.meta_confirmed if owner_only and s is None else self.store.get_meta
+        meta = await read(session_id)
         if meta is None:  # NOT_FOUND, or DATA_LOSS when a wiped store took it
             raise await self.residents.resets.missing(session_id)
         count, oldest = await self.store.snapshot_count_and_oldest(session_id)
