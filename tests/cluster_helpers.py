@@ -29,7 +29,14 @@ def start_workers(count, model_dirs, redis_url, tmp_path: Path, lease_ttl_s=1.0,
         t.start()
     for t in threads:
         t.join(60)
-    assert all(w.alive for w in started)
+    dead = [w for w in started if not w.alive]
+    if dead:  # stop the others: a worker left running would join later tests' Redis
+        for w in started:
+            w.kill()
+        raise AssertionError(
+            "workers did not start: "
+            + "; ".join(f"{w.address}: {w.log_text()[-600:]}" for w in dead)
+        )
     return started
 
 

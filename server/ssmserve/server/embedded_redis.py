@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +105,23 @@ def wheel_binary_problem(path: Path) -> str:
     return ""
 
 
+_PORTS_GIVEN: set[tuple[str, int]] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on ``host`` now, and never one this process was given before: the
+    kernel may hand out a port just closed again (two test workers set up side by side
+    once got the same one, and the second refused to start)."""
+    with _PORTS_LOCK:
+        for _ in range(64):
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if (host, port) not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add((host, port))
+                return port
+    raise OSError(f"no free port on {host} that this process was not given before")
 
 
 class EmbeddedRedis:
