@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,83 +141,55 @@ def test_a_failover_to_a_replica_that_missed_a_takeover_never_repeats_a_token(
     import grpc
 
     from ssmserve.server.cluster.ownership import OwnershipSettings
-    from ssmserve.server.embedded_redis import free_port
-    from tests.tcp_proxy import TcpProxy
     from tests.test_service import assert_bit_equal, reference, stream, stub
 
     model = served_models["demo"]
     x = random_inputs(model, 40, seed=910)
-    primary, replica = free_port(), free_port()
-    args = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    servers = [
-        subprocess.Popen(
-            [find_redis_server(), "--port", str(port), *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=tmp_path,
-        )
-        for port in (primary, replica)
-    ]
-    try:
-        for port in (primary, replica):
-            wait_until(lambda p=port: redis.Redis(port=p).ping(), f"redis on {port}")
-        with (
-            TcpProxy("127.0.0.1", primary).start() as link,  # replication: P -> R
-            TcpProxy("127.0.0.1", primary).start() as front,  # the workers' "master"
-        ):
-            redis.Redis(port=replica).replicaof("127.0.0.1", link.port)
-            wait_until(
-                lambda: redis.Redis(port=replica).info("replication")["master_link_status"] == "up",
-                "the replica's initial sync",
-            )
-            # B trusts its lease for 30 s by its own clock and never renews it meanwhile.
-            trusting = OwnershipSettings(lease_ttl_s=30.0, worker_ttl_s=30.0, renew_every_s=3600)
-            # Replica confirmation off (--redis-wait-replicas 0): with it, the migration
-            # below would not complete while R misses writes. Tokens must not repeat
-            # even so: a restored backup or an fsync window loses writes the same way.
-            a = start_worker(url=front.url, redis_wait_replicas=0)
-            b = start_worker(url=front.url, ownership=trusting, redis_wait_replicas=0)
-            sid = a.client.create_session("demo", snapshot_every=8).session_id
-            stream(a, sid, x[:20])
-            assert redis.Redis(port=primary).wait(1, 5000) == 1  # R holds all of it
-            link.black_hole()  # from here R misses every write
-            assert a.client.migrate(sid, b.address).target == b.address
-            stream(b, sid, x[20:30], first_step=21)  # on P only
-            b_token = b.manager.resident(sid).lease.token
-            # P is lost; R is promoted and takes its address.
-            redis.Redis(port=replica).replicaof("NO", "ONE")
-            front.retarget("127.0.0.1", replica)
-            with Client(a.address, discover=False) as via_a:  # A loads X from R
-                assert via_a.get_session(sid).step == 20
-                got = [o.output for o in via_a.stream_steps(sid, list(x[20:25]), first_step=21)]
-            assert_bit_equal(np.stack(got), reference(model, x[:25])[20:])
-            a_token = a.manager.resident(sid).lease.token
-            assert a_token.split(".")[:2] == b_token.split(".")[:2]  # the same epoch ...
-            assert a_token != b_token  # ... and still not the same token
-            with redis.Redis(port=replica) as r:
-                before = r.hgetall(f"ssm:{{{sid}}}:meta"), r.hgetall(f"ssm:{{{sid}}}:log")
-            # B, sure of its lease, is asked to roll X back: R refuses B's token.
-            # (Its first calls may meet the connections the failover reset: sent again.)
-            answers: list[str] = []
+    with replica_through_a_proxy(tmp_path) as (primary, replica, link, front):
+        # B trusts its lease for 30 s by its own clock and never renews it meanwhile.
+        trusting = OwnershipSettings(lease_ttl_s=30.0, worker_ttl_s=30.0, renew_every_s=3600)
+        # Replica confirmation off (--redis-wait-replicas 0): with it, the migration
+        # below would not complete while R misses writes. Tokens must not repeat
+        # even so: a restored backup or an fsync window loses writes the same way.
+        a = start_worker(url=front.url, redis_wait_replicas=0)
+        b = start_worker(url=front.url, ownership=trusting, redis_wait_replicas=0)
+        sid = a.client.create_session("demo", snapshot_every=8).session_id
+        stream(a, sid, x[:20])
+        assert redis.Redis(port=primary).wait(1, 5000) == 1  # R holds all of it
+        link.black_hole()  # from here R misses every write
+        assert a.client.migrate(sid, b.address).target == b.address
+        stream(b, sid, x[20:30], first_step=21)  # on P only
+        b_token = b.manager.resident(sid).lease.token
+        # P is lost; R is promoted and takes its address.
+        redis.Redis(port=replica).replicaof("NO", "ONE")
+        front.retarget("127.0.0.1", replica)
+        with Client(a.address, discover=False) as via_a:  # A loads X from R
+            assert via_a.get_session(sid).step == 20
+            got = [o.output for o in via_a.stream_steps(sid, list(x[20:25]), first_step=21)]
+        assert_bit_equal(np.stack(got), reference(model, x[:25])[20:])
+        a_token = a.manager.resident(sid).lease.token
+        assert a_token.split(".")[:2] == b_token.split(".")[:2]  # the same epoch ...
+        assert a_token != b_token  # ... and still not the same token
+        with redis.Redis(port=replica) as r:
+            before = r.hgetall(f"ssm:{{{sid}}}:meta"), r.hgetall(f"ssm:{{{sid}}}:log")
+        # B, sure of its lease, is asked to roll X back: R refuses B's token.
+        # (Its first calls may meet the connections the failover reset: sent again.)
+        answers: list[str] = []
 
-            def rollback_at_b() -> str:
-                with pytest.raises(grpc.RpcError) as refused:
-                    stub(b).Rollback(pb.RollbackRequest(session_id=sid, step=10))
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                answers.append(str(refused.value.trailing_metadata()))
-                return answers[-1]
+        def rollback_at_b() -> str:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub(b).Rollback(pb.RollbackRequest(session_id=sid, step=10))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            answers.append(str(refused.value.trailing_metadata()))
+            return answers[-1]
 
-            wait_until(lambda: "STORE_UNAVAILABLE" not in rollback_at_b(), "B reaching R", 10)
-            assert "STALE_EPOCH" in answers[-1], answers[-1]
-            with redis.Redis(port=replica) as r:
-                after = r.hgetall(f"ssm:{{{sid}}}:meta"), r.hgetall(f"ssm:{{{sid}}}:log")
-            assert (after[0].pop(b"beat", None), after) == (before[0].pop(b"beat", None), before)
-            assert sid not in b.manager.resident_ids()
-            assert a.client.get_session(sid).step == 25
-    finally:
-        for server in servers:
-            server.kill()
-            server.wait(10)
+        wait_until(lambda: "STORE_UNAVAILABLE" not in rollback_at_b(), "B reaching R", 10)
+        assert "STALE_EPOCH" in answers[-1], answers[-1]
+        with redis.Redis(port=replica) as r:
+            after = r.hgetall(f"ssm:{{{sid}}}:meta"), r.hgetall(f"ssm:{{{sid}}}:log")
+        assert (after[0].pop(b"beat", None), after) == (before[0].pop(b"beat", None), before)
+        assert sid not in b.manager.resident_ids()
+        assert a.client.get_session(sid).step == 25
 
 
 @pytest.mark.slow
@@ -237,13 +210,50 @@ def test_a_step_no_replica_confirmed_is_never_reported_then_lost(
     import grpc
 
     from ssmserve.server.cluster.ownership import OwnershipSettings
-    from ssmserve.server.embedded_redis import free_port
-    from tests.tcp_proxy import TcpProxy
     from tests.test_service import stream, stub
     from tests.test_store_guard import raw_step
 
     model = served_models["demo"]
     x = random_inputs(model, 21, seed=911)
+    with replica_through_a_proxy(tmp_path) as (primary, replica, link, front):
+        short = OwnershipSettings(lease_ttl_s=1.0, worker_ttl_s=1.0)
+        a, b = (
+            start_worker(url=front.url, ownership=short, redis_wait_replicas=1) for _ in range(2)
+        )
+        sid = a.client.create_session("demo").session_id  # log durability
+        stream(a, sid, x[:20])
+        link.black_hole()  # from here R misses every write
+        result = raw_step(a.address, sid, 21, x[20])
+        assert result.error.reason == "STORE_OUTCOME_UNKNOWN", result
+        meta = f"ssm:{{{sid}}}:meta"
+        assert int(redis.Redis(port=primary).hget(meta, "step")) == 21  # on P alone
+        a.crash()
+        wait_until(
+            lambda: not redis.Redis(port=primary).exists(f"ssm:{{{sid}}}:lease"),
+            "A's lease running out",
+        )
+        with pytest.raises(grpc.RpcError) as unconfirmed:
+            stub(b).GetSession(pb.GetSessionRequest(session_id=sid), timeout=30)
+        assert unconfirmed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "could not confirm" in unconfirmed.value.details()
+        # R is promoted and takes the master's address; P, as Sentinel would have it,
+        # becomes R's replica (and drops step 21 with its full resync).
+        redis.Redis(port=replica).replicaof("NO", "ONE")
+        front.retarget("127.0.0.1", replica)
+        redis.Redis(port=primary).replicaof("127.0.0.1", replica)
+        assert b.client.get_session(sid).step == 20
+        got = [o.output for o in b.client.stream_steps(sid, [x[20]], first_step=21)]
+        np.testing.assert_array_equal(got[0], model.run(x)[0][20])
+
+
+@contextlib.contextmanager
+def replica_through_a_proxy(tmp_path) -> Iterator[tuple[int, int, Any, Any]]:
+    """A master P and a replica R (no persistence) that replicates through a proxy (the
+    link, to black-hole), and a proxy for the workers' "master" (the front, to retarget):
+    (P's port, R's port, link, front), R in sync with P."""
+    from ssmserve.server.embedded_redis import free_port
+    from tests.tcp_proxy import TcpProxy
+
     primary, replica = free_port(), free_port()
     args = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     servers = [
@@ -267,35 +277,7 @@ def test_a_step_no_replica_confirmed_is_never_reported_then_lost(
                 lambda: redis.Redis(port=replica).info("replication")["master_link_status"] == "up",
                 "the replica's initial sync",
             )
-            short = OwnershipSettings(lease_ttl_s=1.0, worker_ttl_s=1.0)
-            a, b = (
-                start_worker(url=front.url, ownership=short, redis_wait_replicas=1)
-                for _ in range(2)
-            )
-            sid = a.client.create_session("demo").session_id  # log durability
-            stream(a, sid, x[:20])
-            link.black_hole()  # from here R misses every write
-            result = raw_step(a.address, sid, 21, x[20])
-            assert result.error.reason == "STORE_OUTCOME_UNKNOWN", result
-            meta = f"ssm:{{{sid}}}:meta"
-            assert int(redis.Redis(port=primary).hget(meta, "step")) == 21  # on P alone
-            a.crash()
-            wait_until(
-                lambda: not redis.Redis(port=primary).exists(f"ssm:{{{sid}}}:lease"),
-                "A's lease running out",
-            )
-            with pytest.raises(grpc.RpcError) as unconfirmed:
-                stub(b).GetSession(pb.GetSessionRequest(session_id=sid), timeout=30)
-            assert unconfirmed.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "could not confirm" in unconfirmed.value.details()
-            # R is promoted and takes the master's address; P, as Sentinel would have it,
-            # becomes R's replica (and drops step 21 with its full resync).
-            redis.Redis(port=replica).replicaof("NO", "ONE")
-            front.retarget("127.0.0.1", replica)
-            redis.Redis(port=primary).replicaof("127.0.0.1", replica)
-            assert b.client.get_session(sid).step == 20
-            got = [o.output for o in b.client.stream_steps(sid, [x[20]], first_step=21)]
-            np.testing.assert_array_equal(got[0], model.run(x)[0][20])
+            yield primary, replica, link, front
     finally:
         for server in servers:
             server.kill()
